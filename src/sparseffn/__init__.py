@@ -1,0 +1,35 @@
+"""sparseffn: sparse feed-forward layers for PyTorch.
+
+Every layer is a drop-in replacement for a Transformer MLP block,
+``forward(x: [..., d_model]) -> [..., d_model]``; auxiliary losses are collected with
+:func:`aux_loss`.
+"""
+
+from .auxiliary import aux_loss, aux_loss_terms, reset_usage, routing_stats
+from .config import (DenseMLPConfig, LayerConfig, LayerCost, SigmaMoEConfig, TopKMLPConfig,
+                     config_from_dict)
+from .layers import DenseMLP, SigmaMoE, TopKMLP
+from .matching import active_equal_dense, compare_with_dense, param_equal_dense
+from .ops import DispatchPlan, cvmm
+from .routing import Routing, SparseFFN
+from .runtime import tune_cpu_allocator
+
+__version__ = "0.1.0"
+
+_LAYERS = {DenseMLPConfig: DenseMLP, TopKMLPConfig: TopKMLP, SigmaMoEConfig: SigmaMoE}
+
+
+def build_layer(config: LayerConfig) -> SparseFFN:
+    """The layer a config describes."""
+    try:
+        return _LAYERS[type(config)](config)
+    except KeyError:
+        raise TypeError(f"no layer is registered for {type(config).__name__}") from None
+
+
+__all__ = [
+    "DenseMLP", "DenseMLPConfig", "DispatchPlan", "LayerConfig", "LayerCost", "Routing",
+    "SigmaMoE", "SigmaMoEConfig", "SparseFFN", "TopKMLP", "TopKMLPConfig", "active_equal_dense",
+    "aux_loss", "aux_loss_terms", "build_layer", "compare_with_dense", "config_from_dict",
+    "cvmm", "param_equal_dense", "reset_usage", "routing_stats", "tune_cpu_allocator",
+]

@@ -1,0 +1,62 @@
+"""Collect the auxiliary losses and routing statistics that layers record at each forward.
+
+    loss = task_loss + sparseffn.aux_loss(model)
+
+works for any model containing sparseffn layers, however deeply nested.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .routing import SparseFFN
+
+
+def _layers(model: nn.Module):
+    for name, module in model.named_modules():
+        if isinstance(module, SparseFFN):
+            yield name, module
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """Σ over sparse layers and their losses of ``weight · loss`` from the last forward.
+
+    A scalar tensor (zero when the model has no sparse layers or none has run)."""
+    total = None
+    for _, layer in _layers(model):
+        for loss_name, value in layer.aux_losses.items():
+            weight = layer.aux_loss_weights.get(loss_name, 0.0)
+            if weight:
+                term = weight * value
+                total = term if total is None else total + term
+    if total is None:
+        param = next(model.parameters(), None)
+        return torch.zeros((), device=param.device if param is not None else None)
+    return total
+
+
+def aux_loss_terms(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every unweighted auxiliary loss of the last forward, as ``"layer.path/loss": value``."""
+    return {f"{name or '<root>'}/{loss_name}": value
+            for name, layer in _layers(model) for loss_name, value in layer.aux_losses.items()}
+
+
+def routing_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Per layer: the last forward's ``counts`` / ``mass`` and the accumulated ``usage_counts``
+    / ``usage_mass`` (float32 [num_experts] each)."""
+    out = {}
+    for name, layer in _layers(model):
+        stats = dict(layer.routing_stats)
+        if hasattr(layer, "usage_counts"):
+            stats["usage_counts"] = layer.usage_counts
+            stats["usage_mass"] = layer.usage_mass
+        if stats:
+            out[name or "<root>"] = stats
+    return out
+
+
+def reset_usage(model: nn.Module) -> None:
+    """Zero the accumulated expert usage of every sparse layer."""
+    for _, layer in _layers(model):
+        layer.reset_usage()

@@ -1,0 +1,1 @@
+"""Benchmarks: timings and memory printed as tables and written as JSON; never tests."""

@@ -1,0 +1,154 @@
+"""``sparseffn bench layers``: σ-MoE against its parameter-equal and active-equal dense MLPs.
+
+For each config, in one run: forward (no autograd) and forward+backward times of σ-MoE, of
+the dense MLP with the same parameters (seed 001's fair baseline) and of the dense MLP with
+``d_ff = k · expert_size`` (a perfect dispatch: the realised ideal), and the bytes each saves
+for backward. Ratios compare times measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..auxiliary import aux_loss
+from ..config import SigmaMoEConfig
+from ..layers import DenseMLP, SigmaMoE
+from ..matching import active_equal_dense, param_equal_dense
+from .measure import forward_backward_fn, forward_fn, median_ms, saved_bytes
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    moe: SigmaMoEConfig
+    time_param_dense: bool   # the param-equal dense of (c) is slow: only with --full
+
+
+def default_configs(d_model: int = 512) -> list[BenchConfig]:
+    """The three configs of the foundation issue (fp32, 8192 tokens, d_model 512)."""
+    def moe(num_experts: int, expert_size: int, k: int) -> SigmaMoEConfig:
+        return SigmaMoEConfig(d_model=d_model, num_experts=num_experts,
+                              expert_size=expert_size, k=k)
+    return [
+        BenchConfig("a", moe(16, 128, 4), True),
+        BenchConfig("b", moe(64, 32, 16), True),
+        BenchConfig("c", moe(256, 128, 4), False),
+    ]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
+                 peers: list[tuple[str, Callable[[SigmaMoEConfig], torch.nn.Module]]] = (),
+                 seed: int = 0) -> list[dict]:
+    """Time one config; returns one record per pass ("forward", "forward_backward")."""
+    torch.manual_seed(seed)
+    x = torch.randn(tokens, cfg.moe.d_model)
+    moe = SigmaMoE(cfg.moe).train()
+    dense_param_cfg = param_equal_dense(cfg.moe)
+    dense_active = DenseMLP(active_equal_dense(cfg.moe)).train()
+    dense_param = DenseMLP(dense_param_cfg).train() if (cfg.time_param_dense or full) else None
+
+    peer_layers = []
+    for peer_name, build in peers:
+        try:
+            peer_layers.append((peer_name, build(cfg.moe).train()))
+        except Exception as error:  # a peer that cannot be built is reported, not fatal
+            print(f"  peer {peer_name}: skipped ({type(error).__name__}: {error})")
+
+    records = []
+    for pass_name in ("forward", "forward_backward"):
+        def time_layer(layer, extra_loss=None):
+            if layer is None:
+                return None
+            fn = (forward_fn(layer, x) if pass_name == "forward"
+                  else forward_backward_fn(layer, x, extra_loss))
+            return median_ms(fn, repeats)
+
+        moe_ms = time_layer(moe, aux_loss)
+        record = {
+            "config": cfg.name,
+            "pass": pass_name,
+            "tokens": tokens,
+            "d_model": cfg.moe.d_model,
+            "num_experts": cfg.moe.num_experts,
+            "expert_size": cfg.moe.expert_size,
+            "k": cfg.moe.k,
+            "dense_param_d_ff": dense_param_cfg.d_ff,
+            "dense_active_d_ff": dense_active.config.d_ff,
+            "moe_ms": moe_ms,
+            "dense_param_ms": time_layer(dense_param),
+            "dense_active_ms": time_layer(dense_active),
+        }
+        record["ratio_param"] = _ratio(moe_ms, record["dense_param_ms"])
+        record["ratio_active"] = _ratio(moe_ms, record["dense_active_ms"])
+        for peer_name, layer in peer_layers:
+            peer_ms = time_layer(layer, getattr(layer, "bench_extra_loss", None))
+            record.setdefault("peers", {})[peer_name] = {
+                "ms": peer_ms, "moe_speedup": _ratio(peer_ms, moe_ms)}
+        records.append(record)
+
+    moe_saved = saved_bytes(moe, x, aux_loss)
+    dense_saved = saved_bytes(dense_param, x) if dense_param is not None else None
+    for record in records:
+        record["moe_saved_bytes"] = moe_saved
+        record["dense_param_saved_bytes"] = dense_saved
+        record["dense_active_saved_bytes"] = saved_bytes(dense_active, x)
+        record["saved_ratio_param"] = _ratio(moe_saved, dense_saved)
+    return records
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(records: list[dict]) -> str:
+    header = (f"{'cfg':<4}{'pass':<18}{'moe ms':>9}{'dense=param':>13}{'dense=active':>14}"
+              f"{'moe/param':>11}{'moe/active':>12}{'saved MB moe/param':>21}")
+    lines = [header, "-" * len(header)]
+    for r in records:
+        saved = (f"{r['moe_saved_bytes'] / 2**20:.1f}/"
+                 f"{_fmt(r['dense_param_saved_bytes'] and r['dense_param_saved_bytes'] / 2**20, '.1f')}")
+        lines.append(
+            f"{r['config']:<4}{r['pass']:<18}{r['moe_ms']:>9.1f}{_fmt(r['dense_param_ms'], '.1f'):>13}"
+            f"{r['dense_active_ms']:>14.1f}{_fmt(r['ratio_param'], '.3f'):>11}"
+            f"{r['ratio_active']:>12.3f}{saved:>21}")
+        for peer_name, peer in r.get("peers", {}).items():
+            lines.append(f"{'':<4}{'  vs ' + peer_name:<18}{_fmt(peer['ms'], '.1f'):>9}"
+                         f"   σ-MoE is {_fmt(peer['moe_speedup'], '.2f')}x faster")
+    return "\n".join(lines)
+
+
+def run(tokens: int = 8192, repeats: int = 5, full: bool = False, peers: bool = False,
+        json_path: str | None = None, configs: list[str] | None = None) -> list[dict]:
+    """Run the benchmark, print the table, and write the JSON list if asked."""
+    selected = [c for c in default_configs() if configs is None or c.name in configs]
+    peer_builders = []
+    if peers:
+        from .peers import available_peers
+        peer_builders = available_peers()
+    print(f"sparseffn bench layers: {tokens} tokens, fp32, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
+    records = []
+    for cfg in selected:
+        m = cfg.moe
+        print(f"config {cfg.name}: {m.num_experts} experts x {m.expert_size}, k={m.k}, "
+              f"d_model={m.d_model} ...", flush=True)
+        records += bench_config(cfg, tokens, repeats, full, peer_builders)
+    print(format_table(records))
+    if json_path:
+        directory = os.path.dirname(os.path.abspath(json_path))
+        os.makedirs(directory, exist_ok=True)
+        tmp = json_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(records, f, indent=2)
+        os.replace(tmp, json_path)
+        print(f"wrote {json_path}")
+    return records

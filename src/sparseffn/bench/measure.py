@@ -1,0 +1,69 @@
+"""Timing and memory measurement shared by the benchmarks."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` in milliseconds over ``repeats`` runs after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def forward_fn(layer: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    """Inference forward (no autograd graph)."""
+    def run():
+        with torch.no_grad():
+            return layer(x)
+    return run
+
+
+def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None
+                        ) -> Callable[[], object]:
+    """Forward, a loss that touches every output, backward into the input and parameters.
+    ``extra_loss(layer)`` (e.g. the auxiliary losses) is added to the loss."""
+    x = x.detach().requires_grad_(True)
+    grad = torch.randn_like(x)
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        loss = (layer(x) * grad).sum()
+        if extra_loss is not None:
+            loss = loss + extra_loss(layer)
+        loss.backward()
+    return run
+
+
+def saved_bytes(layer: nn.Module, x: torch.Tensor, extra_loss=None) -> int:
+    """Bytes kept for backward by one training forward, counted over distinct storages with
+    ``torch.autograd.graph.saved_tensors_hooks`` (parameters included: every layer saves its
+    weights too)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = x.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+        if extra_loss is not None:
+            out = out.sum() + extra_loss(layer)
+    del out
+    gc.collect()
+    return sum(storages.values())

@@ -1,0 +1,250 @@
+"""Layer configurations: one frozen dataclass per layer family, validated at construction.
+
+Every config round-trips through plain dicts (and so through JSON/TOML) with a ``type``
+field naming the family, so that an experiment is one file::
+
+    cfg = SigmaMoEConfig(d_model=512, num_experts=16, expert_size=128, k=4)
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+An impossible config raises ``ValueError`` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+ACTIVATIONS = ("relu", "gelu")
+SIGMA_MOE_GATES = ("sigmoid", "softmax", "softmax_renorm")
+SIGMA_MOE_INITS = ("sigma_moe", "standard")
+
+
+def _require_positive_int(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be a positive integer, got {value!r}"
+        )
+
+
+def _require_choice(config: object, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in allowed:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be one of {', '.join(map(repr, allowed))}, "
+            f"got {value!r}"
+        )
+
+
+def _require_probability(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be a number in [0, 1), got {value!r}"
+        )
+
+
+def _require_non_negative(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be a non-negative number, got {value!r}"
+        )
+
+
+def _require_k(config: object, upper_name: str) -> None:
+    k = getattr(config, "k")
+    upper = getattr(config, upper_name)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= upper:
+        raise ValueError(
+            f"{type(config).__name__}.k must be an integer in [1, {upper_name}={upper}], got {k!r}"
+        )
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs, counted from its config.
+
+    total_params: every parameter of the layer.
+    active_params: parameters a single token reads in the forward pass.
+    flops: forward FLOPs per token (a multiply-add is 2 FLOPs; activations, sorting and
+      other elementwise work are not counted).
+    expert_flops: the part of ``flops`` spent in the experts / value rows, i.e. without the
+      selection network; seed 001 Table 7 reports ``expert_flops`` relative to dense.
+    """
+
+    total_params: int
+    active_params: int
+    flops: int
+    expert_flops: int
+
+
+class LayerConfig:
+    """Mixin for layer configs: dict/JSON round trip under a registered ``type`` name."""
+
+    type_name: ClassVar[str]
+    _registry: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        LayerConfig._registry[cls.type_name] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type_name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def cost(self) -> LayerCost:
+        raise NotImplementedError
+
+    def replace(self, **changes: Any):
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+def config_from_dict(data: dict[str, Any]) -> LayerConfig:
+    """Build the config a ``to_dict()`` produced; unknown types and fields are errors."""
+    data = dict(data)
+    type_name = data.pop("type", None)
+    if type_name not in LayerConfig._registry:
+        known = ", ".join(sorted(LayerConfig._registry))
+        raise ValueError(f"config 'type' must be one of {known}, got {type_name!r}")
+    cls = LayerConfig._registry[type_name]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; fields are {sorted(names)}")
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class DenseMLPConfig(LayerConfig):
+    """The two-layer MLP ``y = W2 act(W1 x)`` (seed 001 Eq. 1-2).
+
+    ``n_layers`` only sets the initialisation scale of a pre-LayerNorm Transformer with that
+    many blocks: ``W1 ~ N(0, sqrt(2 / (d_model n_layers)))``, ``W2 ~ N(0, sqrt(2 / (d_ff
+    n_layers)))`` (seed 001 §5).
+    """
+
+    type_name: ClassVar[str] = "dense"
+
+    d_model: int
+    d_ff: int
+    activation: str = "relu"
+    bias: bool = False
+    dropout: float = 0.0
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive_int(self, "d_model")
+        _require_positive_int(self, "d_ff")
+        _require_positive_int(self, "n_layers")
+        _require_choice(self, "activation", ACTIVATIONS)
+        _require_probability(self, "dropout")
+
+    def cost(self) -> LayerCost:
+        params = 2 * self.d_model * self.d_ff + (self.d_ff + self.d_model if self.bias else 0)
+        flops = 4 * self.d_model * self.d_ff
+        return LayerCost(params, params, flops, flops)
+
+
+@dataclass(frozen=True)
+class TopKMLPConfig(LayerConfig):
+    """The MLP with a top-K activation: only the K largest of ``u = act(W1 x)`` reach W2
+    (seed 001 §3.1, Eq. 13-14)."""
+
+    type_name: ClassVar[str] = "topk"
+
+    d_model: int
+    d_ff: int
+    k: int
+    activation: str = "relu"
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive_int(self, "d_model")
+        _require_positive_int(self, "d_ff")
+        _require_positive_int(self, "n_layers")
+        _require_k(self, "d_ff")
+        _require_choice(self, "activation", ACTIVATIONS)
+
+    def cost(self) -> LayerCost:
+        # All keys are read (Eq. 13 needs the full u); only k value rows are (Eq. 14).
+        flops = 2 * self.d_model * self.d_ff + 2 * self.k * self.d_model
+        return LayerCost(total_params=2 * self.d_model * self.d_ff,
+                         active_params=self.d_model * self.d_ff + self.k * self.d_model,
+                         flops=flops, expert_flops=flops)
+
+
+@dataclass(frozen=True)
+class SigmaMoEConfig(LayerConfig):
+    """σ-MoE (seed 001 §5): ``num_experts`` MLP experts of ``expert_size`` hidden units, ``k``
+    of them per token, chosen by sigmoid scores.
+
+    Fields
+    - ``gate``: ``"sigmoid"`` (σ-MoE), or the Table 4 ablations ``"softmax"`` (softmax over all
+      experts, then top-k, no renormalisation) and ``"softmax_renorm"`` (softmax renormalised
+      over the k selected experts, App. A.1 Eq. 37-39).
+    - ``entropy_weight``: γ, the weight of the batch-entropy regulariser (Eq. 34-35).
+    - ``expert_dropout``: δ, the probability of dropping an expert for a token during
+      training, without rescaling the others (Eq. 36).
+    - ``hidden_dropout``: ordinary dropout on the experts' hidden units (the "standard
+      dropout" ablation of Table 4).
+    - ``init``: ``"sigma_moe"`` initialises experts like the dense layer they replace and
+      gives the selection rows equal norm; ``"standard"`` uses each expert's own fan-in.
+    """
+
+    type_name: ClassVar[str] = "sigma_moe"
+
+    d_model: int
+    num_experts: int
+    expert_size: int
+    k: int
+    activation: str = "relu"
+    gate: str = "sigmoid"
+    entropy_weight: float = 0.001
+    expert_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init: str = "sigma_moe"
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive_int(self, "d_model")
+        _require_positive_int(self, "num_experts")
+        _require_positive_int(self, "expert_size")
+        _require_positive_int(self, "n_layers")
+        _require_k(self, "num_experts")
+        _require_choice(self, "activation", ACTIVATIONS)
+        _require_choice(self, "gate", SIGMA_MOE_GATES)
+        _require_choice(self, "init", SIGMA_MOE_INITS)
+        _require_non_negative(self, "entropy_weight")
+        _require_probability(self, "expert_dropout")
+        _require_probability(self, "hidden_dropout")
+
+    def cost(self) -> LayerCost:
+        selection = self.num_experts * self.d_model                  # W_s
+        expert = 2 * self.d_model * self.expert_size                 # W1^e and W2^e
+        return LayerCost(total_params=selection + self.num_experts * expert,
+                         active_params=selection + self.k * expert,
+                         flops=2 * selection + 2 * self.k * expert,
+                         expert_flops=2 * self.k * expert)
+
+    @property
+    def d_ff(self) -> int:
+        """Hidden units over all experts: the d_ff of the MLP this layer approximates."""
+        return self.num_experts * self.expert_size
+
+    @classmethod
+    def from_dense(cls, d_model: int, d_ff: int, num_experts: int, k: int, **kwargs: Any):
+        """Split a dense MLP of width ``d_ff`` into ``num_experts`` equal experts (seed 001
+        §3.3: ``G · N_E = d_ff``)."""
+        if isinstance(num_experts, int) and num_experts > 0 and d_ff % num_experts:
+            raise ValueError(
+                f"SigmaMoEConfig.from_dense: d_ff={d_ff} must be divisible by "
+                f"num_experts={num_experts} to split it into equal experts"
+            )
+        return cls(d_model=d_model, num_experts=num_experts,
+                   expert_size=d_ff // num_experts, k=k, **kwargs)

@@ -1,0 +1,7 @@
+"""Drop-in FFN layers: ``forward(x: [..., d_model]) -> [..., d_model]``."""
+
+from .dense import DenseMLP
+from .sigma_moe import SigmaMoE
+from .topk import TopKMLP
+
+__all__ = ["DenseMLP", "SigmaMoE", "TopKMLP"]

@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.nn import functional as F
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
+
+
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation function a config names (validated by the config)."""
+    return _ACTIVATIONS[name]

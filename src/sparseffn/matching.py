@@ -1,0 +1,83 @@
+"""Equal-parameter and equal-compute dense baselines for any sparse layer (seed 001 §6).
+
+Seed 001 compares every sparse layer with the dense MLP that has the *same number of
+parameters* (the fair baseline), compensating for the selection network by widening the dense
+layer. The *active-equal* dense MLP (``d_ff = k · expert_size``) is what a perfect dispatch
+would cost: the speed a sparse layer could reach at best.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import DenseMLPConfig, LayerConfig, LayerCost, SigmaMoEConfig
+
+
+def param_equal_dense(config: LayerConfig, **dense_kwargs) -> DenseMLPConfig:
+    """The dense MLP whose parameter count is closest to ``config``'s (exactly equal whenever
+    the sparse count is a multiple of ``2 · d_model``, the dense layer's unit of growth; off
+    by less than ``d_model`` parameters otherwise)."""
+    total = config.cost().total_params
+    d_model = config.d_model  # type: ignore[attr-defined]
+    d_ff = max(1, round(total / (2 * d_model)))
+    return DenseMLPConfig(d_model=d_model, d_ff=d_ff,
+                          activation=getattr(config, "activation", "relu"),
+                          n_layers=getattr(config, "n_layers", 1), **dense_kwargs)
+
+
+def active_equal_dense(config: SigmaMoEConfig, **dense_kwargs) -> DenseMLPConfig:
+    """The dense MLP of width ``k · expert_size``: the same expert FLOPs per token."""
+    return DenseMLPConfig(d_model=config.d_model, d_ff=config.k * config.expert_size,
+                          activation=config.activation, n_layers=config.n_layers, **dense_kwargs)
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """A sparse layer's cost next to its parameter-equal dense MLP.
+
+    relative_flops: forward FLOPs per token over the dense MLP's, selection included.
+    relative_expert_flops: seed 001 Table 7's "% FLOPs": expert FLOPs only, over the MLP
+      being approximated (for a MoE, the MLP of width ``num_experts · expert_size`` that its
+      experts partition; so exactly ``k / num_experts``).
+    """
+
+    sparse: LayerCost
+    dense: LayerCost
+    dense_config: DenseMLPConfig
+    relative_expert_flops: float
+
+    @property
+    def param_difference(self) -> int:
+        """dense − sparse total parameters (0 when matched exactly)."""
+        return self.dense.total_params - self.sparse.total_params
+
+    @property
+    def relative_flops(self) -> float:
+        return self.sparse.flops / self.dense.flops
+
+    @property
+    def relative_active_params(self) -> float:
+        return self.sparse.active_params / self.dense.active_params
+
+    def as_dict(self) -> dict:
+        return {
+            "total_params": self.sparse.total_params,
+            "dense_params": self.dense.total_params,
+            "dense_d_ff": self.dense_config.d_ff,
+            "active_params_per_token": self.sparse.active_params,
+            "flops_per_token": self.sparse.flops,
+            "relative_flops": self.relative_flops,
+            "relative_expert_flops": self.relative_expert_flops,
+        }
+
+
+def compare_with_dense(config: LayerConfig) -> CostReport:
+    """Total parameters, active parameters and FLOPs per token against the parameter-equal
+    dense MLP."""
+    sparse = config.cost()
+    dense_config = param_equal_dense(config)
+    approximated = dense_config
+    if isinstance(config, SigmaMoEConfig):
+        approximated = DenseMLPConfig(d_model=config.d_model, d_ff=config.d_ff)
+    return CostReport(sparse=sparse, dense=dense_config.cost(), dense_config=dense_config,
+                      relative_expert_flops=sparse.expert_flops / approximated.cost().flops)

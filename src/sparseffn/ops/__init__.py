@@ -1,0 +1,6 @@
+"""Small autograd operations under the layers; each has a plain reference in the tests."""
+
+from .cvmm import DispatchPlan, cvmm
+from .grouped_mm import grouped_mm, grouped_weight_grad, set_grouped_mm_enabled
+
+__all__ = ["DispatchPlan", "cvmm", "grouped_mm", "grouped_weight_grad", "set_grouped_mm_enabled"]

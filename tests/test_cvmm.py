@@ -1,0 +1,153 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reference import cvmm_reference
+from sparseffn.ops import DispatchPlan, cvmm
+
+
+def _inputs(T, k, E, m, n, per_slot=False, dtype=torch.float32, gated=False):
+    x = torch.randn(T, k, m) if per_slot else torch.randn(T, m)
+    indices = torch.randint(0, E, (T, k))
+    weight = torch.randn(E, m, n)
+    gates = torch.rand(T, k) if gated else None
+    tensors = [x.to(dtype), weight.to(dtype)] + ([gates.to(dtype)] if gated else [])
+    for t in tensors:
+        t.requires_grad_(True)
+    return indices, tensors
+
+
+def _check(indices, tensors, E, gated, atol=1e-4, rtol=1e-4, **kwargs):
+    x, weight = tensors[0], tensors[1]
+    gates = tensors[2] if gated else None
+    plan = DispatchPlan.build(indices, E)
+    out = cvmm(x, plan, weight, gates, **kwargs)
+    ref_inputs = [t.detach().float().requires_grad_(True) for t in tensors]
+    ref = cvmm_reference(ref_inputs[0], indices, ref_inputs[1], ref_inputs[2] if gated else None)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+    grad = torch.randn_like(ref)
+    out.backward(grad.to(out.dtype))
+    if ref.requires_grad:
+        ref.backward(grad)
+    for got, want in zip(tensors, ref_inputs):
+        if want.grad is None:   # nothing reached the reference input (empty batch)
+            want.grad = torch.zeros_like(want)
+        assert got.grad is not None
+        torch.testing.assert_close(got.grad.float(), want.grad, atol=atol * 10, rtol=rtol * 10)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_cvmm_matches_reference(matmul_path, k, gated, per_slot):
+    indices, tensors = _inputs(T=13, k=k, E=5, m=7, n=9, per_slot=per_slot, gated=gated)
+    _check(indices, tensors, 5, gated)
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(0, 9), k=st.integers(1, 4), E=st.integers(1, 6),
+       m=st.integers(1, 6), n=st.integers(1, 6), gated=st.booleans(), per_slot=st.booleans())
+def test_cvmm_matches_reference_for_any_sizes(T, k, E, m, n, gated, per_slot):
+    indices, tensors = _inputs(T, k, E, m, n, per_slot=per_slot, gated=gated)
+    _check(indices, tensors, E, gated)
+
+
+def test_experts_without_tokens_get_zero_gradient(matmul_path):
+    E = 6
+    indices = torch.tensor([[0, 2], [2, 0], [0, 2]])  # experts 1, 3, 4, 5 get nothing
+    x = torch.randn(3, 4, requires_grad=True)
+    weight = torch.randn(E, 4, 5, requires_grad=True)
+    gates = torch.rand(3, 2, requires_grad=True)
+    cvmm(x, DispatchPlan.build(indices, E), weight, gates).sum().backward()
+    assert weight.grad is not None
+    assert torch.all(weight.grad[[1, 3, 4, 5]] == 0)
+    assert weight.grad[0].abs().sum() > 0 and weight.grad[2].abs().sum() > 0
+
+
+def test_empty_batch(matmul_path):
+    indices = torch.zeros(0, 3, dtype=torch.long)
+    x = torch.randn(0, 4, requires_grad=True)
+    weight = torch.randn(5, 4, 6, requires_grad=True)
+    gates = torch.rand(0, 3, requires_grad=True)
+    plan = DispatchPlan.build(indices, 5)
+    out = cvmm(x, plan, weight, gates)
+    assert out.shape == (0, 6)
+    out.sum().backward()
+    assert x.grad.shape == (0, 4) and torch.all(weight.grad == 0) and gates.grad.shape == (0, 3)
+    assert cvmm(x, plan, weight).shape == (0, 3, 6)
+
+
+def test_leading_batch_shape_and_non_contiguous_input(matmul_path):
+    base = torch.randn(4, 5, 16)
+    x = base[:, :, ::2].detach().requires_grad_(True)       # [4, 5, 8], non-contiguous
+    assert not x.is_contiguous()
+    indices = torch.randint(0, 3, (4, 5, 2))
+    weight = torch.randn(3, 8, 6, requires_grad=True)
+    gates = torch.rand(4, 5, 2).requires_grad_(True)
+    out = cvmm(x, DispatchPlan.build(indices, 3), weight, gates)
+    assert out.shape == (4, 5, 6)
+    ref_x = x.detach().reshape(20, 8).requires_grad_(True)
+    ref = cvmm_reference(ref_x, indices.reshape(20, 2), weight, gates.reshape(20, 2))
+    torch.testing.assert_close(out.reshape(20, 6), ref)
+    out.sum().backward()
+    ref_x_grad = torch.autograd.grad(ref.sum(), ref_x)[0]
+    torch.testing.assert_close(x.grad.reshape(20, 8), ref_x_grad)
+
+
+def test_sorted_chain_equals_unsorted(matmul_path):
+    """Two CVMMs chained through the sorted layout equal the per-slot layout."""
+    indices = torch.randint(0, 4, (11, 3))
+    plan = DispatchPlan.build(indices, 4)
+    x = torch.randn(11, 6, requires_grad=True)
+    w1, w2 = torch.randn(4, 6, 5, requires_grad=True), torch.randn(4, 5, 6, requires_grad=True)
+    gates = torch.rand(11, 3, requires_grad=True)
+    fast = cvmm(torch.relu(cvmm(x, plan, w1, sorted_output=True)), plan, w2, gates,
+                sorted_input=True)
+    slow = cvmm(torch.relu(cvmm(x, plan, w1)), plan, w2, gates)
+    torch.testing.assert_close(fast, slow)
+    grads_fast = torch.autograd.grad(fast.square().sum(), [x, w1, w2, gates])
+    grads_slow = torch.autograd.grad(slow.square().sum(), [x, w1, w2, gates])
+    for a, b in zip(grads_fast, grads_slow):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_bf16_close_to_fp32_reference(matmul_path, gated):
+    indices, tensors = _inputs(T=17, k=2, E=4, m=16, n=8, dtype=torch.bfloat16, gated=gated)
+    _check(indices, tensors, 4, gated, atol=5e-2, rtol=5e-2)
+    assert tensors[0].grad.dtype == torch.bfloat16
+
+
+def test_autocast_runs_in_bf16():
+    indices = torch.randint(0, 3, (5, 2))
+    x, weight = torch.randn(5, 4), torch.randn(3, 4, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cvmm(x, DispatchPlan.build(indices, 3), weight)
+    assert out.dtype == torch.bfloat16
+
+
+def test_plan_sorts_pairs_by_expert_and_counts_them():
+    indices = torch.tensor([[2, 0], [1, 2], [2, 1]])
+    plan = DispatchPlan.build(indices, 4)
+    assert plan.counts == [1, 2, 3, 0]
+    assert indices.reshape(-1)[plan.order].tolist() == [0, 1, 1, 2, 2, 2]
+    assert plan.token_of_row.tolist() == (plan.order // 2).tolist()
+    assert plan.offsets.tolist() == [1, 3, 6, 6]
+
+
+def test_bad_inputs_raise_clear_errors():
+    plan = DispatchPlan.build(torch.randint(0, 3, (5, 2)), 3)
+    with pytest.raises(ValueError, match=r"cvmm input must have shape \(5, 4\) or \(5, 2, 4\)"):
+        cvmm(torch.randn(5, 3), plan, torch.randn(3, 4, 6))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        cvmm(torch.randn(5, 4), plan, torch.randn(2, 4, 6))
+    with pytest.raises(ValueError, match="gates must have the shape"):
+        cvmm(torch.randn(5, 4), plan, torch.randn(3, 4, 6), torch.rand(5, 3))
+    with pytest.raises(TypeError, match="same dtype"):
+        cvmm(torch.randn(5, 4, dtype=torch.float64), plan, torch.randn(3, 4, 6))
+    with pytest.raises(ValueError, match=r"expert indices must lie in \[0, 3\)"):
+        DispatchPlan.build(torch.tensor([[0, 3]]), 3)
+    with pytest.raises(TypeError, match="integer"):
+        DispatchPlan.build(torch.tensor([[0.0, 1.0]]), 3)
