@@ -16,10 +16,10 @@ from .config import DenseMLPConfig, LayerConfig, LayerCost, SigmaMoEConfig
 def param_equal_dense(config: LayerConfig, **dense_kwargs) -> DenseMLPConfig:
     """The dense MLP whose parameter count is closest to ``config``'s (exactly equal whenever
     the sparse count is a multiple of ``2 · d_model``, the dense layer's unit of growth; off
-    by less than ``d_model`` parameters otherwise)."""
+    by at most ``d_model`` parameters otherwise, ties going to the wider dense layer)."""
     total = config.cost().total_params
     d_model = config.d_model  # type: ignore[attr-defined]
-    d_ff = max(1, round(total / (2 * d_model)))
+    d_ff = max(1, (total + d_model) // (2 * d_model))   # nearest, half up
     return DenseMLPConfig(d_model=d_model, d_ff=d_ff,
                           activation=getattr(config, "activation", "relu"),
                           n_layers=getattr(config, "n_layers", 1), **dense_kwargs)

@@ -1,0 +1,27 @@
+# The two commands of the README. Both set everything up first (scripts/setup.sh is
+# re-runnable and skips what is already done).
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: bench test setup peers clean
+
+# Main job: the layer benchmark (sigma-MoE vs parameter-equal and active-equal dense MLPs).
+bench:
+	@EXTRAS=test bash scripts/setup.sh
+	$(BIN)/sparseffn bench layers --json runs/bench_layers.json
+
+# The test suite.
+test:
+	@EXTRAS=test bash scripts/setup.sh
+	$(BIN)/python -m pytest
+
+setup:
+	@EXTRAS=test bash scripts/setup.sh
+
+# The layer benchmark with the other MoE implementations (DeepSpeed, st-moe-pytorch, ...).
+peers:
+	@EXTRAS=test,peers bash scripts/setup.sh
+	$(BIN)/sparseffn bench layers --peers --json runs/bench_layers_peers.json
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

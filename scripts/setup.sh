@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up sparseffn in ./.venv: the pinned CPU build of PyTorch first, so that pip never pulls
+# the CUDA wheels, then the package itself (editable) with the extras named in $EXTRAS
+# (comma-separated, e.g. EXTRAS=test or EXTRAS=test,peers). Safe to run again: each step is
+# skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+EXTRAS=${EXTRAS:-test}
+VENV=.venv
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV with $($PYTHON --version)"
+    "$PYTHON" -m venv "$VENV"
+fi
+pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$VENV/bin/python" - "$TORCH_VERSION" <<'PY' 2>/dev/null
+import sys, torch
+sys.exit(torch.__version__.split("+")[0] != sys.argv[1])
+PY
+then
+    echo "setup: installing torch==$TORCH_VERSION (CPU build)"
+    pip_install "torch==$TORCH_VERSION"
+fi
+
+stamp="$VENV/.sparseffn-installed-$(echo "$EXTRAS" | tr ',' '-')"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "setup: installing sparseffn[$EXTRAS]"
+    pip_install -e ".[$EXTRAS]"
+    if [[ ",$EXTRAS," == *",peers,"* ]]; then
+        # DeepSpeed builds against the torch already installed; it needs no build isolation.
+        pip_install --no-build-isolation deepspeed
+    fi
+    touch "$stamp"
+fi

@@ -1,0 +1,47 @@
+import json
+
+import pytest
+
+from sparseffn import cli
+from sparseffn.bench.measure import saved_bytes
+from sparseffn import DenseMLP, SigmaMoE
+import torch
+
+REQUIRED = {"config", "pass", "moe_ms", "dense_param_ms", "dense_active_ms", "ratio_param",
+            "ratio_active", "moe_saved_bytes", "dense_param_saved_bytes"}
+
+
+def test_bench_layers_writes_one_record_per_config_and_pass(tmp_path, capsys):
+    path = tmp_path / "out" / "layers.json"
+    assert cli.main(["bench", "layers", "--tokens", "64", "--repeats", "1",
+                     "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["config"], r["pass"]) for r in records] == [
+        (c, p) for c in "abc" for p in ("forward", "forward_backward")]
+    for r in records:
+        assert REQUIRED <= set(r)
+        assert r["moe_ms"] > 0 and r["dense_active_ms"] > 0
+        assert r["ratio_active"] == pytest.approx(r["moe_ms"] / r["dense_active_ms"])
+        if r["config"] == "c":
+            assert r["dense_param_ms"] is None and r["ratio_param"] is None
+        else:
+            assert r["ratio_param"] == pytest.approx(r["moe_ms"] / r["dense_param_ms"])
+    out = capsys.readouterr().out
+    assert "moe/active" in out and f"wrote {path}" in out
+
+
+def test_saved_bytes_counts_distinct_storages():
+    x = torch.randn(32, 16)
+    dense = DenseMLP(d_model=16, d_ff=64)
+    # x, W1, relu output (shared by relu and the second matmul), W2
+    want = (32 * 16 + 64 * 16 + 32 * 64 + 16 * 64) * 4
+    assert saved_bytes(dense, x) == want
+    moe = SigmaMoE(d_model=16, num_experts=4, expert_size=16, k=1)
+    assert saved_bytes(moe, x) < want
+
+
+def test_bad_arguments_exit_with_a_message(capsys):
+    assert cli.main(["bench", "layers", "--tokens", "0"]) == 2
+    assert "--tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "layers", "--configs", "z"])

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from sparseffn import DenseMLPConfig, SigmaMoEConfig, TopKMLPConfig, config_from_dict
+
+
+@pytest.mark.parametrize("make, field, allowed", [
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=5), "k", r"\[1, num_experts=4\]"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=0), "k", r"\[1, num_experts=4\]"),
+    (lambda: SigmaMoEConfig(d_model=0, num_experts=4, expert_size=4, k=1), "d_model", "positive integer"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=-1, expert_size=4, k=1), "num_experts", "positive integer"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=2.5, k=1), "expert_size", "positive integer"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, activation="tanh"),
+     "activation", "'relu', 'gelu'"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, gate="hardmax"),
+     "gate", "'sigmoid', 'softmax', 'softmax_renorm'"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, expert_dropout=1.0),
+     "expert_dropout", r"\[0, 1\)"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, entropy_weight=-1),
+     "entropy_weight", "non-negative"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, init="xavier"),
+     "init", "'sigma_moe', 'standard'"),
+    (lambda: DenseMLPConfig(d_model=8, d_ff=0), "d_ff", "positive integer"),
+    (lambda: DenseMLPConfig(d_model=8, d_ff=8, activation="swish"), "activation", "'relu', 'gelu'"),
+    (lambda: DenseMLPConfig(d_model=8, d_ff=8, dropout=-0.1), "dropout", r"\[0, 1\)"),
+    (lambda: TopKMLPConfig(d_model=8, d_ff=8, k=9), "k", r"\[1, d_ff=8\]"),
+])
+def test_impossible_configs_name_the_field_and_what_is_allowed(make, field, allowed):
+    with pytest.raises(ValueError, match=rf"\.{field} must .*{allowed}"):
+        make()
+
+
+def test_width_not_divisible_into_experts():
+    with pytest.raises(ValueError, match=r"d_ff=100 must be divisible by num_experts=16"):
+        SigmaMoEConfig.from_dense(d_model=8, d_ff=100, num_experts=16, k=2)
+    cfg = SigmaMoEConfig.from_dense(d_model=8, d_ff=128, num_experts=16, k=2)
+    assert cfg.expert_size == 8 and cfg.d_ff == 128
+
+
+@pytest.mark.parametrize("cfg", [
+    DenseMLPConfig(d_model=8, d_ff=32, activation="gelu", bias=True),
+    TopKMLPConfig(d_model=8, d_ff=32, k=4),
+    SigmaMoEConfig(d_model=8, num_experts=4, expert_size=8, k=2, gate="softmax",
+                   expert_dropout=0.1, entropy_weight=0.01),
+])
+def test_configs_round_trip_through_json(cfg):
+    assert config_from_dict(json.loads(cfg.to_json())) == cfg
+
+
+def test_unknown_type_or_field_is_an_error():
+    with pytest.raises(ValueError, match="config 'type' must be one of"):
+        config_from_dict({"type": "nope"})
+    with pytest.raises(ValueError, match=r"no field\(s\) \['colour'\]"):
+        config_from_dict({"type": "dense", "d_model": 4, "d_ff": 4, "colour": "red"})
+
+
+def test_configs_are_frozen_and_replace_validates():
+    cfg = DenseMLPConfig(d_model=8, d_ff=8)
+    with pytest.raises(AttributeError):
+        cfg.d_ff = 9
+    assert cfg.replace(d_ff=16).d_ff == 16
+    with pytest.raises(ValueError):
+        cfg.replace(d_ff=-1)
