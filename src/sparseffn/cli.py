@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     layers = benches.add_parser(
         "layers", help="σ-MoE vs parameter-equal and active-equal dense MLPs (time, memory)")
     layers.add_argument("--tokens", type=int, default=8192, help="tokens per batch (8192)")
-    layers.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (5)")
+    layers.add_argument("--repeats", type=int, default=7, help="timed rounds per measurement (7)")
     layers.add_argument("--full", action="store_true",
                         help="also time config c's parameter-equal dense MLP (d_ff 32768; slow)")
     layers.add_argument("--peers", action="store_true",

@@ -19,7 +19,7 @@ from ..auxiliary import aux_loss
 from ..config import SigmaMoEConfig
 from ..layers import DenseMLP, SigmaMoE
 from ..matching import active_equal_dense, param_equal_dense
-from .measure import forward_backward_fn, forward_fn, median_ms, saved_bytes
+from .measure import forward_backward_fn, forward_fn, interleaved_medians, saved_bytes
 
 
 @dataclass(frozen=True)
@@ -63,16 +63,16 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
         except Exception as error:  # a peer that cannot be built is reported, not fatal
             print(f"  peer {peer_name}: skipped ({type(error).__name__}: {error})")
 
+    contenders = {"moe": (moe, aux_loss), "dense_param": (dense_param, None),
+                  "dense_active": (dense_active, None)}
+    for peer_name, layer in peer_layers:
+        contenders["peer:" + peer_name] = (layer, getattr(layer, "bench_extra_loss", None))
     records = []
     for pass_name in ("forward", "forward_backward"):
-        def time_layer(layer, extra_loss=None):
-            if layer is None:
-                return None
-            fn = (forward_fn(layer, x) if pass_name == "forward"
-                  else forward_backward_fn(layer, x, extra_loss))
-            return median_ms(fn, repeats)
-
-        moe_ms = time_layer(moe, aux_loss)
+        fns = {name: (forward_fn(layer, x) if pass_name == "forward"
+                      else forward_backward_fn(layer, x, extra_loss))
+               for name, (layer, extra_loss) in contenders.items() if layer is not None}
+        ms = interleaved_medians(fns, repeats)
         record = {
             "config": cfg.name,
             "pass": pass_name,
@@ -83,16 +83,16 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
             "k": cfg.moe.k,
             "dense_param_d_ff": dense_param_cfg.d_ff,
             "dense_active_d_ff": dense_active.config.d_ff,
-            "moe_ms": moe_ms,
-            "dense_param_ms": time_layer(dense_param),
-            "dense_active_ms": time_layer(dense_active),
+            "moe_ms": ms["moe"],
+            "dense_param_ms": ms.get("dense_param"),
+            "dense_active_ms": ms["dense_active"],
         }
-        record["ratio_param"] = _ratio(moe_ms, record["dense_param_ms"])
-        record["ratio_active"] = _ratio(moe_ms, record["dense_active_ms"])
-        for peer_name, layer in peer_layers:
-            peer_ms = time_layer(layer, getattr(layer, "bench_extra_loss", None))
+        record["ratio_param"] = _ratio(record["moe_ms"], record["dense_param_ms"])
+        record["ratio_active"] = _ratio(record["moe_ms"], record["dense_active_ms"])
+        for peer_name, _ in peer_layers:
+            peer_ms = ms["peer:" + peer_name]
             record.setdefault("peers", {})[peer_name] = {
-                "ms": peer_ms, "moe_speedup": _ratio(peer_ms, moe_ms)}
+                "ms": peer_ms, "moe_speedup": _ratio(peer_ms, record["moe_ms"])}
         records.append(record)
 
     moe_saved = saved_bytes(moe, x, aux_loss)
@@ -126,7 +126,7 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(tokens: int = 8192, repeats: int = 5, full: bool = False, peers: bool = False,
+def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = False,
         json_path: str | None = None, configs: list[str] | None = None) -> list[dict]:
     """Run the benchmark, print the table, and write the JSON list if asked."""
     selected = [c for c in default_configs() if configs is None or c.name in configs]

@@ -11,16 +11,20 @@ import torch
 from torch import nn
 
 
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` in milliseconds over ``repeats`` runs after ``warmup``."""
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2
+                        ) -> dict[str, float]:
+    """Median milliseconds of each function, timed in rotation (one run of each per round) so
+    that a slow spell of a noisy machine hits every contender alike and ratios stay fair."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def forward_fn(layer: nn.Module, x: torch.Tensor) -> Callable[[], object]:
