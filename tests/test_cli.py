@@ -45,3 +45,29 @@ def test_bad_arguments_exit_with_a_message(capsys):
     assert "--tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["bench", "layers", "--configs", "z"])
+
+
+def test_mixtral_style_peer_computes_the_same_mixture():
+    """The peer we time is a faithful MoE: its output equals the per-token reference."""
+    from reference import expert_mlp_reference
+    from sparseffn import SigmaMoEConfig
+    from sparseffn.bench.peers import MixtralStyleMoE
+
+    peer = MixtralStyleMoE(SigmaMoEConfig(d_model=8, num_experts=5, expert_size=6, k=2))
+    x = torch.randn(9, 8)
+    probs = torch.softmax(peer.gate(x), -1)
+    weights, indices = probs.topk(2, dim=-1)
+    w1 = torch.stack([e[0].weight.t() for e in peer.experts])
+    w2 = torch.stack([e[2].weight.t() for e in peer.experts])
+    ref = expert_mlp_reference(x, indices, weights / weights.sum(-1, keepdim=True), w1, w2,
+                               torch.relu)
+    torch.testing.assert_close(peer(x), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_runtime_allocator_tuning_is_idempotent():
+    import sys
+    from sparseffn import tune_cpu_allocator
+    first = tune_cpu_allocator()
+    assert tune_cpu_allocator() is first
+    if sys.platform.startswith("linux"):
+        assert first is True
