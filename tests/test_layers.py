@@ -29,7 +29,8 @@ def sigma_moe_reference(layer: SigmaMoE, x):
         weights = torch.softmax(logits, -1).gather(1, indices)
     else:
         weights = torch.softmax(chosen, -1)
-    return expert_mlp_reference(x, indices, weights, layer.w1, layer.w2, ACT[cfg.activation])
+    return expert_mlp_reference(x, indices, weights, layer.w1.transpose(1, 2), layer.w2,
+                                ACT[cfg.activation])
 
 
 @pytest.mark.parametrize("gate", ["sigmoid", "softmax", "softmax_renorm"])

@@ -16,8 +16,11 @@ from .activations import activation_fn
 class SigmaMoE(SparseFFN):
     """``y = Σ_{e∈E_x} s[e] · W2^e act(W1^e x)`` (seed 001 Eq. 25) with σ-MoE's selection.
 
-    Parameters: ``router.weight`` [num_experts, d_model] (W_s), ``w1`` [num_experts, d_model,
-    expert_size] and ``w2`` [num_experts, expert_size, d_model].
+    Parameters, in seed 001's key-value view (Eq. 20-24): ``router.weight`` [num_experts,
+    d_model] (W_s); ``w1`` [num_experts, expert_size, d_model], whose rows are the keys k_i of
+    each expert (W1^e); ``w2`` [num_experts, expert_size, d_model], whose rows are the values
+    v_i (W2^e transposed). Expert e computes ``act(x W1^eᵀ) W2^eᵀ``, i.e.
+    ``act(x @ w1[e].T) @ w2[e]``.
 
     Initialisation (``init="sigma_moe"``): experts like the dense MLP of width
     ``d_ff = num_experts · expert_size`` they replace, ``W1^e ~ N(0, sqrt(2/(d_model
@@ -35,7 +38,7 @@ class SigmaMoE(SparseFFN):
         self.config = config = config if config is not None else SigmaMoEConfig(**kwargs)
         self.d_model = config.d_model
         self.router = SigmaRouter(config)
-        self.w1 = nn.Parameter(torch.empty(config.num_experts, config.d_model, config.expert_size))
+        self.w1 = nn.Parameter(torch.empty(config.num_experts, config.expert_size, config.d_model))
         self.w2 = nn.Parameter(torch.empty(config.num_experts, config.expert_size, config.d_model))
         self.activation = activation_fn(config.activation)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
@@ -56,7 +59,8 @@ class SigmaMoE(SparseFFN):
         routing = self.router(x2)
         plan = DispatchPlan.build(routing.indices, self.config.num_experts)
         # Hidden units stay in the plan's expert-sorted order between the two CVMMs.
-        hidden = self.activation(cvmm(x2, plan, self.w1, sorted_output=True))  # [T·k, G]
+        w1 = self.w1.transpose(1, 2)                                  # [E, d_model, G], a view
+        hidden = self.activation(cvmm(x2, plan, w1, sorted_output=True))  # [T·k, G]
         hidden = self.hidden_dropout(hidden)
         y = cvmm(hidden, plan, self.w2, gates=routing.weights, sorted_input=True)  # [T, d]
         self._record_routing(routing, self.config.num_experts)

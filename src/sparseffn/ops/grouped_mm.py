@@ -93,10 +93,16 @@ def grouped_weight_grad(rows: torch.Tensor, grads: torch.Tensor, counts: list[in
     """``out[e] = rows_e^T @ grads_e``: the gradient of each expert's matrix.
 
     rows: [P, m]; grads: [P, n], both sorted by expert. Returns [E, m, n]; an expert with no
-    rows gets an exact zero matrix.
+    rows gets an exact zero matrix. When ``m > n`` the products are computed as
+    ``grads_e^T @ rows_e`` (wide outputs run faster on CPU) and a transposed view of that
+    [E, n, m] buffer is returned; the gradient of a weight stored as [E, n, m] and used
+    through ``.transpose(1, 2)`` is then contiguous without a copy.
     """
+    if rows.shape[1] > grads.shape[1]:
+        return grouped_weight_grad(grads, rows, counts, offsets).transpose(1, 2)
     num_experts = len(counts)
-    if rows.shape[0] and _grouped_mm_usable(rows.device, rows.dtype) and _aligned(grads.shape[-1], rows, grads):
+    if rows.shape[0] and _grouped_mm_usable(rows.device, rows.dtype) and \
+            _aligned(grads.shape[-1], rows, grads):
         return torch._grouped_mm(rows.t(), grads, offs=offsets)
     out = rows.new_empty(num_experts, rows.shape[1], grads.shape[1])
     for block, grad_block, out_e, count in zip(rows.split(counts), grads.split(counts),
