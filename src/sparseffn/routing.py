@@ -69,7 +69,8 @@ class SparseFFN(nn.Module):
         with torch.no_grad():
             counts, mass = expert_usage(routing.indices, routing.weights, num_experts)
             self.routing_stats = {"counts": counts, "mass": mass}
-            if not hasattr(self, "usage_counts") or self.usage_counts.shape[0] != num_experts:
+            usage = getattr(self, "usage_counts", None)
+            if usage is None or usage.shape[0] != num_experts or usage.device != counts.device:
                 self.reset_usage(num_experts, counts.device)
             self.usage_counts += counts
             self.usage_mass += mass
