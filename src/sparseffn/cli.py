@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     layers.add_argument("--tokens", type=int, default=8192, help="tokens per batch (8192)")
     layers.add_argument("--repeats", type=int, default=7, help="timed rounds per measurement (7)")
     layers.add_argument("--full", action="store_true",
-                        help="also time config c's parameter-equal dense MLP (d_ff 32768; slow)")
+                        help="also time config c's parameter-equal dense MLP (16x config a's width; slow)")
     layers.add_argument("--peers", action="store_true",
                         help="also time other MoE implementations (pip install 'sparseffn[peers]')")
     layers.add_argument("--configs", nargs="+", choices=["a", "b", "c"],
