@@ -1,16 +1,34 @@
 import importlib
+import os
 
 import pytest
 import torch
 
+from sparseffn.ops import native
+
 grouped_mm_module = importlib.import_module("sparseffn.ops.grouped_mm")
 
+# The fused CPU kernels are part of what is tested: on a machine with a C compiler they must
+# build. SPARSEFFN_NO_NATIVE=1 is the one way to opt out (then their cases are skipped).
+NATIVE_OPTED_OUT = bool(os.environ.get("SPARSEFFN_NO_NATIVE"))
 
-@pytest.fixture(params=["grouped_mm", "loop"])
+
+def require_native():
+    if NATIVE_OPTED_OUT:
+        pytest.skip("fused CPU kernels turned off with SPARSEFFN_NO_NATIVE")
+    assert native.available(), f"fused CPU kernels did not build: {native.unavailable_reason()}"
+
+
+@pytest.fixture(params=["fused", "grouped_mm", "loop"])
 def matmul_path(request):
-    """Run a test through ``torch._grouped_mm`` (where usable) and through the expert loop."""
+    """Run a test through each CVMM implementation: the fused CPU kernels (ops/native),
+    ``torch._grouped_mm`` (where usable) and the per-expert loop."""
+    if request.param == "fused":
+        require_native()
+    native.set_native_enabled(request.param == "fused")
     grouped_mm_module.set_grouped_mm_enabled(request.param == "grouped_mm")
     yield request.param
+    native.set_native_enabled(True)
     grouped_mm_module.set_grouped_mm_enabled(True)
 
 

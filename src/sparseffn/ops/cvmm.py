@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .grouped_mm import grouped_mm, grouped_weight_grad
 
 
@@ -38,6 +39,7 @@ class DispatchPlan:
       token_of_row: int64 [P]; ``order // k``, the token each sorted row reads.
       counts: E python ints, pairs per expert.
       offsets: int32 [E], ``cumsum(counts)``, the end of each expert's block.
+      count_tensor: int64 [E], ``counts`` as a tensor (for the fused CPU kernels).
     """
 
     index_shape: tuple[int, ...]
@@ -46,6 +48,7 @@ class DispatchPlan:
     token_of_row: torch.Tensor
     counts: list[int]
     offsets: torch.Tensor
+    count_tensor: torch.Tensor
 
     @property
     def k(self) -> int:
@@ -84,6 +87,7 @@ class DispatchPlan:
             token_of_row=order // k if k else order,
             counts=counts_t.tolist(),
             offsets=counts_t.cumsum(0).to(torch.int32),
+            count_tensor=counts_t,
         )
 
 
@@ -123,6 +127,16 @@ class _CVMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, gates, plan: DispatchPlan, in_layout: str, out_layout: str):
         order, token_of_row = plan.order, plan.token_of_row
+        ctx.save_for_backward(x2, weight, gates, order, token_of_row)
+        ctx.counts, ctx.offsets, ctx.count_tensor = plan.counts, plan.offsets, plan.count_tensor
+        ctx.in_layout, ctx.out_layout = in_layout, out_layout
+        ctx.fused = native.usable(x2, weight, gates)
+        if ctx.fused:   # gather, multiply and scatter in L2-sized chunks (ops/native)
+            gate_rows = gates.index_select(0, order) if gates is not None else None
+            return native.cvmm_rows(
+                x2, weight, plan.count_tensor, in_idx=_index_of(in_layout, order, token_of_row),
+                out_idx=_index_of(out_layout, order, token_of_row), scale=gate_rows,
+                out_rows=plan.num_tokens if out_layout == _GATED else plan.num_pairs)
         rows = _rows_from(x2, in_layout, order, token_of_row)          # [P, m], by expert
         gate_rows = gates.index_select(0, order).unsqueeze(1) if gates is not None else None
         m, n = weight.shape[1], weight.shape[2]
@@ -131,15 +145,12 @@ class _CVMM(torch.autograd.Function):
         out_rows = grouped_mm(rows, weight, plan.counts, plan.offsets)  # [P, n]
         if gate_rows is not None and m > n:
             out_rows.mul_(gate_rows)
-        # The permutation is saved like any tensor (so memory accounting sees it); the input
-        # is saved once, not as its k gathered copies.
-        ctx.save_for_backward(x2, weight, gates, order, token_of_row)
-        ctx.counts, ctx.offsets = plan.counts, plan.offsets
-        ctx.in_layout, ctx.out_layout = in_layout, out_layout
         return _rows_to(out_rows, out_layout, plan.num_tokens, order, token_of_row)
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.fused and native.usable(grad_out):
+            return _CVMM._fused_backward(ctx, grad_out)
         x2, weight, gates, order, token_of_row = ctx.saved_tensors
         counts, offsets = ctx.counts, ctx.offsets
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
@@ -164,6 +175,42 @@ class _CVMM(torch.autograd.Function):
                     grad_rows = grad_rows * gate_rows
             grad_w = grouped_weight_grad(rows, grad_rows, counts, offsets)
         return grad_x, grad_w, grad_g, None, None, None
+
+    @staticmethod
+    def _fused_backward(ctx, grad_out):
+        x2, weight, gates, order, token_of_row = ctx.saved_tensors
+        need_x, need_w, need_g = ctx.needs_input_grad[:3]
+        in_idx = _index_of(ctx.in_layout, order, token_of_row)
+        out_idx = _index_of(ctx.out_layout, order, token_of_row)
+        counts = ctx.count_tensor
+        gate_rows = gates.index_select(0, order) if gates is not None else None
+        weight_t = weight.transpose(1, 2)
+        grad_x = grad_w = grad_g = None
+        if need_g:   # d/dg <dy, g · x W> = <dy W^T, x>: needs the ungated rows dy W^T
+            grad_rows_in = native.cvmm_rows(grad_out, weight_t, counts, in_idx=out_idx)  # [P, m]
+            rows = _rows_from(x2, ctx.in_layout, order, token_of_row)
+            grad_g = torch.empty_like(gates).index_copy_(0, order, (grad_rows_in * rows).sum(1))
+            if need_x:
+                grad_x = _rows_to(grad_rows_in.mul_(gate_rows.unsqueeze(1)), ctx.in_layout,
+                                  x2.shape[0], order, token_of_row)
+        elif need_x:   # dx = Σ g · dy W^T, scattered straight back to the input's layout
+            grad_x = native.cvmm_rows(grad_out, weight_t, counts, in_idx=out_idx, out_idx=in_idx,
+                                      scale=gate_rows, out_rows=x2.shape[0])
+        if need_w:   # dW_e = Σ_r g_r x_r^T dy_r; the gate scales the narrower side
+            if weight.shape[1] <= weight.shape[2]:
+                grad_w = native.weight_grad(x2, grad_out, counts, a_idx=in_idx, b_idx=out_idx,
+                                            scale=gate_rows)
+            else:   # computed as [E, n, m] (wide output rows) and returned transposed
+                grad_w = native.weight_grad(grad_out, x2, counts, a_idx=out_idx, b_idx=in_idx,
+                                            scale=gate_rows).transpose(1, 2)
+        return grad_x, grad_w, grad_g, None, None, None
+
+
+def _index_of(layout: str, order: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor | None:
+    """Which row of a tensor in ``layout`` each expert-sorted row reads or writes."""
+    if layout == _SORTED:
+        return None
+    return order if layout == _SLOT else token_of_row
 
 
 def cvmm(x: torch.Tensor, plan: DispatchPlan, weight: torch.Tensor,

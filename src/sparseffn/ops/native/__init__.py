@@ -1,0 +1,282 @@
+"""Fused CPU kernels for CVMM, compiled on first use.
+
+``cvmm_cpu.c`` gathers, multiplies and scatters in L2-sized chunks, so the ``[pairs, d_model]``
+copies that the pure-PyTorch path materialises (k gathered inputs, k outputs before the sum)
+never exist. It is plain C with OpenMP; the BLAS routine is the ``sgemm_`` that PyTorch itself
+links (MKL in the x86 wheels), looked up at run time and passed in as a function pointer, so
+nothing links against PyTorch and the build takes about a second.
+
+The shared library is built with the system C compiler (``$CC`` or ``cc``) the first time a
+fused kernel is asked for, into ``$SPARSEFFN_CACHE_DIR`` (default
+``~/.cache/sparseffn``), keyed by a hash of the source, the flags and the machine. When
+there is no compiler, the build fails, or PyTorch exports no ``sgemm_``, :func:`available`
+returns False (the reason is in :func:`unavailable_reason`) and CVMM runs its pure-PyTorch
+path, which computes the same thing. ``SPARSEFFN_NO_NATIVE=1`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("cvmm_cpu.c")
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_enabled = True
+
+
+def set_native_enabled(enabled: bool) -> None:
+    """Allow (True) or forbid (False) the fused CPU kernels in this process."""
+    global _enabled
+    _enabled = enabled
+
+
+def native_enabled() -> bool:
+    return _enabled and not os.environ.get("SPARSEFFN_NO_NATIVE")
+
+
+def available() -> bool:
+    """True when the fused kernels are built and loaded (building them if needed)."""
+    if not native_enabled():
+        return False
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False, or None."""
+    if not native_enabled():
+        return "disabled (set_native_enabled(False) or SPARSEFFN_NO_NATIVE)"
+    _load()
+    return _reason
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPARSEFFN_CACHE_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sparseffn"
+
+
+def _machine_tag() -> str:
+    """The CPU the library is built for (-march=native makes it machine specific)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    model += line
+    except OSError:
+        pass
+    return model
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [compiler, *flags, str(_SOURCE), "-o", str(tmp_out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_out, out)   # atomic: concurrent builders never see half a file
+
+
+def _find_blas() -> tuple[int, int | None]:
+    """Addresses of the Fortran ``sgemm_`` PyTorch uses and MKL's per-thread thread count."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "libtorch.so"):
+        path = lib_dir / name
+        if not path.exists():
+            continue
+        lib = ctypes.CDLL(str(path))
+        try:
+            sgemm = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+        except AttributeError:
+            continue
+        try:
+            local = ctypes.cast(lib.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value
+        except AttributeError:
+            local = None
+        return sgemm, local
+    raise RuntimeError("this PyTorch build exports no BLAS sgemm_")
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _reason
+    if _lib is not None or _reason is not None:
+        return _lib
+    with _lock:
+        if _lib is not None or _reason is not None:
+            return _lib
+        try:
+            if not sys.platform.startswith("linux"):
+                raise RuntimeError("the fused kernels are built on Linux only")
+            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if not compiler:
+                raise RuntimeError("no C compiler found (set CC or install gcc)")
+            flags = [*_FLAGS, "-march=native"] if platform.machine() in ("x86_64", "AMD64") \
+                else list(_FLAGS)
+            key = hashlib.sha256(
+                _SOURCE.read_bytes() + repr((flags, compiler, _machine_tag())).encode()
+            ).hexdigest()[:16]
+            path = _cache_dir() / f"cvmm_cpu-{key}.so"
+            if not path.exists():
+                _compile(compiler, flags, path)
+            sgemm, local = _find_blas()
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            lib.sf_init(ctypes.c_void_p(sgemm), ctypes.c_void_p(local) if local else None)
+            _lib = lib
+        except (OSError, RuntimeError) as err:
+            _reason = str(err)
+            warnings.warn(f"sparseffn: fused CPU kernels unavailable, using the PyTorch path "
+                          f"({_reason})", RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.sf_init.argtypes = [_P, _P]
+    lib.sf_init.restype = None
+    lib.sf_cvmm.argtypes = [_P, _I64, _P, _P, _I64, _INT, _INT, _P, _INT, _INT, _INT, _P, _I64,
+                            _P, _P, _INT, _INT]
+    lib.sf_weight_grad.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _P,
+                                   _INT, _INT]
+    for fn in (lib.sf_cvmm, lib.sf_weight_grad):
+        fn.restype = _INT
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-level wrappers. They check what the C code assumes (CPU, fp32, rows with unit column
+# stride, a weight with a unit stride in one of its last two dims); `usable` says beforehand.
+
+_INT_MAX = 2**31 - 1        # BLAS leading dimensions are C ints
+_CHUNK_BYTES = 256 * 1024   # a chunk of gathered rows stays well inside a 2 MB L2
+
+
+def _chunk(width: int) -> int:
+    return max(16, min(1024, _CHUNK_BYTES // (4 * max(width, 1))))
+
+
+def usable(*tensors: torch.Tensor | None) -> bool:
+    """True when the fused kernels are available and can take these tensors: CPU float32,
+    and deterministic algorithms not requested (the kernels add rows in thread order)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
+            return False
+    return available()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _standard(t: torch.Tensor) -> torch.Tensor:
+    """A copy with row-major strides (``contiguous()`` may keep odd strides on size-1 dims)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A [rows, width] float32 matrix with unit column stride and a row stride >= width, as
+    BLAS wants of a leading dimension (copied when it is not)."""
+    if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU matrix [rows, width], got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if t.stride(1) == 1 and max(1, t.shape[1]) <= t.stride(0) < _INT_MAX:
+        return t
+    return _standard(t)
+
+
+def _weight(weight: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """weight [E, m, n] as (tensor, expert stride, leading dimension, transposed): each
+    expert's matrix row-major with row stride >= n, or the transpose of a row-major [n, m]
+    with row stride >= m (copied when it is neither)."""
+    if weight.dim() != 3 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a float32 CPU tensor [E, m, n], got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    _, m, n = weight.shape
+    se, sr, sc = weight.stride()
+    row_major = sc == 1 and max(1, n) <= sr < _INT_MAX
+    col_major = sr == 1 and max(1, m) <= sc < _INT_MAX
+    if not (row_major or col_major):
+        weight = _standard(weight)
+        se, sr, sc = weight.stride()
+        row_major = True
+    return (weight, se, sr, 0) if row_major else (weight, se, sc, 1)
+
+
+def _index(idx: torch.Tensor | None) -> torch.Tensor | None:
+    return None if idx is None else idx.to(torch.int64).contiguous()
+
+
+def _counts(counts: torch.Tensor) -> torch.Tensor:
+    return counts.to(torch.int64).contiguous()
+
+
+def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+              in_idx: torch.Tensor | None = None, out_idx: torch.Tensor | None = None,
+              scale: torch.Tensor | None = None, out_rows: int | None = None) -> torch.Tensor:
+    """``y_r = scale[r] · src[in_idx[r]] @ weight[e(r)]`` for expert-sorted rows r.
+
+    src: [R, m]; weight: [E, m, n] (a transposed view is fine); counts: [E] rows per expert
+    (P in all); in_idx: int64 [P] rows of src (None: row r); scale: [P] in sorted order or
+    None. Without ``out_idx`` returns the rows ``y`` [P, n]; with it returns
+    ``out [out_rows, n]`` with ``out[out_idx[r]] = Σ y_r`` (zero where no row lands).
+    """
+    lib = _load()
+    src = _rows("src", src)
+    weight, se, ld, trans = _weight(weight)
+    counts, in_idx, out_idx = _counts(counts), _index(in_idx), _index(out_idx)
+    scale = None if scale is None else scale.to(torch.float32).contiguous()
+    E, m, n = weight.shape
+    num_rows = int(counts.sum())
+    if out_idx is None:
+        out = src.new_empty(num_rows, n)
+        out_rows = num_rows
+    else:
+        if out_rows is None:
+            raise ValueError("out_rows is required with out_idx")
+        out = src.new_zeros(out_rows, n)
+    if num_rows and n:
+        lib.sf_cvmm(src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se, ld, trans,
+                    counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
+                    _ptr(scale), torch.get_num_threads(), _chunk(max(m, n)))
+    return out
+
+
+def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
+                a_idx: torch.Tensor | None = None, b_idx: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[e] = A_eᵀ @ B_e`` with ``A = scale · a_src[a_idx]`` [P, ma] and
+    ``B = b_src[b_idx]`` [P, nb], rows expert-sorted (None: no gather / no scale).
+    Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix."""
+    lib = _load()
+    a_src, b_src = _rows("a_src", a_src), _rows("b_src", b_src)
+    counts, a_idx, b_idx = _counts(counts), _index(a_idx), _index(b_idx)
+    scale = None if scale is None else scale.to(torch.float32).contiguous()
+    E, ma, nb = counts.shape[0], a_src.shape[1], b_src.shape[1]
+    out = a_src.new_empty(E, ma, nb)
+    lib.sf_weight_grad(a_src.data_ptr(), a_src.stride(0), _ptr(a_idx), _ptr(scale),
+                       b_src.data_ptr(), b_src.stride(0), _ptr(b_idx), counts.data_ptr(), E,
+                       ma, nb, out.data_ptr(), torch.get_num_threads(), _chunk(ma + nb))
+    return out

@@ -1,0 +1,200 @@
+/* Fused CPU kernels for CVMM (seed 001 App. B.1): gather -> GEMM -> scatter without ever
+ * materialising the [pairs, d_model] copies of the input or the output.
+ *
+ * Rows are sorted by expert: rows [off_e, off_e + count_e) belong to expert e. Work is split
+ * into (expert, chunk of rows) items that OpenMP threads take dynamically. Each item gathers
+ * its rows into a thread-private buffer small enough to stay in L2, multiplies it with one
+ * single-threaded BLAS call, and writes or adds the result where it belongs.
+ *
+ * Plain C with no PyTorch headers: the BLAS routine (Fortran `sgemm_`, column-major) is the
+ * one PyTorch itself links, handed over as a function pointer by sparseffn/ops/native.py.
+ * Matrices here are row-major; a row-major C = op(A) op(B) is the column-major
+ * C^T = op(B)^T op(A)^T, which is how `gemm_rm` calls the Fortran routine.
+ *
+ * Index arrays are int64 (torch.long). A NULL index means "row r reads/writes row r".
+ * The matrix of expert e is passed as (base, stride between experts, leading dimension,
+ * transposed): row-major [m, n] with row stride ld, or (transposed) the row-major [n, m]
+ * whose transpose it is.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int *n,
+                         const int *k, const float *alpha, const float *a, const int *lda,
+                         const float *b, const int *ldb, const float *beta, float *c,
+                         const int *ldc);
+typedef void (*set_threads_fn)(int);
+
+static sgemm_fn g_sgemm = 0;
+static set_threads_fn g_blas_threads_local = 0;
+
+void sf_init(void *sgemm, void *blas_threads_local) {
+    g_sgemm = (sgemm_fn)sgemm;
+    g_blas_threads_local = (set_threads_fn)blas_threads_local;
+}
+
+/* A row-major matrix operand: element (i, j) of op(M) is at p[i * ld + j] unless trans. */
+typedef struct { const float *p; int ld; int trans; } operand;
+
+static operand expert_matrix(const float *base, int64_t se, int ld, int trans, int e) {
+    operand o = { base + (int64_t)e * se, ld, trans };
+    return o;
+}
+
+/* Row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C. */
+static void gemm_rm(int M, int N, int K, float alpha, operand A, operand B, float beta,
+                    float *C, int ldc) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {   /* BLAS may skip beta scaling for K = 0; do it here */
+        for (int i = 0; i < M; i++) {
+            float *c = C + (int64_t)i * ldc;
+            if (beta == 0.0f) memset(c, 0, sizeof(float) * N);
+            else for (int j = 0; j < N; j++) c[j] *= beta;
+        }
+        return;
+    }
+    const char tb = B.trans ? 'T' : 'N', ta = A.trans ? 'T' : 'N';
+    g_sgemm(&tb, &ta, &N, &M, &K, &alpha, B.p, &B.ld, A.p, &A.ld, &beta, C, &ldc);
+}
+
+typedef struct { int64_t start; int rows; int expert; } item;
+
+/* Split each expert's block into chunks of at most `chunk` rows; largest experts first so
+ * that dynamic scheduling balances the tail. Returns the number of items (caller frees). */
+static int make_items(const int64_t *counts, int E, int chunk, item **out) {
+    int64_t n = 0;
+    for (int e = 0; e < E; e++) n += (counts[e] + chunk - 1) / chunk;
+    item *items = (item *)malloc(sizeof(item) * (n ? n : 1));
+    int64_t start = 0, i = 0;
+    for (int e = 0; e < E; e++) {
+        for (int64_t r = 0; r < counts[e]; r += chunk) {
+            int64_t rows = counts[e] - r < chunk ? counts[e] - r : chunk;
+            items[i].start = start + r; items[i].rows = (int)rows; items[i].expert = e; i++;
+        }
+        start += counts[e];
+    }
+    *out = items;
+    return (int)n;
+}
+
+static void gather_rows(float *dst, const float *src, int64_t src_ld, const int64_t *idx,
+                        int64_t start, int rows, int width) {
+    for (int r = 0; r < rows; r++) {
+        int64_t s = idx ? idx[start + r] : start + r;
+        memcpy(dst + (int64_t)r * width, src + s * src_ld, sizeof(float) * width);
+    }
+}
+
+static void lock_row(volatile char *locks, int64_t i) {
+    while (__atomic_test_and_set(&locks[i], __ATOMIC_ACQUIRE)) { }
+}
+static void unlock_row(volatile char *locks, int64_t i) {
+    __atomic_clear(&locks[i], __ATOMIC_RELEASE);
+}
+
+#define THREAD_SETUP() do { if (g_blas_threads_local) g_blas_threads_local(1); } while (0)
+
+/* One CVMM over expert-sorted rows r (seed 001 Eq. 40):
+ *
+ *   y_r = scale[r] * src[in_idx[r], :] @ W[e(r)]                 src: [*, m], W[e]: [m, n]
+ *
+ * With out_idx NULL, y_r is written to out[r] (out: [P, n]). Otherwise it is added into
+ * out[out_idx[r]] (out: [out_rows, n]); rows of out are locked while being added to, since
+ * the k pairs of one token belong to different experts and may be on different threads.
+ * in_idx NULL reads src row r; scale NULL means 1. */
+int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
+            const float *w, int64_t wse, int w_ld, int w_trans,
+            const int64_t *counts, int E, int m, int n,
+            float *out, int64_t out_rows, const int64_t *out_idx, const float *scale,
+            int nthreads, int chunk) {
+    if (!g_sgemm) return -1;
+    item *items; int n_items = make_items(counts, E, chunk, &items);
+    char *locks = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        THREAD_SETUP();
+        float *in_buf = in_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * m) : 0;
+        float *out_buf = out_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * n) : 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < n_items; i++) {
+            item it = items[i];
+            operand A;
+            if (in_idx) { gather_rows(in_buf, src, src_ld, in_idx, it.start, it.rows, m);
+                          A.p = in_buf; A.ld = m; }
+            else { A.p = src + it.start * src_ld; A.ld = (int)src_ld; }
+            A.trans = 0;
+            float *C = out_idx ? out_buf : out + it.start * n;
+            gemm_rm(it.rows, n, m, 1.0f, A, expert_matrix(w, wse, w_ld, w_trans, it.expert), 0.0f,
+                    C, n);
+            for (int r = 0; r < it.rows; r++) {
+                int64_t p = it.start + r;
+                float s = scale ? scale[p] : 1.0f;
+                float *c = C + (int64_t)r * n;
+                if (!out_idx) {
+                    if (scale) for (int j = 0; j < n; j++) c[j] *= s;
+                    continue;
+                }
+                int64_t dst = out_idx[p];
+                float *o = out + dst * n;
+                lock_row(locks, dst);
+                for (int j = 0; j < n; j++) o[j] += s * c[j];
+                unlock_row(locks, dst);
+            }
+        }
+        free(in_buf); free(out_buf);
+    }
+    free(locks);
+    free(items);
+    return 0;
+}
+
+/* out[e] = A_e^T @ B_e for every expert: A rows scale[r] * a_src[a_idx[r]] ([P, ma]), B rows
+ * b_src[b_idx[r]] ([P, nb]); out: [E, ma, nb] contiguous, overwritten (zero for empty
+ * experts). Items of one expert accumulate privately and add into out[e] under a lock. */
+int sf_weight_grad(const float *a_src, int64_t a_ld, const int64_t *a_idx, const float *scale,
+                   const float *b_src, int64_t b_ld, const int64_t *b_idx,
+                   const int64_t *counts, int E, int ma, int nb, float *out,
+                   int nthreads, int chunk) {
+    if (!g_sgemm) return -1;
+    int64_t mat = (int64_t)ma * nb;
+    memset(out, 0, sizeof(float) * mat * E);
+    item *items; int n_items = make_items(counts, E, chunk, &items);
+    char *locks = (char *)calloc(E ? E : 1, 1);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        THREAD_SETUP();
+        float *abuf = (a_idx || scale) ? (float *)malloc(sizeof(float) * (int64_t)chunk * ma) : 0;
+        float *bbuf = b_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * nb) : 0;
+        float *part = (float *)malloc(sizeof(float) * mat);
+        #pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < n_items; i++) {
+            item it = items[i];
+            operand A, B;
+            if (a_idx || scale) {
+                gather_rows(abuf, a_src, a_ld, a_idx, it.start, it.rows, ma);
+                if (scale)
+                    for (int r = 0; r < it.rows; r++) {
+                        float s = scale[it.start + r], *a = abuf + (int64_t)r * ma;
+                        for (int j = 0; j < ma; j++) a[j] *= s;
+                    }
+                A.p = abuf; A.ld = ma;
+            }
+            else { A.p = a_src + it.start * a_ld; A.ld = (int)a_ld; }
+            if (b_idx) { gather_rows(bbuf, b_src, b_ld, b_idx, it.start, it.rows, nb);
+                         B.p = bbuf; B.ld = nb; }
+            else { B.p = b_src + it.start * b_ld; B.ld = (int)b_ld; }
+            A.trans = 1; B.trans = 0;
+            gemm_rm(ma, nb, it.rows, 1.0f, A, B, 0.0f, part, nb);
+            float *o = out + (int64_t)it.expert * mat;
+            lock_row(locks, it.expert);
+            for (int64_t j = 0; j < mat; j++) o[j] += part[j];
+            unlock_row(locks, it.expert);
+        }
+        free(abuf); free(bbuf); free(part);
+    }
+    free(locks);
+    free(items);
+    return 0;
+}

@@ -1,0 +1,128 @@
+"""The fused CPU kernels (ops/native) against plain gather / matmul / scatter references."""
+
+import pytest
+import torch
+
+from conftest import require_native
+from reference import cvmm_reference
+from sparseffn.ops import DispatchPlan, cvmm, native
+
+
+@pytest.fixture(autouse=True)
+def _native():
+    require_native()
+
+
+def _sorted_problem(E, counts, m, n):
+    counts = torch.tensor(counts, dtype=torch.int64)
+    P = int(counts.sum())
+    expert_of_row = torch.repeat_interleave(torch.arange(E), counts)
+    return counts, P, expert_of_row, torch.randn(E, m, n)
+
+
+def _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, out_rows):
+    rows = src if in_idx is None else src[in_idx]
+    y = torch.einsum("pm,pmn->pn", rows, weight[expert_of_row])
+    if scale is not None:
+        y = y * scale[:, None]
+    if out_idx is None:
+        return y
+    return y.new_zeros(out_rows, y.shape[1]).index_add_(0, out_idx, y)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("scatter", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("transposed_weight", [False, True])
+def test_cvmm_rows_matches_reference(gather, scatter, scaled, transposed_weight):
+    # 700-wide rows make chunks of 93 rows, so experts with 150 and 301 rows span several.
+    E, m, n, R = 5, 700, 37, 40
+    counts, P, expert_of_row, weight = _sorted_problem(E, [150, 0, 301, 7, 1], m, n)
+    if transposed_weight:
+        weight = weight.transpose(1, 2).contiguous().transpose(1, 2)
+        assert weight.stride(2) != 1
+    src = torch.randn(R if gather else P, m)
+    in_idx = torch.randint(0, R, (P,)) if gather else None
+    out_idx = torch.randint(0, R, (P,)) if scatter else None
+    scale = torch.rand(P) if scaled else None
+    got = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx, scale=scale,
+                           out_rows=R)
+    want = _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def test_cvmm_rows_reads_strided_rows_and_any_thread_count():
+    E, m, n = 3, 20, 24
+    counts, P, expert_of_row, weight = _sorted_problem(E, [9, 30, 2], m, n)
+    src = torch.randn(P, 2 * m)[:, ::2]              # row stride 2m, column stride 2
+    padded = torch.randn(P, m + 3)[:, :m]            # row stride m + 3, unit column stride
+    want = _rows_reference(src.contiguous(), weight, expert_of_row, None, None, None, P)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3, 8):
+            torch.set_num_threads(t)
+            torch.testing.assert_close(native.cvmm_rows(src, weight, counts), want)
+        torch.testing.assert_close(
+            native.cvmm_rows(padded, weight, counts),
+            _rows_reference(padded.contiguous(), weight, expert_of_row, None, None, None, P))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("a_gather", [False, True])
+@pytest.mark.parametrize("b_gather", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_weight_grad_matches_reference(a_gather, b_gather, scaled):
+    E, ma, nb, R = 4, 33, 600, 50
+    counts, P, expert_of_row, _ = _sorted_problem(E, [0, 250, 3, 180], 1, 1)
+    a_src, b_src = torch.randn(R if a_gather else P, ma), torch.randn(R if b_gather else P, nb)
+    a_idx = torch.randint(0, R, (P,)) if a_gather else None
+    b_idx = torch.randint(0, R, (P,)) if b_gather else None
+    scale = torch.rand(P) if scaled else None
+    got = native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale)
+    a = a_src if a_idx is None else a_src[a_idx]
+    b = b_src if b_idx is None else b_src[b_idx]
+    if scale is not None:
+        a = a * scale[:, None]
+    want = torch.stack([a[expert_of_row == e].T @ b[expert_of_row == e] for e in range(E)])
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+    assert torch.all(got[0] == 0)   # an expert without rows: exactly zero
+
+
+def test_cvmm_takes_the_fused_path_for_float32_cpu(monkeypatch):
+    calls = []
+    original = native.cvmm_rows
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("out_idx") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(native, "cvmm_rows", counting)
+    indices = torch.randint(0, 4, (9, 2))
+    x = torch.randn(9, 6, requires_grad=True)
+    weight = torch.randn(4, 6, 5, requires_grad=True)
+    out = cvmm(x, DispatchPlan.build(indices, 4), weight)
+    out.sum().backward()
+    assert calls == [True, True]   # forward scatters per slot; backward scatters to tokens
+    torch.testing.assert_close(out, cvmm_reference(x.detach(), indices, weight.detach()))
+
+
+def test_deterministic_mode_uses_the_pytorch_path(monkeypatch):
+    monkeypatch.setattr(native, "cvmm_rows", lambda *a, **k: pytest.fail("fused path taken"))
+    indices = torch.randint(0, 3, (5, 2))
+    x, weight = torch.randn(5, 4), torch.randn(3, 4, 6)
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = cvmm(x, DispatchPlan.build(indices, 3), weight)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(out, cvmm_reference(x, indices, weight))
+
+
+def test_bad_arguments_raise_clear_errors():
+    counts = torch.tensor([2, 1])
+    weight = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match="float32"):
+        native.cvmm_rows(torch.randn(3, 4, dtype=torch.float64), weight, counts)
+    with pytest.raises(ValueError, match="out_rows"):
+        native.cvmm_rows(torch.randn(3, 4), weight, counts, out_idx=torch.tensor([0, 1, 0]))
