@@ -69,17 +69,30 @@ def test_cvmm_rows_reads_strided_rows_and_any_thread_count():
         torch.set_num_threads(threads)
 
 
+def _with_threads(n, fn):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("a_gather", [False, True])
 @pytest.mark.parametrize("b_gather", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_weight_grad_matches_reference(a_gather, b_gather, scaled):
-    E, ma, nb, R = 4, 33, 600, 50
-    counts, P, expert_of_row, _ = _sorted_problem(E, [0, 250, 3, 180], 1, 1)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_weight_grad_matches_reference(a_gather, b_gather, scaled, threads):
+    # 2000-wide B rows make 64-row chunks; with 1 thread a slab is 4 chunks, so the 700-row
+    # expert is summed over several multi-chunk slabs and the 200-row one in a single slab.
+    E, ma, nb, R = 5, 33, 2000, 50
+    counts, P, expert_of_row, _ = _sorted_problem(E, [0, 700, 3, 200, 90], 1, 1)
     a_src, b_src = torch.randn(R if a_gather else P, ma), torch.randn(R if b_gather else P, nb)
     a_idx = torch.randint(0, R, (P,)) if a_gather else None
     b_idx = torch.randint(0, R, (P,)) if b_gather else None
     scale = torch.rand(P) if scaled else None
-    got = native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale)
+    got = _with_threads(threads, lambda: native.weight_grad(a_src, b_src, counts, a_idx=a_idx,
+                                                            b_idx=b_idx, scale=scale))
     a = a_src if a_idx is None else a_src[a_idx]
     b = b_src if b_idx is None else b_src[b_idx]
     if scale is not None:
@@ -126,3 +139,19 @@ def test_bad_arguments_raise_clear_errors():
         native.cvmm_rows(torch.randn(3, 4, dtype=torch.float64), weight, counts)
     with pytest.raises(ValueError, match="out_rows"):
         native.cvmm_rows(torch.randn(3, 4), weight, counts, out_idx=torch.tensor([0, 1, 0]))
+
+
+def test_blas_thread_setting_of_the_caller_is_restored():
+    """The kernels make each thread's BLAS single-threaded while they run; afterwards the
+    calling thread's BLAS must be back to using every thread (or dense matmuls slow down)."""
+    import ctypes
+    from pathlib import Path
+
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    if not hasattr(lib, "mkl_get_max_threads"):
+        pytest.skip("PyTorch is not built with MKL: no per-thread BLAS setting to restore")
+    before = lib.mkl_get_max_threads()
+    counts, P, _, weight = _sorted_problem(3, [40, 0, 25], 16, 8)
+    native.cvmm_rows(torch.randn(P, 16), weight, counts)
+    native.weight_grad(torch.randn(P, 16), torch.randn(P, 8), counts)
+    assert lib.mkl_get_max_threads() == before

@@ -169,7 +169,25 @@ def _declare(lib: ctypes.CDLL) -> None:
 # stride, a weight with a unit stride in one of its last two dims); `usable` says beforehand.
 
 _INT_MAX = 2**31 - 1        # BLAS leading dimensions are C ints
-_CHUNK_BYTES = 256 * 1024   # a chunk of gathered rows stays well inside a 2 MB L2
+
+
+def _l2_bytes() -> int:
+    """Per-core L2 size from sysfs (1 MB when it cannot be read)."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "2":
+                continue
+            size = (index / "size").read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+            return int(size.rstrip("KM")) * scale
+        except (OSError, ValueError):
+            break
+    return 1 << 20
+
+
+# A chunk of gathered rows takes a quarter of L2 (512 KB on this 2 MB-L2 Xeon, where 256 KB
+# and 1 MB measured 2-3% slower and 64 KB 30% slower for a whole sigma-MoE step).
+_CHUNK_BYTES = max(64 << 10, min(1 << 20, _l2_bytes() // 4))
 
 
 def _chunk(width: int) -> int:

@@ -25,7 +25,7 @@ typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int
                          const int *k, const float *alpha, const float *a, const int *lda,
                          const float *b, const int *ldb, const float *beta, float *c,
                          const int *ldc);
-typedef void (*set_threads_fn)(int);
+typedef int (*set_threads_fn)(int);
 
 static sgemm_fn g_sgemm = 0;
 static set_threads_fn g_blas_threads_local = 0;
@@ -94,7 +94,10 @@ static void unlock_row(volatile char *locks, int64_t i) {
     __atomic_clear(&locks[i], __ATOMIC_RELEASE);
 }
 
-#define THREAD_SETUP() do { if (g_blas_threads_local) g_blas_threads_local(1); } while (0)
+/* Each thread's BLAS call runs single-threaded (the threads already split the work). The
+ * setting is per thread and the calling thread is one of them, so it is restored after. */
+#define THREAD_SETUP() int blas_prev = g_blas_threads_local ? g_blas_threads_local(1) : 0
+#define THREAD_DONE() do { if (g_blas_threads_local) g_blas_threads_local(blas_prev); } while (0)
 
 /* One CVMM over expert-sorted rows r (seed 001 Eq. 40):
  *
@@ -144,6 +147,7 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
             }
         }
         free(in_buf); free(out_buf);
+        THREAD_DONE();
     }
     free(locks);
     free(items);
@@ -152,47 +156,68 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
 
 /* out[e] = A_e^T @ B_e for every expert: A rows scale[r] * a_src[a_idx[r]] ([P, ma]), B rows
  * b_src[b_idx[r]] ([P, nb]); out: [E, ma, nb] contiguous, overwritten (zero for empty
- * experts). Items of one expert accumulate privately and add into out[e] under a lock. */
+ * experts).
+ *
+ * The sum over an expert's rows is split into slabs of whole chunks, large enough that there
+ * are about 4 slabs per thread. A slab that covers its whole expert accumulates straight into
+ * out[e]; otherwise it accumulates into a private matrix that is added to out[e] under a
+ * lock (out[e] zeroed beforehand). */
 int sf_weight_grad(const float *a_src, int64_t a_ld, const int64_t *a_idx, const float *scale,
                    const float *b_src, int64_t b_ld, const int64_t *b_idx,
                    const int64_t *counts, int E, int ma, int nb, float *out,
                    int nthreads, int chunk) {
     if (!g_sgemm) return -1;
-    int64_t mat = (int64_t)ma * nb;
-    memset(out, 0, sizeof(float) * mat * E);
-    item *items; int n_items = make_items(counts, E, chunk, &items);
+    int64_t mat = (int64_t)ma * nb, total = 0;
+    for (int e = 0; e < E; e++) total += counts[e];
+    int64_t slab = (total + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
+    slab = (slab + chunk - 1) / chunk * chunk;
+    if (slab < chunk) slab = chunk;
+    if (slab > (1 << 30)) slab = 1 << 30;
+    item *items; int n_items = make_items(counts, E, (int)slab, &items);
+    for (int e = 0; e < E; e++)
+        if (counts[e] == 0 || counts[e] > slab) memset(out + e * mat, 0, sizeof(float) * mat);
     char *locks = (char *)calloc(E ? E : 1, 1);
     #pragma omp parallel num_threads(nthreads)
     {
         THREAD_SETUP();
         float *abuf = (a_idx || scale) ? (float *)malloc(sizeof(float) * (int64_t)chunk * ma) : 0;
         float *bbuf = b_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * nb) : 0;
-        float *part = (float *)malloc(sizeof(float) * mat);
+        float *part = 0;
         #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < n_items; i++) {
             item it = items[i];
-            operand A, B;
-            if (a_idx || scale) {
-                gather_rows(abuf, a_src, a_ld, a_idx, it.start, it.rows, ma);
-                if (scale)
-                    for (int r = 0; r < it.rows; r++) {
-                        float s = scale[it.start + r], *a = abuf + (int64_t)r * ma;
-                        for (int j = 0; j < ma; j++) a[j] *= s;
-                    }
-                A.p = abuf; A.ld = ma;
-            }
-            else { A.p = a_src + it.start * a_ld; A.ld = (int)a_ld; }
-            if (b_idx) { gather_rows(bbuf, b_src, b_ld, b_idx, it.start, it.rows, nb);
-                         B.p = bbuf; B.ld = nb; }
-            else { B.p = b_src + it.start * b_ld; B.ld = (int)b_ld; }
-            A.trans = 1; B.trans = 0;
-            gemm_rm(ma, nb, it.rows, 1.0f, A, B, 0.0f, part, nb);
             float *o = out + (int64_t)it.expert * mat;
-            lock_row(locks, it.expert);
-            for (int64_t j = 0; j < mat; j++) o[j] += part[j];
-            unlock_row(locks, it.expert);
+            int whole = counts[it.expert] <= slab;
+            if (!whole && !part) part = (float *)malloc(sizeof(float) * mat);
+            float *acc = whole ? o : part;
+            for (int c = 0; c < it.rows; c += chunk) {
+                int64_t start = it.start + c;
+                int rows = it.rows - c < chunk ? it.rows - c : chunk;
+                operand A, B;
+                if (a_idx || scale) {
+                    gather_rows(abuf, a_src, a_ld, a_idx, start, rows, ma);
+                    if (scale)
+                        for (int r = 0; r < rows; r++) {
+                            float s = scale[start + r], *a = abuf + (int64_t)r * ma;
+                            for (int j = 0; j < ma; j++) a[j] *= s;
+                        }
+                    A.p = abuf; A.ld = ma;
+                }
+                else { A.p = a_src + start * a_ld; A.ld = (int)a_ld; }
+                if (b_idx) { gather_rows(bbuf, b_src, b_ld, b_idx, start, rows, nb);
+                             B.p = bbuf; B.ld = nb; }
+                else { B.p = b_src + start * b_ld; B.ld = (int)b_ld; }
+                A.trans = 1; B.trans = 0;
+                gemm_rm(ma, nb, rows, 1.0f, A, B, c ? 1.0f : 0.0f, acc, nb);
+            }
+            if (!whole) {
+                lock_row(locks, it.expert);
+                for (int64_t j = 0; j < mat; j++) o[j] += part[j];
+                unlock_row(locks, it.expert);
+            }
         }
         free(abuf); free(bbuf); free(part);
+        THREAD_DONE();
     }
     free(locks);
     free(items);
