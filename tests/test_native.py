@@ -45,10 +45,26 @@ def test_cvmm_rows_matches_reference(gather, scatter, scaled, transposed_weight)
     in_idx = torch.randint(0, R, (P,)) if gather else None
     out_idx = torch.randint(0, R, (P,)) if scatter else None
     scale = torch.rand(P) if scaled else None
+    # out has 3 more rows than any index reaches: they must come back zero, not garbage
     got = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx, scale=scale,
-                           out_rows=R)
-    want = _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R)
+                           out_rows=R + 3)
+    want = _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R + 3)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_cvmm_rows_dots_with_unscaled_rows(scatter):
+    E, m, n, R = 3, 24, 10, 12
+    counts, P, expert_of_row, weight = _sorted_problem(E, [20, 0, 9], m, n)
+    src, in_idx = torch.randn(R, m), torch.randint(0, R, (P,))
+    out_idx = torch.randint(0, R, (P,)) if scatter else None
+    scale, other = torch.rand(P), torch.randn(P, n)
+    got, dots = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx,
+                                 scale=scale, out_rows=R, dot_with=other)
+    unscaled = _rows_reference(src, weight, expert_of_row, in_idx, None, None, R)
+    torch.testing.assert_close(dots, (unscaled * other).sum(1))
+    torch.testing.assert_close(
+        got, _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R))
 
 
 def test_cvmm_rows_reads_strided_rows_and_any_thread_count():

@@ -186,13 +186,13 @@ class _CVMM(torch.autograd.Function):
         gate_rows = gates.index_select(0, order) if gates is not None else None
         weight_t = weight.transpose(1, 2)
         grad_x = grad_w = grad_g = None
-        if need_g:   # d/dg <dy, g · x W> = <dy W^T, x>: needs the ungated rows dy W^T
-            grad_rows_in = native.cvmm_rows(grad_out, weight_t, counts, in_idx=out_idx)  # [P, m]
-            rows = _rows_from(x2, ctx.in_layout, order, token_of_row)
-            grad_g = torch.empty_like(gates).index_copy_(0, order, (grad_rows_in * rows).sum(1))
+        if need_g:   # d/dg <dy, g · x W> = <dy W^T, x>, dotted inside the kernel
+            rows = _rows_from(x2, ctx.in_layout, order, token_of_row)            # [P, m]
+            scaled, dots = native.cvmm_rows(grad_out, weight_t, counts, in_idx=out_idx,
+                                            scale=gate_rows, dot_with=rows)   # g · dy W^T
+            grad_g = torch.empty_like(gates).index_copy_(0, order, dots)
             if need_x:
-                grad_x = _rows_to(grad_rows_in.mul_(gate_rows.unsqueeze(1)), ctx.in_layout,
-                                  x2.shape[0], order, token_of_row)
+                grad_x = _rows_to(scaled, ctx.in_layout, x2.shape[0], order, token_of_row)
         elif need_x:   # dx = Σ g · dy W^T, scattered straight back to the input's layout
             grad_x = native.cvmm_rows(grad_out, weight_t, counts, in_idx=out_idx, out_idx=in_idx,
                                       scale=gate_rows, out_rows=x2.shape[0])

@@ -157,7 +157,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_init.argtypes = [_P, _P]
     lib.sf_init.restype = None
     lib.sf_cvmm.argtypes = [_P, _I64, _P, _P, _I64, _INT, _INT, _P, _INT, _INT, _INT, _P, _I64,
-                            _P, _P, _INT, _INT]
+                            _P, _P, _P, _P, _INT, _INT]
     lib.sf_weight_grad.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _P,
                                    _INT, _INT]
     for fn in (lib.sf_cvmm, lib.sf_weight_grad):
@@ -253,13 +253,17 @@ def _counts(counts: torch.Tensor) -> torch.Tensor:
 
 def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
               in_idx: torch.Tensor | None = None, out_idx: torch.Tensor | None = None,
-              scale: torch.Tensor | None = None, out_rows: int | None = None) -> torch.Tensor:
-    """``y_r = scale[r] · src[in_idx[r]] @ weight[e(r)]`` for expert-sorted rows r.
+              scale: torch.Tensor | None = None, out_rows: int | None = None,
+              dot_with: torch.Tensor | None = None):
+    """``y_r = scale[r] · z_r`` with ``z_r = src[in_idx[r]] @ weight[e(r)]``, for
+    expert-sorted rows r.
 
     src: [R, m]; weight: [E, m, n] (a transposed view is fine); counts: [E] rows per expert
     (P in all); in_idx: int64 [P] rows of src (None: row r); scale: [P] in sorted order or
     None. Without ``out_idx`` returns the rows ``y`` [P, n]; with it returns
-    ``out [out_rows, n]`` with ``out[out_idx[r]] = Σ y_r`` (zero where no row lands).
+    ``out [out_rows, n]`` with ``out[i] = Σ_{r: out_idx[r] = i} y_r`` (zero where no row
+    lands). With ``dot_with`` [P, n] returns ``(y or out, dots)`` where
+    ``dots[r] = <z_r, dot_with[r]>`` (the unscaled rows: a gate's gradient).
     """
     lib = _load()
     src = _rows("src", src)
@@ -269,17 +273,27 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     E, m, n = weight.shape
     num_rows = int(counts.sum())
     if out_idx is None:
-        out = src.new_empty(num_rows, n)
         out_rows = num_rows
-    else:
-        if out_rows is None:
-            raise ValueError("out_rows is required with out_idx")
-        out = src.new_zeros(out_rows, n)
+    elif out_rows is None:
+        raise ValueError("out_rows is required with out_idx")
+    dots = None
+    if dot_with is not None:
+        if tuple(dot_with.shape) != (num_rows, n):
+            raise ValueError(f"dot_with must have shape {(num_rows, n)}, got "
+                             f"{tuple(dot_with.shape)}")
+        dot_with = _standard(dot_with) if not dot_with.is_contiguous() else dot_with
+        dots = src.new_empty(num_rows)
+    out = src.new_empty(out_rows, n)
     if num_rows and n:
         lib.sf_cvmm(src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se, ld, trans,
                     counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
-                    _ptr(scale), torch.get_num_threads(), _chunk(max(m, n)))
-    return out
+                    _ptr(scale), _ptr(dot_with), _ptr(dots), torch.get_num_threads(),
+                    _chunk(max(m, n)))
+    else:
+        out.zero_()
+        if dots is not None:
+            dots.zero_()
+    return out if dot_with is None else (out, dots)
 
 
 def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,

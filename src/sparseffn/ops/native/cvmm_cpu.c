@@ -101,20 +101,24 @@ static void unlock_row(volatile char *locks, int64_t i) {
 
 /* One CVMM over expert-sorted rows r (seed 001 Eq. 40):
  *
- *   y_r = scale[r] * src[in_idx[r], :] @ W[e(r)]                 src: [*, m], W[e]: [m, n]
+ *   z_r = src[in_idx[r], :] @ W[e(r)],   y_r = scale[r] * z_r      src: [*, m], W[e]: [m, n]
  *
- * With out_idx NULL, y_r is written to out[r] (out: [P, n]). Otherwise it is added into
- * out[out_idx[r]] (out: [out_rows, n]); rows of out are locked while being added to, since
- * the k pairs of one token belong to different experts and may be on different threads.
- * in_idx NULL reads src row r; scale NULL means 1. */
+ * With out_idx NULL, y_r is written to out[r] (out: [P, n]). Otherwise out[i] is the sum of
+ * the y_r with out_idx[r] = i (out: [out_rows, n], fully overwritten: rows no pair lands on
+ * are zero). The first row to land on out[i] is stored and later ones added, under a per-row
+ * lock, since the k pairs of one token belong to different experts and threads.
+ * If dot_with is given ([P, n], sorted), dots[r] = <z_r, dot_with[r]> (the gate gradient
+ * <dy W^T, x>). in_idx NULL reads src row r; scale NULL means 1. */
 int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
             const float *w, int64_t wse, int w_ld, int w_trans,
             const int64_t *counts, int E, int m, int n,
             float *out, int64_t out_rows, const int64_t *out_idx, const float *scale,
-            int nthreads, int chunk) {
+            const float *dot_with, float *dots, int nthreads, int chunk) {
     if (!g_sgemm) return -1;
     item *items; int n_items = make_items(counts, E, chunk, &items);
+    /* locks[i]: bit 0 is the lock, written[i] says whether out row i holds a value yet */
     char *locks = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
+    char *written = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
     #pragma omp parallel num_threads(nthreads)
     {
         THREAD_SETUP();
@@ -135,6 +139,12 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
                 int64_t p = it.start + r;
                 float s = scale ? scale[p] : 1.0f;
                 float *c = C + (int64_t)r * n;
+                if (dot_with) {
+                    const float *d = dot_with + p * n;
+                    float acc = 0.0f;
+                    for (int j = 0; j < n; j++) acc += c[j] * d[j];
+                    dots[p] = acc;
+                }
                 if (!out_idx) {
                     if (scale) for (int j = 0; j < n; j++) c[j] *= s;
                     continue;
@@ -142,13 +152,18 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
                 int64_t dst = out_idx[p];
                 float *o = out + dst * n;
                 lock_row(locks, dst);
-                for (int j = 0; j < n; j++) o[j] += s * c[j];
+                if (written[dst]) for (int j = 0; j < n; j++) o[j] += s * c[j];
+                else { for (int j = 0; j < n; j++) o[j] = s * c[j]; written[dst] = 1; }
                 unlock_row(locks, dst);
             }
         }
         free(in_buf); free(out_buf);
         THREAD_DONE();
     }
+    if (out_idx)
+        for (int64_t i = 0; i < out_rows; i++)
+            if (!written[i]) memset(out + i * n, 0, sizeof(float) * n);
+    free(written);
     free(locks);
     free(items);
     return 0;
