@@ -3,13 +3,16 @@
 For each config, in one run: forward (no autograd) and forward+backward times of σ-MoE, of
 the dense MLP with the same parameters (seed 001's fair baseline) and of the dense MLP with
 ``d_ff = k · expert_size`` (a perfect dispatch: the realised ideal), and the bytes each saves
-for backward. Ratios compare times measured in the same run.
+for backward. The contenders run in rotation; times are medians over rounds and each ratio is
+the median of the per-round ratios (runs adjacent in time), which a noisy machine's drift
+disturbs least.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,7 +22,8 @@ from ..auxiliary import aux_loss
 from ..config import SigmaMoEConfig
 from ..layers import DenseMLP, SigmaMoE
 from ..matching import active_equal_dense, param_equal_dense
-from .measure import forward_backward_fn, forward_fn, interleaved_medians, saved_bytes
+from .measure import (forward_backward_fn, forward_fn, interleaved_times, paired_ratio,
+                      saved_bytes)
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,13 @@ def default_configs(d_model: int = 512) -> list[BenchConfig]:
     ]
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def _ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float | None:
+    if numerator not in times or denominator not in times:
+        return None
+    return paired_ratio(times[numerator], times[denominator])
+
+
+def _saved_ratio(a: int | None, b: int | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
@@ -72,7 +82,8 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
         fns = {name: (forward_fn(layer, x) if pass_name == "forward"
                       else forward_backward_fn(layer, x, extra_loss))
                for name, (layer, extra_loss) in contenders.items() if layer is not None}
-        ms = interleaved_medians(fns, repeats)
+        times = interleaved_times(fns, repeats)
+        ms = {name: statistics.median(ts) for name, ts in times.items()}
         record = {
             "config": cfg.name,
             "pass": pass_name,
@@ -87,12 +98,12 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
             "dense_param_ms": ms.get("dense_param"),
             "dense_active_ms": ms["dense_active"],
         }
-        record["ratio_param"] = _ratio(record["moe_ms"], record["dense_param_ms"])
-        record["ratio_active"] = _ratio(record["moe_ms"], record["dense_active_ms"])
+        record["ratio_param"] = _ratio(times, "moe", "dense_param")
+        record["ratio_active"] = _ratio(times, "moe", "dense_active")
         for peer_name, _ in peer_layers:
             peer_ms = ms["peer:" + peer_name]
             record.setdefault("peers", {})[peer_name] = {
-                "ms": peer_ms, "moe_speedup": _ratio(peer_ms, record["moe_ms"])}
+                "ms": peer_ms, "moe_speedup": _ratio(times, "peer:" + peer_name, "moe")}
         records.append(record)
 
     moe_saved = saved_bytes(moe, x, aux_loss)
@@ -101,7 +112,7 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
         record["moe_saved_bytes"] = moe_saved
         record["dense_param_saved_bytes"] = dense_saved
         record["dense_active_saved_bytes"] = saved_bytes(dense_active, x)
-        record["saved_ratio_param"] = _ratio(moe_saved, dense_saved)
+        record["saved_ratio_param"] = _saved_ratio(moe_saved, dense_saved)
     return records
 
 

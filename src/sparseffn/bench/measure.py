@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2
-                        ) -> dict[str, float]:
-    """Median milliseconds of each function, timed in rotation (one run of each per round) so
-    that a slow spell of a noisy machine hits every contender alike and ratios stay fair."""
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2
+                      ) -> dict[str, list[float]]:
+    """Milliseconds of each function per round, timed in rotation (one run of each per
+    round) so that a slow spell of a noisy machine hits every contender alike."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -23,8 +23,21 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2
+                        ) -> dict[str, float]:
+    """Median milliseconds of each function over :func:`interleaved_times` rounds."""
+    return {name: statistics.median(ts)
+            for name, ts in interleaved_times(fns, repeats, warmup).items()}
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of the per-round time ratio. Both runs of a round are adjacent in
+    time, so this cancels the machine's drift better than a ratio of two medians."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
 def forward_fn(layer: nn.Module, x: torch.Tensor) -> Callable[[], object]:

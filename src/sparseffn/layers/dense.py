@@ -8,7 +8,7 @@ from torch import nn
 from ..config import DenseMLPConfig
 from ..init import dense_init_std
 from ..routing import SparseFFN
-from .activations import activation_fn
+from ..activations import activation_fn
 
 
 class DenseMLP(SparseFFN):

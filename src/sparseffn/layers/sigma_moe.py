@@ -7,10 +7,9 @@ from torch import nn
 
 from ..config import SigmaMoEConfig
 from ..init import dense_init_std
-from ..ops import DispatchPlan, cvmm
+from ..ops import DispatchPlan, expert_mlp
 from ..routers import SigmaRouter
 from ..routing import SparseFFN
-from .activations import activation_fn
 
 
 class SigmaMoE(SparseFFN):
@@ -40,7 +39,6 @@ class SigmaMoE(SparseFFN):
         self.router = SigmaRouter(config)
         self.w1 = nn.Parameter(torch.empty(config.num_experts, config.expert_size, config.d_model))
         self.w2 = nn.Parameter(torch.empty(config.num_experts, config.expert_size, config.d_model))
-        self.activation = activation_fn(config.activation)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         self.aux_loss_weights = {"entropy": config.entropy_weight}
         self.reset_parameters()
@@ -58,10 +56,8 @@ class SigmaMoE(SparseFFN):
         x2 = x.reshape(-1, self.d_model)
         routing = self.router(x2)
         plan = DispatchPlan.build(routing.indices, self.config.num_experts)
-        # Hidden units stay in the plan's expert-sorted order between the two CVMMs.
-        w1 = self.w1.transpose(1, 2)                                  # [E, d_model, G], a view
-        hidden = self.activation(cvmm(x2, plan, w1, sorted_output=True))  # [T·k, G]
-        hidden = self.hidden_dropout(hidden)
-        y = cvmm(hidden, plan, self.w2, gates=routing.weights, sorted_input=True)  # [T, d]
+        dropout = self.hidden_dropout if self.training and self.hidden_dropout.p > 0 else None
+        y = expert_mlp(x2, plan, self.w1, self.w2, routing.weights,      # [T, d_model]
+                       activation=self.config.activation, hidden_dropout=dropout)
         self._record_routing(routing, self.config.num_experts)
         return y.reshape(x.shape)

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from ..config import TopKMLPConfig
 from ..init import dense_init_std
 from ..routing import SparseFFN
-from .activations import activation_fn
+from ..activations import activation_fn
 
 
 class TopKMLP(SparseFFN):

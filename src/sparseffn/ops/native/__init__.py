@@ -157,7 +157,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_init.argtypes = [_P, _P]
     lib.sf_init.restype = None
     lib.sf_cvmm.argtypes = [_P, _I64, _P, _P, _I64, _INT, _INT, _P, _INT, _INT, _INT, _P, _I64,
-                            _P, _P, _P, _P, _INT, _INT]
+                            _P, _P, _P, _P, _INT, _P, _INT, _INT]
     lib.sf_weight_grad.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _P,
                                    _INT, _INT]
     for fn in (lib.sf_cvmm, lib.sf_weight_grad):
@@ -251,10 +251,20 @@ def _counts(counts: torch.Tensor) -> torch.Tensor:
     return counts.to(torch.int64).contiguous()
 
 
+def _sorted_rows(name: str, t: torch.Tensor | None, rows: int, width: int):
+    if t is None:
+        return None
+    if tuple(t.shape) != (rows, width) or t.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32 of shape {(rows, width)}, got "
+                         f"{tuple(t.shape)} {t.dtype}")
+    return t if t.is_contiguous() else _standard(t)
+
+
 def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
               in_idx: torch.Tensor | None = None, out_idx: torch.Tensor | None = None,
               scale: torch.Tensor | None = None, out_rows: int | None = None,
-              dot_with: torch.Tensor | None = None):
+              dot_with: torch.Tensor | None = None, relu: bool = False,
+              mask_with: torch.Tensor | None = None):
     """``y_r = scale[r] · z_r`` with ``z_r = src[in_idx[r]] @ weight[e(r)]``, for
     expert-sorted rows r.
 
@@ -264,6 +274,9 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     ``out [out_rows, n]`` with ``out[i] = Σ_{r: out_idx[r] = i} y_r`` (zero where no row
     lands). With ``dot_with`` [P, n] returns ``(y or out, dots)`` where
     ``dots[r] = <z_r, dot_with[r]>`` (the unscaled rows: a gate's gradient).
+
+    Epilogues, without ``out_idx`` only: ``relu`` returns ``max(y, 0)``; ``mask_with`` [P, n]
+    zeroes ``y`` where ``mask_with <= 0`` (backward through a ReLU whose output it is).
     """
     lib = _load()
     src = _rows("src", src)
@@ -276,19 +289,17 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
         out_rows = num_rows
     elif out_rows is None:
         raise ValueError("out_rows is required with out_idx")
-    dots = None
-    if dot_with is not None:
-        if tuple(dot_with.shape) != (num_rows, n):
-            raise ValueError(f"dot_with must have shape {(num_rows, n)}, got "
-                             f"{tuple(dot_with.shape)}")
-        dot_with = _standard(dot_with) if not dot_with.is_contiguous() else dot_with
-        dots = src.new_empty(num_rows)
+    if out_idx is not None and (relu or mask_with is not None):
+        raise ValueError("relu and mask_with apply to sorted output rows, not with out_idx")
+    dot_with = _sorted_rows("dot_with", dot_with, num_rows, n)
+    mask_with = _sorted_rows("mask_with", mask_with, num_rows, n)
+    dots = src.new_empty(num_rows) if dot_with is not None else None
     out = src.new_empty(out_rows, n)
     if num_rows and n:
         lib.sf_cvmm(src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se, ld, trans,
                     counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
-                    _ptr(scale), _ptr(dot_with), _ptr(dots), torch.get_num_threads(),
-                    _chunk(max(m, n)))
+                    _ptr(scale), _ptr(dot_with), _ptr(dots), int(relu), _ptr(mask_with),
+                    torch.get_num_threads(), _chunk(max(m, n)))
     else:
         out.zero_()
         if dots is not None:

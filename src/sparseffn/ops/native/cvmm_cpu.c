@@ -108,13 +108,17 @@ static void unlock_row(volatile char *locks, int64_t i) {
  * are zero). The first row to land on out[i] is stored and later ones added, under a per-row
  * lock, since the k pairs of one token belong to different experts and threads.
  * If dot_with is given ([P, n], sorted), dots[r] = <z_r, dot_with[r]> (the gate gradient
- * <dy W^T, x>). in_idx NULL reads src row r; scale NULL means 1. */
+ * <dy W^T, x>). in_idx NULL reads src row r; scale NULL means 1.
+ * Epilogues on y (sorted output only): relu != 0 applies max(y, 0); mask_with ([P, n])
+ * zeroes y where mask_with <= 0 (the ReLU derivative, given the ReLU's output). */
 int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
             const float *w, int64_t wse, int w_ld, int w_trans,
             const int64_t *counts, int E, int m, int n,
             float *out, int64_t out_rows, const int64_t *out_idx, const float *scale,
-            const float *dot_with, float *dots, int nthreads, int chunk) {
+            const float *dot_with, float *dots, int relu, const float *mask_with,
+            int nthreads, int chunk) {
     if (!g_sgemm) return -1;
+    if (out_idx && (relu || mask_with)) return -2;
     item *items; int n_items = make_items(counts, E, chunk, &items);
     /* locks[i]: bit 0 is the lock, written[i] says whether out row i holds a value yet */
     char *locks = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
@@ -147,6 +151,11 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
                 }
                 if (!out_idx) {
                     if (scale) for (int j = 0; j < n; j++) c[j] *= s;
+                    if (relu) for (int j = 0; j < n; j++) c[j] = c[j] > 0.0f ? c[j] : 0.0f;
+                    if (mask_with) {
+                        const float *mk = mask_with + p * n;
+                        for (int j = 0; j < n; j++) c[j] = mk[j] > 0.0f ? c[j] : 0.0f;
+                    }
                     continue;
                 }
                 int64_t dst = out_idx[p];

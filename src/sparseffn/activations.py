@@ -1,3 +1,5 @@
+"""Activation functions by the names configs use (``ACTIVATIONS`` in config.py)."""
+
 from __future__ import annotations
 
 from typing import Callable

@@ -1,0 +1,92 @@
+"""A mixture of two-layer MLP experts: two CVMMs with an activation between them.
+
+``y_t = Σ_j g_tj · act(x_t W1[e_tj]ᵀ) W2[e_tj]`` (seed 001 Eq. 25), with the hidden units kept
+in the plan's expert-sorted order between the two CVMMs.
+
+On CPU in float32 with ReLU, one autograd function runs both layers on the fused kernels of
+:mod:`~sparseffn.ops.native`, with the ReLU and its derivative, the gate scaling and the gate
+gradient folded into the kernels' epilogues (no separate passes over the
+``[pairs, expert_size]`` hidden units). Everywhere else it is two :func:`cvmm` calls and the
+activation, which compute the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..activations import activation_fn
+from . import native
+from .cvmm import DispatchPlan, cvmm
+
+_FUSED_ACTIVATIONS = {"relu"}
+
+
+def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.Tensor,
+               gates: torch.Tensor, activation: str = "relu",
+               hidden_dropout: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """Apply each token's k experts and sum them with the gates.
+
+    Args:
+      x: [T, d_in] tokens (one row per token of ``plan``).
+      plan: :meth:`DispatchPlan.build` of the [T, k] expert indices.
+      w1: [E, G, d_in], the keys (rows) of each expert's first layer.
+      w2: [E, G, d_out], the values (rows) of each expert's second layer.
+      gates: [T, k] weights of the selected experts.
+      activation: "relu" or "gelu".
+      hidden_dropout: applied to the hidden units [T·k, G] when given (a training-time
+        ``nn.Dropout``); it takes the unfused path.
+
+    Returns [T, d_out].
+    """
+    fused = (activation in _FUSED_ACTIVATIONS and hidden_dropout is None
+             and x.dim() == 2 and not torch.is_autocast_enabled(x.device.type)
+             and native.usable(x, w1, w2, gates))
+    if fused:
+        return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1), plan).reshape(
+            x.shape[0], w2.shape[-1])
+    hidden = activation_fn(activation)(cvmm(x, plan, w1.transpose(1, 2), sorted_output=True))   # [T·k, G]
+    if hidden_dropout is not None:
+        hidden = hidden_dropout(hidden)
+    return cvmm(hidden, plan, w2, gates=gates, sorted_input=True)
+
+
+class _ReluExpertMLP(torch.autograd.Function):
+    """Both layers of ReLU experts on the fused CPU kernels.
+
+    Saves the input, the weights, the gates and the hidden units h = relu(x W1ᵀ) [P, G] in
+    sorted order (the ReLU's derivative is read off h > 0).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, gates, plan: DispatchPlan):
+        tokens, order, counts = plan.token_of_row, plan.order, plan.count_tensor
+        gate_rows = gates.index_select(0, order)
+        hidden = native.cvmm_rows(x, w1.transpose(1, 2), counts, in_idx=tokens, relu=True)
+        y = native.cvmm_rows(hidden, w2, counts, out_idx=tokens, scale=gate_rows,
+                             out_rows=x.shape[0])
+        ctx.save_for_backward(x, w1, w2, gates, hidden, order, tokens)
+        ctx.counts = counts
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w1, w2, gates, hidden, order, tokens = ctx.saved_tensors
+        counts = ctx.counts
+        need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
+        gate_rows = gates.index_select(0, order)
+        grad_x = grad_w1 = grad_w2 = grad_g = None
+        # dh = g · dy W2ᵀ masked by relu'; the gate gradient is <dy W2ᵀ, h> (unscaled rows)
+        grad_pre, dots = native.cvmm_rows(grad_y, w2.transpose(1, 2), counts, in_idx=tokens,
+                                          scale=gate_rows, dot_with=hidden, mask_with=hidden)
+        if need_g:
+            grad_g = torch.empty_like(gates).index_copy_(0, order, dots)
+        if need_w2:   # dW2_e = Σ_r g_r h_rᵀ dy_r
+            grad_w2 = native.weight_grad(hidden, grad_y, counts, b_idx=tokens, scale=gate_rows)
+        if need_x:    # dx_t = Σ_{r of t} dpre_r W1[e_r]
+            grad_x = native.cvmm_rows(grad_pre, w1, counts, out_idx=tokens, out_rows=x.shape[0])
+        if need_w1:   # dW1_e = Σ_r dpre_rᵀ x_r
+            grad_w1 = native.weight_grad(grad_pre, x, counts, b_idx=tokens)
+        return grad_x, grad_w1, grad_w2, grad_g, None
