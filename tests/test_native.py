@@ -171,3 +171,27 @@ def test_blas_thread_setting_of_the_caller_is_restored():
     native.cvmm_rows(torch.randn(P, 16), weight, counts)
     native.weight_grad(torch.randn(P, 16), torch.randn(P, 8), counts)
     assert lib.mkl_get_max_threads() == before
+
+
+def test_without_a_working_compiler_the_pytorch_path_runs(tmp_path):
+    """A failed build warns once, says why, and leaves every layer working."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings, torch, sparseffn\n"
+        "from sparseffn.ops import native\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    layer = sparseffn.SigmaMoE(d_model=8, num_experts=4, expert_size=3, k=2)\n"
+        "    layer(torch.randn(5, 8)).sum().backward()\n"
+        "assert not native.available()\n"
+        "assert 'failed' in native.unavailable_reason(), native.unavailable_reason()\n"
+        "assert any('fused CPU kernels unavailable' in str(w.message) for w in caught)\n"
+        "print('ok')\n")
+    env = {**os.environ, "CC": "false", "SPARSEFFN_CACHE_DIR": str(tmp_path)}
+    env.pop("SPARSEFFN_NO_NATIVE", None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]

@@ -122,9 +122,10 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is not None or _reason is not None:
             return _lib
+        if not sys.platform.startswith("linux"):   # not an error: the PyTorch path runs
+            _reason = "the fused kernels are built on Linux only"
+            return None
         try:
-            if not sys.platform.startswith("linux"):
-                raise RuntimeError("the fused kernels are built on Linux only")
             compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
             if not compiler:
                 raise RuntimeError("no C compiler found (set CC or install gcc)")
@@ -133,9 +134,15 @@ def _load() -> ctypes.CDLL | None:
             key = hashlib.sha256(
                 _SOURCE.read_bytes() + repr((flags, compiler, _machine_tag())).encode()
             ).hexdigest()[:16]
-            path = _cache_dir() / f"cvmm_cpu-{key}.so"
+            name = f"cvmm_cpu-{key}.so"
+            path = _cache_dir() / name
             if not path.exists():
-                _compile(compiler, flags, path)
+                try:
+                    _compile(compiler, flags, path)
+                except OSError:   # cache dir not writable: build into the temp dir instead
+                    path = Path(tempfile.gettempdir()) / f"sparseffn-{os.getuid()}" / name
+                    if not path.exists():
+                        _compile(compiler, flags, path)
             sgemm, local = _find_blas()
             lib = ctypes.CDLL(str(path))
             _declare(lib)

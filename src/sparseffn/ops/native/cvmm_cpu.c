@@ -61,8 +61,8 @@ static void gemm_rm(int M, int N, int K, float alpha, operand A, operand B, floa
 
 typedef struct { int64_t start; int rows; int expert; } item;
 
-/* Split each expert's block into chunks of at most `chunk` rows; largest experts first so
- * that dynamic scheduling balances the tail. Returns the number of items (caller frees). */
+/* Split each expert's block into chunks of at most `chunk` rows, in row order (threads take
+ * them one at a time, so uneven experts still balance). Returns the count; caller frees. */
 static int make_items(const int64_t *counts, int E, int chunk, item **out) {
     int64_t n = 0;
     for (int e = 0; e < E; e++) n += (counts[e] + chunk - 1) / chunk;
