@@ -27,13 +27,6 @@ def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup
     return times
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2
-                        ) -> dict[str, float]:
-    """Median milliseconds of each function over :func:`interleaved_times` rounds."""
-    return {name: statistics.median(ts)
-            for name, ts in interleaved_times(fns, repeats, warmup).items()}
-
-
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     """Median over rounds of the per-round time ratio. Both runs of a round are adjacent in
     time, so this cancels the machine's drift better than a ratio of two medians."""
