@@ -127,8 +127,10 @@ class _CVMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, gates, plan: DispatchPlan, in_layout: str, out_layout: str):
         order, token_of_row = plan.order, plan.token_of_row
+        # The permutation is saved like any tensor (so memory accounting sees it); the input
+        # is saved once, not as its k gathered copies.
         ctx.save_for_backward(x2, weight, gates, order, token_of_row)
-        ctx.counts, ctx.offsets, ctx.count_tensor = plan.counts, plan.offsets, plan.count_tensor
+        ctx.plan = plan
         ctx.in_layout, ctx.out_layout = in_layout, out_layout
         ctx.fused = native.usable(x2, weight, gates)
         if ctx.fused:   # gather, multiply and scatter in L2-sized chunks (ops/native)
@@ -152,7 +154,7 @@ class _CVMM(torch.autograd.Function):
         if ctx.fused and native.usable(grad_out):
             return _CVMM._fused_backward(ctx, grad_out)
         x2, weight, gates, order, token_of_row = ctx.saved_tensors
-        counts, offsets = ctx.counts, ctx.offsets
+        counts, offsets = ctx.plan.counts, ctx.plan.offsets
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
         grad_rows = _rows_from(grad_out, ctx.out_layout, order, token_of_row)  # [P, n], ungated
         rows = _rows_from(x2, ctx.in_layout, order, token_of_row) if (need_w or need_g) else None
@@ -182,7 +184,7 @@ class _CVMM(torch.autograd.Function):
         need_x, need_w, need_g = ctx.needs_input_grad[:3]
         in_idx = _index_of(ctx.in_layout, order, token_of_row)
         out_idx = _index_of(ctx.out_layout, order, token_of_row)
-        counts = ctx.count_tensor
+        counts = ctx.plan.count_tensor
         gate_rows = gates.index_select(0, order) if gates is not None else None
         weight_t = weight.transpose(1, 2)
         grad_x = grad_w = grad_g = None
