@@ -67,24 +67,6 @@ def test_cvmm_rows_dots_with_unscaled_rows(scatter):
         got, _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R))
 
 
-def test_cvmm_rows_reads_strided_rows_and_any_thread_count():
-    E, m, n = 3, 20, 24
-    counts, P, expert_of_row, weight = _sorted_problem(E, [9, 30, 2], m, n)
-    src = torch.randn(P, 2 * m)[:, ::2]              # row stride 2m, column stride 2
-    padded = torch.randn(P, m + 3)[:, :m]            # row stride m + 3, unit column stride
-    want = _rows_reference(src.contiguous(), weight, expert_of_row, None, None, None, P)
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 3, 8):
-            torch.set_num_threads(t)
-            torch.testing.assert_close(native.cvmm_rows(src, weight, counts), want)
-        torch.testing.assert_close(
-            native.cvmm_rows(padded, weight, counts),
-            _rows_reference(padded.contiguous(), weight, expert_of_row, None, None, None, P))
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _with_threads(n, fn):
     saved = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -92,6 +74,20 @@ def _with_threads(n, fn):
         return fn()
     finally:
         torch.set_num_threads(saved)
+
+
+def test_cvmm_rows_reads_strided_rows_and_any_thread_count():
+    E, m, n = 3, 20, 24
+    counts, P, expert_of_row, weight = _sorted_problem(E, [9, 30, 2], m, n)
+    src = torch.randn(P, 2 * m)[:, ::2]              # row stride 2m, column stride 2
+    padded = torch.randn(P, m + 3)[:, :m]            # row stride m + 3, unit column stride
+    want = _rows_reference(src.contiguous(), weight, expert_of_row, None, None, None, P)
+    for t in (1, 3, 8):
+        torch.testing.assert_close(
+            _with_threads(t, lambda: native.cvmm_rows(src, weight, counts)), want)
+    torch.testing.assert_close(
+        _with_threads(8, lambda: native.cvmm_rows(padded, weight, counts)),
+        _rows_reference(padded.contiguous(), weight, expert_of_row, None, None, None, P))
 
 
 @pytest.mark.parametrize("a_gather", [False, True])
