@@ -8,7 +8,8 @@ from sparseffn import DenseMLP, SigmaMoE
 import torch
 
 REQUIRED = {"config", "pass", "moe_ms", "dense_param_ms", "dense_active_ms", "ratio_param",
-            "ratio_active", "moe_saved_bytes", "dense_param_saved_bytes"}
+            "ratio_active", "moe_saved_bytes", "dense_param_saved_bytes", "expert_gemms_ms",
+            "ratio_expert_gemms", "expert_gemms_over_active"}
 
 
 def test_bench_layers_writes_one_record_per_config_and_pass(tmp_path, capsys):
@@ -22,12 +23,45 @@ def test_bench_layers_writes_one_record_per_config_and_pass(tmp_path, capsys):
         assert REQUIRED <= set(r)
         assert r["moe_ms"] > 0 and r["dense_active_ms"] > 0
         assert r["ratio_active"] == pytest.approx(r["moe_ms"] / r["dense_active_ms"])
+        assert r["ratio_expert_gemms"] == pytest.approx(r["moe_ms"] / r["expert_gemms_ms"])
+        assert r["expert_gemms_over_active"] == pytest.approx(
+            r["expert_gemms_ms"] / r["dense_active_ms"])
         if r["config"] == "c":
             assert r["dense_param_ms"] is None and r["ratio_param"] is None
         else:
             assert r["ratio_param"] == pytest.approx(r["moe_ms"] / r["dense_param_ms"])
     out = capsys.readouterr().out
-    assert "moe/active" in out and f"wrote {path}" in out
+    assert "moe/active" in out and "moe/gemms" in out and f"wrote {path}" in out
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_expert_gemms_computes_each_experts_products(backward):
+    """The GEMM-only reference multiplies each expert's block (empty experts skipped) and,
+    with backward, also computes the four backward products."""
+    from sparseffn.bench.gemm_bound import ExpertGemms
+
+    counts = [3, 0, 5, 1]
+    g = ExpertGemms(counts, d_model=6, expert_size=4, backward=backward)
+    g.dh.fill_(float("nan"))
+    g.dw1.fill_(float("nan"))
+    g()
+    start = 0
+    for e, n in enumerate(counts):
+        r = slice(start, start + n)
+        start += n
+        if n == 0:
+            continue
+        h = g.x[r] @ g.w1[e].t()
+        torch.testing.assert_close(g.h[r], h)
+        torch.testing.assert_close(g.y[r], h @ g.w2[e])
+        if backward:
+            dh = g.dy[r] @ g.w2[e].t()
+            torch.testing.assert_close(g.dh[r], dh)
+            torch.testing.assert_close(g.dw2[e], h.t() @ g.dy[r])
+            torch.testing.assert_close(g.dx[r], dh @ g.w1[e])
+            torch.testing.assert_close(g.dw1[e], dh.t() @ g.x[r])
+    if not backward:   # the forward-only reference leaves the backward outputs untouched
+        assert torch.isnan(g.dh).all() and torch.isnan(g.dw1).all()
 
 
 def test_saved_bytes_counts_distinct_storages():

@@ -3,7 +3,9 @@
 For each config, in one run: forward (no autograd) and forward+backward times of σ-MoE, of
 the dense MLP with the same parameters (seed 001's fair baseline) and of the dense MLP with
 ``d_ff = k · expert_size`` (a perfect dispatch: the realised ideal), and the bytes each saves
-for backward. The contenders run in rotation; times are medians over rounds and each ratio is
+for backward. Also timed: the expert matrix products alone on pre-sorted rows
+(:mod:`.gemm_bound`), which splits the MoE's cost over the active-equal dense into what the
+expert shapes cost in the BLAS and what the dispatch adds. The contenders run in rotation; times are medians over rounds and each ratio is
 the median of the per-round ratios (runs adjacent in time), which a noisy machine's drift
 disturbs least.
 """
@@ -22,6 +24,8 @@ from ..auxiliary import aux_loss
 from ..config import SigmaMoEConfig
 from ..layers import DenseMLP, SigmaMoE
 from ..matching import active_equal_dense, param_equal_dense
+from ..ops import DispatchPlan
+from .gemm_bound import ExpertGemms
 from .measure import (forward_backward_fn, forward_fn, interleaved_times, paired_ratio,
                       saved_bytes)
 
@@ -77,11 +81,15 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
                   "dense_active": (dense_active, None)}
     for peer_name, layer in peer_layers:
         contenders["peer:" + peer_name] = (layer, getattr(layer, "bench_extra_loss", None))
+    with torch.no_grad():
+        counts = DispatchPlan.build(moe.router(x).indices, cfg.moe.num_experts).counts
     records = []
     for pass_name in ("forward", "forward_backward"):
         fns = {name: (forward_fn(layer, x) if pass_name == "forward"
                       else forward_backward_fn(layer, x, extra_loss))
                for name, (layer, extra_loss) in contenders.items() if layer is not None}
+        fns["expert_gemms"] = ExpertGemms(counts, cfg.moe.d_model, cfg.moe.expert_size,
+                                          backward=pass_name == "forward_backward")
         times = interleaved_times(fns, repeats)
         ms = {name: statistics.median(ts) for name, ts in times.items()}
         record = {
@@ -97,9 +105,12 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
             "moe_ms": ms["moe"],
             "dense_param_ms": ms.get("dense_param"),
             "dense_active_ms": ms["dense_active"],
+            "expert_gemms_ms": ms["expert_gemms"],
         }
         record["ratio_param"] = _ratio(times, "moe", "dense_param")
         record["ratio_active"] = _ratio(times, "moe", "dense_active")
+        record["ratio_expert_gemms"] = _ratio(times, "moe", "expert_gemms")
+        record["expert_gemms_over_active"] = _ratio(times, "expert_gemms", "dense_active")
         for peer_name, _ in peer_layers:
             peer_ms = ms["peer:" + peer_name]
             record.setdefault("peers", {})[peer_name] = {
@@ -122,7 +133,8 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(records: list[dict]) -> str:
     header = (f"{'cfg':<4}{'pass':<18}{'moe ms':>9}{'dense=param':>13}{'dense=active':>14}"
-              f"{'moe/param':>11}{'moe/active':>12}{'saved MB moe/param':>21}")
+              f"{'moe/param':>11}{'moe/active':>12}{'gemms/active':>14}{'moe/gemms':>11}"
+              f"{'saved MB moe/param':>21}")
     lines = [header, "-" * len(header)]
     for r in records:
         saved = (f"{r['moe_saved_bytes'] / 2**20:.1f}/"
@@ -130,10 +142,13 @@ def format_table(records: list[dict]) -> str:
         lines.append(
             f"{r['config']:<4}{r['pass']:<18}{r['moe_ms']:>9.1f}{_fmt(r['dense_param_ms'], '.1f'):>13}"
             f"{r['dense_active_ms']:>14.1f}{_fmt(r['ratio_param'], '.3f'):>11}"
-            f"{r['ratio_active']:>12.3f}{saved:>21}")
+            f"{r['ratio_active']:>12.3f}{r['expert_gemms_over_active']:>14.3f}"
+            f"{r['ratio_expert_gemms']:>11.3f}{saved:>21}")
         for peer_name, peer in r.get("peers", {}).items():
             lines.append(f"{'':<4}{'  vs ' + peer_name:<18}{_fmt(peer['ms'], '.1f'):>9}"
                          f"   σ-MoE is {_fmt(peer['moe_speedup'], '.2f')}x faster")
+    lines.append("gemms: the expert matrix products alone, on rows pre-sorted by expert "
+                 "(no routing, gather, scatter or activation)")
     return "\n".join(lines)
 
 
