@@ -5,9 +5,9 @@ the dense MLP with the same parameters (seed 001's fair baseline) and of the den
 ``d_ff = k · expert_size`` (a perfect dispatch: the realised ideal), and the bytes each saves
 for backward. Also timed: the expert matrix products alone on pre-sorted rows
 (:mod:`.gemm_bound`), which splits the MoE's cost over the active-equal dense into what the
-expert shapes cost in the BLAS and what the dispatch adds. The contenders run in rotation; times are medians over rounds and each ratio is
-the median of the per-round ratios (runs adjacent in time), which a noisy machine's drift
-disturbs least.
+expert shapes cost in the BLAS and what the dispatch adds. The contenders run in rotation;
+times are medians over rounds and each ratio is the median of the per-round ratios (runs
+adjacent in time), which a noisy machine's drift disturbs least.
 """
 
 from __future__ import annotations

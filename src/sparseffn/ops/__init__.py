@@ -4,4 +4,5 @@ from .cvmm import DispatchPlan, cvmm
 from .expert_mlp import expert_mlp
 from .grouped_mm import grouped_mm, grouped_weight_grad, set_grouped_mm_enabled
 
-__all__ = ["DispatchPlan", "cvmm", "expert_mlp", "grouped_mm", "grouped_weight_grad", "set_grouped_mm_enabled"]
+__all__ = ["DispatchPlan", "cvmm", "expert_mlp", "grouped_mm", "grouped_weight_grad",
+           "set_grouped_mm_enabled"]
