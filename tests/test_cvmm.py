@@ -151,3 +151,39 @@ def test_bad_inputs_raise_clear_errors():
         DispatchPlan.build(torch.tensor([[0, 3]]), 3)
     with pytest.raises(TypeError, match="integer"):
         DispatchPlan.build(torch.tensor([[0.0, 1.0]]), 3)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_dropped_pairs_are_not_computed_and_get_zero_output_and_gradient(matmul_path, gated,
+                                                                        per_slot):
+    T, k, E, m, n = 11, 3, 4, 5, 6
+    indices, tensors = _inputs(T, k, E, m, n, per_slot=per_slot, gated=gated)
+    dispatched = torch.rand(T, k) < 0.6
+    dispatched[0, 0] = False
+    plan = DispatchPlan.build(indices, E, dispatched=dispatched)
+    assert plan.num_pairs == int(dispatched.sum()) and plan.has_dropped
+    assert sum(plan.counts) == plan.num_pairs
+    x, weight = tensors[0], tensors[1]
+    gates = tensors[2] if gated else None
+    out = cvmm(x, plan, weight, gates)
+    # The reference: every pair computed, dropped ones then zeroed (gates zero, or slot masked).
+    ref_inputs = [t.detach().clone().requires_grad_(True) for t in tensors]
+    if gated:
+        ref = cvmm_reference(ref_inputs[0], indices, ref_inputs[1], ref_inputs[2] * dispatched)
+    else:
+        ref = cvmm_reference(ref_inputs[0], indices, ref_inputs[1]) * dispatched.unsqueeze(-1)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    grad = torch.randn_like(ref)
+    out.backward(grad)
+    ref.backward(grad)
+    for got, want in zip(tensors, ref_inputs):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-3, rtol=1e-3)
+    if gated:
+        assert torch.all(tensors[2].grad[~dispatched] == 0)
+
+
+def test_dispatched_mask_must_match_the_indices():
+    with pytest.raises(ValueError, match="dispatched must be a bool tensor"):
+        DispatchPlan.build(torch.zeros(3, 2, dtype=torch.long), 2,
+                           dispatched=torch.ones(3, dtype=torch.bool))

@@ -20,6 +20,7 @@ anyway.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +33,12 @@ from .grouped_mm import grouped_mm, grouped_weight_grad
 class DispatchPlan:
     """The sort of ``(token, slot)`` pairs by expert, shared by every CVMM of one routing.
 
-    Attributes (P = tokens × k pairs):
+    Attributes (P = the dispatched pairs: tokens × k, less any a router dropped):
       index_shape: the shape of ``indices``, ``(*batch, k)``.
       num_experts: E.
       order: int64 [P]; ``order[r]`` is the flat pair id (``token * k + slot``) of sorted row r.
+        A pair outside ``order`` (dropped at capacity) is never computed; its slot output is
+        zero and its gate gets zero gradient.
       token_of_row: int64 [P]; ``order // k``, the token each sorted row reads.
       counts: E python ints, pairs per expert.
       offsets: int32 [E], ``cumsum(counts)``, the end of each expert's block.
@@ -59,12 +62,26 @@ class DispatchPlan:
         return self.order.shape[0]
 
     @property
+    def num_slots(self) -> int:
+        """tokens × k, dispatched or not."""
+        return math.prod(self.index_shape)
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_pairs // self.k if self.k else 0
+        return math.prod(self.index_shape[:-1])
+
+    @property
+    def has_dropped(self) -> bool:
+        return self.num_pairs != self.num_slots
 
     @staticmethod
-    def build(indices: torch.Tensor, num_experts: int) -> "DispatchPlan":
-        """indices: integer tensor [..., k] of experts in ``[0, num_experts)``."""
+    def build(indices: torch.Tensor, num_experts: int,
+              dispatched: torch.Tensor | None = None) -> "DispatchPlan":
+        """indices: integer tensor [..., k] of experts in ``[0, num_experts)``.
+
+        dispatched: optional bool [..., k]; pairs where it is False (tokens dropped at an
+        expert's capacity, seed 001 §4 "Switch Transformer") are left out of the plan.
+        """
         if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"expert indices must be an integer tensor, got {indices.dtype}")
         if indices.dim() < 1:
@@ -76,9 +93,20 @@ class DispatchPlan:
                 raise ValueError(
                     f"expert indices must lie in [0, {num_experts}), got values in [{low}, {high}]"
                 )
-        # A stable sort keeps each expert's pairs in token order (deterministic results).
-        order = torch.sort(flat, stable=True).indices
-        counts_t = torch.bincount(flat, minlength=num_experts)
+        if dispatched is not None:
+            if dispatched.shape != indices.shape or dispatched.dtype != torch.bool:
+                raise ValueError(f"dispatched must be a bool tensor of the indices' shape "
+                                 f"{tuple(indices.shape)}, got {dispatched.dtype} "
+                                 f"{tuple(dispatched.shape)}")
+            keep = dispatched.reshape(-1)
+            # Dropped pairs sort after every expert (key num_experts) and are cut off.
+            keys = flat.masked_fill(~keep, num_experts)
+            order = torch.sort(keys, stable=True).indices[:int(keep.sum())]
+            counts_t = torch.bincount(flat[keep], minlength=num_experts)
+        else:
+            # A stable sort keeps each expert's pairs in token order (deterministic results).
+            order = torch.sort(flat, stable=True).indices
+            counts_t = torch.bincount(flat, minlength=num_experts)
         k = indices.shape[-1]
         return DispatchPlan(
             index_shape=tuple(indices.shape),
@@ -107,11 +135,16 @@ def _rows_from(source: torch.Tensor, layout: str, order: torch.Tensor,
 
 
 def _rows_to(rows: torch.Tensor, layout: str, num_tokens: int, order: torch.Tensor,
-             token_of_row: torch.Tensor) -> torch.Tensor:
-    """Scatter expert-sorted rows [P, ·] into ``layout`` (summing over slots for per-token)."""
+             token_of_row: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
+    """Scatter expert-sorted rows [P, ·] into ``layout`` (summing over slots for per-token).
+
+    num_slots: rows of the per-slot layout; more than P when pairs were dropped (left zero).
+    """
     if layout == _SORTED:
         return rows
     if layout == _SLOT:
+        if num_slots is not None and num_slots != rows.shape[0]:
+            return rows.new_zeros(num_slots, rows.shape[1]).index_copy_(0, order, rows)
         return torch.empty_like(rows).index_copy_(0, order, rows)
     return rows.new_zeros(num_tokens, rows.shape[1]).index_add_(0, token_of_row, rows)
 
@@ -138,7 +171,8 @@ class _CVMM(torch.autograd.Function):
             return native.cvmm_rows(
                 x2, weight, plan.count_tensor, in_idx=_index_of(in_layout, order, token_of_row),
                 out_idx=_index_of(out_layout, order, token_of_row), scale=gate_rows,
-                out_rows=plan.num_tokens if out_layout == _GATED else plan.num_pairs)
+                out_rows=plan.num_tokens if out_layout == _GATED else
+                plan.num_pairs if out_layout == _SORTED else plan.num_slots)
         rows = _rows_from(x2, in_layout, order, token_of_row)          # [P, m], by expert
         gate_rows = gates.index_select(0, order).unsqueeze(1) if gates is not None else None
         m, n = weight.shape[1], weight.shape[2]
@@ -147,7 +181,7 @@ class _CVMM(torch.autograd.Function):
         out_rows = grouped_mm(rows, weight, plan.counts, plan.offsets)  # [P, n]
         if gate_rows is not None and m > n:
             out_rows.mul_(gate_rows)
-        return _rows_to(out_rows, out_layout, plan.num_tokens, order, token_of_row)
+        return _rows_to(out_rows, out_layout, plan.num_tokens, order, token_of_row, plan.num_slots)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -164,11 +198,12 @@ class _CVMM(torch.autograd.Function):
         if need_x or need_g:
             grad_rows_in = grouped_mm(grad_rows, weight.transpose(1, 2), counts, offsets)  # [P, m]
             if need_g:   # d/dg <dy, g · x W> = <dy W^T, x>
-                grad_g = torch.empty_like(gates).index_copy_(0, order, (grad_rows_in * rows).sum(1))
+                grad_g = _pairs_to_slots(gates, order, (grad_rows_in * rows).sum(1))
             if need_x:
                 if gate_rows is not None:
                     grad_rows_in.mul_(gate_rows)
-                grad_x = _rows_to(grad_rows_in, ctx.in_layout, x2.shape[0], order, token_of_row)
+                grad_x = _rows_to(grad_rows_in, ctx.in_layout, x2.shape[0], order, token_of_row,
+                                  x2.shape[0])
         if need_w:
             if gate_rows is not None:   # Σ g x^T dy: scale the narrower side
                 if rows.shape[1] <= grad_rows.shape[1]:
@@ -192,9 +227,10 @@ class _CVMM(torch.autograd.Function):
             rows = _rows_from(x2, ctx.in_layout, order, token_of_row)            # [P, m]
             scaled, dots = native.cvmm_rows(grad_out, weight_t, counts, in_idx=out_idx,
                                             scale=gate_rows, dot_with=rows)   # g · dy W^T
-            grad_g = torch.empty_like(gates).index_copy_(0, order, dots)
+            grad_g = _pairs_to_slots(gates, order, dots)
             if need_x:
-                grad_x = _rows_to(scaled, ctx.in_layout, x2.shape[0], order, token_of_row)
+                grad_x = _rows_to(scaled, ctx.in_layout, x2.shape[0], order, token_of_row,
+                                  x2.shape[0])
         elif need_x:   # dx = Σ g · dy W^T, scattered straight back to the input's layout
             grad_x = native.cvmm_rows(grad_out, weight_t, counts, in_idx=out_idx, out_idx=in_idx,
                                       scale=gate_rows, out_rows=x2.shape[0])
@@ -206,6 +242,13 @@ class _CVMM(torch.autograd.Function):
                 grad_w = native.weight_grad(grad_out, x2, counts, a_idx=out_idx, b_idx=in_idx,
                                             scale=gate_rows).transpose(1, 2)
         return grad_x, grad_w, grad_g, None, None, None
+
+
+def _pairs_to_slots(gates: torch.Tensor, order: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per-pair values [P] in sorted order back to slot order [T·k]; dropped slots get 0."""
+    if order.shape[0] == gates.shape[0]:
+        return torch.empty_like(gates).index_copy_(0, order, values)
+    return torch.zeros_like(gates).index_copy_(0, order, values)
 
 
 def _index_of(layout: str, order: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ import torch
 
 from ..activations import activation_fn
 from . import native
-from .cvmm import DispatchPlan, cvmm
+from .cvmm import DispatchPlan, _pairs_to_slots, cvmm
 
 _FUSED_ACTIVATIONS = {"relu"}
 
@@ -82,7 +82,7 @@ class _ReluExpertMLP(torch.autograd.Function):
         grad_pre, dots = native.cvmm_rows(grad_y, w2.transpose(1, 2), counts, in_idx=tokens,
                                           scale=gate_rows, dot_with=hidden, mask_with=hidden)
         if need_g:
-            grad_g = torch.empty_like(gates).index_copy_(0, order, dots)
+            grad_g = _pairs_to_slots(gates, order, dots)
         if need_w2:   # dW2_e = Σ_r g_r h_rᵀ dy_r
             grad_w2 = native.weight_grad(hidden, grad_y, counts, b_idx=tokens, scale=gate_rows)
         if need_x:    # dx_t = Σ_{r of t} dpre_r W1[e_r]
