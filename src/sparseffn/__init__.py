@@ -6,9 +6,12 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 """
 
 from .auxiliary import aux_loss, aux_loss_terms, reset_usage, routing_stats
-from .config import (DenseMLPConfig, LayerConfig, LayerCost, SigmaMoEConfig, TopKMLPConfig,
-                     config_from_dict)
-from .layers import DenseMLP, SigmaMoE, TopKMLP
+from .config import (DenseMLPConfig, LayerConfig, LayerCost, MoEConfig, SigmaMoEConfig,
+                     TopKMLPConfig, config_from_dict)
+from .layers import DenseMLP, MoE, SigmaMoE, TopKMLP
+from .router_config import (DenseGateRouterConfig, GShardRouterConfig, HierarchicalRouterConfig,
+                            NoisyTopKRouterConfig, RouterConfig, SBaseRouterConfig,
+                            SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig)
 from .matching import active_equal_dense, compare_with_dense, param_equal_dense
 from .ops import DispatchPlan, cvmm
 from .routing import Routing, SparseFFN
@@ -16,7 +19,8 @@ from .runtime import tune_cpu_allocator
 
 __version__ = "0.1.0"
 
-_LAYERS = {DenseMLPConfig: DenseMLP, TopKMLPConfig: TopKMLP, SigmaMoEConfig: SigmaMoE}
+_LAYERS = {DenseMLPConfig: DenseMLP, TopKMLPConfig: TopKMLP, SigmaMoEConfig: SigmaMoE,
+           MoEConfig: MoE}
 
 
 def build_layer(config: LayerConfig) -> SparseFFN:
@@ -28,8 +32,10 @@ def build_layer(config: LayerConfig) -> SparseFFN:
 
 
 __all__ = [
-    "DenseMLP", "DenseMLPConfig", "DispatchPlan", "LayerConfig", "LayerCost", "Routing",
-    "SigmaMoE", "SigmaMoEConfig", "SparseFFN", "TopKMLP", "TopKMLPConfig", "active_equal_dense",
+    "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan", "GShardRouterConfig",
+    "HierarchicalRouterConfig", "LayerConfig", "LayerCost", "MoE", "MoEConfig",
+    "NoisyTopKRouterConfig", "Routing", "RouterConfig", "SBaseRouterConfig", "SigmaRouterConfig",
+    "SoftmaxRouterConfig", "SwitchRouterConfig", "SigmaMoE", "SigmaMoEConfig", "SparseFFN", "TopKMLP", "TopKMLPConfig", "active_equal_dense",
     "aux_loss", "aux_loss_terms", "build_layer", "compare_with_dense", "config_from_dict",
     "cvmm", "param_equal_dense", "reset_usage", "routing_stats", "tune_cpu_allocator",
 ]

@@ -16,51 +16,17 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .router_config import (RouterConfig, SigmaRouterConfig, SIGMA_GATES,
+                            router_config_from)
+from .validation import (require_choice as _require_choice, require_k as _require_k,
+                         require_non_negative as _require_non_negative,
+                         require_positive_int as _require_positive_int,
+                         require_probability as _require_probability)
+
 ACTIVATIONS = ("relu", "gelu")
-SIGMA_MOE_GATES = ("sigmoid", "softmax", "softmax_renorm")
+SIGMA_MOE_GATES = SIGMA_GATES
 SIGMA_MOE_INITS = ("sigma_moe", "standard")
-
-
-def _require_positive_int(config: object, name: str) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"{type(config).__name__}.{name} must be a positive integer, got {value!r}"
-        )
-
-
-def _require_choice(config: object, name: str, allowed: tuple[str, ...]) -> None:
-    value = getattr(config, name)
-    if value not in allowed:
-        raise ValueError(
-            f"{type(config).__name__}.{name} must be one of {', '.join(map(repr, allowed))}, "
-            f"got {value!r}"
-        )
-
-
-def _require_probability(config: object, name: str) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(
-            f"{type(config).__name__}.{name} must be a number in [0, 1), got {value!r}"
-        )
-
-
-def _require_non_negative(config: object, name: str) -> None:
-    value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(
-            f"{type(config).__name__}.{name} must be a non-negative number, got {value!r}"
-        )
-
-
-def _require_k(config: object, upper_name: str) -> None:
-    k = getattr(config, "k")
-    upper = getattr(config, upper_name)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= upper:
-        raise ValueError(
-            f"{type(config).__name__}.k must be an integer in [1, {upper_name}={upper}], got {k!r}"
-        )
+MOE_INITS = ("sigma_moe", "standard", "switch")
 
 
 @dataclass(frozen=True)
@@ -248,3 +214,73 @@ class SigmaMoEConfig(LayerConfig):
             )
         return cls(d_model=d_model, num_experts=num_experts,
                    expert_size=d_ff // num_experts, k=k, **kwargs)
+
+    def to_moe_config(self) -> "MoEConfig":
+        """The same layer as a :class:`MoEConfig` with a σ-MoE router."""
+        return MoEConfig(d_model=self.d_model, num_experts=self.num_experts,
+                         expert_size=self.expert_size, k=self.k, activation=self.activation,
+                         router=SigmaRouterConfig(gate=self.gate,
+                                                  entropy_weight=self.entropy_weight,
+                                                  expert_dropout=self.expert_dropout),
+                         hidden_dropout=self.hidden_dropout, init=self.init,
+                         n_layers=self.n_layers)
+
+
+@dataclass(frozen=True)
+class MoEConfig(LayerConfig):
+    """A mixture of ``num_experts`` two-layer MLP experts of ``expert_size`` hidden units, ``k``
+    per token, chosen by any router (see :mod:`sparseffn.router_config`).
+
+    Fields
+    - ``router``: a router config, a dict with ``type`` (as in TOML) or a bare router name
+      (``"sigma"``, ``"softmax"``, ``"noisy_topk"``, ``"switch"``, ``"gshard"``, ``"sbase"``,
+      ``"dense_softmax"``, ``"hierarchical"``) for its defaults.
+    - ``hidden_dropout``: dropout on the experts' hidden units (Switch's "expert dropout" of
+      0.4 in Fedus et al.; seed 001 Table 4's "standard dropout").
+    - ``init``: ``"sigma_moe"`` (experts like the dense MLP of width num_experts·expert_size
+      they replace, selection rows of equal norm; seed 001 §5), ``"standard"`` (each
+      expert's own fan-in) or ``"switch"`` (Fedus et al.: every matrix
+      ``N(0, sqrt(0.1 / fan_in))``, i.e. ``sqrt(0.1/G)`` for the second expert layer).
+    """
+
+    type_name: ClassVar[str] = "moe"
+
+    d_model: int
+    num_experts: int
+    expert_size: int
+    k: int
+    router: Any = SigmaRouterConfig()
+    activation: str = "relu"
+    hidden_dropout: float = 0.0
+    init: str = "sigma_moe"
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive_int(self, "d_model")
+        _require_positive_int(self, "num_experts")
+        _require_positive_int(self, "expert_size")
+        _require_positive_int(self, "n_layers")
+        _require_k(self, "num_experts")
+        _require_choice(self, "activation", ACTIVATIONS)
+        _require_choice(self, "init", MOE_INITS)
+        _require_probability(self, "hidden_dropout")
+        object.__setattr__(self, "router", router_config_from(self.router))
+        self.router.check_layer(self.num_experts, self.k)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["router"] = self.router.to_dict()
+        return data
+
+    def cost(self) -> LayerCost:
+        selection = self.router.num_params(self.d_model, self.num_experts)
+        expert = 2 * self.d_model * self.expert_size
+        return LayerCost(total_params=selection + self.num_experts * expert,
+                         active_params=selection + self.k * expert,
+                         flops=2 * selection + 2 * self.k * expert,
+                         expert_flops=2 * self.k * expert)
+
+    @property
+    def d_ff(self) -> int:
+        """Hidden units over all experts: the d_ff of the MLP this layer approximates."""
+        return self.num_experts * self.expert_size

@@ -18,19 +18,30 @@ class Routing:
     """Which experts each token uses, and with what weight.
 
     indices: int64 [tokens, k], expert ids.
-    weights: float32 [tokens, k], the gate value multiplying each selected expert's output.
+    weights: float32 [tokens, k], the gate value multiplying each selected expert's output
+      (zero where the slot was not dispatched).
     aux_losses: unweighted auxiliary losses (scalar tensors) by name.
+    dispatched: bool [tokens, k] or None (all dispatched): False where a slot was dropped at
+      an expert's capacity (or, in GShard, where the second expert was not sampled); such a
+      slot is never computed and contributes zero.
+    stats: router-specific statistics (detached scalars), e.g. ``dropped_fraction``.
     """
 
     indices: torch.Tensor
     weights: torch.Tensor
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    dispatched: torch.Tensor | None = None
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert number of (token, slot) selections and total selection weight, float32 [E]."""
+def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                 dispatched: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert number of dispatched (token, slot) pairs and their total selection weight,
+    float32 [E]."""
     flat = indices.reshape(-1)
+    if dispatched is not None:
+        keep = dispatched.reshape(-1)
+        flat, weights = flat[keep], weights.reshape(-1)[keep]
     counts = torch.bincount(flat, minlength=num_experts).float()
     mass = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
     mass.index_add_(0, flat, weights.detach().reshape(-1).float())
@@ -43,7 +54,8 @@ class SparseFFN(nn.Module):
     After each forward a layer holds:
       aux_losses: unweighted auxiliary losses by name (scalar tensors, in the graph);
       aux_loss_weights: the weight of each in the training objective;
-      routing_stats: per-expert ``counts`` and selection ``mass`` of the last forward;
+      routing_stats: per-expert ``counts`` and selection ``mass`` of the last forward, and the
+        router's own statistics (``dropped_fraction`` where capacity applies);
     and accumulates ``usage_counts`` / ``usage_mass`` across forwards until
     :meth:`reset_usage` (for the expert-usage analyses of seed 001 Fig. 3).
     """
@@ -67,8 +79,9 @@ class SparseFFN(nn.Module):
     def _record_routing(self, routing: Routing, num_experts: int) -> None:
         self.aux_losses = dict(routing.aux_losses)
         with torch.no_grad():
-            counts, mass = expert_usage(routing.indices, routing.weights, num_experts)
-            self.routing_stats = {"counts": counts, "mass": mass}
+            counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
+                                        routing.dispatched)
+            self.routing_stats = {"counts": counts, "mass": mass, **routing.stats}
             usage = getattr(self, "usage_counts", None)
             if usage is None or usage.shape[0] != num_experts or usage.device != counts.device:
                 self.reset_usage(num_experts, counts.device)

@@ -1,71 +1,85 @@
-"""σ-MoE expert selection (seed 001 §5) and its softmax ablations (Table 4)."""
+"""σ-MoE expert selection (seed 001 §5), its softmax ablations (Table 4) and softmax top-k."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..config import SigmaMoEConfig
-from ..init import dense_init_std, equal_norm_rows_
 from ..losses import batch_entropy_loss
+from ..router_config import SigmaRouterConfig, SoftmaxRouterConfig
 from ..routing import Routing
+from .base import Router, drop_experts, fp32_linear, init_selection_
 
 
-class SigmaRouter(nn.Module):
-    """Scores ``s = act(W_s x)`` and keeps the top-k experts per token.
+def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, training: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``act(logits)`` with expert dropout; returns (indices [T, k], weights [T, k]).
 
-    - ``gate="sigmoid"``: σ-MoE, ``s = σ(W_s x)``; no competition between experts.
-    - ``gate="softmax"``: ``s = softmax(W_s x)`` over all experts, then top-k, no renormalisation
-      (Table 4 "softmax (before top-k)").
-    - ``gate="softmax_renorm"``: ``normtopk(softmax(W_s x))`` (App. A.1 Eq. 37-39), i.e. a
-      softmax over the k selected logits (Table 4 "softmax (after top-k)").
+    - ``gate="sigmoid"``: weights ``σ(logit)`` (seed 001 Eq. 25 with σ-MoE's sel);
+    - ``gate="softmax"``: weights ``softmax(logits)`` over all experts, gathered, not
+      renormalised (Table 4 "softmax (before top-k)");
+    - ``gate="softmax_renorm"``: ``normtopk(softmax(logits))`` (App. A.1 Eq. 37-39), i.e. a
+      softmax over the k selected logits; they sum to one.
 
-    Expert dropout (Eq. 36): during training each (token, expert) pair is dropped with
-    probability δ. A dropped expert is never selected for that token (while k experts
-    remain), and the kept experts' scores are *not* rescaled. Scores are computed in float32
-    whatever the input dtype. The batch-entropy regulariser (Eq. 34-35) is returned as
-    ``aux_losses["entropy"]``.
+    A dropped (token, expert) pair (Eq. 36) is never selected while k experts remain; if fewer
+    than k survive, the extra slots get weight 0.
+    """
+    selection_logits, dropped = drop_experts(logits, expert_dropout, training)
+    # Sigmoid and softmax are monotonic, so the top-k of the logits is the top-k of s.
+    indices = torch.topk(selection_logits.detach(), k, dim=-1, sorted=False).indices
+    kept = None if dropped is None else ~dropped.gather(1, indices)          # [T, k]
+    chosen_logits = logits.gather(1, indices)
+    if gate == "sigmoid":
+        weights = torch.sigmoid(chosen_logits)
+    elif gate == "softmax":
+        weights = torch.softmax(logits, dim=-1).gather(1, indices)
+    else:  # softmax_renorm: softmax over the selected (and kept) logits
+        shifted = (chosen_logits - chosen_logits.detach().amax(-1, keepdim=True)).exp()
+        if kept is not None:
+            shifted = shifted * kept
+        weights = shifted / shifted.sum(-1, keepdim=True).clamp_min(1e-30)
+    if kept is not None:
+        weights = weights * kept   # only bites when fewer than k experts survive dropout
+    return indices, weights
+
+
+class SigmaRouter(Router):
+    """Scores ``s = act(W_s x)`` and keeps the top-k experts per token (see
+    :func:`select_topk`); the batch-entropy regulariser (Eq. 34-35) is
+    ``aux_losses["entropy"]``. Scores are float32 whatever the input dtype.
 
     forward(x: [tokens, d_model]) -> Routing(indices [tokens, k], weights [tokens, k])
     """
 
-    def __init__(self, config: SigmaMoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
+    def __init__(self, config: SigmaRouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, n_layers)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self.reset_parameters()
 
-    @torch.no_grad()
+    @property
+    def gate(self) -> str:
+        return self.config.gate
+
     def reset_parameters(self) -> None:
-        std = dense_init_std(self.config.d_model, self.config.n_layers)
-        if self.config.init == "sigma_moe":
-            equal_norm_rows_(self.weight, std)
-        else:
-            self.weight.normal_(0.0, std)
+        init_selection_(self.weight, self.init, self.n_layers)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        cfg = self.config
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = nn.functional.linear(x.float(), self.weight.float())   # [T, E]
-        selection_logits = logits
-        dropped = None
-        if self.training and cfg.expert_dropout > 0:
-            dropped = torch.rand_like(logits) < cfg.expert_dropout             # m = 0 (Eq. 36)
-            selection_logits = logits.masked_fill(dropped, float("-inf"))
-        # Sigmoid and softmax are monotonic, so the top-k of the logits is the top-k of s.
-        indices = torch.topk(selection_logits.detach(), cfg.k, dim=-1, sorted=False).indices
-        kept = None if dropped is None else ~dropped.gather(1, indices)       # [T, k]
-        chosen_logits = logits.gather(1, indices)
-        if cfg.gate == "sigmoid":
-            weights = torch.sigmoid(chosen_logits)
-        elif cfg.gate == "softmax":
-            weights = torch.softmax(logits, dim=-1).gather(1, indices)
-        else:  # softmax_renorm: softmax over the selected (and kept) logits
-            shifted = (chosen_logits - chosen_logits.detach().amax(-1, keepdim=True)).exp()
-            if kept is not None:
-                shifted = shifted * kept
-            weights = shifted / shifted.sum(-1, keepdim=True).clamp_min(1e-30)
-        if kept is not None:
-            weights = weights * kept   # only bites when fewer than k experts survive dropout
+        logits = fp32_linear(x, self.weight)                                    # [T, E]
+        indices, weights = select_topk(logits, self.k, self.gate, self.config.expert_dropout,
+                                       self.training)
         return Routing(indices=indices, weights=weights,
                        aux_losses={"entropy": batch_entropy_loss(logits)})
+
+
+class SoftmaxRouter(SigmaRouter):
+    """Softmax top-k (seed 001 §3.3): ``softmax(W x)``, top-k, renormalised over the k or not.
+    Regularised like σ-MoE with the batch entropy (Eq. 35)."""
+
+    def __init__(self, config: SoftmaxRouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, n_layers)   # type: ignore[arg-type]
+
+    @property
+    def gate(self) -> str:
+        return "softmax_renorm" if self.config.renormalize else "softmax"

@@ -1,0 +1,114 @@
+"""What every router shares: fp32 selection logits, initialisation, expert dropout, capacity.
+
+A router maps ``x [tokens, d_model]`` to a :class:`~sparseffn.routing.Routing`; it never knows
+how the experts are computed (../DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..init import dense_init_std, equal_norm_rows_
+from ..router_config import RouterConfig
+from ..routing import Routing
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """``x Wᵀ (+ b)`` in float32 whatever the input dtype or autocast: routing decisions and
+    their losses are computed at full precision (Switch Transformer's "selective precision").
+
+    x: [T, d]; weight: [E, d]; returns [T, E] float32."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return nn.functional.linear(x.float(), weight.float(),
+                                    None if bias is None else bias.float())
+
+
+@torch.no_grad()
+def init_selection_(weight: torch.Tensor, init: str, n_layers: int) -> torch.Tensor:
+    """Initialise a selection matrix [E, d_model].
+
+    - ``"sigma_moe"``: like the experts' first layer, ``N(0, sqrt(2/(d_model n_layers)))``,
+      with every row of equal norm (seed 001 §5);
+    - ``"standard"``: the same distribution without the row-norm equalisation;
+    - ``"switch"``: truncated ``N(0, sqrt(0.1/d_model))`` (Fedus et al.).
+    """
+    d_model = weight.shape[-1]
+    if init == "switch":
+        std = math.sqrt(0.1 / d_model)
+        return nn.init.trunc_normal_(weight, 0.0, std, -2 * std, 2 * std)
+    std = dense_init_std(d_model, n_layers)
+    if init == "sigma_moe":
+        return equal_norm_rows_(weight, std)
+    return weight.normal_(0.0, std)
+
+
+def drop_experts(scores: torch.Tensor, rate: float, training: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Seed 001's expert dropout (Eq. 36): during training each (token, expert) pair is
+    dropped with probability ``rate``; a dropped expert cannot be selected (its score becomes
+    -inf for the selection), and the kept scores are not rescaled.
+
+    Returns (scores for the selection [T, E], dropped mask [T, E] or None)."""
+    if not training or rate <= 0:
+        return scores, None
+    dropped = torch.rand_like(scores) < rate
+    return scores.masked_fill(dropped, float("-inf")), dropped
+
+
+def positions_in_expert(experts: torch.Tensor, num_experts: int,
+                        groups: torch.Tensor | None = None, start: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The buffer position of each pair at its expert: how many earlier pairs (in the given
+    order) of the same group chose the same expert, plus ``start``.
+
+    experts: int64 [P]; groups: optional int64 [P] group ids in [0, G); start: optional
+    int64 [G, E] positions already taken. Returns int64 [P]. O(P log P), no [P, E] one-hot.
+    """
+    key = experts if groups is None else groups * num_experts + experts
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    counts = torch.bincount(key, minlength=int(key.max()) + 1 if key.numel() else 1)
+    first = counts.cumsum(0) - counts                     # where each key's run starts
+    rank = torch.arange(key.numel(), device=key.device) - first[sorted_key]
+    positions = torch.empty_like(rank).scatter_(0, order, rank)
+    if start is not None:
+        positions = positions + start.reshape(-1)[key]
+    return positions
+
+
+def capacity_of(capacity_factor: float | None, tokens: int, k: int, num_experts: int
+                ) -> int | None:
+    """``ceil(capacity_factor · k · tokens / num_experts)`` (at least 1); None when dropless
+    (``capacity_factor`` 0 or None)."""
+    if not capacity_factor:
+        return None
+    return max(1, math.ceil(capacity_factor * k * tokens / num_experts))
+
+
+class Router(nn.Module):
+    """Base of every router: ``forward(x: [tokens, d_model]) -> Routing``.
+
+    Subclasses own their parameters and implement :meth:`forward`; ``reset_parameters`` uses
+    the layer's ``init`` scheme.
+    """
+
+    def __init__(self, config: RouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__()
+        config.check_layer(num_experts, k)
+        self.config = config
+        self.d_model, self.num_experts, self.k = d_model, num_experts, k
+        self.init, self.n_layers = init, n_layers
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}"

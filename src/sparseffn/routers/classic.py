@@ -1,0 +1,113 @@
+"""The classic gates of seed 004: Jacobs et al.'s softmax gate over every expert, with Eigen
+et al.'s running-usage margin rule, and Jordan & Jacobs' hierarchical gate (a gate over
+gates)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..router_config import DenseGateRouterConfig, HierarchicalRouterConfig
+from ..routing import Routing
+from .base import Router, fp32_linear, init_selection_
+
+
+def _every_expert(tokens: int, num_experts: int, device) -> torch.Tensor:
+    return torch.arange(num_experts, device=device).expand(tokens, num_experts)
+
+
+class DenseGateRouter(Router):
+    """``g_i(x) = softmax_i(v_iᵀ [x, 1])`` (Jacobs et al. 1991; seed 004): every expert is
+    used with its gate value; the weights sum to one.
+
+    With ``margin`` m (Eigen et al., deep MoE; seed 004) the router keeps each expert's
+    running total assignment ``G_i(t) = Σ_{t' ≤ t} g_i(x_t')`` in the buffer
+    ``assignment_totals`` during training, and sets ``g_i = 0`` for an expert whose total
+    exceeds the mean total by more than m; the remaining gates are renormalised. The rule is
+    applied per batch (the totals including the batch's gates decide which experts are
+    zeroed; the totals then grow by the gates actually applied); with one example per batch
+    it is the per-example rule. Stats: ``zeroed_experts``.
+
+    forward(x: [tokens, d_model]) -> Routing(indices [tokens, E] = every expert, weights
+    [tokens, E])
+    """
+
+    def __init__(self, config: DenseGateRouterConfig, d_model: int, num_experts: int,
+                 k: int | None = None, init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, num_experts if k is None else k, init,
+                         n_layers)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.bias = nn.Parameter(torch.empty(num_experts))          # the "1" of [x, 1]
+        self.register_buffer("assignment_totals", torch.zeros(num_experts))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_selection_(self.weight, self.init, self.n_layers)
+        with torch.no_grad():
+            self.bias.zero_()
+        self.assignment_totals.zero_()
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        gates = torch.softmax(fp32_linear(x, self.weight, self.bias), dim=-1)      # [T, E]
+        stats = {}
+        margin = self.config.margin
+        if self.training and margin is not None and x.shape[0]:
+            with torch.no_grad():
+                totals = self.assignment_totals + gates.sum(0)
+                over = totals - totals.mean() > margin                         # [E]
+            if bool(over.any()):
+                gates = gates * ~over
+                gates = gates / gates.sum(-1, keepdim=True).clamp_min(1e-30)
+            with torch.no_grad():
+                self.assignment_totals += gates.sum(0)
+            stats["zeroed_experts"] = over.float().sum()
+        return Routing(indices=_every_expert(x.shape[0], self.num_experts, x.device),
+                       weights=gates, stats=stats)
+
+
+class HierarchicalRouter(Router):
+    """A tree of softmax gates on ``[x, 1]`` (Jordan & Jacobs 1994; seed 004): the root
+    chooses among ``branching`` subtrees, each inner node among its own children, down to
+    ``branching ** depth`` leaves. A leaf's weight is the product of the gate values on its
+    path, ``g_i(x) · g_(j|i)(x) · ...``, computed as a sum of log-softmaxes level by level;
+    the leaf weights sum to one. Node n's children are nodes ``n · b + 1 ... n · b + b``
+    (level order); leaf ℓ is the ℓ-th node of the last level.
+
+    forward(x: [tokens, d_model]) -> Routing(indices [tokens, E] = every leaf, weights
+    [tokens, E])
+    """
+
+    def __init__(self, config: HierarchicalRouterConfig, d_model: int, num_experts: int,
+                 k: int | None = None, init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, num_experts if k is None else k, init,
+                         n_layers)
+        self.branching = config.branching
+        self.depth = config.depth(num_experts)
+        num_gates = config.num_gates(num_experts)
+        self.weight = nn.Parameter(torch.empty(num_gates * self.branching, d_model))
+        self.bias = nn.Parameter(torch.empty(num_gates * self.branching))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_selection_(self.weight, self.init, self.n_layers)
+        with torch.no_grad():
+            self.bias.zero_()
+
+    def leaf_log_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """log of each leaf's path product: float32 [T, E]."""
+        b = self.branching
+        node_log_gates = torch.log_softmax(
+            fp32_linear(x, self.weight, self.bias).view(x.shape[0], -1, b), dim=-1)  # [T, N, b]
+        log_weights = node_log_gates.new_zeros(x.shape[0], 1)
+        first = 0
+        for level in range(self.depth):     # expand each level's log gates onto its children
+            width = b ** level
+            level_gates = node_log_gates[:, first:first + width]                  # [T, w, b]
+            log_weights = (log_weights.unsqueeze(-1) + level_gates).reshape(x.shape[0], -1)
+            first += width
+        return log_weights
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        weights = self.leaf_log_weights(x).exp()
+        return Routing(indices=_every_expert(x.shape[0], self.num_experts, x.device),
+                       weights=weights)

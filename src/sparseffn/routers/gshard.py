@@ -1,0 +1,118 @@
+"""GShard's group-level top-2 gating (Lepikhin et al. 2021; seed 004 Algorithm 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..router_config import GShardRouterConfig
+from ..routing import Routing
+from .base import Router, capacity_of, fp32_linear, init_selection_, positions_in_expert
+
+
+@dataclass
+class Top2Assignment:
+    """The result of :func:`gshard_top2` for T tokens.
+
+    indices: int64 [T, 2], (e1, e2). combine: [T, 2], the combine weights 𝒢 (g1, g2 normalised
+    by g1 + g2, zero where not dispatched). dispatched: bool [T, 2]. positions: int64 [T, 2],
+    the buffer position each choice was given. aux_loss: scalar, the mean over groups of
+    ℓ_aux (line 13).
+    """
+
+    indices: torch.Tensor
+    combine: torch.Tensor
+    dispatched: torch.Tensor
+    positions: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | None,
+                uniform: torch.Tensor | None) -> Top2Assignment:
+    """Algorithm 1 of GShard, vectorised over tokens and groups.
+
+    gates: [T, E] softmax gates (line 2); consecutive runs of ``group_size`` tokens form the
+    groups (the last may be shorter; None: one group). capacity: C, the buffer size of each
+    expert in each group (None: unlimited). uniform: [T] draws from U(0, 1) for line 17, or
+    None to dispatch every second choice that fits.
+
+    Line by line: the first choices take buffer positions in token order, and every first
+    choice counts towards c_e, kept or not (lines 7-11); ℓ_aux = (1/E) Σ_e (c_e / S) · m_e
+    (line 13); the second choices continue from c_e, in token order, each advancing its
+    expert's counter whether or not it is dispatched (line 22), and are dispatched when the
+    position fits and ``2 · g2 > rnd`` (line 19).
+    """
+    tokens, num_experts = gates.shape
+    size = group_size or max(tokens, 1)
+    top = torch.topk(gates.detach(), 2, dim=-1).indices                       # line 5 / 15
+    e1, e2 = top[:, 0], top[:, 1]
+    g1, g2 = gates.gather(1, top).unbind(1)
+    g1, g2 = g1 / (g1 + g2), g2 / (g1 + g2)                                  # lines 6, 16
+    group = torch.arange(tokens, device=gates.device) // size
+    num_groups = (tokens + size - 1) // size
+    first_counts = torch.bincount(group * num_experts + e1, minlength=num_groups * num_experts
+                                  ).view(num_groups, num_experts)          # c_E after line 12
+    pos1 = positions_in_expert(e1, num_experts, group)                       # line 7
+    pos2 = positions_in_expert(e2, num_experts, group, start=first_counts)   # line 18
+    keep1 = torch.ones_like(e1, dtype=torch.bool) if capacity is None else pos1 < capacity
+    keep2 = torch.ones_like(e2, dtype=torch.bool) if capacity is None else pos2 < capacity
+    if uniform is not None:
+        keep2 = keep2 & (2 * g2.detach() > uniform)                          # line 19
+    # Line 13 per group: (1/E) Σ_e (c_e / S) m_e, with m_e the group's mean gate (line 3).
+    group_tokens = torch.bincount(group, minlength=num_groups).clamp_min(1).float()   # S
+    gate_sums = gates.new_zeros(num_groups, num_experts).index_add(0, group, gates)
+    mean_gates = gate_sums / group_tokens.unsqueeze(1)
+    fractions = first_counts.float() / group_tokens.unsqueeze(1)
+    aux = (fractions * mean_gates).sum(1) / num_experts                    # [G]
+    aux = aux.mean() if tokens else gates.new_zeros(())
+    dispatched = torch.stack([keep1, keep2], 1)
+    return Top2Assignment(indices=top, combine=torch.stack([g1, g2], 1) * dispatched,
+                          dispatched=dispatched, positions=torch.stack([pos1, pos2], 1),
+                          aux_loss=aux)
+
+
+class GShardRouter(Router):
+    """Top-2 gating with per-group expert capacity (see :func:`gshard_top2`).
+
+    ``capacity = ceil(capacity_factor · 2 · S / E)`` for groups of S tokens. During training
+    with ``second_expert="random"`` the second expert is sampled with probability
+    ``min(1, 2 · g2)``; at evaluation every second choice that fits is dispatched.
+
+    Auxiliary loss ``gshard`` (line 13). Stats: ``dropped_fraction`` (tokens with no expert
+    at all), ``first_dropped_fraction`` (first choices lost to capacity),
+    ``second_dispatched_fraction``, ``capacity``.
+
+    forward(x: [tokens, d_model]) -> Routing(indices [tokens, 2], weights [tokens, 2],
+    dispatched [tokens, 2])
+    """
+
+    def __init__(self, config: GShardRouterConfig, d_model: int, num_experts: int, k: int = 2,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, n_layers)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))     # wg of line 2
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_selection_(self.weight, self.init, self.n_layers)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        cfg = self.config
+        gates = torch.softmax(fp32_linear(x, self.weight), dim=-1)          # line 2
+        tokens = x.shape[0]
+        group_size = min(cfg.group_size or tokens, tokens) if tokens else 1
+        capacity = capacity_of(cfg.capacity_factor, group_size, 2, self.num_experts)
+        random_second = self.training and cfg.second_expert == "random"
+        uniform = torch.rand(tokens, device=x.device) if random_second else None
+        result = gshard_top2(gates, group_size, capacity, uniform)
+        dispatched = result.dispatched
+        stats = {name: value.float().mean() if tokens else torch.zeros(())
+                 for name, value in (("dropped_fraction", ~dispatched.any(1)),
+                                     ("first_dropped_fraction", ~dispatched[:, 0]),
+                                     ("second_dispatched_fraction", dispatched[:, 1]))}
+        if capacity is not None:
+            stats["capacity"] = torch.tensor(float(capacity))
+        return Routing(indices=result.indices, weights=result.combine,
+                       dispatched=None if bool(dispatched.all()) else dispatched,
+                       aux_losses={"gshard": result.aux_loss}, stats=stats)

@@ -1,0 +1,73 @@
+"""Shazeer et al. (2017) noisily gated top-k (seed 001 Eq. 27-28; seed 004)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..losses import cv_squared
+from ..router_config import NoisyTopKRouterConfig
+from ..routing import Routing
+from .base import Router, fp32_linear, init_selection_
+
+
+def noisy_topk_load(clean: torch.Tensor, noisy: torch.Tensor, noise_std: torch.Tensor,
+                    k: int) -> torch.Tensor:
+    """Shazeer et al.'s smooth load estimate (their App. A, Eq. 8-10): for each token and
+    expert the probability, over a fresh draw of that expert's noise, that it stays in the top
+    k, ``Φ((clean_i - threshold_i) / std_i)``, where the threshold is the k-th largest noisy
+    logit among the *other* experts. Summed over tokens: float32 [E].
+
+    clean, noisy, noise_std: [T, E]. Needs k < E (with k = E every expert is always kept)."""
+    top = torch.topk(noisy, k + 1, dim=-1).values                     # [T, k+1]
+    kth, next_one = top[:, k - 1:k], top[:, k:k + 1]
+    in_top = noisy >= kth                                            # then the threshold is the (k+1)-th
+    threshold = torch.where(in_top, next_one, kth)
+    normal = torch.distributions.Normal(clean.new_zeros(()), clean.new_ones(()))
+    return normal.cdf((clean - threshold) / noise_std).sum(0)
+
+
+class NoisyTopKRouter(Router):
+    """``H(x) = W_g x + N(0,1)·softplus(W_noise x)`` (noise only in training),
+    ``G(x) = softmax(KeepTopK(H(x), k))``: the k weights sum to one.
+
+    Auxiliary losses: ``importance`` = CV(Σ_x G(x))² (seed 001 Eq. 28) and ``load`` = CV of
+    the smooth load estimate squared (:func:`noisy_topk_load`; without noise, the plain
+    counts, which carry no gradient). ``W_noise`` starts at zero, as in Shazeer et al.
+
+    forward(x: [tokens, d_model]) -> Routing(indices [tokens, k], weights [tokens, k])
+    """
+
+    def __init__(self, config: NoisyTopKRouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, n_layers)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))         # W_g
+        self.noise_weight = nn.Parameter(torch.empty(num_experts, d_model))   # W_noise
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_selection_(self.weight, self.init, self.n_layers)
+        with torch.no_grad():
+            self.noise_weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        cfg = self.config
+        clean = fp32_linear(x, self.weight)                                        # [T, E]
+        noisy_run = self.training and cfg.train_noise
+        if noisy_run:
+            noise_std = nn.functional.softplus(fp32_linear(x, self.noise_weight)) + cfg.noise_epsilon
+            logits = clean + torch.randn_like(clean) * noise_std                  # Eq. 27
+        else:
+            logits = clean
+        top = torch.topk(logits, self.k, dim=-1)
+        weights = torch.softmax(top.values, dim=-1)                # softmax(KeepTopK(H, k))
+        indices = top.indices
+        importance = logits.new_zeros(self.num_experts).index_add(
+            0, indices.reshape(-1), weights.reshape(-1))
+        if noisy_run and self.k < self.num_experts:
+            load = noisy_topk_load(clean, logits, noise_std, self.k)
+        else:
+            load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+        return Routing(indices=indices, weights=weights,
+                       aux_losses={"importance": cv_squared(importance),
+                                   "load": cv_squared(load)})

@@ -1,0 +1,57 @@
+"""BASE layers (Lewis et al. 2021) and S-BASE (Clark et al. 2022): balanced assignment during
+training, sigmoid weighting, plain top-k at inference (seed 001 §4, Eq. 32-33)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..losses import batch_entropy_loss
+from ..ops.assignment import exact_balanced_assignment, sinkhorn_log_plan
+from ..router_config import SBaseRouterConfig
+from ..routing import Routing
+from .base import Router, fp32_linear, init_selection_
+
+
+class SBaseRouter(Router):
+    """Scores ``sel(x) = σ(W x)`` (Eq. 32). During training the batch's tokens are assigned
+    to experts so that every expert gets an equal share: the top-k of the Sinkhorn plan of
+    ``exp(W x)`` (``assignment="sinkhorn"``), or the exact linear assignment maximising
+    ``Σ sel(x)[e_x]`` (Eq. 33, ``"exact"``). At evaluation, no balancing: the top-k of
+    ``sel(x)``. The selected experts are weighted by ``sel(x)[e]``.
+
+    Auxiliary loss ``entropy`` (Eq. 35, as seed 001 uses for S-BASE). Stats:
+    ``max_load`` (the busiest expert's pairs over the balanced share).
+
+    forward(x: [tokens, d_model]) -> Routing(indices [tokens, k], weights [tokens, k])
+    """
+
+    def __init__(self, config: SBaseRouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, n_layers)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_selection_(self.weight, self.init, self.n_layers)
+
+    def assign(self, logits: torch.Tensor) -> torch.Tensor:
+        """The balanced top-k assignment of a training batch: int64 [T, k]."""
+        if self.config.assignment == "exact":
+            return exact_balanced_assignment(torch.sigmoid(logits.detach()), self.k)
+        log_plan = sinkhorn_log_plan(logits, self.config.sinkhorn_iterations)
+        return torch.topk(log_plan, self.k, dim=-1, sorted=False).indices
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = fp32_linear(x, self.weight)                                       # [T, E]
+        if self.training:
+            indices = self.assign(logits)
+        else:
+            indices = torch.topk(logits.detach(), self.k, dim=-1, sorted=False).indices
+        weights = torch.sigmoid(logits.gather(1, indices))                        # Eq. 32
+        tokens = x.shape[0]
+        share = tokens * self.k / self.num_experts
+        load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+        stats = {"max_load": (load.max() / share) if tokens else torch.zeros(())}
+        return Routing(indices=indices, weights=weights,
+                       aux_losses={"entropy": batch_entropy_loss(logits)}, stats=stats)

@@ -1,0 +1,46 @@
+"""Config validation: each check raises ``ValueError`` naming the config, the field and what is
+allowed."""
+
+from __future__ import annotations
+
+
+def require_positive_int(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be a positive integer, got {value!r}"
+        )
+
+
+def require_choice(config: object, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in allowed:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be one of {', '.join(map(repr, allowed))}, "
+            f"got {value!r}"
+        )
+
+
+def require_probability(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be a number in [0, 1), got {value!r}"
+        )
+
+
+def require_non_negative(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be a non-negative number, got {value!r}"
+        )
+
+
+def require_k(config: object, upper_name: str) -> None:
+    k = getattr(config, "k")
+    upper = getattr(config, upper_name)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= upper:
+        raise ValueError(
+            f"{type(config).__name__}.k must be an integer in [1, {upper_name}={upper}], got {k!r}"
+        )
