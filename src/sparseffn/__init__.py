@@ -8,7 +8,8 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 from .auxiliary import aux_loss, aux_loss_terms, reset_usage, routing_stats
 from .config import (DenseMLPConfig, LayerConfig, LayerCost, MoEConfig, SigmaMoEConfig,
                      TopKMLPConfig, config_from_dict)
-from .layers import DenseMLP, MoE, SigmaMoE, TopKMLP
+from .layers import (DeepMixtureOfExperts, DenseMLP, HierarchicalMixtureOfExperts,
+                     MixtureOfExperts, MoE, SigmaMoE, TopKMLP)
 from .router_config import (DenseGateRouterConfig, GShardRouterConfig, HierarchicalRouterConfig,
                             NoisyTopKRouterConfig, RouterConfig, SBaseRouterConfig,
                             SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig)
@@ -32,8 +33,8 @@ def build_layer(config: LayerConfig) -> SparseFFN:
 
 
 __all__ = [
-    "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan", "GShardRouterConfig",
-    "HierarchicalRouterConfig", "LayerConfig", "LayerCost", "MoE", "MoEConfig",
+    "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan", "GShardRouterConfig",
+    "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig", "LayerConfig", "LayerCost", "MixtureOfExperts", "MoE", "MoEConfig",
     "NoisyTopKRouterConfig", "Routing", "RouterConfig", "SBaseRouterConfig", "SigmaRouterConfig",
     "SoftmaxRouterConfig", "SwitchRouterConfig", "SigmaMoE", "SigmaMoEConfig", "SparseFFN", "TopKMLP", "TopKMLPConfig", "active_equal_dense",
     "aux_loss", "aux_loss_terms", "build_layer", "compare_with_dense", "config_from_dict",

@@ -1,8 +1,12 @@
-"""Drop-in FFN layers: ``forward(x: [..., d_model]) -> [..., d_model]``."""
+"""Drop-in FFN layers: ``forward(x: [..., d_model]) -> [..., d_model]``, and the classic
+mixtures of seed 004."""
 
+from .classic import (DeepMixtureOfExperts, ExpertBank, GatedMixture,
+                      HierarchicalMixtureOfExperts, MixtureOfExperts)
 from .dense import DenseMLP
 from .moe import MoE
 from .sigma_moe import SigmaMoE
 from .topk import TopKMLP
 
-__all__ = ["DenseMLP", "MoE", "SigmaMoE", "TopKMLP"]
+__all__ = ["DeepMixtureOfExperts", "DenseMLP", "ExpertBank", "GatedMixture",
+           "HierarchicalMixtureOfExperts", "MixtureOfExperts", "MoE", "SigmaMoE", "TopKMLP"]
