@@ -30,6 +30,7 @@ from .validation import (require_choice, require_non_negative, require_positive_
 
 SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm")
 SBASE_ASSIGNMENTS = ("sinkhorn", "exact")
+SBASE_ROUNDINGS = ("topk", "capacity")
 GSHARD_SECOND_EXPERT = ("random", "all")
 
 
@@ -268,6 +269,10 @@ class SBaseRouterConfig(RouterConfig):
       expert taking at most ``ceil(tokens · k / num_experts)`` tokens; solved with SciPy, for
       small batches).
     sinkhorn_iterations: number of row/column normalisations.
+    rounding: how the Sinkhorn plan becomes k experts per token: ``"topk"`` (each token's k
+      largest plan entries, as Clark et al. and seed 001; nearly balanced) or ``"capacity"``
+      (deferred acceptance with at most ``ceil(T·k/E)`` pairs per expert: exactly balanced
+      for k = 1, within a few % for k > 1; slower, see ``ops.assignment.capacity_rounding``).
     entropy_weight: γ of Eq. 35 (seed 001 regularises S-BASE with it, App. B Table 9).
     """
 
@@ -275,10 +280,12 @@ class SBaseRouterConfig(RouterConfig):
 
     assignment: str = "sinkhorn"
     sinkhorn_iterations: int = 8
+    rounding: str = "topk"
     entropy_weight: float = 0.001
 
     def __post_init__(self) -> None:
         require_choice(self, "assignment", SBASE_ASSIGNMENTS)
+        require_choice(self, "rounding", SBASE_ROUNDINGS)
         require_positive_int(self, "sinkhorn_iterations")
         require_non_negative(self, "entropy_weight")
 

@@ -2,6 +2,8 @@
 
 - :func:`sinkhorn_log_plan`: Sinkhorn's row/column normalisation (Sinkhorn 1964; Clark et al.
   2022), in log space;
+- :func:`capacity_rounding`: a balanced plan's scores turned into k experts per token with no
+  expert over capacity;
 - :func:`exact_balanced_assignment`: the linear assignment of Eq. 33 itself, extended to k
   distinct experts per token (a transportation problem; its constraint matrix is totally
   unimodular, so the simplex solution is integral). Needs SciPy; meant for small batches.
@@ -13,6 +15,27 @@ import math
 
 import numpy as np
 import torch
+
+
+def positions_in_expert(experts: torch.Tensor, num_experts: int,
+                        groups: torch.Tensor | None = None, start: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The buffer position of each pair at its expert: how many earlier pairs (in the given
+    order) of the same group chose the same expert, plus ``start``.
+
+    experts: int64 [P]; groups: optional int64 [P] group ids in [0, G); start: optional
+    int64 [G, E] positions already taken. Returns int64 [P]. O(P log P), no [P, E] one-hot.
+    """
+    key = experts if groups is None else groups * num_experts + experts
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    counts = torch.bincount(key, minlength=int(key.max()) + 1 if key.numel() else 1)
+    first = counts.cumsum(0) - counts                     # where each key's run starts
+    rank = torch.arange(key.numel(), device=key.device) - first[sorted_key]
+    positions = torch.empty_like(rank).scatter_(0, order, rank)
+    if start is not None:
+        positions = positions + start.reshape(-1)[key]
+    return positions
 
 
 def sinkhorn_log_plan(logits: torch.Tensor, iterations: int) -> torch.Tensor:
@@ -35,6 +58,51 @@ def sinkhorn_log_plan(logits: torch.Tensor, iterations: int) -> torch.Tensor:
 def balanced_capacity(tokens: int, k: int, num_experts: int) -> int:
     """Pairs per expert in a balanced assignment: ``ceil(tokens · k / num_experts)``."""
     return math.ceil(tokens * k / num_experts)
+
+
+def capacity_rounding(scores: torch.Tensor, k: int, capacity: int | None = None
+                      ) -> torch.Tensor:
+    """k distinct experts per token, each expert taking at most ``capacity`` (default
+    ``ceil(T·k/E)``) pairs, by deferred acceptance: every token short of k experts proposes to
+    its best experts that have not turned it down; each expert keeps the highest-scoring
+    ``capacity`` of the tokens it holds and the new proposers, and turns the rest down; repeat
+    until nobody is turned down. A token that every expert with room has turned down (which
+    takes an adversarial plan) is given its best remaining expert over capacity.
+
+    scores: [T, E] (e.g. a Sinkhorn log plan); returns int64 [T, k], best first."""
+    tokens, num_experts = scores.shape
+    if k > num_experts:
+        raise ValueError(f"cannot choose k={k} distinct experts of {num_experts}")
+    capacity = balanced_capacity(tokens, k, num_experts) if capacity is None else capacity
+    scores = scores.detach().float()
+    if tokens == 0 or k == 0:
+        return torch.zeros(tokens, k, dtype=torch.long, device=scores.device)
+    held = torch.zeros(tokens, num_experts, dtype=torch.bool, device=scores.device)
+    refused = torch.zeros_like(held)
+    slot = torch.arange(k, device=scores.device)
+    keep_count = min(capacity, tokens)
+    while True:
+        need = k - held.sum(1)                                                     # [T]
+        open_scores = scores.masked_fill(held | refused, float("-inf"))
+        best = torch.topk(open_scores, k, dim=1)
+        propose = (slot < need.unsqueeze(1)) & ~torch.isinf(best.values)          # [T, k]
+        if not bool(propose.any()):
+            break
+        candidates = held.clone()
+        rows = torch.arange(tokens, device=scores.device).unsqueeze(1).expand(-1, k)
+        candidates[rows[propose], best.indices[propose]] = True
+        ranked = torch.topk(scores.masked_fill(~candidates, float("-inf")), keep_count, dim=0)
+        kept = torch.zeros_like(held)
+        kept.scatter_(0, ranked.indices, ~torch.isinf(ranked.values))
+        kept &= candidates
+        refused |= candidates & ~kept
+        held = kept
+    short = k - held.sum(1)
+    for t in torch.nonzero(short > 0).flatten().tolist():   # over capacity, rare
+        extra = torch.topk(scores[t].masked_fill(held[t], float("-inf")), int(short[t])).indices
+        held[t, extra] = True
+    ordered = scores.masked_fill(~held, float("-inf"))
+    return torch.topk(ordered, k, dim=1).indices
 
 
 def exact_balanced_assignment(scores: torch.Tensor, k: int, capacity: int | None = None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..init import dense_init_std, equal_norm_rows_
+from ..ops.assignment import positions_in_expert  # noqa: F401  (re-exported for routers)
 from ..router_config import RouterConfig
 from ..routing import Routing
 
@@ -57,27 +58,6 @@ def drop_experts(scores: torch.Tensor, rate: float, training: bool
         return scores, None
     dropped = torch.rand_like(scores) < rate
     return scores.masked_fill(dropped, float("-inf")), dropped
-
-
-def positions_in_expert(experts: torch.Tensor, num_experts: int,
-                        groups: torch.Tensor | None = None, start: torch.Tensor | None = None
-                        ) -> torch.Tensor:
-    """The buffer position of each pair at its expert: how many earlier pairs (in the given
-    order) of the same group chose the same expert, plus ``start``.
-
-    experts: int64 [P]; groups: optional int64 [P] group ids in [0, G); start: optional
-    int64 [G, E] positions already taken. Returns int64 [P]. O(P log P), no [P, E] one-hot.
-    """
-    key = experts if groups is None else groups * num_experts + experts
-    order = torch.sort(key, stable=True).indices
-    sorted_key = key[order]
-    counts = torch.bincount(key, minlength=int(key.max()) + 1 if key.numel() else 1)
-    first = counts.cumsum(0) - counts                     # where each key's run starts
-    rank = torch.arange(key.numel(), device=key.device) - first[sorted_key]
-    positions = torch.empty_like(rank).scatter_(0, order, rank)
-    if start is not None:
-        positions = positions + start.reshape(-1)[key]
-    return positions
 
 
 def capacity_of(capacity_factor: float | None, tokens: int, k: int, num_experts: int

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..losses import batch_entropy_loss
-from ..ops.assignment import exact_balanced_assignment, sinkhorn_log_plan
+from ..ops.assignment import capacity_rounding, exact_balanced_assignment, sinkhorn_log_plan
 from ..router_config import SBaseRouterConfig
 from ..routing import Routing
 from .base import Router, fp32_linear, init_selection_
@@ -15,8 +15,9 @@ from .base import Router, fp32_linear, init_selection_
 
 class SBaseRouter(Router):
     """Scores ``sel(x) = σ(W x)`` (Eq. 32). During training the batch's tokens are assigned
-    to experts so that every expert gets an equal share: the top-k of the Sinkhorn plan of
-    ``exp(W x)`` (``assignment="sinkhorn"``), or the exact linear assignment maximising
+    to experts so that every expert gets an equal share: the Sinkhorn plan of ``exp(W x)``
+    rounded to k experts per token (``assignment="sinkhorn"``, ``rounding`` top-k or
+    capacity-bounded), or the exact linear assignment maximising
     ``Σ sel(x)[e_x]`` (Eq. 33, ``"exact"``). At evaluation, no balancing: the top-k of
     ``sel(x)``. The selected experts are weighted by ``sel(x)[e]``.
 
@@ -40,6 +41,8 @@ class SBaseRouter(Router):
         if self.config.assignment == "exact":
             return exact_balanced_assignment(torch.sigmoid(logits.detach()), self.k)
         log_plan = sinkhorn_log_plan(logits, self.config.sinkhorn_iterations)
+        if self.config.rounding == "capacity":
+            return capacity_rounding(log_plan, self.k)
         return torch.topk(log_plan, self.k, dim=-1, sorted=False).indices
 
     def forward(self, x: torch.Tensor) -> Routing:
