@@ -17,9 +17,26 @@ def test_bench_layers_writes_one_record_per_config_and_pass(tmp_path, capsys):
     assert cli.main(["bench", "layers", "--tokens", "64", "--repeats", "1",
                      "--json", str(path)]) == 0
     records = json.loads(path.read_text())
-    assert [(r["config"], r["pass"]) for r in records] == [
+    layer_records = [r for r in records if "router" not in r]
+    router_records = [r for r in records if "router" in r]
+    assert [(r["config"], r["pass"]) for r in layer_records] == [
         (c, p) for c in "abc" for p in ("forward", "forward_backward")]
-    for r in records:
+    from sparseffn.bench.moe_routers import ROUTER_ROWS
+    assert [r["router"] for r in router_records] == \
+        ["sigma"] * 3 + [name for name, _, _ in ROUTER_ROWS]
+    from sparseffn import MoEConfig, param_equal_dense
+    for r in router_records:
+        cfg = MoEConfig(d_model=r["d_model"], num_experts=r["num_experts"],
+                        expert_size=r["expert_size"], k=r["k"], router=r["router_config"])
+        assert r["dense_param_d_ff"] == param_equal_dense(cfg).d_ff   # its own param-equal dense
+        assert r["moe_ms"] > 0 and r["ratio_param"] > 0
+        if r["router"] == "sigma":
+            assert r["ratio_sigma_same_k"] == 1.0
+        assert (r["dropped_fraction"] is not None) == r["router"].startswith("switch") or \
+            r["router"] == "gshard"
+    out = capsys.readouterr().out
+    assert "/σ-MoE same k" in out and "noisy_topk" in out
+    for r in layer_records:
         assert REQUIRED <= set(r)
         assert r["moe_ms"] > 0 and r["dense_active_ms"] > 0
         assert r["ratio_active"] == pytest.approx(r["moe_ms"] / r["dense_active_ms"])
@@ -30,7 +47,6 @@ def test_bench_layers_writes_one_record_per_config_and_pass(tmp_path, capsys):
             assert r["dense_param_ms"] is None and r["ratio_param"] is None
         else:
             assert r["ratio_param"] == pytest.approx(r["moe_ms"] / r["dense_param_ms"])
-    out = capsys.readouterr().out
     assert "moe/active" in out and "moe/gemms" in out and f"wrote {path}" in out
 
 
@@ -72,6 +88,13 @@ def test_saved_bytes_counts_distinct_storages():
     assert saved_bytes(dense, x) == want
     moe = SigmaMoE(d_model=16, num_experts=4, expert_size=16, k=1)
     assert saved_bytes(moe, x) < want
+
+
+def test_no_routers_leaves_the_router_rows_out(tmp_path):
+    path = tmp_path / "layers.json"
+    assert cli.main(["bench", "layers", "--tokens", "32", "--repeats", "1", "--configs", "a",
+                     "--no-routers", "--json", str(path)]) == 0
+    assert all("router" not in r for r in json.loads(path.read_text()))
 
 
 def test_bad_arguments_exit_with_a_message(capsys):

@@ -153,8 +153,12 @@ def format_table(records: list[dict]) -> str:
 
 
 def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = False,
-        json_path: str | None = None, configs: list[str] | None = None) -> list[dict]:
-    """Run the benchmark, print the table, and write the JSON list if asked."""
+        json_path: str | None = None, configs: list[str] | None = None,
+        routers: bool = True) -> list[dict]:
+    """Run the benchmark, print the table, and write the JSON list if asked.
+
+    With ``routers`` (and config a selected) the list also holds one forward+backward record
+    per router (``"router"`` field; see :mod:`.moe_routers`)."""
     selected = [c for c in default_configs() if configs is None or c.name in configs]
     peer_builders = []
     if peers:
@@ -169,6 +173,12 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
               f"d_model={m.d_model} ...", flush=True)
         records += bench_config(cfg, tokens, repeats, full, peer_builders)
     print(format_table(records))
+    if routers and any(cfg.name == "a" for cfg in selected):
+        from .moe_routers import bench_routers, format_router_table
+        print("routers at config a ...", flush=True)
+        router_records = bench_routers(tokens, repeats)
+        print(format_router_table(router_records))
+        records += router_records
     if json_path:
         directory = os.path.dirname(os.path.abspath(json_path))
         os.makedirs(directory, exist_ok=True)
