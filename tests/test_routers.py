@@ -17,7 +17,7 @@ from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
                                      SBaseRouterConfig, SigmaRouterConfig, SoftmaxRouterConfig,
                                      SwitchRouterConfig)
 from sparseffn.routers import build_router, gshard_top2
-from sparseffn.routers.base import positions_in_expert
+from sparseffn.ops.assignment import positions_in_expert
 from sparseffn.routers.noisy import noisy_topk_load
 
 E = 8
@@ -521,3 +521,24 @@ def test_every_router_fits_a_regression_task(name):
     with torch.no_grad():
         final = (layer(x) - y).square().mean().item()
     assert final < 0.35 * baseline, (final, baseline)
+
+
+def test_a_moe_with_its_router_is_one_toml_table():
+    import tomllib
+    text = """
+    type = "moe"
+    d_model = 16
+    num_experts = 8
+    expert_size = 4
+    k = 2
+    init = "switch"
+    [router]
+    type = "gshard"
+    capacity_factor = 1.5
+    group_size = 64
+    """
+    cfg = config_from_dict(tomllib.loads("\n".join(line.strip() for line in text.splitlines())))
+    assert cfg.router == GShardRouterConfig(capacity_factor=1.5, group_size=64)
+    layer = sparseffn.build_layer(cfg)
+    assert isinstance(layer.router, sparseffn.routers.GShardRouter)
+    assert layer(torch.randn(3, 16)).shape == (3, 16)

@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .router_config import (RouterConfig, SigmaRouterConfig, SIGMA_GATES,
-                            router_config_from)
+from .router_config import SIGMA_GATES, SigmaRouterConfig, router_config_from
+from .validation import from_typed_dict
 from .validation import (require_choice as _require_choice, require_k as _require_k,
                          require_non_negative as _require_non_negative,
                          require_positive_int as _require_positive_int,
@@ -73,17 +73,7 @@ class LayerConfig:
 
 def config_from_dict(data: dict[str, Any]) -> LayerConfig:
     """Build the config a ``to_dict()`` produced; unknown types and fields are errors."""
-    data = dict(data)
-    type_name = data.pop("type", None)
-    if type_name not in LayerConfig._registry:
-        known = ", ".join(sorted(LayerConfig._registry))
-        raise ValueError(f"config 'type' must be one of {known}, got {type_name!r}")
-    cls = LayerConfig._registry[type_name]
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; fields are {sorted(names)}")
-    return cls(**data)
+    return from_typed_dict(LayerConfig._registry, data, "config")
 
 
 @dataclass(frozen=True)
@@ -145,6 +135,14 @@ class TopKMLPConfig(LayerConfig):
                          flops=flops, expert_flops=flops)
 
 
+def _check_experts(config: object) -> None:
+    """The fields every mixture of MLP experts has."""
+    for name in ("d_model", "num_experts", "expert_size", "n_layers"):
+        _require_positive_int(config, name)
+    _require_k(config, "num_experts")
+    _require_choice(config, "activation", ACTIVATIONS)
+
+
 @dataclass(frozen=True)
 class SigmaMoEConfig(LayerConfig):
     """σ-MoE (seed 001 §5): ``num_experts`` MLP experts of ``expert_size`` hidden units, ``k``
@@ -178,12 +176,7 @@ class SigmaMoEConfig(LayerConfig):
     n_layers: int = 1
 
     def __post_init__(self) -> None:
-        _require_positive_int(self, "d_model")
-        _require_positive_int(self, "num_experts")
-        _require_positive_int(self, "expert_size")
-        _require_positive_int(self, "n_layers")
-        _require_k(self, "num_experts")
-        _require_choice(self, "activation", ACTIVATIONS)
+        _check_experts(self)
         _require_choice(self, "gate", SIGMA_MOE_GATES)
         _require_choice(self, "init", SIGMA_MOE_INITS)
         _require_non_negative(self, "entropy_weight")
@@ -191,12 +184,7 @@ class SigmaMoEConfig(LayerConfig):
         _require_probability(self, "hidden_dropout")
 
     def cost(self) -> LayerCost:
-        selection = self.num_experts * self.d_model                  # W_s
-        expert = 2 * self.d_model * self.expert_size                 # W1^e and W2^e
-        return LayerCost(total_params=selection + self.num_experts * expert,
-                         active_params=selection + self.k * expert,
-                         flops=2 * selection + 2 * self.k * expert,
-                         expert_flops=2 * self.k * expert)
+        return self.to_moe_config().cost()
 
     @property
     def d_ff(self) -> int:
@@ -256,12 +244,7 @@ class MoEConfig(LayerConfig):
     n_layers: int = 1
 
     def __post_init__(self) -> None:
-        _require_positive_int(self, "d_model")
-        _require_positive_int(self, "num_experts")
-        _require_positive_int(self, "expert_size")
-        _require_positive_int(self, "n_layers")
-        _require_k(self, "num_experts")
-        _require_choice(self, "activation", ACTIVATIONS)
+        _check_experts(self)
         _require_choice(self, "init", MOE_INITS)
         _require_probability(self, "hidden_dropout")
         object.__setattr__(self, "router", router_config_from(self.router))

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .validation import (require_choice, require_non_negative, require_positive_int,
+from .validation import (from_typed_dict, require_choice, require_non_negative, require_positive_int,
                          require_probability)
 
 SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm")
@@ -77,17 +77,7 @@ def router_config_from(value: Any) -> RouterConfig:
     if not isinstance(value, dict):
         raise ValueError(f"router must be a router config, a dict with 'type' or a router "
                          f"name, got {value!r}")
-    data = dict(value)
-    type_name = data.pop("type", None)
-    if type_name not in RouterConfig._registry:
-        known = ", ".join(sorted(RouterConfig._registry))
-        raise ValueError(f"router 'type' must be one of {known}, got {type_name!r}")
-    cls = RouterConfig._registry[type_name]
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; fields are {sorted(names)}")
-    return cls(**data)
+    return from_typed_dict(RouterConfig._registry, value, "router")
 
 
 def _require_k(config: RouterConfig, k: int, allowed: int, why: str) -> None:

@@ -3,6 +3,25 @@ allowed."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+
+def from_typed_dict(registry: dict[str, type], data: dict[str, Any], kind: str) -> Any:
+    """Build the dataclass ``registry[data["type"]]`` from the other fields of ``data``;
+    an unknown type or field is a ValueError naming what is allowed."""
+    data = dict(data)
+    type_name = data.pop("type", None)
+    if type_name not in registry:
+        raise ValueError(f"{kind} 'type' must be one of {', '.join(sorted(registry))}, "
+                         f"got {type_name!r}")
+    cls = registry[type_name]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; fields are {sorted(names)}")
+    return cls(**data)
+
 
 def require_positive_int(config: object, name: str) -> None:
     value = getattr(config, name)

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ..init import dense_init_std, equal_norm_rows_
-from ..ops.assignment import positions_in_expert  # noqa: F401  (re-exported for routers)
 from ..router_config import RouterConfig
 from ..routing import Routing
 
@@ -92,3 +91,21 @@ class Router(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}"
+
+
+class LinearRouter(Router):
+    """A router whose scores are ``W x`` for one selection matrix ``weight`` [E, d_model]
+    (W_s / W_3 / wg in the papers), initialised by :func:`init_selection_`."""
+
+    def __init__(self, config: RouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, n_layers)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_selection_(self.weight, self.init, self.n_layers)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``W x`` in float32: [T, E]."""
+        return fp32_linear(x, self.weight)

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from ..router_config import GShardRouterConfig
 from ..routing import Routing
-from .base import Router, capacity_of, fp32_linear, init_selection_, positions_in_expert
+from ..ops.assignment import positions_in_expert
+from .base import LinearRouter, capacity_of
 
 
 @dataclass
@@ -73,7 +72,7 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
                           aux_loss=aux)
 
 
-class GShardRouter(Router):
+class GShardRouter(LinearRouter):
     """Top-2 gating with per-group expert capacity (see :func:`gshard_top2`).
 
     ``capacity = ceil(capacity_factor · 2 · S / E)`` for groups of S tokens. During training
@@ -88,18 +87,9 @@ class GShardRouter(Router):
     dispatched [tokens, 2])
     """
 
-    def __init__(self, config: GShardRouterConfig, d_model: int, num_experts: int, k: int = 2,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers)
-        self.weight = nn.Parameter(torch.empty(num_experts, d_model))     # wg of line 2
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
-
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.config
-        gates = torch.softmax(fp32_linear(x, self.weight), dim=-1)          # line 2
+        gates = torch.softmax(self.logits(x), dim=-1)          # line 2
         tokens = x.shape[0]
         group_size = min(cfg.group_size or tokens, tokens) if tokens else 1
         capacity = capacity_of(cfg.capacity_factor, group_size, 2, self.num_experts)

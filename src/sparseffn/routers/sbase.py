@@ -4,16 +4,14 @@ training, sigmoid weighting, plain top-k at inference (seed 001 §4, Eq. 32-33).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..losses import batch_entropy_loss
 from ..ops.assignment import capacity_rounding, exact_balanced_assignment, sinkhorn_log_plan
-from ..router_config import SBaseRouterConfig
 from ..routing import Routing
-from .base import Router, fp32_linear, init_selection_
+from .base import LinearRouter
 
 
-class SBaseRouter(Router):
+class SBaseRouter(LinearRouter):
     """Scores ``sel(x) = σ(W x)`` (Eq. 32). During training the batch's tokens are assigned
     to experts so that every expert gets an equal share: the Sinkhorn plan of ``exp(W x)``
     rounded to k experts per token (``assignment="sinkhorn"``, ``rounding`` top-k or
@@ -27,15 +25,6 @@ class SBaseRouter(Router):
     forward(x: [tokens, d_model]) -> Routing(indices [tokens, k], weights [tokens, k])
     """
 
-    def __init__(self, config: SBaseRouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers)
-        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
-
     def assign(self, logits: torch.Tensor) -> torch.Tensor:
         """The balanced top-k assignment of a training batch: int64 [T, k]."""
         if self.config.assignment == "exact":
@@ -46,7 +35,7 @@ class SBaseRouter(Router):
         return torch.topk(log_plan, self.k, dim=-1, sorted=False).indices
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = fp32_linear(x, self.weight)                                       # [T, E]
+        logits = self.logits(x)                                       # [T, E]
         if self.training:
             indices = self.assign(logits)
         else:

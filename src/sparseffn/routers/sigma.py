@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from ..losses import batch_entropy_loss
-from ..router_config import SigmaRouterConfig, SoftmaxRouterConfig
 from ..routing import Routing
-from .base import Router, drop_experts, fp32_linear, init_selection_
+from .base import LinearRouter, drop_experts
 
 
 def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, training: bool
@@ -43,7 +40,7 @@ def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, 
     return indices, weights
 
 
-class SigmaRouter(Router):
+class SigmaRouter(LinearRouter):
     """Scores ``s = act(W_s x)`` and keeps the top-k experts per token (see
     :func:`select_topk`); the batch-entropy regulariser (Eq. 34-35) is
     ``aux_losses["entropy"]``. Scores are float32 whatever the input dtype.
@@ -51,21 +48,12 @@ class SigmaRouter(Router):
     forward(x: [tokens, d_model]) -> Routing(indices [tokens, k], weights [tokens, k])
     """
 
-    def __init__(self, config: SigmaRouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers)
-        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        self.reset_parameters()
-
     @property
     def gate(self) -> str:
         return self.config.gate
 
-    def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
-
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = fp32_linear(x, self.weight)                                    # [T, E]
+        logits = self.logits(x)                                                 # [T, E]
         indices, weights = select_topk(logits, self.k, self.gate, self.config.expert_dropout,
                                        self.training)
         return Routing(indices=indices, weights=weights,
@@ -75,10 +63,6 @@ class SigmaRouter(Router):
 class SoftmaxRouter(SigmaRouter):
     """Softmax top-k (seed 001 §3.3): ``softmax(W x)``, top-k, renormalised over the k or not.
     Regularised like σ-MoE with the batch entropy (Eq. 35)."""
-
-    def __init__(self, config: SoftmaxRouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers)   # type: ignore[arg-type]
 
     @property
     def gate(self) -> str:

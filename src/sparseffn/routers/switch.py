@@ -4,15 +4,14 @@ expert capacity."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..losses import router_z_loss, switch_balance_loss
-from ..router_config import SwitchRouterConfig
 from ..routing import Routing
-from .base import Router, capacity_of, drop_experts, fp32_linear, init_selection_, positions_in_expert
+from ..ops.assignment import positions_in_expert
+from .base import LinearRouter, capacity_of, drop_experts
 
 
-class SwitchRouter(Router):
+class SwitchRouter(LinearRouter):
     """``p = softmax(W x)``; each token goes to ``argmax p`` with weight ``p[e]`` (no
     renormalisation). Each expert takes at most ``capacity = ceil(capacity_factor · T / E)``
     tokens, first come first served in token order; the others are dropped: not dispatched,
@@ -25,20 +24,11 @@ class SwitchRouter(Router):
     dispatched [tokens, 1])
     """
 
-    def __init__(self, config: SwitchRouterConfig, d_model: int, num_experts: int, k: int = 1,
-                 init: str = "switch", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers)
-        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
-
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.config
         if self.training and cfg.jitter > 0:   # Switch's multiplicative input jitter
             x = x * torch.empty_like(x).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
-        logits = fp32_linear(x, self.weight)                                  # [T, E]
+        logits = self.logits(x)                                  # [T, E]
         probs = torch.softmax(logits, dim=-1)
         selection, _ = drop_experts(probs, cfg.expert_dropout, self.training)
         top1 = selection.detach().argmax(-1)                                   # [T]
