@@ -124,13 +124,14 @@ def exact_balanced_assignment(scores: torch.Tensor, k: int, capacity: int | None
     if capacity * num_experts < tokens * k or k > num_experts:
         raise ValueError(f"no assignment of {k} distinct experts to each of {tokens} tokens "
                          f"fits {num_experts} experts of capacity {capacity}")
+    from scipy.sparse import csr_matrix
     values = scores.detach().double().cpu().numpy()
     n = tokens * num_experts                        # variable x[t, e] at t * E + e
-    rows = np.repeat(np.arange(tokens), num_experts)
-    token_rows = np.zeros((tokens, n))
-    token_rows[rows, np.arange(n)] = 1.0            # Σ_e x[t, e] = k
-    expert_rows = np.zeros((num_experts, n))
-    expert_rows[np.tile(np.arange(num_experts), tokens), np.arange(n)] = 1.0   # Σ_t x ≤ C
+    ones, columns = np.ones(n), np.arange(n)
+    token_rows = csr_matrix((ones, (np.repeat(np.arange(tokens), num_experts), columns)),
+                            shape=(tokens, n))      # Σ_e x[t, e] = k
+    expert_rows = csr_matrix((ones, (np.tile(np.arange(num_experts), tokens), columns)),
+                             shape=(num_experts, n))   # Σ_t x[t, e] ≤ C
     result = linprog(-values.reshape(-1), A_ub=expert_rows, b_ub=np.full(num_experts, capacity),
                      A_eq=token_rows, b_eq=np.full(tokens, k), bounds=(0.0, 1.0),
                      method="highs-ds")
