@@ -18,18 +18,25 @@ def _problem(T=23, k=3, E=5, d=12, G=7, d_out=10):
     return indices, [x, w1, w2, gates]
 
 
+@pytest.mark.parametrize("with_dropped", [False, True])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_expert_mlp_matches_reference(matmul_path, activation):
+def test_expert_mlp_matches_reference(matmul_path, activation, with_dropped):
+    """Against Eq. 25's loop; dropped pairs (capacity) are skipped, so they count as gate 0."""
     indices, (x, w1, w2, gates) = _problem()
+    dispatched = torch.rand(indices.shape) < 0.5 if with_dropped else None
     act = F.relu if activation == "relu" else F.gelu
-    y = expert_mlp(x, DispatchPlan.build(indices, 5), w1, w2, gates, activation=activation)
-    want = expert_mlp_reference(x, indices, gates, w1.transpose(1, 2), w2, act)
+    plan = DispatchPlan.build(indices, 5, dispatched=dispatched)
+    y = expert_mlp(x, plan, w1, w2, gates, activation=activation)
+    ref_gates = gates * dispatched if with_dropped else gates
+    want = expert_mlp_reference(x, indices, ref_gates, w1.transpose(1, 2), w2, act)
     torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
     grad = torch.randn_like(y)
     got_grads = torch.autograd.grad(y, [x, w1, w2, gates], grad)
     want_grads = torch.autograd.grad(want, [x, w1, w2, gates], grad)
     for got, want_grad in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want_grad, atol=1e-3, rtol=1e-3)
+    if with_dropped:
+        assert torch.all(got_grads[3][~dispatched] == 0)
 
 
 def test_fused_relu_path_is_taken_for_float32_cpu(monkeypatch):
@@ -52,19 +59,3 @@ def test_hidden_dropout_is_applied_to_the_hidden_units():
     kept = expert_mlp(x, plan, w1, w2, gates, hidden_dropout=lambda h: h)
     torch.testing.assert_close(kept, expert_mlp(x, plan, w1, w2, gates))
 
-
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_expert_mlp_skips_dropped_pairs(matmul_path, activation):
-    indices, (x, w1, w2, gates) = _problem()
-    dispatched = torch.rand(indices.shape) < 0.5
-    act = F.relu if activation == "relu" else F.gelu
-    plan = DispatchPlan.build(indices, 5, dispatched=dispatched)
-    y = expert_mlp(x, plan, w1, w2, gates, activation=activation)
-    want = expert_mlp_reference(x, indices, gates * dispatched, w1.transpose(1, 2), w2, act)
-    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
-    grad = torch.randn_like(y)
-    got_grads = torch.autograd.grad(y, [x, w1, w2, gates], grad)
-    want_grads = torch.autograd.grad(want, [x, w1, w2, gates], grad)
-    for got, want_grad in zip(got_grads, want_grads):
-        torch.testing.assert_close(got, want_grad, atol=1e-3, rtol=1e-3)
-    assert torch.all(got_grads[3][~dispatched] == 0)

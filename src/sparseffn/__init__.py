@@ -33,10 +33,12 @@ def build_layer(config: LayerConfig) -> SparseFFN:
 
 
 __all__ = [
-    "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan", "GShardRouterConfig",
-    "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig", "LayerConfig", "LayerCost", "MixtureOfExperts", "MoE", "MoEConfig",
-    "NoisyTopKRouterConfig", "Routing", "RouterConfig", "SBaseRouterConfig", "SigmaRouterConfig",
-    "SoftmaxRouterConfig", "SwitchRouterConfig", "SigmaMoE", "SigmaMoEConfig", "SparseFFN", "TopKMLP", "TopKMLPConfig", "active_equal_dense",
-    "aux_loss", "aux_loss_terms", "build_layer", "compare_with_dense", "config_from_dict",
-    "cvmm", "param_equal_dense", "reset_usage", "routing_stats", "tune_cpu_allocator",
+    "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan",
+    "GShardRouterConfig", "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig",
+    "LayerConfig", "LayerCost", "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig",
+    "RouterConfig", "Routing", "SBaseRouterConfig", "SigmaMoE", "SigmaMoEConfig",
+    "SigmaRouterConfig", "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP",
+    "TopKMLPConfig", "active_equal_dense", "aux_loss", "aux_loss_terms", "build_layer",
+    "compare_with_dense", "config_from_dict", "cvmm", "param_equal_dense", "reset_usage",
+    "routing_stats", "tune_cpu_allocator",
 ]

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .router_config import SIGMA_GATES, SigmaRouterConfig, router_config_from
-from .validation import from_typed_dict
-from .validation import (require_choice as _require_choice, require_k as _require_k,
+from .validation import (from_typed_dict, require_choice as _require_choice, require_k as _require_k,
                          require_non_negative as _require_non_negative,
                          require_positive_int as _require_positive_int,
                          require_probability as _require_probability)

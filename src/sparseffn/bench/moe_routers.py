@@ -42,8 +42,8 @@ def bench_routers(tokens: int, repeats: int, d_model: int = 512, num_experts: in
         return MoEConfig(d_model=d_model, num_experts=num_experts, expert_size=expert_size,
                          k=k, router=router)
 
-    layers = {f"sigma_k{k}": MoE(config(SigmaRouterConfig(), k)).train()
-              for k in sorted({k for _, _, k in ROUTER_ROWS})}
+    sigma_ks = sorted({k for _, _, k in ROUTER_ROWS})
+    layers = {f"sigma_k{k}": MoE(config(SigmaRouterConfig(), k)).train() for k in sigma_ks}
     dense_of: dict[str, str] = {}
     dense_layers: dict[str, DenseMLP] = {}
     for name, router, k in ROUTER_ROWS:
@@ -60,10 +60,10 @@ def bench_routers(tokens: int, repeats: int, d_model: int = 512, num_experts: in
     ms = {name: statistics.median(ts) for name, ts in times.items()}
 
     records = []
-    for name, router, k in [("sigma", SigmaRouterConfig(), k) for k in sorted(
-            {k for _, _, k in ROUTER_ROWS})] + ROUTER_ROWS:
+    for name, router, k in [("sigma", SigmaRouterConfig(), k) for k in sigma_ks] + ROUTER_ROWS:
         key = f"sigma_k{k}" if name == "sigma" else name
-        layers[key](x)   # one more forward for the routing statistics
+        with torch.no_grad():
+            layers[key](x)   # one more forward, for the routing statistics
         stats = layers[key].routing_stats
         dropped = stats.get("dropped_fraction")
         records.append({

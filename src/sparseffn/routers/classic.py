@@ -16,7 +16,28 @@ def _every_expert(tokens: int, num_experts: int, device) -> torch.Tensor:
     return torch.arange(num_experts, device=device).expand(tokens, num_experts)
 
 
-class DenseGateRouter(Router):
+class _AffineGateRouter(Router):
+    """A router whose logits are ``V [x, 1]``: ``weight`` [rows, d_model] and ``bias`` [rows]
+    (zero at initialisation), routing to every expert (k defaults to num_experts)."""
+
+    def __init__(self, config, d_model: int, num_experts: int, k: int | None, init: str,
+                 n_layers: int, rows: int) -> None:
+        super().__init__(config, d_model, num_experts, num_experts if k is None else k, init,
+                         n_layers)
+        self.weight = nn.Parameter(torch.empty(rows, d_model))
+        self.bias = nn.Parameter(torch.empty(rows))          # the "1" of [x, 1]
+
+    def reset_parameters(self) -> None:
+        init_selection_(self.weight, self.init, self.n_layers)
+        with torch.no_grad():
+            self.bias.zero_()
+
+    def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``V [x, 1]`` in float32: [T, rows]."""
+        return fp32_linear(x, self.weight, self.bias)
+
+
+class DenseGateRouter(_AffineGateRouter):
     """``g_i(x) = softmax_i(v_iᵀ [x, 1])`` (Jacobs et al. 1991; seed 004): every expert is
     used with its gate value; the weights sum to one.
 
@@ -34,21 +55,16 @@ class DenseGateRouter(Router):
 
     def __init__(self, config: DenseGateRouterConfig, d_model: int, num_experts: int,
                  k: int | None = None, init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, num_experts if k is None else k, init,
-                         n_layers)
-        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        self.bias = nn.Parameter(torch.empty(num_experts))          # the "1" of [x, 1]
+        super().__init__(config, d_model, num_experts, k, init, n_layers, rows=num_experts)
         self.register_buffer("assignment_totals", torch.zeros(num_experts))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
-        with torch.no_grad():
-            self.bias.zero_()
+        super().reset_parameters()
         self.assignment_totals.zero_()
 
     def forward(self, x: torch.Tensor) -> Routing:
-        gates = torch.softmax(fp32_linear(x, self.weight, self.bias), dim=-1)      # [T, E]
+        gates = torch.softmax(self.gate_logits(x), dim=-1)                        # [T, E]
         stats = {}
         margin = self.config.margin
         if self.training and margin is not None and x.shape[0]:
@@ -65,7 +81,7 @@ class DenseGateRouter(Router):
                        weights=gates, stats=stats)
 
 
-class HierarchicalRouter(Router):
+class HierarchicalRouter(_AffineGateRouter):
     """A tree of softmax gates on ``[x, 1]`` (Jordan & Jacobs 1994; seed 004): the root
     chooses among ``branching`` subtrees, each inner node among its own children, down to
     ``branching ** depth`` leaves. A leaf's weight is the product of the gate values on its
@@ -79,25 +95,17 @@ class HierarchicalRouter(Router):
 
     def __init__(self, config: HierarchicalRouterConfig, d_model: int, num_experts: int,
                  k: int | None = None, init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, num_experts if k is None else k, init,
-                         n_layers)
+        super().__init__(config, d_model, num_experts, k, init, n_layers,
+                         rows=config.num_gates(num_experts) * config.branching)
         self.branching = config.branching
         self.depth = config.depth(num_experts)
-        num_gates = config.num_gates(num_experts)
-        self.weight = nn.Parameter(torch.empty(num_gates * self.branching, d_model))
-        self.bias = nn.Parameter(torch.empty(num_gates * self.branching))
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
-        with torch.no_grad():
-            self.bias.zero_()
 
     def leaf_log_weights(self, x: torch.Tensor) -> torch.Tensor:
         """log of each leaf's path product: float32 [T, E]."""
         b = self.branching
         node_log_gates = torch.log_softmax(
-            fp32_linear(x, self.weight, self.bias).view(x.shape[0], -1, b), dim=-1)  # [T, N, b]
+            self.gate_logits(x).view(x.shape[0], -1, b), dim=-1)                  # [T, N, b]
         log_weights = node_log_gates.new_zeros(x.shape[0], 1)
         first = 0
         for level in range(self.depth):     # expand each level's log gates onto its children
