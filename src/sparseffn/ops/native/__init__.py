@@ -1,10 +1,11 @@
-"""Fused CPU kernels for CVMM, compiled on first use.
+"""Fused CPU kernels for CVMM and FFF trees, compiled on first use.
 
 ``cvmm_cpu.c`` gathers, multiplies and scatters in L2-sized chunks, so the ``[pairs, d_model]``
 copies that the pure-PyTorch path materialises (k gathered inputs, k outputs before the sum)
 never exist. It is plain C with OpenMP; the BLAS routine is the ``sgemm_`` that PyTorch itself
 links (MKL in the x86 wheels), looked up at run time and passed in as a function pointer, so
-nothing links against PyTorch and the build takes about a second.
+nothing links against PyTorch and the build takes about a second. ``fff_cpu.c`` holds the
+level-by-level expansion of fast feed-forward trees and their greedy descent (ops/fff.py).
 
 The shared library is built with the system C compiler (``$CC`` or ``cc``) the first time a
 fused kernel is asked for, into ``$SPARSEFFN_CACHE_DIR`` (default
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("cvmm_cpu.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c")]
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -88,7 +89,7 @@ def _compile(compiler: str, flags: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [compiler, *flags, str(_SOURCE), "-o", str(tmp_out)]
+        cmd = [compiler, *flags, *map(str, _SOURCES), "-o", str(tmp_out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{proc.stderr.strip()[-2000:]}")
@@ -132,9 +133,10 @@ def _load() -> ctypes.CDLL | None:
             flags = [*_FLAGS, "-march=native"] if platform.machine() in ("x86_64", "AMD64") \
                 else list(_FLAGS)
             key = hashlib.sha256(
-                _SOURCE.read_bytes() + repr((flags, compiler, _machine_tag())).encode()
+                b"".join(src.read_bytes() for src in _SOURCES)
+                + repr((flags, compiler, _machine_tag())).encode()
             ).hexdigest()[:16]
-            name = f"cvmm_cpu-{key}.so"
+            name = f"sparseffn_cpu-{key}.so"
             path = _cache_dir() / name
             if not path.exists():
                 try:
@@ -167,7 +169,12 @@ def _declare(lib: ctypes.CDLL) -> None:
                             _P, _P, _P, _P, _INT, _P, _INT, _INT]
     lib.sf_weight_grad.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _P,
                                    _INT, _INT]
-    for fn in (lib.sf_cvmm, lib.sf_weight_grad):
+    lib.sf_fff_expand.argtypes = [_P, _I64, _P, _I64, _I64, _INT, _INT, _P, _INT]
+    lib.sf_fff_expand_backward.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT, _P,
+                                           _INT]
+    lib.sf_fff_descend.argtypes = [_P, _I64, _P, _I64, _P, _I64, _INT, _INT, _P, _INT]
+    for fn in (lib.sf_cvmm, lib.sf_weight_grad, lib.sf_fff_expand, lib.sf_fff_expand_backward,
+               lib.sf_fff_descend):
         fn.restype = _INT
 
 
@@ -329,4 +336,73 @@ def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
     lib.sf_weight_grad(a_src.data_ptr(), a_src.stride(0), _ptr(a_idx), _ptr(scale),
                        b_src.data_ptr(), b_src.stride(0), _ptr(b_idx), counts.data_ptr(), E,
                        ma, nb, out.data_ptr(), torch.get_num_threads(), _chunk(ma + nb))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# FFF trees (fff_cpu.c). Node rows [T, N = 2^d - 1], leaf rows [T, L = 2^d].
+
+def _unit_rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
+    if t.dim() != 2 or t.shape[1] != width or t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU matrix [rows, {width}], got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise MemoryError(f"sparseffn: {what} could not allocate its scratch rows")
+
+
+def fff_expand(node_values: torch.Tensor, depth: int, mode: int,
+               node_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Leaf values [T, 2^depth] from node values [T, 2^depth - 1], level by level (modes in
+    fff_cpu.c: 0 sigmoid products, 1 sums with a(-z) = a(z) - z (needs ``node_logits``),
+    2 sums with a(-z) = -a(z))."""
+    lib = _load()
+    nodes = (1 << depth) - 1
+    a = _unit_rows("node_values", node_values, nodes)
+    z = None if node_logits is None else _unit_rows("node_logits", node_logits, nodes)
+    out = a.new_empty(a.shape[0], 1 << depth)
+    if a.shape[0]:
+        _check(lib.sf_fff_expand(a.data_ptr(), a.stride(0), _ptr(z), 0 if z is None else z.stride(0),
+                                 a.shape[0], depth, mode, out.data_ptr(), torch.get_num_threads()),
+               "fff_expand")
+    return out
+
+
+def fff_expand_backward(grad_leaf: torch.Tensor, leaf: torch.Tensor | None,
+                        node_data: torch.Tensor | None, depth: int, mode: int) -> torch.Tensor:
+    """The gradient [T, 2^depth - 1] of :func:`fff_expand` with respect to the node logits
+    (see ``sf_fff_expand_backward``)."""
+    lib = _load()
+    leaves, nodes = 1 << depth, (1 << depth) - 1
+    g = _unit_rows("grad_leaf", grad_leaf, leaves)
+    leaf = None if leaf is None else _unit_rows("leaf", leaf, leaves)
+    d = None if node_data is None else _unit_rows("node_data", node_data, nodes)
+    out = g.new_empty(g.shape[0], nodes)
+    if g.shape[0]:
+        _check(lib.sf_fff_expand_backward(
+            g.data_ptr(), g.stride(0), _ptr(leaf), 0 if leaf is None else leaf.stride(0),
+            _ptr(d), 0 if d is None else d.stride(0), g.shape[0], depth, mode, out.data_ptr(),
+            torch.get_num_threads()), "fff_expand_backward")
+    return out
+
+
+def fff_descend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                depth: int) -> torch.Tensor:
+    """Greedy descent: the leaf [T] (int64) each token reaches going left where
+    ``<x, w_n> + b_n > 0``. x: [T, dim]; weight: [2^depth - 1, dim]; bias: [2^depth - 1]."""
+    lib = _load()
+    x = _unit_rows("x", x, x.shape[-1] if x.dim() == 2 else -1)
+    weight = _unit_rows("weight", weight, x.shape[1])
+    if weight.shape[0] != (1 << depth) - 1:
+        raise ValueError(f"weight must have 2^depth - 1 = {(1 << depth) - 1} rows, got "
+                         f"{weight.shape[0]}")
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0]:
+        lib.sf_fff_descend(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                           _ptr(bias), x.shape[0], x.shape[1], depth, out.data_ptr(),
+                           torch.get_num_threads())
     return out

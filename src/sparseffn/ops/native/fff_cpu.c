@@ -1,0 +1,183 @@
+/* CPU kernels for fast feed-forward (FFF) trees (seed 003 §1.2-2.3, seed 000).
+ *
+ * Tree layout (sparseffn/ops/fff.py): nodes in heap order, level l holds nodes
+ * [2^l - 1, 2^(l+1) - 1), node n's children are 2n + 1 (left) and 2n + 2 (right); leaves are
+ * numbered left to right. A row of node values has N = 2^d - 1 entries, a row of leaf values
+ * L = 2^d.
+ *
+ * sf_fff_expand        leaf values from node values, level by level, O(L) per token instead of
+ *                      the O(d L) of the original formulation or the O(L^2) of the dense T.
+ * sf_fff_expand_backward   its gradient, a bottom-up sweep of the same cost.
+ * sf_fff_descend       greedy hard inference: d dot products per token.
+ *
+ * Every token is independent; OpenMP threads take contiguous blocks of tokens. Within a token
+ * each level is written out of place (two buffers that alternate, the last level landing in
+ * the output row) so that the loops vectorise; a row of 2^13 floats fits in L1/L2.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+/* Modes: how a node's two children get their values from the parent's value `cur`.
+ *  0  product: node value p = sigmoid(z); left = cur * p, right = cur * (1 - p)
+ *     (Eq. 3-6: leaf probabilities of the original FFF, already normalised);
+ *  1  sum, a(-z) = a(z) - z: node value a(z), plus z; left = cur + a(z), right = left - z
+ *     (Eq. 7 for log-sigmoid, softplus, ReLU and GELU, which all satisfy a(x) - a(-x) = x);
+ *  2  sum, a(-z) = -a(z): node value a(z) = z (linear); left = cur + z, right = cur - z. */
+enum { MODE_PRODUCT = 0, MODE_SUM_SHIFTED = 1, MODE_SUM_ODD = 2 };
+
+static int expand_row(const float *a, const float *z, int depth, int mode, float *out,
+                      float *scratch) {
+    /* The level written last (depth - 1) must land in `out`. */
+    float *buf[2] = { (depth % 2) ? out : scratch, (depth % 2) ? scratch : out };
+    float *src = NULL;
+    for (int l = 0; l < depth; l++) {
+        const int64_t n = (int64_t)1 << l, base = n - 1;
+        float *dst = buf[l % 2];
+        const float *al = a + base;
+        if (l == 0) {
+            const float root = (mode == MODE_PRODUCT) ? 1.0f : 0.0f;
+            const float left = (mode == MODE_PRODUCT) ? root * al[0] : root + al[0];
+            dst[0] = left;
+            dst[1] = (mode == MODE_PRODUCT) ? root - left
+                   : (mode == MODE_SUM_SHIFTED) ? left - z[base] : root - al[0];
+        } else if (mode == MODE_PRODUCT) {
+            #pragma omp simd
+            for (int64_t m = 0; m < n; m++) {
+                const float left = src[m] * al[m];
+                dst[2 * m] = left;
+                dst[2 * m + 1] = src[m] - left;
+            }
+        } else if (mode == MODE_SUM_SHIFTED) {
+            const float *zl = z + base;
+            #pragma omp simd
+            for (int64_t m = 0; m < n; m++) {
+                const float left = src[m] + al[m];
+                dst[2 * m] = left;
+                dst[2 * m + 1] = left - zl[m];
+            }
+        } else {
+            #pragma omp simd
+            for (int64_t m = 0; m < n; m++) {
+                dst[2 * m] = src[m] + al[m];
+                dst[2 * m + 1] = src[m] - al[m];
+            }
+        }
+        src = dst;
+    }
+    return 0;
+}
+
+/* out[t, :L] = leaf values of token t. a, z: [rows, N] with row strides lda, ldz (z is read
+ * in mode 1 only); out: [rows, L] contiguous. Returns 0, or 1 when scratch memory ran out. */
+int sf_fff_expand(const float *a, int64_t lda, const float *z, int64_t ldz, int64_t rows,
+                  int depth, int mode, float *out, int nthreads) {
+    const int64_t L = (int64_t)1 << depth;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+    {
+        float *scratch = (float *)malloc(sizeof(float) * L);
+        if (!scratch) failed = 1;
+        else {
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows; t++)
+                expand_row(a + t * lda, z ? z + t * ldz : NULL, depth, mode, out + t * L,
+                           scratch);
+        }
+        free(scratch);
+    }
+    return failed;
+}
+
+/* Gradient of sf_fff_expand with respect to the node logits z.
+ *
+ * grad_leaf: [rows, L], the gradient of the loss with respect to the leaf values of the mode:
+ *   mode 0 takes the gradient w.r.t. the leaf *probabilities* and the probabilities `leaf`
+ *   themselves, and forms the log-space gradient g = grad * leaf (a leaf probability is the
+ *   exponential of its log-sigmoid path sum); modes 1-2 take the log-space gradient directly
+ *   (`leaf` unused).
+ * d: [rows, N] node derivative data: mode 0 p = sigmoid(z) (a'(z) = 1 - p for log-sigmoid),
+ *   mode 1 a'(z), mode 2 unused.
+ * Bottom-up (Eq. 7 transposed): the two children's gradients g0, g1 of node n sum to the
+ * gradient of the parent's path value, and
+ *   dz_n = g0 a'(z_n) - g1 a'(-z_n) = (g0 + g1) a'(z_n) - g1   (modes 0-1, a'(-z) = 1 - a'(z))
+ *   dz_n = g0 - g1                                              (mode 2).
+ * grad_z: [rows, N] contiguous. */
+int sf_fff_expand_backward(const float *grad_leaf, int64_t ldg, const float *leaf,
+                           int64_t ldl, const float *d, int64_t ldd, int64_t rows, int depth,
+                           int mode, float *grad_z, int nthreads) {
+    const int64_t L = (int64_t)1 << depth, N = L - 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+    {
+        float *buf0 = (float *)malloc(sizeof(float) * L);
+        float *buf1 = (float *)malloc(sizeof(float) * L);
+        if (!buf0 || !buf1) failed = 1;
+        else {
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows; t++) {
+                const float *gt = grad_leaf + t * ldg;
+                const float *dt = d ? d + t * ldd : NULL;
+                float *gz = grad_z + t * N;
+                float *src = buf0, *dst = buf1;
+                if (mode == MODE_PRODUCT) {
+                    const float *lt = leaf + t * ldl;
+                    #pragma omp simd
+                    for (int64_t i = 0; i < L; i++) src[i] = gt[i] * lt[i];
+                } else {
+                    memcpy(src, gt, sizeof(float) * L);
+                }
+                for (int l = depth - 1; l >= 0; l--) {
+                    const int64_t n = (int64_t)1 << l, base = n - 1;
+                    float *gzl = gz + base;
+                    if (mode == MODE_SUM_ODD) {
+                        #pragma omp simd
+                        for (int64_t m = 0; m < n; m++) {
+                            const float g0 = src[2 * m], g1 = src[2 * m + 1];
+                            gzl[m] = g0 - g1;
+                            dst[m] = g0 + g1;
+                        }
+                    } else {
+                        const float *dl = dt + base;
+                        const float sign = (mode == MODE_PRODUCT) ? -1.0f : 1.0f;
+                        const float offset = (mode == MODE_PRODUCT) ? 1.0f : 0.0f;
+                        #pragma omp simd
+                        for (int64_t m = 0; m < n; m++) {
+                            const float g0 = src[2 * m], g1 = src[2 * m + 1], s = g0 + g1;
+                            gzl[m] = s * (offset + sign * dl[m]) - g1;
+                            dst[m] = s;
+                        }
+                    }
+                    float *tmp = src; src = dst; dst = tmp;
+                }
+            }
+        }
+        free(buf0);
+        free(buf1);
+    }
+    return failed;
+}
+
+/* Greedy hard inference (seed 003 §1.2): from the root, go left where z_n = <x, w_n> + b_n > 0
+ * and right otherwise, one node per level. x: [rows, dim] (row stride ldx); w: [N, dim] (row
+ * stride ldw); bias: [N] or NULL; leaf_out: [rows] int64. */
+int sf_fff_descend(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias,
+                   int64_t rows, int dim, int depth, int64_t *leaf_out, int nthreads) {
+    const int64_t first_leaf = ((int64_t)1 << depth) - 1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xt = x + t * ldx;
+        int64_t node = 0;
+        for (int l = 0; l < depth; l++) {
+            const float *wn = w + node * ldw;
+            float s = 0.0f;
+            #pragma omp simd reduction(+:s)
+            for (int j = 0; j < dim; j++) s += xt[j] * wn[j];
+            if (bias) s += bias[node];
+            node = 2 * node + 1 + (s > 0.0f ? 0 : 1);
+        }
+        leaf_out[t] = node - first_leaf;
+    }
+    return 0;
+}
