@@ -15,7 +15,7 @@ from sparseffn.losses import cv_squared, router_z_loss, switch_balance_loss
 from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
                                      HierarchicalRouterConfig, NoisyTopKRouterConfig,
                                      SBaseRouterConfig, SigmaRouterConfig, SoftmaxRouterConfig,
-                                     SwitchRouterConfig)
+                                     SwitchRouterConfig, TreeRouterConfig)
 from sparseffn.routers import build_router, gshard_top2
 from sparseffn.ops.assignment import positions_in_expert
 from sparseffn.routers.noisy import noisy_topk_load
@@ -35,9 +35,12 @@ ROUTERS = {
     "sbase_capacity": (SBaseRouterConfig(rounding="capacity"), 2),
     "dense_softmax": (DenseGateRouterConfig(), E),
     "hierarchical": (HierarchicalRouterConfig(branching=2), E),
+    "tree": (TreeRouterConfig(), 2),
+    "tree_softplus_renorm": (TreeRouterConfig(activation="softplus", renormalize=True), 2),
 }
 # Rules whose weights sum to one per token (before any capacity dropping).
-SUM_TO_ONE = {"softmax_renorm", "noisy_topk", "gshard", "dense_softmax", "hierarchical"}
+SUM_TO_ONE = {"softmax_renorm", "noisy_topk", "gshard", "dense_softmax", "hierarchical",
+              "tree_softplus_renorm"}
 
 
 def _layer(name, d_model=12, expert_size=6, seed=0, **kwargs):

@@ -6,13 +6,13 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 """
 
 from .auxiliary import aux_loss, aux_loss_terms, reset_usage, routing_stats
-from .config import (DenseMLPConfig, LayerConfig, LayerCost, MoEConfig, SigmaMoEConfig,
+from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, SigmaMoEConfig,
                      TopKMLPConfig, config_from_dict)
-from .layers import (DeepMixtureOfExperts, DenseMLP, HierarchicalMixtureOfExperts,
+from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
                      MixtureOfExperts, MoE, SigmaMoE, TopKMLP)
 from .router_config import (DenseGateRouterConfig, GShardRouterConfig, HierarchicalRouterConfig,
                             NoisyTopKRouterConfig, RouterConfig, SBaseRouterConfig,
-                            SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig)
+                            SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
 from .matching import active_equal_dense, compare_with_dense, param_equal_dense
 from .ops import DispatchPlan, cvmm
 from .routing import Routing, SparseFFN
@@ -21,7 +21,7 @@ from .runtime import tune_cpu_allocator
 __version__ = "0.1.0"
 
 _LAYERS = {DenseMLPConfig: DenseMLP, TopKMLPConfig: TopKMLP, SigmaMoEConfig: SigmaMoE,
-           MoEConfig: MoE}
+           MoEConfig: MoE, FFFConfig: FastFeedForward}
 
 
 def build_layer(config: LayerConfig) -> SparseFFN:
@@ -34,11 +34,11 @@ def build_layer(config: LayerConfig) -> SparseFFN:
 
 __all__ = [
     "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan",
-    "GShardRouterConfig", "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig",
+    "FFFConfig", "FastFeedForward", "GShardRouterConfig", "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig",
     "LayerConfig", "LayerCost", "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig",
     "RouterConfig", "Routing", "SBaseRouterConfig", "SigmaMoE", "SigmaMoEConfig",
     "SigmaRouterConfig", "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP",
-    "TopKMLPConfig", "active_equal_dense", "aux_loss", "aux_loss_terms", "build_layer",
+    "TopKMLPConfig", "TreeRouterConfig", "active_equal_dense", "aux_loss", "aux_loss_terms", "build_layer",
     "compare_with_dense", "config_from_dict", "cvmm", "param_equal_dense", "reset_usage",
     "routing_stats", "tune_cpu_allocator",
 ]

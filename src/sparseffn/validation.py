@@ -63,3 +63,26 @@ def require_k(config: object, upper_name: str) -> None:
         raise ValueError(
             f"{type(config).__name__}.k must be an integer in [1, {upper_name}={upper}], got {k!r}"
         )
+
+
+def require_bool(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"{type(config).__name__}.{name} must be true or false, got {value!r}")
+
+
+def matrix_tuple(config: object, name: str) -> tuple[tuple[float, ...], ...] | None:
+    """A config field holding a small matrix (nested lists from TOML/JSON) as a tuple of
+    equal-length tuples of floats; None stays None."""
+    value = getattr(config, name)
+    if value is None:
+        return None
+    try:
+        rows = tuple(tuple(float(v) for v in row) for row in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{type(config).__name__}.{name} must be a matrix (a list of rows of "
+                         f"numbers), got {value!r}") from None
+    if not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows):
+        raise ValueError(f"{type(config).__name__}.{name} must be a non-empty matrix with rows "
+                         f"of equal length")
+    return rows

@@ -4,9 +4,10 @@ mixtures of seed 004."""
 from .classic import (DeepMixtureOfExperts, ExpertBank, GatedMixture,
                       HierarchicalMixtureOfExperts, MixtureOfExperts)
 from .dense import DenseMLP
+from .fff import FastFeedForward
 from .moe import MoE
 from .sigma_moe import SigmaMoE
 from .topk import TopKMLP
 
-__all__ = ["DeepMixtureOfExperts", "DenseMLP", "ExpertBank", "GatedMixture",
+__all__ = ["DeepMixtureOfExperts", "DenseMLP", "ExpertBank", "FastFeedForward", "GatedMixture",
            "HierarchicalMixtureOfExperts", "MixtureOfExperts", "MoE", "SigmaMoE", "TopKMLP"]

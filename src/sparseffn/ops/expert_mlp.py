@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 
 from ..activations import activation_fn
 from . import native
@@ -25,8 +26,9 @@ _FUSED_ACTIVATIONS = {"relu"}
 
 def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.Tensor,
                gates: torch.Tensor, activation: str = "relu",
-               hidden_dropout: Callable[[torch.Tensor], torch.Tensor] | None = None
-               ) -> torch.Tensor:
+               hidden_dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+               indices: torch.Tensor | None = None) -> torch.Tensor:
     """Apply each token's k experts and sum them with the gates.
 
     Args:
@@ -38,19 +40,33 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
       activation: "relu" or "gelu".
       hidden_dropout: applied to the hidden units [T·k, G] when given (a training-time
         ``nn.Dropout``); it takes the unfused path.
+      b1, b2: optional expert biases [E, G] and [E, d_out] (FFF leaves have them):
+        ``act(x W1ᵀ + b1) W2 + b2``, weighted by the gate; they take the unfused path and need
+        ``indices`` [T, k], the expert ids ``plan`` was built from.
 
     Returns [T, d_out].
     """
-    fused = (activation in _FUSED_ACTIVATIONS and hidden_dropout is None
+    biased = b1 is not None or b2 is not None
+    if biased and indices is None:
+        raise ValueError("expert_mlp: biases need the expert indices the plan was built from")
+    fused = (activation in _FUSED_ACTIVATIONS and hidden_dropout is None and not biased
              and x.dim() == 2 and not torch.is_autocast_enabled(x.device.type)
              and native.usable(x, w1, w2, gates))
     if fused:
         return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1), plan).reshape(
             x.shape[0], w2.shape[-1])
-    hidden = activation_fn(activation)(cvmm(x, plan, w1.transpose(1, 2), sorted_output=True))   # [T·k, G]
+    hidden = cvmm(x, plan, w1.transpose(1, 2), sorted_output=True)                  # [P, G]
+    if b1 is not None:   # each sorted row's expert: the plan's order over the flat indices
+        hidden = hidden + b1.index_select(0, indices.reshape(-1).index_select(0, plan.order))
+    hidden = activation_fn(activation)(hidden)
     if hidden_dropout is not None:
         hidden = hidden_dropout(hidden)
-    return cvmm(hidden, plan, w2, gates=gates, sorted_input=True)
+    y = cvmm(hidden, plan, w2, gates=gates, sorted_input=True)
+    if b2 is not None:   # Σ_j g_j b2[e_j], dropped pairs have gate 0
+        y = y + nn.functional.embedding_bag(indices.reshape(-1, plan.k), b2.to(y.dtype),
+                                            per_sample_weights=gates.reshape(-1, plan.k).to(y.dtype),
+                                            mode="sum").reshape(y.shape)
+    return y
 
 
 class _ReluExpertMLP(torch.autograd.Function):

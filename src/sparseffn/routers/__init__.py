@@ -7,7 +7,7 @@ describes.
 from ..router_config import (DenseGateRouterConfig, GShardRouterConfig,
                              HierarchicalRouterConfig, NoisyTopKRouterConfig, RouterConfig,
                              SBaseRouterConfig, SigmaRouterConfig, SoftmaxRouterConfig,
-                             SwitchRouterConfig)
+                             SwitchRouterConfig, TreeRouterConfig)
 from .base import Router
 from .classic import DenseGateRouter, HierarchicalRouter
 from .gshard import GShardRouter, gshard_top2
@@ -15,6 +15,7 @@ from .noisy import NoisyTopKRouter
 from .sbase import SBaseRouter
 from .sigma import SigmaRouter, SoftmaxRouter
 from .switch import SwitchRouter
+from .tree import TreeRouter
 
 ROUTERS: dict[type, type] = {
     SigmaRouterConfig: SigmaRouter,
@@ -25,6 +26,7 @@ ROUTERS: dict[type, type] = {
     SBaseRouterConfig: SBaseRouter,
     DenseGateRouterConfig: DenseGateRouter,
     HierarchicalRouterConfig: HierarchicalRouter,
+    TreeRouterConfig: TreeRouter,
 }
 
 
@@ -40,4 +42,4 @@ def build_router(config: RouterConfig, d_model: int, num_experts: int, k: int,
 
 __all__ = ["DenseGateRouter", "GShardRouter", "HierarchicalRouter", "NoisyTopKRouter",
            "ROUTERS", "Router", "SBaseRouter", "SigmaRouter", "SoftmaxRouter", "SwitchRouter",
-           "build_router", "gshard_top2"]
+           "TreeRouter", "build_router", "gshard_top2"]

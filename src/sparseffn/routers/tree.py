@@ -1,0 +1,128 @@
+"""The fast feed-forward tree as a router (seeds 003 §1.2-2.3 and 000): node logits, the leaf
+distribution in any formulation, top-k leaves, and greedy hard descent."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..ops import fff
+from ..router_config import TreeRouterConfig, tree_depth
+from ..routing import Routing
+from .base import Router, init_selection_
+
+# Depths whose node logits are computed with the weight padded to 2^d rows: a GEMM with
+# 2^d - 1 output columns measured up to 1.6x slower than with 2^d at d = 6-7 (2 cores, MKL);
+# elsewhere the copy of the padded weight costs about what it saves.
+_PADDED_DEPTHS = range(6, 11)
+
+
+class TreeRouter(Router):
+    """``R = softmax(T a(S z))`` over ``num_experts = 2^depth`` leaves (seed 003 Eq. 9), then
+    the top-k leaves with their probabilities as weights.
+
+    Parameters: ``weight`` [N, d_model] and ``bias`` [N] (node_width 1: one neuron per node);
+    with node_width h > 1, ``weight`` [N·h, d_model] and ``hidden_bias`` [N·h] are the nodes'
+    hidden layers, ``out_weight`` [N, h] and ``bias`` [N] their output neurons. With explicit
+    T and S (buffers ``T``, ``S``) there are ``S.shape[1]`` nodes and no tree.
+
+    Also: :meth:`node_logits` (z [T, N]), :meth:`leaf_probs` (R [T, L]) and
+    :meth:`hard_leaves` (greedy descent, [T]).
+    """
+
+    def __init__(self, config: TreeRouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, n_layers)
+        self.depth = None if config.explicit else tree_depth(num_experts, "TreeRouter")
+        self.num_nodes = config.num_nodes(num_experts)
+        h = config.node_width
+        self.weight = nn.Parameter(torch.empty(self.num_nodes * h, d_model))
+        self.bias = nn.Parameter(torch.empty(self.num_nodes)) if config.bias else None
+        if h > 1:
+            self.hidden_bias = nn.Parameter(torch.empty(self.num_nodes * h))
+            self.out_weight = nn.Parameter(torch.empty(self.num_nodes, h))
+        if config.explicit:
+            self.register_buffer("T", torch.tensor(config.t_matrix))
+            self.register_buffer("S", torch.tensor(config.s_matrix))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``init="fff"``: every node parameter uniform in ±1/sqrt(fan_in) (the
+        ``fastfeedforward`` package); ``"layer"``: the weights by the layer's scheme
+        (:func:`init_selection_`), biases zero."""
+        cfg = self.config
+        bound = 1 / math.sqrt(self.d_model)
+        if cfg.init == "fff":
+            self.weight.uniform_(-bound, bound)
+        else:
+            init_selection_(self.weight, self.init, self.n_layers)
+        if self.bias is not None:
+            self.bias.uniform_(-bound, bound) if cfg.init == "fff" else self.bias.zero_()
+        if cfg.node_width > 1:
+            out_bound = 1 / math.sqrt(cfg.node_width)
+            if cfg.init == "fff":
+                self.hidden_bias.uniform_(-bound, bound)
+            else:
+                self.hidden_bias.zero_()
+            self.out_weight.uniform_(-out_bound, out_bound)
+
+    def node_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """z [T, N] in float32 (the routing decision runs at full precision under autocast)."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x = x.float()
+            if self.config.node_width == 1:
+                return self._linear_logits(x)
+            hidden = F.relu(F.linear(x, self.weight.float(), self.hidden_bias.float()))
+            z = (hidden.view(x.shape[0], self.num_nodes, -1) * self.out_weight.float()).sum(-1)
+            return z if self.bias is None else z + self.bias.float()
+
+    def _linear_logits(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias, nodes = self.weight.float(), self.bias, self.num_nodes
+        if self.depth in _PADDED_DEPTHS and x.device.type == "cpu":
+            weight = F.pad(weight, (0, 0, 0, 1))
+            bias = None if bias is None else F.pad(bias.float(), (0, 1))
+            return F.linear(x, weight, bias)[:, :nodes]
+        return F.linear(x, weight, None if bias is None else bias.float())
+
+    def leaf_probs(self, x: torch.Tensor, formulation: str | None = None) -> torch.Tensor:
+        """R(i|x) [T, num_experts] (float32) in ``formulation`` (default: the config's)."""
+        z = self.node_logits(x)
+        if self.config.explicit:
+            return fff.leaf_probs_matrix(z, self.config.activation, self.T, self.S)
+        return fff.leaf_probs(z, formulation or self.config.formulation, self.config.activation)
+
+    @torch.no_grad()
+    def hard_leaves(self, x: torch.Tensor) -> torch.Tensor:
+        """Greedy descent (seed 003 §1.2): int64 [T], one node per level per token, going left
+        where the node's logit is positive."""
+        if self.depth is None:
+            raise ValueError("hard inference needs the tree (this router has explicit T and S)")
+        x = x.float()
+        if self.config.node_width == 1:
+            return fff.descend(x, self.weight.float(),
+                               None if self.bias is None else self.bias.float())
+        h = self.config.node_width
+        weight = self.weight.view(self.num_nodes, h, self.d_model)
+        hidden_bias = self.hidden_bias.view(self.num_nodes, h)
+
+        def node_logit(level: int, node: torch.Tensor) -> torch.Tensor:
+            hidden = F.relu(torch.einsum("td,thd->th", x, weight.index_select(0, node))
+                            + hidden_bias.index_select(0, node))
+            z = (hidden * self.out_weight.index_select(0, node)).sum(-1)
+            return z if self.bias is None else z + self.bias.index_select(0, node)
+        return fff.descend_from_logits_fn(node_logit, self.depth, x.shape[0], x.device)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        probs = self.leaf_probs(x)
+        weights, indices = probs.topk(self.k, dim=-1)
+        if self.config.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(indices, weights)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, depth={self.depth}, "
+                f"activation={self.config.activation}, formulation={self.config.formulation}")

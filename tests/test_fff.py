@@ -1,0 +1,343 @@
+"""Fast feed-forward trees: every formulation against Eq. 9 in float64, the kernels against
+their PyTorch path, hard inference, the layer's modes against per-leaf loops, and the
+fastfeedforward package given the same weights."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import sparseffn
+from conftest import require_native
+from sparseffn import FastFeedForward, FFFConfig, TreeRouterConfig, config_from_dict
+from sparseffn.ops import expert_mlp, DispatchPlan, fff, native
+from sparseffn.routers import build_router
+from sparseffn.routers.tree import TreeRouter
+from reference import expert_mlp_reference
+
+FORMULATIONS = fff.SOFT_FORMULATIONS
+
+
+@pytest.fixture(params=["native", "torch"])
+def tree_path(request):
+    """Run through the C kernels of fff_cpu.c and through their PyTorch fallback."""
+    if request.param == "native":
+        require_native()
+    native.set_native_enabled(request.param == "native")
+    yield request.param
+    native.set_native_enabled(True)
+
+
+def _reference_probs(z64, activation):
+    return fff.leaf_probs_matrix(z64, activation)   # Eq. 9, dense, float64
+
+
+# --- the matrices of Eq. 9 --------------------------------------------------------------
+
+def test_tree_matrices_match_seed_003_example():
+    T, S = fff.tree_matrices(2)
+    assert torch.equal(T, torch.tensor([[1, 0, 1, 0, 0, 0],
+                                        [1, 0, 0, 1, 0, 0],
+                                        [0, 1, 0, 0, 1, 0],
+                                        [0, 1, 0, 0, 0, 1]], dtype=torch.float32))
+    assert torch.equal(S, torch.tensor([[1, 0, 0], [-1, 0, 0], [0, 1, 0], [0, -1, 0],
+                                        [0, 0, 1], [0, 0, -1]], dtype=torch.float32))
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+def test_tree_matrices_structure(depth):
+    T, S = fff.tree_matrices(depth)
+    N, L = 2 ** depth - 1, 2 ** depth
+    assert T.shape == (L, 2 * N) and S.shape == (2 * N, N)
+    assert torch.equal(T.sum(1), torch.full((L,), float(depth)))     # d nodes per path
+    assert torch.equal(T.sum(0)[:2], torch.full((2,), L / 2))        # root: half the leaves each way
+    assert torch.equal(S.abs().sum(0), torch.full((N,), 2.0))
+    # the product form: leaf i's probability is the product of σ(±z) along its path
+    z = torch.randn(3, N, dtype=torch.float64)
+    for leaf in range(L):
+        node, prob = 0, torch.ones(3, dtype=torch.float64)
+        for level in range(depth):
+            turn = (leaf >> (depth - 1 - level)) & 1
+            prob = prob * torch.sigmoid(z[:, node] if turn == 0 else -z[:, node])
+            node = 2 * node + 1 + turn
+        torch.testing.assert_close(_reference_probs(z, "logsigmoid")[:, leaf], prob)
+
+
+# --- formulations -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("activation", fff.TREE_ACTIVATIONS)
+@pytest.mark.parametrize("depth", range(1, 11))
+def test_formulations_agree_outputs_and_gradients(depth, activation, tree_path):
+    z64 = (2 * torch.randn(4, 2 ** depth - 1, dtype=torch.float64)).requires_grad_()
+    grad_out = torch.randn(4, 2 ** depth, dtype=torch.float64)
+    ref = _reference_probs(z64, activation)
+    (ref_grad,) = torch.autograd.grad((ref * grad_out).sum(), z64)
+    for formulation in FORMULATIONS:
+        if formulation == "matrix" and depth > 8:
+            continue   # the float64 reference is this formulation
+        z = z64.detach().float().requires_grad_()
+        probs = fff.leaf_probs(z, formulation, activation)
+        (grad,) = torch.autograd.grad((probs * grad_out.float()).sum(), z)
+        torch.testing.assert_close(probs.double(), ref, atol=2e-6, rtol=1e-4,
+                                   msg=f"{formulation} output")
+        torch.testing.assert_close(grad.double(), ref_grad, atol=5e-6, rtol=1e-3,
+                                   msg=f"{formulation} gradient")
+
+
+@pytest.mark.parametrize("activation", fff.TREE_ACTIVATIONS)
+def test_leaf_probabilities_are_a_distribution(activation):
+    z = 3 * torch.randn(64, 2 ** 7 - 1)
+    for formulation in FORMULATIONS:
+        probs = fff.leaf_probs(z, formulation, activation)
+        assert (probs >= 0).all()
+        torch.testing.assert_close(probs.sum(-1), torch.ones(64), atol=1e-5, rtol=0)
+
+
+def test_levelwise_kernel_equals_its_torch_path():
+    require_native()
+    z = torch.randn(33, 2 ** 9 - 1).requires_grad_()
+    for activation in fff.TREE_ACTIVATIONS:
+        out = fff.leaf_probs_levelwise(z, activation)
+        (g,) = torch.autograd.grad(out.square().sum(), z)
+        ref = fff._levelwise_torch(z, 9, activation)
+        (g_ref,) = torch.autograd.grad(ref.square().sum(), z)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-4)
+
+
+def test_identity_matrices_recover_the_softmax_moe_router():
+    """Seed 003 §2.2: T = S = I and a = identity give softmax(W x)."""
+    z = torch.randn(16, 8)
+    eye = torch.eye(8)
+    torch.testing.assert_close(fff.leaf_probs_matrix(z, "linear", eye, eye), torch.softmax(z, -1))
+    # and as a router in a layer, next to the softmax top-k router with the same weight
+    rows = eye.tolist()
+    tree = build_router(TreeRouterConfig(activation="linear", bias=False, t_matrix=rows,
+                                         s_matrix=rows), 12, 8, 2)
+    softmax = build_router(sparseffn.SoftmaxRouterConfig(), 12, 8, 2)
+    with torch.no_grad():
+        tree.weight.copy_(softmax.weight)
+    x = torch.randn(20, 12)
+    a, b = tree(x), softmax(x)
+    assert torch.equal(a.indices, b.indices)
+    torch.testing.assert_close(a.weights, b.weights)
+
+
+def test_bad_node_counts_and_matrices_are_named():
+    with pytest.raises(ValueError, match="2\\^depth - 1 nodes"):
+        fff.leaf_probs(torch.randn(2, 6))
+    with pytest.raises(ValueError, match="formulation must be one of"):
+        fff.leaf_probs(torch.randn(2, 7), "fast")
+    with pytest.raises(ValueError, match="tree activation"):
+        fff.leaf_probs(torch.randn(2, 7), "levelwise", "tanh")
+    with pytest.raises(ValueError, match="do not chain"):
+        fff.leaf_probs_matrix(torch.randn(2, 7), "linear", torch.eye(3), torch.eye(7))
+
+
+# --- hard inference -------------------------------------------------------------------
+
+def _path_signs_leaf(z64):
+    """The leaf reached by going left wherever the node logit is positive (reference)."""
+    depth = fff.depth_of(z64.shape[1])
+    leaves = []
+    for t in range(z64.shape[0]):
+        node = 0
+        for _ in range(depth):
+            node = 2 * node + (1 if z64[t, node] > 0 else 2)
+        leaves.append(node - (2 ** depth - 1))
+    return torch.tensor(leaves)
+
+
+@pytest.mark.parametrize("depth", [1, 4, 9])
+def test_hard_descent_follows_the_signs_of_the_node_logits(depth, tree_path):
+    x = torch.randn(300, 40)
+    weight, bias = torch.randn(2 ** depth - 1, 40), torch.randn(2 ** depth - 1)
+    z64 = x.double() @ weight.double().T + bias.double()
+    leaves = fff.descend(x, weight, bias)
+    expected = _path_signs_leaf(z64)
+    # tokens with a node logit within rounding of zero on their path may go either way
+    clear = torch.tensor([all(abs(z64[t, n]) > 1e-4 for n in range(z64.shape[1]))
+                          for t in range(300)]) if depth == 1 else torch.ones(300, dtype=torch.bool)
+    assert torch.equal(leaves[clear], expected[clear])
+    assert torch.equal(fff.descend_logits(z64), expected)
+
+
+def test_hard_descent_reaches_every_leaf_and_only_reads_its_path():
+    depth = 3
+    weight = torch.zeros(7, 3)
+    # node n looks at one coordinate; x picks the path explicitly
+    weight[:, 0] = 1.0
+    x = torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]])
+    assert fff.descend(x, weight).tolist() == [0, 7]
+    weight[1, 0] = -1.0      # the root's left child turns right for positive x
+    assert fff.descend(x, weight).tolist() == [2, 7]
+    weight[5, 0] = 5.0       # node 5 is off both paths: nothing changes
+    assert fff.descend(x, weight).tolist() == [2, 7]
+
+
+# --- the router and the layer ---------------------------------------------------------------
+
+def _leaf_loop(layer, x, leaf_weights):
+    """Σ_i w_i f_i(x) with f_i = W2_i act(W1_i x + b1_i) + b2_i: a loop over tokens and leaves."""
+    rows = []
+    for t in range(x.shape[0]):
+        y = 0
+        for i in range(layer.config.num_leaves):
+            w = leaf_weights[t, i]
+            if w == 0:
+                continue
+            h = F.relu(layer.w1[i] @ x[t] + layer.b1[i])
+            y = y + w * (h @ layer.w2[i] + layer.b2[i])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("activation", ["logsigmoid", "softplus", "linear"])
+def test_soft_layer_matches_the_leaf_loop(activation):
+    layer = FastFeedForward(d_model=10, depth=3, leaf_width=4, d_out=6, activation=activation)
+    x = torch.randn(9, 10, requires_grad=True)
+    y = layer(x)
+    probs = layer.router.leaf_probs(x)
+    ref = _leaf_loop(layer, x, probs)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn_like(y)
+    params = [x, layer.router.weight, layer.router.bias, layer.w1, layer.b1, layer.w2, layer.b2]
+    grads = torch.autograd.grad((y * g).sum(), params)
+    ref_grads = torch.autograd.grad((ref * g).sum(), params)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_sparse_layer_matches_the_leaf_loop(matmul_path):
+    layer = FastFeedForward(d_model=10, depth=3, leaf_width=4, train_mode="sparse", k=2)
+    x = torch.randn(9, 10, requires_grad=True)
+    y = layer(x)
+    probs = layer.router.leaf_probs(x)
+    top, idx = probs.topk(2, -1)
+    weights = torch.zeros_like(probs).scatter(1, idx, top)
+    ref = _leaf_loop(layer, x, weights)
+    torch.testing.assert_close(y, ref)
+    params = [x, layer.router.weight, layer.w1, layer.b1, layer.w2, layer.b2]
+    grads = torch.autograd.grad(y.square().sum(), params)
+    ref_grads = torch.autograd.grad(ref.square().sum(), params)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("node_width", [1, 4])
+def test_hard_inference_equals_soft_output_with_the_path_weight_one(node_width):
+    layer = FastFeedForward(d_model=12, depth=4, leaf_width=5, node_width=node_width,
+                            eval_mode="hard").eval()
+    x = torch.randn(50, 12)
+    y = layer(x)
+    leaves = layer.router.hard_leaves(x)
+    assert torch.equal(leaves, fff.descend_logits(layer.router.node_logits(x)))
+    onehot = F.one_hot(leaves, 16).float()
+    torch.testing.assert_close(y, layer.soft_output(x, onehot))
+    torch.testing.assert_close(y, _leaf_loop(layer, x, onehot))
+    assert torch.equal(layer.routing_stats["counts"], torch.bincount(leaves, minlength=16).float())
+
+
+def test_modes_follow_train_and_eval():
+    layer = FastFeedForward(d_model=8, depth=2, leaf_width=3)
+    assert layer.mode == "soft" and layer.eval().mode == "soft"
+    sparse = FastFeedForward(d_model=8, depth=2, leaf_width=3, train_mode="sparse", k=2)
+    assert sparse.mode == "sparse" and sparse.eval().mode == "topk"
+    hard = FastFeedForward(d_model=8, depth=2, leaf_width=3, eval_mode="hard")
+    assert hard.mode == "soft" and hard.eval().mode == "hard"
+    x = torch.randn(2, 5, 8)
+    assert hard(x).shape == (2, 5, 8)
+    assert "entropy" not in hard.routing_stats
+    layer.train()(x)
+    assert "entropy" in layer.routing_stats
+
+
+@pytest.mark.parametrize("train_mode", ["soft", "sparse"])
+def test_fff_layer_learns_a_piecewise_task(train_mode):
+    torch.manual_seed(0)
+    x = torch.randn(512, 6)
+    target = torch.where(x[:, :1] > 0, x @ torch.randn(6, 3), torch.sin(3 * x[:, 1:4]))
+    layer = FastFeedForward(d_model=6, depth=3, leaf_width=8, d_out=3, train_mode=train_mode,
+                            k=2)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    baseline = (target - target.mean(0)).square().mean().item()
+    for _ in range(300):
+        opt.zero_grad()
+        loss = (layer(x) - target).square().mean()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.2 * baseline
+
+
+def test_config_round_trip_cost_and_errors():
+    cfg = FFFConfig(d_model=16, depth=3, leaf_width=4, eval_mode="hard", node_width=2)
+    assert config_from_dict(cfg.to_dict()) == cfg
+    layer = sparseffn.build_layer(cfg)
+    assert cfg.cost().total_params == sum(p.numel() for p in layer.parameters())
+    leaf = 16 * 4 + 4 * 16 + 4 + 16
+    node = 2 * 16 + 2 + 2 + 1
+    assert cfg.cost().active_params == 3 * node + leaf
+    soft = cfg.replace(eval_mode="soft")
+    assert soft.cost().active_params == soft.cost().total_params
+    with pytest.raises(ValueError, match="k must be an integer in \\[1, num_leaves=8\\]"):
+        FFFConfig(d_model=4, depth=3, leaf_width=2, k=9)
+    with pytest.raises(ValueError, match="eval_mode"):
+        FFFConfig(d_model=4, depth=3, leaf_width=2, eval_mode="greedy")
+    with pytest.raises(ValueError, match="use 'levelwise'"):
+        FFFConfig(d_model=4, depth=15, leaf_width=2, formulation="matrix")
+    eye = torch.eye(8).tolist()
+    with pytest.raises(ValueError, match="not defined for explicit"):
+        FFFConfig(d_model=4, depth=3, leaf_width=2, eval_mode="hard", activation="linear",
+                  t_matrix=eye, s_matrix=eye)
+    with pytest.raises(ValueError, match="power of two"):
+        sparseffn.MoEConfig(d_model=4, num_experts=6, expert_size=2, k=1, router="tree")
+    with pytest.raises(ValueError, match="t_matrix has 3 rows"):
+        sparseffn.MoEConfig(d_model=4, num_experts=4, expert_size=2, k=1,
+                            router={"type": "tree", "t_matrix": torch.eye(3).tolist(),
+                                    "s_matrix": torch.eye(3).tolist()})
+    with pytest.raises(ValueError, match="d_model=16"):
+        layer(torch.randn(3, 15))
+
+
+def test_expert_mlp_with_biases_matches_the_loop(matmul_path):
+    E, G, d_in, d_out = 5, 3, 7, 4
+    x = torch.randn(11, d_in, requires_grad=True)
+    w1, w2 = torch.randn(E, G, d_in, requires_grad=True), torch.randn(E, G, d_out, requires_grad=True)
+    b1, b2 = torch.randn(E, G, requires_grad=True), torch.randn(E, d_out, requires_grad=True)
+    indices = torch.randint(0, E, (11, 2))
+    gates = torch.rand(11, 2, requires_grad=True)
+    y = expert_mlp(x, DispatchPlan.build(indices, E), w1, w2, gates, b1=b1, b2=b2, indices=indices)
+    ref = torch.stack([sum(gates[t, j] * (F.relu(w1[e] @ x[t] + b1[e]) @ w2[e] + b2[e])
+                           for j, e in enumerate(indices[t].tolist())) for t in range(11)])
+    torch.testing.assert_close(y, ref)
+    for a, b in zip(torch.autograd.grad(y.sum(), [x, w1, w2, b1, b2, gates]),
+                    torch.autograd.grad(ref.sum(), [x, w1, w2, b1, b2, gates])):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="need the expert indices"):
+        expert_mlp(x, DispatchPlan.build(indices, E), w1, w2, gates, b1=b1)
+
+
+# --- the authors' package, same weights ---------------------------------------------------
+
+def test_matches_fastfeedforward_given_the_same_weights():
+    from fastfeedforward import FFF
+    torch.manual_seed(1)
+    theirs = FFF(input_width=12, leaf_width=5, output_width=7, depth=3)
+    ours = FastFeedForward(d_model=12, depth=3, leaf_width=5, d_out=7, eval_mode="hard")
+    with torch.no_grad():
+        # their node sends σ(z) to the right child, ours to the left: negate the node
+        ours.router.weight.copy_(-theirs.node_weights)
+        ours.router.bias.copy_(-theirs.node_biases.squeeze(1))
+        ours.w1.copy_(theirs.w1s.transpose(1, 2))
+        ours.b1.copy_(theirs.b1s)
+        ours.w2.copy_(theirs.w2s)
+        ours.b2.copy_(theirs.b2s)
+    x = torch.randn(40, 12)
+    theirs.train()
+    torch.testing.assert_close(ours.train()(x), theirs(x), atol=1e-5, rtol=1e-5)
+    theirs.eval()
+    ours.eval()
+    y_hard = ours(x)
+    leaves = ours.router.hard_leaves(x)
+    # their eval_forward leaves out the leaf output bias b2; ours keeps it
+    torch.testing.assert_close(y_hard, theirs(x) + ours.b2[leaves], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(y_hard, theirs(x))
