@@ -128,3 +128,53 @@ def test_runtime_allocator_tuning_is_idempotent():
     assert tune_cpu_allocator() is first
     if sys.platform.startswith("linux"):
         assert first is True
+
+
+def test_bench_routers_writes_json_plot_and_table_2(tmp_path, capsys):
+    from sparseffn.bench.tree_routers import METHODS
+    path, png = tmp_path / "routers.json", tmp_path / "plots" / "routers.png"
+    assert cli.main(["bench", "routers", "--depths", "1-3", "--batch", "16", "--dim", "32",
+                     "--repeats", "1", "--max-matrix-depth", "2", "--json", str(path),
+                     "--plot", str(png)]) == 0
+    records = json.loads(path.read_text())
+    keys = {(r["method"], r["depth"], r["pass"]) for r in records}
+    for method in METHODS:
+        for depth in (1, 2, 3):
+            for pass_name in ("forward", "forward_backward"):
+                expected = not (method == "hard" and pass_name == "forward_backward") \
+                    and not (method == "matrix" and depth == 3)
+                assert ((method, depth, pass_name) in keys) == expected, (method, depth, pass_name)
+    assert all(r["ms"] > 0 for r in records)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "Table 2" in out and "7.27 / 4.55" in out and "target: auto within 1.5x" in out
+
+
+def test_table_2_is_the_harmonic_mean_of_speedups_over_orig():
+    from sparseffn.bench.tree_routers import check_targets, harmonic_speedups
+    rows = [("orig", 1, 4.0), ("moe", 1, 1.0), ("orig", 2, 4.0), ("moe", 2, 4.0),
+            ("matrix", 1, 2.0), ("matrix", 2, 8.0), ("hard", 2, 0.5)]
+    records = [{"method": m, "depth": d, "pass": "forward", "ms": ms} for m, d, ms in rows]
+    speedups = harmonic_speedups(records, "forward", 8)
+    assert speedups["moe"] == pytest.approx(2 / (1 / 4 + 1 / 1))
+    assert speedups["matrix"] == pytest.approx(2 / (1 / 2 + 2))
+    assert speedups["orig"] == 1.0 and speedups["hard"] is None     # hard lacks depth 1
+    assert any("n/a" in line for line in check_targets(records))
+
+
+def test_bench_fff_compares_with_fastfeedforward(tmp_path, capsys):
+    path = tmp_path / "fff.json"
+    assert cli.main(["bench", "fff", "--depths", "2", "--batch", "8", "--d-model", "6",
+                     "--leaf-width", "3", "--repeats", "1", "--peers", "--json", str(path)]) == 0
+    methods = {(r["method"], r["pass"]) for r in json.loads(path.read_text())}
+    assert {("ours_soft", "forward"), ("ours_hard", "forward"),
+            ("fastfeedforward_train", "forward_backward"),
+            ("fastfeedforward_eval", "forward")} <= methods
+    out = capsys.readouterr().out
+    assert "once their missing leaf bias b2 is added" in out
+
+
+def test_bad_depths_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "routers", "--depths", "0-3"])
+    assert "depths must lie in 1..20" in capsys.readouterr().err

@@ -15,6 +15,37 @@ def _bench_layers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _depths(text: str) -> list[int]:
+    """``"1-13"`` or ``"2,4,8"``."""
+    try:
+        if "-" in text:
+            low, high = (int(v) for v in text.split("-"))
+            depths = list(range(low, high + 1))
+        else:
+            depths = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"depths must look like 1-13 or 2,4,8, got {text!r}") from None
+    if not depths or min(depths) < 1 or max(depths) > 20:
+        raise argparse.ArgumentTypeError(f"depths must lie in 1..20, got {text!r}")
+    return depths
+
+
+def _bench_routers(args: argparse.Namespace) -> int:
+    from .bench import tree_routers
+    tree_routers.run(args.depths, batch=args.batch, dim=args.dim, repeats=args.repeats,
+                     max_matrix_depth=args.max_matrix_depth, json_path=args.json,
+                     plot_path=args.plot, forward_only=args.forward_only)
+    return 0
+
+
+def _bench_fff(args: argparse.Namespace) -> int:
+    from .bench import fff_layer
+    fff_layer.run(depths=args.depths, batch=args.batch, d_model=args.d_model,
+                  leaf_width=args.leaf_width, repeats=args.repeats, peers=args.peers,
+                  json_path=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparseffn", description="Sparse feed-forward layers: benchmarks and tools.")
@@ -37,17 +68,50 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip the rows timing every router at config a")
     layers.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     layers.set_defaults(func=_bench_layers)
+
+    routers = benches.add_parser(
+        "routers", help="FFF tree routers vs MoE: seed 003's Table 2 and Figure 3, and ours")
+    routers.add_argument("--depths", type=_depths, default=list(range(1, 14)),
+                         help="tree depths, e.g. 1-13 (default) or 2,4,8")
+    routers.add_argument("--batch", type=int, default=2048, help="tokens per batch (2048)")
+    routers.add_argument("--dim", type=int, default=1024, help="input dimension (1024, as seed 003)")
+    routers.add_argument("--repeats", type=int, default=5, help="timed rounds per depth (5)")
+    routers.add_argument("--max-matrix-depth", type=int, default=13,
+                         help="skip the dense T,S formulation above this depth (13)")
+    routers.add_argument("--forward-only", action="store_true", help="skip forward+backward")
+    routers.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    routers.add_argument("--plot", metavar="PATH", help="draw time vs depth to this PNG")
+    routers.set_defaults(func=_bench_routers)
+
+    fff_bench = benches.add_parser(
+        "fff", help="the FastFeedForward layer: soft / sparse / hard modes, and the "
+                    "fastfeedforward package side by side (--peers)")
+    fff_bench.add_argument("--depths", type=_depths, default=[4, 8, 11],
+                           help="tree depths (default 4,8,11)")
+    fff_bench.add_argument("--batch", type=int, default=2048, help="tokens per batch (2048)")
+    fff_bench.add_argument("--d-model", type=int, default=256, help="input width (256)")
+    fff_bench.add_argument("--leaf-width", type=int, default=16, help="leaf hidden units (16)")
+    fff_bench.add_argument("--repeats", type=int, default=5, help="timed rounds (5)")
+    fff_bench.add_argument("--peers", action="store_true",
+                           help="also time the fastfeedforward package (pip install 'sparseffn[peers]')")
+    fff_bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    fff_bench.set_defaults(func=_bench_fff)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "tokens", 1) <= 0 or getattr(args, "repeats", 1) <= 0:
-        print("sparseffn: --tokens and --repeats must be positive", file=sys.stderr)
-        return 2
+    for name in ("tokens", "repeats", "batch", "dim", "d_model", "leaf_width"):
+        if getattr(args, name, 1) <= 0:
+            print(f"sparseffn: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            return 2
     tune_cpu_allocator()
+    from .bench.plotting import MissingDependency
     try:
         return args.func(args)
+    except MissingDependency as err:
+        print(f"sparseffn: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
