@@ -3,7 +3,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench test setup peers clean
+.PHONY: bench test setup peers routers clean
 
 # Main job: the layer benchmark (sigma-MoE vs parameter-equal and active-equal dense MLPs).
 bench:
@@ -22,6 +22,11 @@ setup:
 peers:
 	@EXTRAS=test,peers bash scripts/setup.sh
 	$(BIN)/sparseffn bench layers --peers --json runs/bench_layers_peers.json
+
+# Seed 003's router benchmark (Table 2, Figure 3): FFF formulations vs MoE, depths 1-13.
+routers:
+	@EXTRAS=test bash scripts/setup.sh
+	$(BIN)/sparseffn bench routers --json runs/bench_routers.json --plot runs/bench_routers.png
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -11,8 +11,6 @@ from conftest import require_native
 from sparseffn import FastFeedForward, FFFConfig, TreeRouterConfig, config_from_dict
 from sparseffn.ops import expert_mlp, DispatchPlan, fff, native
 from sparseffn.routers import build_router
-from sparseffn.routers.tree import TreeRouter
-from reference import expert_mlp_reference
 
 FORMULATIONS = fff.SOFT_FORMULATIONS
 
@@ -162,8 +160,7 @@ def test_hard_descent_follows_the_signs_of_the_node_logits(depth, tree_path):
 
 
 def test_hard_descent_reaches_every_leaf_and_only_reads_its_path():
-    depth = 3
-    weight = torch.zeros(7, 3)
+    weight = torch.zeros(7, 3)      # depth 3
     # node n looks at one coordinate; x picks the path explicitly
     weight[:, 0] = 1.0
     x = torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]])

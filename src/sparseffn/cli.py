@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     fff_bench = benches.add_parser(
         "fff", help="the FastFeedForward layer: soft / sparse / hard modes, and the "
                     "fastfeedforward package side by side (--peers)")
-    fff_bench.add_argument("--depths", type=_depths, default=[4, 8, 11],
-                           help="tree depths (default 4,8,11)")
+    fff_bench.add_argument("--depths", type=_depths, default=[2, 4, 6],
+                           help="tree depths (default 2,4,6: seed 003 trains depths 1-5)")
     fff_bench.add_argument("--batch", type=int, default=2048, help="tokens per batch (2048)")
     fff_bench.add_argument("--d-model", type=int, default=256, help="input width (256)")
     fff_bench.add_argument("--leaf-width", type=int, default=16, help="leaf hidden units (16)")

@@ -29,7 +29,6 @@ import time
 from typing import Callable
 
 import torch
-from torch.nn import functional as F
 
 from ..ops import fff
 from ..router_config import TreeRouterConfig
