@@ -17,8 +17,7 @@ import torch
 
 from ..config import FFFConfig
 from ..layers import FastFeedForward
-from .measure import forward_backward_fn, forward_fn, interleaved_times
-from .tree_routers import write_json
+from .measure import forward_backward_fn, forward_fn, interleaved_times, write_json
 
 
 def _their_fff(ours: FastFeedForward):

@@ -12,8 +12,6 @@ adjacent in time), which a noisy machine's drift disturbs least.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -27,7 +25,7 @@ from ..matching import active_equal_dense, param_equal_dense
 from ..ops import DispatchPlan
 from .gemm_bound import ExpertGemms
 from .measure import (forward_backward_fn, forward_fn, interleaved_times, paired_ratio,
-                      saved_bytes)
+                      saved_bytes, write_json)
 
 
 @dataclass(frozen=True)
@@ -180,11 +178,6 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
         print(format_router_table(router_records))
         records += router_records
     if json_path:
-        directory = os.path.dirname(os.path.abspath(json_path))
-        os.makedirs(directory, exist_ok=True)
-        tmp = json_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(records, f, indent=2)
-        os.replace(tmp, json_path)
+        write_json(records, json_path)
         print(f"wrote {json_path}")
     return records

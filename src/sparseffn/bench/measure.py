@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import json
+import os
 import statistics
 import time
 from typing import Callable
@@ -77,3 +79,13 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor, extra_loss=None) -> int:
     del out
     gc.collect()
     return sum(storages.values())
+
+
+def write_json(records: list[dict], path: str) -> None:
+    """Write atomically (temp file + rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(records, f, indent=2)
+    os.replace(tmp, path)

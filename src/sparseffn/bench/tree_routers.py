@@ -22,7 +22,6 @@ in time.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -33,7 +32,7 @@ import torch
 from ..ops import fff
 from ..router_config import TreeRouterConfig
 from ..routers.tree import TreeRouter
-from .measure import interleaved_times, paired_ratio
+from .measure import interleaved_times, paired_ratio, write_json
 
 METHODS = ("moe", "matrix", "hard", "logs", "orig", "levelwise", "matrix_sparse", "auto")
 PAPER_NAMES = {"moe": "MoE", "matrix": "FFF T,S", "hard": "FFF Inference", "logs": "FFF Logs",
@@ -263,16 +262,6 @@ def plot(records: list[dict], path: str) -> None:
     os.makedirs(directory, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def write_json(records: list[dict], path: str) -> None:
-    """Write atomically (temp file + rename)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(records, f, indent=2)
-    os.replace(tmp, path)
 
 
 def run(depths: list[int], batch: int = 2048, dim: int = 1024, repeats: int = 5,
