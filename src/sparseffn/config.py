@@ -16,8 +16,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .router_config import SIGMA_GATES, SigmaRouterConfig, router_config_from
-from .validation import (from_typed_dict, require_choice as _require_choice, require_k as _require_k,
+from .router_config import SIGMA_GATES, SigmaRouterConfig, TreeRouterConfig, router_config_from
+from .validation import (from_typed_dict, require_bool as _require_bool,
+                         require_choice as _require_choice, require_k as _require_k,
                          require_non_negative as _require_non_negative,
                          require_positive_int as _require_positive_int,
                          require_probability as _require_probability)
@@ -318,7 +319,6 @@ class FFFConfig(LayerConfig):
     s_matrix: Any = None
 
     def __post_init__(self) -> None:
-        from .validation import require_bool
         for name in ("d_model", "depth", "leaf_width", "node_width", "n_layers"):
             _require_positive_int(self, name)
         if self.depth > 24:
@@ -331,14 +331,14 @@ class FFFConfig(LayerConfig):
             _require_choice(self, "eval_mode", FFF_EVAL_MODES)
         _require_choice(self, "init", ("fff", "sigma_moe"))
         _require_probability(self, "dropout")
-        require_bool(self, "bias")
+        _require_bool(self, "bias")
         _require_k(self, "num_leaves")
         if self.formulation == "matrix" and self.depth > 14:
             raise ValueError(f"FFFConfig: formulation 'matrix' stores a dense T of 2^depth x "
                              f"2^(depth+1) floats; use 'levelwise' or 'auto' for depth "
                              f"{self.depth} > 14")
-        self.router_config()   # validates activation, formulation, node_width, matrices
-        if self.resolved_eval_mode == "hard" and self.router_config().explicit:
+        router = self.router_config()   # validates activation, formulation, node_width, matrices
+        if self.resolved_eval_mode == "hard" and router.explicit:
             raise ValueError("FFFConfig: eval_mode 'hard' descends the tree; it is not defined "
                              "for explicit t_matrix/s_matrix")
 
@@ -360,8 +360,8 @@ class FFFConfig(LayerConfig):
             return self.eval_mode
         return "soft" if self.train_mode == "soft" else "topk"
 
-    def router_config(self):
-        from .router_config import TreeRouterConfig
+    def router_config(self) -> TreeRouterConfig:
+        """The tree router this layer's fields describe."""
         return TreeRouterConfig(activation=self.activation, formulation=self.formulation,
                                 node_width=self.node_width, bias=self.bias,
                                 renormalize=self.renormalize, t_matrix=self.t_matrix,
@@ -374,12 +374,14 @@ class FFFConfig(LayerConfig):
         bias = int(self.bias)
         leaf = (self.d_model * self.leaf_width + self.leaf_width * self.output_width
                 + bias * (self.leaf_width + self.output_width))
-        router = self.router_config().num_params(self.d_model, self.num_leaves)
-        per_node = router // self.router_config().num_nodes(self.num_leaves)
+        tree = self.router_config()
+        num_nodes = tree.num_nodes(self.num_leaves)
+        router = tree.num_params(self.d_model, self.num_leaves)
+        per_node = router // num_nodes
         leaf_flops = 2 * (self.d_model + self.output_width) * self.leaf_width
         node_flops = 2 * self.d_model * self.node_width + (2 * self.node_width if self.node_width > 1 else 0)
         mode = self.resolved_eval_mode
-        nodes_read = self.depth if mode == "hard" else self.router_config().num_nodes(self.num_leaves)
+        nodes_read = self.depth if mode == "hard" else num_nodes
         leaves_read = {"soft": self.num_leaves, "topk": self.k, "hard": 1}[mode]
         return LayerCost(total_params=router + self.num_leaves * leaf,
                          active_params=nodes_read * per_node + leaves_read * leaf,

@@ -25,8 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .validation import (from_typed_dict, require_choice, require_non_negative, require_positive_int,
-                         require_probability)
+from .ops.fff import SOFT_FORMULATIONS, TREE_ACTIVATIONS
+from .validation import (from_typed_dict, matrix_tuple, require_bool, require_choice,
+                         require_non_negative, require_positive_int, require_probability)
 
 SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm")
 SBASE_ASSIGNMENTS = ("sinkhorn", "exact")
@@ -125,9 +126,7 @@ class SoftmaxRouterConfig(RouterConfig):
     expert_dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.renormalize, bool):
-            raise ValueError(f"SoftmaxRouterConfig.renormalize must be true or false, got "
-                             f"{self.renormalize!r}")
+        require_bool(self, "renormalize")
         require_non_negative(self, "entropy_weight")
         require_probability(self, "expert_dropout")
 
@@ -160,9 +159,7 @@ class NoisyTopKRouterConfig(RouterConfig):
         require_non_negative(self, "importance_weight")
         require_non_negative(self, "load_weight")
         require_non_negative(self, "noise_epsilon")
-        if not isinstance(self.train_noise, bool):
-            raise ValueError(f"NoisyTopKRouterConfig.train_noise must be true or false, got "
-                             f"{self.train_noise!r}")
+        require_bool(self, "train_noise")
 
     def num_params(self, d_model: int, num_experts: int) -> int:
         return 2 * num_experts * d_model      # W_g and W_noise
@@ -345,8 +342,7 @@ class HierarchicalRouterConfig(RouterConfig):
         return self.num_gates(num_experts) * self.branching * (d_model + 1)
 
 
-TREE_ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
-TREE_FORMULATIONS = ("auto", "orig", "logs", "matrix", "matrix_sparse", "levelwise")
+TREE_FORMULATIONS = ("auto",) + SOFT_FORMULATIONS
 TREE_INITS = ("fff", "layer")
 
 
@@ -396,7 +392,6 @@ class TreeRouterConfig(RouterConfig):
     init: str = "fff"
 
     def __post_init__(self) -> None:
-        from .validation import matrix_tuple, require_bool
         require_choice(self, "activation", TREE_ACTIVATIONS)
         require_choice(self, "formulation", TREE_FORMULATIONS)
         require_positive_int(self, "node_width")

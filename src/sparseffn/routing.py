@@ -81,12 +81,19 @@ class SparseFFN(nn.Module):
         with torch.no_grad():
             counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
                                         routing.dispatched)
-            self.routing_stats = {"counts": counts, "mass": mass, **routing.stats}
-            usage = getattr(self, "usage_counts", None)
-            if usage is None or usage.shape[0] != num_experts or usage.device != counts.device:
-                self.reset_usage(num_experts, counts.device)
-            self.usage_counts += counts
-            self.usage_mass += mass
+            self._record_usage(counts, mass, routing.stats)
+
+    @torch.no_grad()
+    def _record_usage(self, counts: torch.Tensor, mass: torch.Tensor,
+                      stats: dict[str, torch.Tensor]) -> None:
+        """Keep this forward's per-expert ``counts`` and ``mass`` (float32 [E]) and other
+        ``stats`` in ``routing_stats``, and add them to the accumulated usage."""
+        self.routing_stats = {"counts": counts, "mass": mass, **stats}
+        usage = getattr(self, "usage_counts", None)
+        if usage is None or usage.shape[0] != counts.shape[0] or usage.device != counts.device:
+            self.reset_usage(counts.shape[0], counts.device)
+        self.usage_counts += counts
+        self.usage_mass += mass
 
     def reset_usage(self, num_experts: int | None = None, device=None) -> None:
         """Zero the accumulated per-expert usage."""

@@ -131,16 +131,11 @@ class FastFeedForward(SparseFFN):
         self.aux_losses = {}
         with torch.no_grad():
             counts = torch.bincount(top_leaf, minlength=self.config.num_leaves).float()
-            stats = {"counts": counts, "mass": mass.float()}
+            stats = {}
             if probs is not None:
                 p = probs.detach().float()
                 stats["entropy"] = -(p * p.clamp_min(1e-30).log()).sum(-1).mean()
-            self.routing_stats = stats
-            usage = getattr(self, "usage_counts", None)
-            if usage is None or usage.device != counts.device:
-                self.reset_usage(self.config.num_leaves, counts.device)
-            self.usage_counts += counts
-            self.usage_mass += stats["mass"]
+            self._record_usage(counts, mass.float(), stats)
 
     def extra_repr(self) -> str:
         cfg = self.config

@@ -60,14 +60,16 @@ class TreeRouter(Router):
             self.weight.uniform_(-bound, bound)
         else:
             init_selection_(self.weight, self.init, self.n_layers)
-        if self.bias is not None:
-            self.bias.uniform_(-bound, bound) if cfg.init == "fff" else self.bias.zero_()
+        biases = [self.bias] + ([self.hidden_bias] if cfg.node_width > 1 else [])
+        for bias in biases:
+            if bias is None:
+                continue
+            if cfg.init == "fff":
+                bias.uniform_(-bound, bound)
+            else:
+                bias.zero_()
         if cfg.node_width > 1:
             out_bound = 1 / math.sqrt(cfg.node_width)
-            if cfg.init == "fff":
-                self.hidden_bias.uniform_(-bound, bound)
-            else:
-                self.hidden_bias.zero_()
             self.out_weight.uniform_(-out_bound, out_bound)
 
     def node_logits(self, x: torch.Tensor) -> torch.Tensor:
