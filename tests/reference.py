@@ -32,3 +32,60 @@ def expert_mlp_reference(x, indices, weights, w1, w2, activation):
             y = y + weights[t, j] * (activation(x[t] @ w1[e]) @ w2[e])
         rows.append(y)
     return torch.stack(rows) if rows else x.new_zeros(0, w2.shape[-1])
+
+
+def product_key_reference(query_a, query_b, keys_a, keys_b, k):
+    """Score every one of the n_a · n_b keys of each head (key i + n_a·j is
+    [keys_a[h, i] | keys_b[h, j]], its score s_a[i] + s_b[j]) and keep the k best by
+    (score desc, index asc), with a Python sort.
+
+    query_a: [T, H, d_a]; keys_a: [H, n_a, d_a]. Returns scores [T, H, k] (differentiable)
+    and indices [T, H, k]."""
+    T, H = query_a.shape[:2]
+    n_a = keys_a.shape[1]
+    scores, indices = [], []
+    for t in range(T):
+        head_scores, head_indices = [], []
+        for h in range(H):
+            s_a = keys_a[h] @ query_a[t, h]
+            s_b = keys_b[h] @ query_b[t, h]
+            full = (s_b[:, None] + s_a[None, :]).reshape(-1)       # index j·n_a + i
+            values = full.tolist()
+            order = sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
+            head_scores.append(full[order])
+            head_indices.append(torch.tensor(order))
+        scores.append(torch.stack(head_scores))
+        indices.append(torch.stack(head_indices))
+    return torch.stack(scores), torch.stack(indices)
+
+
+def product_key_layer_reference(layer, x):
+    """PKM or PEER output by a loop over tokens, heads and retrieved rows, with the retrieval
+    of :func:`product_key_reference` (full scoring)."""
+    router = layer.router
+    spec = router.spec
+    q = x if router.query is None else router.query(x)
+    if router.query_norm is not None:
+        q = router.query_norm(q)
+    q = q.view(x.shape[0], -1, spec.key_dim).expand(x.shape[0], spec.heads, spec.key_dim)
+    half = spec.key_dim // 2
+    scores, indices = product_key_reference(q[..., :half], q[..., half:], router.keys_a,
+                                            router.keys_b, spec.k)
+    if spec.score == "softmax":
+        weights = torch.softmax(scores, dim=-1)
+    elif spec.score == "relu":
+        weights = torch.relu(scores)
+    else:
+        weights = torch.sigmoid(scores)
+    rows = []
+    for t in range(x.shape[0]):
+        y = x.new_zeros(x.shape[1])
+        for h in range(spec.heads):
+            for j in range(spec.k):
+                i = indices[t, h, j]
+                if hasattr(layer, "values"):                       # PKM: value rows
+                    y = y + weights[t, h, j] * layer.values[i]
+                else:                                              # PEER: σ(u_iᵀx) v_i
+                    y = y + weights[t, h, j] * layer.activation(layer.w_in[i] @ x[t]) * layer.w_out[i]
+        rows.append(y)
+    return torch.stack(rows), indices

@@ -6,10 +6,10 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 """
 
 from .auxiliary import aux_loss, aux_loss_terms, reset_usage, routing_stats
-from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, SigmaMoEConfig,
-                     TopKMLPConfig, config_from_dict)
+from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, PEERConfig,
+                     PKMConfig, ProductKeySpec, SigmaMoEConfig, TopKMLPConfig, config_from_dict)
 from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
-                     MixtureOfExperts, MoE, SigmaMoE, TopKMLP)
+                     MixtureOfExperts, MoE, PEER, ProductKeyMemory, SigmaMoE, TopKMLP)
 from .router_config import (DenseGateRouterConfig, GShardRouterConfig, HierarchicalRouterConfig,
                             NoisyTopKRouterConfig, RouterConfig, SBaseRouterConfig,
                             SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
@@ -21,7 +21,8 @@ from .runtime import tune_cpu_allocator
 __version__ = "0.1.0"
 
 _LAYERS = {DenseMLPConfig: DenseMLP, TopKMLPConfig: TopKMLP, SigmaMoEConfig: SigmaMoE,
-           MoEConfig: MoE, FFFConfig: FastFeedForward}
+           MoEConfig: MoE, FFFConfig: FastFeedForward, PKMConfig: ProductKeyMemory,
+           PEERConfig: PEER}
 
 
 def build_layer(config: LayerConfig) -> SparseFFN:
@@ -35,7 +36,8 @@ def build_layer(config: LayerConfig) -> SparseFFN:
 __all__ = [
     "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan",
     "FFFConfig", "FastFeedForward", "GShardRouterConfig", "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig",
-    "LayerConfig", "LayerCost", "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig",
+    "LayerConfig", "LayerCost", "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig", "PEER",
+    "PEERConfig", "PKMConfig", "ProductKeyMemory", "ProductKeySpec",
     "RouterConfig", "Routing", "SBaseRouterConfig", "SigmaMoE", "SigmaMoEConfig",
     "SigmaRouterConfig", "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP",
     "TopKMLPConfig", "TreeRouterConfig", "active_equal_dense", "aux_loss", "aux_loss_terms", "build_layer",

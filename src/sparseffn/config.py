@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -387,3 +388,252 @@ class FFFConfig(LayerConfig):
                          active_params=nodes_read * per_node + leaves_read * leaf,
                          flops=nodes_read * node_flops + leaves_read * leaf_flops,
                          expert_flops=leaves_read * leaf_flops)
+
+
+PK_QUERIES = ("identity", "linear")
+PK_QUERY_NORMS = ("batchnorm", "layernorm")
+PKM_ACTIVATIONS = ("softmax", "relu")
+PKM_INITS = ("lample", "dense")
+PEER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class ProductKeySpec:
+    """Product-key retrieval as PKM and PEER use it (seed 001 §3.2, seed 002 §3.2).
+
+    ``heads`` independent retrievals, each of the top ``k`` of ``num_subkeys²`` keys. A head's
+    query has ``key_dim`` units, split into two halves scored against its two sub-key tables
+    of ``num_subkeys`` rows each. ``query``: ``"identity"`` (the input itself, shared by all
+    heads, as seed 001 App. A.3) or ``"linear"`` (a query network ``d_model -> heads ·
+    key_dim``, without bias). ``query_norm``: None, ``"batchnorm"`` (Lample et al.; seed 002's
+    query BatchNorm) or ``"layernorm"`` (each half-query, as ``product-key-memory``). ``score``:
+    how the k retrieved scores become weights (``"softmax"`` over each head's k, ``"relu"``,
+    ``"sigmoid"``).
+    """
+
+    d_model: int
+    num_subkeys: int
+    heads: int
+    k: int
+    key_dim: int
+    query: str
+    query_norm: str | None
+    score: str
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_subkeys ** 2
+
+    @property
+    def query_width(self) -> int:
+        """Units of the (normalised) query: one shared query, or one per head."""
+        return self.key_dim if self.query == "identity" else self.heads * self.key_dim
+
+    def num_params(self) -> int:
+        """Query network, query norm (two affine vectors) and sub-keys (two tables of
+        ``num_subkeys`` half-keys per head)."""
+        query = self.d_model * self.heads * self.key_dim if self.query == "linear" else 0
+        norm = 2 * self.query_width if self.query_norm else 0
+        return query + norm + self.heads * self.num_subkeys * self.key_dim
+
+    def flops(self) -> int:
+        """Per token: the query network and every sub-key score (the O(√N · d) of retrieval;
+        the k² candidate sums and the top-k are not counted)."""
+        query = 2 * self.d_model * self.heads * self.key_dim if self.query == "linear" else 0
+        return query + 2 * self.heads * self.num_subkeys * self.key_dim
+
+
+def _check_product_keys(config: Any, num_subkeys: int, num_keys_name: str) -> None:
+    """Fields PKM and PEER share; ``key_dim`` None resolves to d_model."""
+    for name in ("d_model", "heads", "n_layers"):
+        _require_positive_int(config, name)
+    if config.key_dim is not None:
+        _require_positive_int(config, "key_dim")
+    if config.query_norm is not None:
+        _require_choice(config, "query_norm", PK_QUERY_NORMS)
+    key_dim = config.d_model if config.key_dim is None else config.key_dim
+    name = type(config).__name__
+    if key_dim % 2:
+        raise ValueError(f"{name}: the query is split into two halves, so key_dim (default "
+                         f"d_model) must be even, got {key_dim}")
+    k = config.k
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_subkeys ** 2:
+        raise ValueError(f"{name}.k must be an integer in [1, {num_keys_name}="
+                         f"{num_subkeys ** 2}], got {k!r}")
+
+
+def _largest_fitting(params_of, budget: int, what: str) -> int:
+    """The largest n >= 1 with ``params_of(n) <= budget`` (params_of increasing)."""
+    if params_of(1) > budget:
+        raise ValueError(f"{what}: even one sub-key exceeds the budget of {budget} parameters")
+    low, high = 1, 2
+    while params_of(high) <= budget:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if params_of(mid) <= budget else (low, mid)
+    return low
+
+
+@dataclass(frozen=True)
+class PKMConfig(LayerConfig):
+    """A product-key memory (Lample et al. 2019; seed 001 §3.2 and App. A.3): ``num_subkeys²``
+    value rows, of which each of ``heads`` heads retrieves the top ``k`` by product-key score
+    and adds them weighted by ``activation`` of their scores (Eq. 14-15).
+
+    Fields
+    - ``num_subkeys``: n, the rows of each sub-key table; there are n² values (seed 001's
+      small models: 46 for the d_ff-matched, 62 for the parameter-matched case).
+    - ``activation``: ``"softmax"`` over each head's k scores (Lample et al.) or ``"relu"``
+      (seed 001's non-competing choice, Table 2).
+    - ``query``: ``"identity"`` splits the input itself into the two half-queries (seed 001
+      App. A.3, the default); ``"linear"`` adds a query network per head (Lample et al.).
+    - ``key_dim``: a head's query width (None: d_model; must be d_model for ``"identity"``).
+    - ``query_norm``: None (seed 001), ``"batchnorm"`` (Lample et al.) or ``"layernorm"``.
+    - ``init``: ``"lample"`` (sub-keys N(0, 1/sqrt(key_dim/2)), values N(0, 1/sqrt(d_model)))
+      or ``"dense"`` (seed 001's unified view: keys like the dense W1, values like W2 of an MLP
+      of width n²).
+
+    Values are shared by the heads; each head has its own sub-keys.
+    """
+
+    type_name: ClassVar[str] = "pkm"
+
+    d_model: int
+    num_subkeys: int
+    heads: int = 4
+    k: int = 32
+    activation: str = "softmax"
+    query: str = "identity"
+    key_dim: int | None = None
+    query_norm: str | None = None
+    init: str = "lample"
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive_int(self, "num_subkeys")
+        _require_choice(self, "activation", PKM_ACTIVATIONS)
+        _require_choice(self, "query", PK_QUERIES)
+        _require_choice(self, "init", PKM_INITS)
+        _check_product_keys(self, self.num_subkeys, "num_values")
+        if self.query == "identity" and self.key_dim not in (None, self.d_model):
+            raise ValueError(f"PKMConfig: query 'identity' uses the input as the query, so "
+                             f"key_dim must be d_model={self.d_model} (or None), got "
+                             f"{self.key_dim}; set query='linear' for another width")
+
+    @property
+    def num_values(self) -> int:
+        return self.num_subkeys ** 2
+
+    def retrieval(self) -> ProductKeySpec:
+        return ProductKeySpec(self.d_model, self.num_subkeys, self.heads, self.k,
+                              self.d_model if self.key_dim is None else self.key_dim,
+                              self.query, self.query_norm, self.activation)
+
+    def cost(self) -> LayerCost:
+        """Every sub-key is read (scored); ``heads · k`` value rows are."""
+        keys = self.retrieval()
+        values = self.heads * self.k * self.d_model
+        return LayerCost(total_params=keys.num_params() + self.num_values * self.d_model,
+                         active_params=keys.num_params() + values,
+                         flops=keys.flops() + 2 * values, expert_flops=2 * values)
+
+    @classmethod
+    def from_dense(cls, d_model: int, d_ff: int, match: str = "params", dense_bias: bool = False,
+                   **fields: Any) -> "PKMConfig":
+        """The PKM that replaces a dense MLP of width ``d_ff`` (seed 001 App. A.3, Table 6).
+
+        ``match="values"``: the fewest sub-keys with at least ``d_ff`` values (n = ⌈√d_ff⌉;
+        46 for d_ff 2053). ``match="params"``: the most sub-keys whose PKM has at most the
+        dense MLP's parameters (62 for d_model 412, d_ff 2053, 4 heads). ``fields`` are the
+        other PKMConfig fields."""
+        if match not in ("params", "values"):
+            raise ValueError(f"PKMConfig.from_dense: match must be 'params' or 'values', got "
+                             f"{match!r}")
+        if match == "values":
+            return cls(d_model=d_model, num_subkeys=math.isqrt(max(d_ff, 1) - 1) + 1, **fields)
+        budget = DenseMLPConfig(d_model=d_model, d_ff=d_ff, bias=dense_bias).cost().total_params
+        probe = cls(d_model=d_model, num_subkeys=max(1, math.isqrt(budget // d_model)), **fields)
+
+        def params(n: int) -> int:
+            spec = dataclasses.replace(probe.retrieval(), num_subkeys=n)
+            return spec.num_params() + n * n * d_model
+        return probe.replace(num_subkeys=_largest_fitting(params, budget, "PKMConfig.from_dense"))
+
+
+@dataclass(frozen=True)
+class PEERConfig(LayerConfig):
+    """PEER, parameter-efficient expert retrieval (seed 002 §3): ``num_experts = n²``
+    single-neuron experts ``e_i(x) = σ(u_iᵀ x) v_i``; each of ``heads`` query networks
+    retrieves its top ``k`` experts by product keys, and the layer returns
+    ``Σ_heads Σ_{i ∈ I_h} g_i(x) e_i(x)`` with router scores ``g = score(q(x)ᵀ k_i)``.
+
+    Fields
+    - ``num_experts``: N, a perfect square (seed 002: 1024² = 1,048,576).
+    - ``heads``, ``k``: h query networks, k experts each (seed 002: h·k = 128, e.g. 8 · 16).
+    - ``activation``: σ of the experts, ``"gelu"`` (default) or ``"relu"``.
+    - ``score``: ``"softmax"`` over each head's k scores (seed 002) or ``"sigmoid"``.
+    - ``key_dim``: a head's query width, split into two halves (None: d_model).
+    - ``query_norm``: None, ``"batchnorm"`` (seed 002's query BatchNorm) or ``"layernorm"``.
+    - ``dropout``: on the experts' hidden units during training.
+
+    The experts are two embedding tables ``w_in`` (u_i) and ``w_out`` (v_i), [N, d_model],
+    shared by the heads; each head has its own query network and sub-keys.
+    """
+
+    type_name: ClassVar[str] = "peer"
+
+    d_model: int
+    num_experts: int
+    heads: int = 8
+    k: int = 16
+    activation: str = "gelu"
+    score: str = "softmax"
+    key_dim: int | None = None
+    query_norm: str | None = None
+    dropout: float = 0.0
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive_int(self, "num_experts")
+        root = math.isqrt(self.num_experts)
+        if root * root != self.num_experts:
+            raise ValueError(f"PEERConfig.num_experts must be a perfect square (n² experts from "
+                             f"two tables of n sub-keys), got {self.num_experts}; nearest are "
+                             f"{root * root} and {(root + 1) ** 2}")
+        _require_choice(self, "activation", ACTIVATIONS)
+        _require_choice(self, "score", PEER_SCORES)
+        _require_probability(self, "dropout")
+        _check_product_keys(self, root, "num_experts")
+
+    @property
+    def num_subkeys(self) -> int:
+        return math.isqrt(self.num_experts)
+
+    def retrieval(self) -> ProductKeySpec:
+        return ProductKeySpec(self.d_model, self.num_subkeys, self.heads, self.k,
+                              self.d_model if self.key_dim is None else self.key_dim,
+                              "linear", self.query_norm, self.score)
+
+    def cost(self) -> LayerCost:
+        """Every sub-key is read; ``heads · k`` experts (2 · d_model each) are."""
+        keys = self.retrieval()
+        experts = self.heads * self.k * 2 * self.d_model
+        return LayerCost(total_params=keys.num_params() + 2 * self.num_experts * self.d_model,
+                         active_params=keys.num_params() + experts,
+                         flops=keys.flops() + 2 * experts, expert_flops=2 * experts)
+
+    @classmethod
+    def from_dense(cls, d_model: int, d_ff: int, dense_bias: bool = False,
+                   **fields: Any) -> "PEERConfig":
+        """The PEER with the most experts (n²) whose parameters do not exceed a dense MLP of
+        width ``d_ff``. ``fields`` are the other PEERConfig fields."""
+        budget = DenseMLPConfig(d_model=d_model, d_ff=d_ff, bias=dense_bias).cost().total_params
+        probe = cls(d_model=d_model, num_experts=max(1, math.isqrt(budget // (2 * d_model))) ** 2,
+                    **fields)
+
+        def params(n: int) -> int:
+            spec = dataclasses.replace(probe.retrieval(), num_subkeys=n)
+            return spec.num_params() + 2 * n * n * d_model
+        n = _largest_fitting(params, budget, "PEERConfig.from_dense")
+        return probe.replace(num_experts=n * n)

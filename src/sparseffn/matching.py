@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import DenseMLPConfig, LayerConfig, LayerCost, SigmaMoEConfig
+from .config import ACTIVATIONS, DenseMLPConfig, LayerConfig, LayerCost, SigmaMoEConfig
 
 
 def param_equal_dense(config: LayerConfig, **dense_kwargs) -> DenseMLPConfig:
@@ -20,8 +20,9 @@ def param_equal_dense(config: LayerConfig, **dense_kwargs) -> DenseMLPConfig:
     total = config.cost().total_params
     d_model = config.d_model  # type: ignore[attr-defined]
     d_ff = max(1, (total + d_model) // (2 * d_model))   # nearest, half up
+    activation = getattr(config, "activation", "relu")   # PKM's "softmax" is no MLP's
     return DenseMLPConfig(d_model=d_model, d_ff=d_ff,
-                          activation=getattr(config, "activation", "relu"),
+                          activation=activation if activation in ACTIVATIONS else "relu",
                           n_layers=getattr(config, "n_layers", 1), **dense_kwargs)
 
 

@@ -6,8 +6,10 @@ from .classic import (DeepMixtureOfExperts, ExpertBank, GatedMixture,
 from .dense import DenseMLP
 from .fff import FastFeedForward
 from .moe import MoE
+from .product_keys import PEER, ProductKeyMemory
 from .sigma_moe import SigmaMoE
 from .topk import TopKMLP
 
 __all__ = ["DeepMixtureOfExperts", "DenseMLP", "ExpertBank", "FastFeedForward", "GatedMixture",
-           "HierarchicalMixtureOfExperts", "MixtureOfExperts", "MoE", "SigmaMoE", "TopKMLP"]
+           "HierarchicalMixtureOfExperts", "MixtureOfExperts", "MoE", "PEER", "ProductKeyMemory",
+           "SigmaMoE", "TopKMLP"]

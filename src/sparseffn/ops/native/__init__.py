@@ -6,6 +6,8 @@ never exist. It is plain C with OpenMP; the BLAS routine is the ``sgemm_`` that 
 links (MKL in the x86 wheels), looked up at run time and passed in as a function pointer, so
 nothing links against PyTorch and the build takes about a second. ``fff_cpu.c`` holds the
 level-by-level expansion of fast feed-forward trees and their greedy descent (ops/fff.py).
+``rows_cpu.c`` holds the gathered-row products of single-row tables and the product-key top-k
+(ops/rows.py, ops/product_keys.py).
 
 The shared library is built with the system C compiler (``$CC`` or ``cc``) the first time a
 fused kernel is asked for, into ``$SPARSEFFN_CACHE_DIR`` (default
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c", "rows_cpu.c")]
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -173,8 +175,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_fff_expand_backward.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT, _P,
                                            _INT]
     lib.sf_fff_descend.argtypes = [_P, _I64, _P, _I64, _P, _I64, _INT, _INT, _P, _INT]
+    lib.sf_gather_dot.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _INT]
+    lib.sf_gather_sum.argtypes = [_P, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _INT]
+    lib.sf_scatter_rows.argtypes = [_P, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _INT]
+    lib.sf_topk_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _INT]
+    lib.sf_pk_topk.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT]
     for fn in (lib.sf_cvmm, lib.sf_weight_grad, lib.sf_fff_expand, lib.sf_fff_expand_backward,
-               lib.sf_fff_descend):
+               lib.sf_fff_descend, lib.sf_gather_dot, lib.sf_gather_sum, lib.sf_scatter_rows,
+               lib.sf_topk_rows, lib.sf_pk_topk):
         fn.restype = _INT
 
 
@@ -406,3 +414,97 @@ def fff_descend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                            _ptr(bias), x.shape[0], x.shape[1], depth, out.data_ptr(),
                            torch.get_num_threads())
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-row tables (rows_cpu.c). A pair (t, j) reads row idx[t, j] of a table [N, d]. These
+# kernels are deterministic (each output element is summed by one thread in a fixed order), so
+# unlike CVMM they stay on under torch.use_deterministic_algorithms.
+
+def rows_usable(*tensors: torch.Tensor | None) -> bool:
+    """True when the row kernels are available and can take these tensors (CPU float32)."""
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
+            return False
+    return available()
+
+
+def _pairs(idx: torch.Tensor) -> torch.Tensor:
+    if idx.dim() != 2:
+        raise ValueError(f"indices must be [rows, m], got {tuple(idx.shape)}")
+    return idx.to(torch.int64).contiguous()
+
+
+def _table(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU matrix, got {tuple(t.shape)} {t.dtype} "
+                         f"on {t.device}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: [T, m]."""
+    lib = _load()
+    x, table, idx = _table("x", x), _table("table", table), _pairs(idx)
+    out = x.new_empty(idx.shape)
+    if out.numel():
+        lib.sf_gather_dot(x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
+                          idx.data_ptr(), idx.shape[0], idx.shape[1], x.shape[1], out.data_ptr(),
+                          torch.get_num_threads())
+    return out
+
+
+def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``. idx, weights: [T, m]; table: [N, d]."""
+    lib = _load()
+    idx, table = _pairs(idx), _table("table", table)
+    weights = weights.to(torch.float32).contiguous()
+    out = table.new_empty(idx.shape[0], table.shape[1])
+    if idx.shape[0]:
+        lib.sf_gather_sum(idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
+                          table.data_ptr(), table.stride(0), table.shape[1], out.data_ptr(),
+                          out.stride(0), torch.get_num_threads())
+    return out
+
+
+def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
+                 num_rows: int) -> torch.Tensor:
+    """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, a dense [num_rows, d]
+    with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]."""
+    lib = _load()
+    idx, src = _pairs(idx), _table("src", src)
+    weights = weights.to(torch.float32).contiguous()
+    out = src.new_empty(num_rows, src.shape[1])
+    _check(lib.sf_scatter_rows(idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
+                               src.data_ptr(), src.stride(0), num_rows, src.shape[1],
+                               out.data_ptr(), torch.get_num_threads()), "scatter_rows")
+    return out
+
+
+def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row of ``scores`` [R, n], ordered by (value desc, index
+    asc): (values [R, k], int64 indices [R, k])."""
+    lib = _load()
+    s = _table("scores", scores)
+    vals = s.new_empty(s.shape[0], k)
+    ids = torch.empty(s.shape[0], k, dtype=torch.int64)
+    if s.shape[0] and k:
+        lib.sf_topk_rows(s.data_ptr(), s.stride(0), s.shape[0], s.shape[1], k, vals.data_ptr(),
+                         ids.data_ptr(), torch.get_num_threads())
+    return vals, ids
+
+
+def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seed 001 Eq. 15 with top-k: the top k of ``scores_a[r, i] + scores_b[r, j]`` over all
+    (i, j), full index ``i + n_a · j``, ordered by (sum desc, index asc). scores_a: [R, n_a];
+    scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k])."""
+    lib = _load()
+    a, b = _table("scores_a", scores_a), _table("scores_b", scores_b)
+    vals = a.new_empty(a.shape[0], k)
+    ids = torch.empty(a.shape[0], k, dtype=torch.int64)
+    if a.shape[0] and k:
+        _check(lib.sf_pk_topk(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.shape[0],
+                              a.shape[1], b.shape[1], k, vals.data_ptr(), ids.data_ptr(),
+                              torch.get_num_threads()), "product_key_topk")
+    return vals, ids

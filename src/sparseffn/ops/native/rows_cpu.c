@@ -1,0 +1,221 @@
+/* CPU kernels for tables of single rows: product-key retrieval (PKM, Lample et al. 2019; seed
+ * 001 §3.2) and single-neuron experts (PEER, seed 002 §3), see sparseffn/ops/rows.py and
+ * sparseffn/ops/product_keys.py.
+ *
+ * A "pair" (t, j) names row idx[t, j] of a table [N, d] for row t of a batch; pairs are never
+ * materialised as [pairs, d] copies, each kernel reads the table rows in place.
+ *
+ * sf_gather_dot    out[t, j] = <x[t], table[idx[t, j]]>
+ * sf_gather_sum    out[t]    = sum_j w[t, j] * table[idx[t, j]]          (an embedding bag)
+ * sf_scatter_rows  out[i]    = sum_{(t, j): idx[t, j] = i} w[t, j] * src[t]   for every row i
+ *                  (zero where no pair lands): the gradient of both kernels above with respect
+ *                  to the table. Pairs are grouped by row with a stable counting sort and each
+ *                  row is summed by one thread in pair order, so the result does not depend on
+ *                  the number of threads.
+ * sf_topk_rows     the k largest entries of each row, ordered by (value desc, index asc): ties
+ *                  go to the lower index, deterministically.
+ * sf_pk_topk       product-key top-k (seed 001 Eq. 15): the top ka of row a, the top kb of row
+ *                  b, and the top k of the ka * kb sums, with full index ia + na * ib, ordered
+ *                  by (sum desc, index asc).
+ *
+ * Rows are independent; OpenMP threads take blocks of rows.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+int sf_gather_dot(const float *x, int64_t ldx, const float *table, int64_t ldt,
+                  const int64_t *idx, int64_t rows, int64_t m, int64_t d, float *out,
+                  int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xt = x + t * ldx;
+        for (int64_t j = 0; j < m; j++) {
+            const float *row = table + idx[t * m + j] * ldt;
+            float s = 0.0f;
+            #pragma omp simd reduction(+:s)
+            for (int64_t c = 0; c < d; c++) s += xt[c] * row[c];
+            out[t * m + j] = s;
+        }
+    }
+    return 0;
+}
+
+int sf_gather_sum(const int64_t *idx, const float *w, int64_t rows, int64_t m,
+                  const float *table, int64_t ldt, int64_t d, float *out, int64_t ldo,
+                  int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        float *o = out + t * ldo;
+        memset(o, 0, (size_t)d * sizeof(float));
+        for (int64_t j = 0; j < m; j++) {
+            const float wj = w[t * m + j];
+            const float *row = table + idx[t * m + j] * ldt;
+            #pragma omp simd
+            for (int64_t c = 0; c < d; c++) o[c] += wj * row[c];
+        }
+    }
+    return 0;
+}
+
+/* Stable counting sort of the pairs by table row: offsets[N + 1], order[pairs]. */
+static int group_pairs(const int64_t *idx, int64_t pairs, int64_t n_rows, int64_t **offsets_out,
+                       int64_t **order_out) {
+    int64_t *offsets = calloc((size_t)n_rows + 1, sizeof(int64_t));
+    int64_t *order = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof(int64_t));
+    if (!offsets || !order) {
+        free(offsets);
+        free(order);
+        return 1;
+    }
+    for (int64_t p = 0; p < pairs; p++) offsets[idx[p] + 1]++;
+    for (int64_t i = 0; i < n_rows; i++) offsets[i + 1] += offsets[i];
+    int64_t *fill = malloc((size_t)n_rows * sizeof(int64_t) + 1);
+    if (!fill) {
+        free(offsets);
+        free(order);
+        return 1;
+    }
+    memcpy(fill, offsets, (size_t)n_rows * sizeof(int64_t));
+    for (int64_t p = 0; p < pairs; p++) order[fill[idx[p]]++] = p;
+    free(fill);
+    *offsets_out = offsets;
+    *order_out = order;
+    return 0;
+}
+
+int sf_scatter_rows(const int64_t *idx, const float *w, int64_t rows, int64_t m,
+                    const float *src, int64_t lds, int64_t n_rows, int64_t d, float *out,
+                    int nthreads) {
+    int64_t *offsets, *order;
+    if (group_pairs(idx, rows * m, n_rows, &offsets, &order)) return 1;
+    /* Every output row is written exactly once (zeros included), by the thread that owns it. */
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 256)
+    for (int64_t i = 0; i < n_rows; i++) {
+        float *o = out + i * d;
+        memset(o, 0, (size_t)d * sizeof(float));
+        for (int64_t q = offsets[i]; q < offsets[i + 1]; q++) {
+            const int64_t p = order[q];
+            const float wp = w[p];
+            const float *s = src + (p / m) * lds;
+            #pragma omp simd
+            for (int64_t c = 0; c < d; c++) o[c] += wp * s[c];
+        }
+    }
+    free(offsets);
+    free(order);
+    return 0;
+}
+
+/* Insert (v, i) into vals/ids[0..*count) kept sorted by (value desc, index asc), capacity k. */
+static inline void insert_ordered(float *vals, int64_t *ids, int64_t *count, int64_t k, float v,
+                                  int64_t i) {
+    int64_t pos = *count < k ? *count : k - 1;
+    while (pos > 0 && (vals[pos - 1] < v || (vals[pos - 1] == v && ids[pos - 1] > i))) {
+        vals[pos] = vals[pos - 1];
+        ids[pos] = ids[pos - 1];
+        pos--;
+    }
+    vals[pos] = v;
+    ids[pos] = i;
+    if (*count < k) (*count)++;
+}
+
+/* Top k of one row scanned in index order: a later element enters only when strictly larger
+ * than the current k-th (an equal one has a higher index and loses the tie). */
+static void topk_row_scan(const float *s, int64_t n, int64_t k, float *vals, int64_t *ids) {
+    int64_t count = 0;
+    for (int64_t c = 0; c < n; c++)
+        if (count < k || s[c] > vals[k - 1]) insert_ordered(vals, ids, &count, k, s[c], c);
+}
+
+#define LANES 16
+
+/* The same result, faster on long rows: a first vectorised pass takes the maximum of each of
+ * G >= k interleaved groups (lane g of every G-wide block); at least k elements (one per
+ * group) are >= the smallest of these maxima, so the k-th largest is too, and the second
+ * pass inserts only elements >= that threshold, still in index order. */
+static void topk_row(const float *s, int64_t n, int64_t k, float *vals, int64_t *ids) {
+    const int64_t groups = LANES * ((k + LANES - 1) / LANES);
+    if (groups > 256 || n < 4 * groups) {
+        topk_row_scan(s, n, k, vals, ids);
+        return;
+    }
+    float group_max[256];
+    const int64_t full = (n / groups) * groups;
+    memcpy(group_max, s, (size_t)groups * sizeof(float));
+    for (int64_t b = groups; b < full; b += groups) {
+        #pragma omp simd
+        for (int64_t g = 0; g < groups; g++)
+            group_max[g] = s[b + g] > group_max[g] ? s[b + g] : group_max[g];
+    }
+    float thr = group_max[0];
+    for (int64_t g = 1; g < groups; g++) thr = group_max[g] < thr ? group_max[g] : thr;
+    int64_t count = 0;
+    for (int64_t c = 0; c < full; c += LANES) {
+        uint32_t mask = 0;
+        #pragma omp simd reduction(|:mask)
+        for (int j = 0; j < LANES; j++) mask |= (uint32_t)(s[c + j] >= thr) << j;
+        while (mask) {
+            const int j = __builtin_ctz(mask);
+            mask &= mask - 1;
+            const float v = s[c + j];
+            if (count < k || v > vals[k - 1]) insert_ordered(vals, ids, &count, k, v, c + j);
+        }
+    }
+    for (int64_t c = full; c < n; c++)
+        if (s[c] >= thr && (count < k || s[c] > vals[k - 1]))
+            insert_ordered(vals, ids, &count, k, s[c], c);
+}
+
+int sf_topk_rows(const float *s, int64_t lds, int64_t rows, int64_t n, int64_t k,
+                 float *out_vals, int64_t *out_idx, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        topk_row(s + r * lds, n, k, out_vals + r * k, out_idx + r * k);
+    return 0;
+}
+
+int sf_pk_topk(const float *sa, int64_t lda, const float *sb, int64_t ldb, int64_t rows,
+               int64_t na, int64_t nb, int64_t k, float *out_vals, int64_t *out_idx,
+               int nthreads) {
+    const int64_t ka = k < na ? k : na, kb = k < nb ? k : nb;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+    {
+        float *va = malloc((size_t)(ka + kb) * sizeof(float));
+        int64_t *ia = malloc((size_t)(ka + kb) * sizeof(int64_t));
+        if (!va || !ia) {
+            failed = 1;
+        } else {
+            float *vb = va + ka;
+            int64_t *ib = ia + ka;
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                topk_row(sa + r * lda, na, ka, va, ia);
+                topk_row(sb + r * ldb, nb, kb, vb, ib);
+                float *vals = out_vals + r * k;
+                int64_t *ids = out_idx + r * k, count = 0;
+                /* a and b are sorted descending and float addition is monotone, so once a sum
+                 * falls strictly below the k-th, the rest of the row (or column) cannot enter. */
+                for (int64_t i = 0; i < ka; i++) {
+                    if (count == k && va[i] + vb[0] < vals[k - 1]) break;
+                    for (int64_t j = 0; j < kb; j++) {
+                        const float s = va[i] + vb[j];
+                        const int64_t full = ia[i] + na * ib[j];
+                        if (count == k && (s < vals[k - 1] ||
+                                           (s == vals[k - 1] && full > ids[k - 1]))) {
+                            if (s < vals[k - 1]) break;
+                            continue;
+                        }
+                        insert_ordered(vals, ids, &count, k, s, full);
+                    }
+                }
+            }
+        }
+        free(va);
+        free(ia);
+    }
+    return failed;
+}

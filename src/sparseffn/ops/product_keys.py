@@ -1,0 +1,135 @@
+"""Product-key retrieval (Lample et al. 2019; seed 001 §3.2 Eq. 15; seed 002 §3.2).
+
+N = n_a · n_b keys are never stored: key ``i + n_a · j`` is the concatenation of sub-key ``i``
+of table A and sub-key ``j`` of table B, so its score against a query ``q = [q_a | q_b]`` is
+``s_a[i] + s_b[j]`` (Eq. 15, ``u[i] = u_b[⌊i/√N⌋] + u_a[i mod √N]``). The top k of all N
+scores are among the k² sums of the top k of each half, so retrieval costs
+``O((n_a + n_b) · d + k²)`` per query instead of ``O(N · d)``.
+
+Ties are broken deterministically: every top-k here orders by (score descending, index
+ascending), so equal scores go to the lower index. Because float addition is monotone, this
+makes the product-key result *exactly* the top k of the N sums ``fl(s_a[i] + s_b[j])`` under
+the same order (if an (i, j) of the full top k lost its i in the half's top k, k sub-keys
+beating i would give k keys beating (i, j)).
+
+    topk_lowest_index(scores, k)                   top k of each row, ties to the lower index
+    product_key_topk(scores_a, scores_b, k)        the top k of all sums, from the two halves
+    retrieve(query_a, query_b, keys_a, keys_b, k)  scores and indices per head, differentiable
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+from .rows import gather_dot
+
+# Sub-key scores of at most this many floats (per half) exist at once during retrieval.
+_SCORE_CHUNK_ELEMENTS = 1 << 22
+
+
+def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries along the last dim, ordered by (value desc, index asc); of equal
+    values the lower indices are taken. scores: [..., n]; returns (values, int64 indices),
+    both [..., k]. (``torch.topk`` leaves the choice among ties unspecified.)"""
+    n = scores.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"topk_lowest_index: k must lie in [1, {n}], got {k}")
+    if scores.dim() == 2 and native.rows_usable(scores):
+        return native.topk_rows(scores, k)
+    if torch.isnan(scores).any():
+        raise ValueError("topk_lowest_index: scores contain NaN")
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(-1, keepdim=True)
+    keep = above | (tied & (tied.cumsum(-1) <= room))     # the lowest-index ties fill the room
+    idx = keep.nonzero()[:, -1].view(*scores.shape[:-1], k)   # ascending index per row
+    values = scores.gather(-1, idx)
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    return values.gather(-1, order), idx.gather(-1, order)
+
+
+def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k of ``scores_a[r, i] + scores_b[r, j]`` over all (i, j), with full index
+    ``i + n_a · j``, ordered by (sum desc, index asc); not differentiable.
+
+    scores_a: [R, n_a]; scores_b: [R, n_b]; 1 <= k <= n_a · n_b.
+    Returns (values [R, k], int64 indices [R, k])."""
+    rows, n_a = scores_a.shape
+    n_b = scores_b.shape[1]
+    if scores_b.shape[0] != rows:
+        raise ValueError(f"product_key_topk: scores_a {tuple(scores_a.shape)} and scores_b "
+                         f"{tuple(scores_b.shape)} must have the same rows")
+    if not 1 <= k <= n_a * n_b:
+        raise ValueError(f"product_key_topk: k must lie in [1, {n_a * n_b}], got {k}")
+    if native.rows_usable(scores_a, scores_b):
+        return native.product_key_topk(scores_a, scores_b, k)
+    val_a, idx_a = topk_lowest_index(scores_a, min(k, n_a))
+    val_b, idx_b = topk_lowest_index(scores_b, min(k, n_b))
+    sums = (val_a.unsqueeze(-1) + val_b.unsqueeze(-2)).reshape(rows, -1)       # Eq. 15
+    full = (idx_a.unsqueeze(-1) + n_a * idx_b.unsqueeze(-2)).reshape(rows, -1)
+    order = full.argsort(dim=-1)                # candidates by index, so ties go to the lower
+    values, pos = topk_lowest_index(sums.gather(-1, order), k)
+    return values, full.gather(-1, order).gather(-1, pos)
+
+
+def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
+             keys_b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Product-key retrieval for every head: the k keys of each head's table with the highest
+    scores ``<q_a, keys_a[h, i]> + <q_b, keys_b[h, j]>``.
+
+    query_a: [T, H, d_a] or [T, d_a] (one query shared by every head); query_b likewise with
+    d_b; keys_a: [H, n_a, d_a]; keys_b: [H, n_b, d_b].
+    Returns scores [T, H, k] (differentiable in the queries and keys) and int64 indices
+    [T, H, k] into the head's n_a · n_b keys (``i + n_a · j``).
+
+    The sub-key scores are computed chunk by chunk of tokens and dropped; the backward reads
+    only the selected sub-keys (``gather_dot``: O(k · d) per query, not the O(n · d) of
+    differentiating the full score GEMM).
+    """
+    heads, n_a, d_a = keys_a.shape
+    n_b = keys_b.shape[1]
+    shared = query_a.dim() == 2
+    tokens = query_a.shape[0]
+    # Half-precision scores are compared in float32 (fewer ties, and the kernels want it).
+    score_dtype = torch.float32 if query_a.dtype in (torch.float16, torch.bfloat16) \
+        else query_a.dtype
+    vals = torch.empty(tokens, heads, k, dtype=score_dtype, device=query_a.device)
+    idx = torch.empty(tokens, heads, k, dtype=torch.int64, device=query_a.device)
+    flat_a, flat_b = keys_a.reshape(heads * n_a, d_a), keys_b.reshape(heads * n_b, -1)
+    step = max(1, _SCORE_CHUNK_ELEMENTS // (heads * max(n_a, n_b)))
+    with torch.no_grad():
+        for start in range(0, tokens, step):
+            part = slice(start, min(tokens, start + step))
+            if shared:      # one GEMM for every head; rows (t, h)
+                s_a = (query_a[part] @ flat_a.t()).view(-1, n_a)
+                s_b = (query_b[part] @ flat_b.t()).view(-1, n_b)
+                v, i = product_key_topk(s_a.to(score_dtype), s_b.to(score_dtype), k)
+                vals[part], idx[part] = v.view(-1, heads, k), i.view(-1, heads, k)
+            else:           # a batched GEMM per head; rows (h, t)
+                s_a = torch.bmm(query_a[part].transpose(0, 1), keys_a.transpose(1, 2))
+                s_b = torch.bmm(query_b[part].transpose(0, 1), keys_b.transpose(1, 2))
+                v, i = product_key_topk(s_a.reshape(-1, n_a).to(score_dtype),
+                                        s_b.reshape(-1, n_b).to(score_dtype), k)
+                vals[part] = v.view(heads, -1, k).transpose(0, 1)
+                idx[part] = i.view(heads, -1, k).transpose(0, 1)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query_a, query_b, keys_a, keys_b))
+    if not needs_grad:
+        return vals, idx
+    # The same scores again, as gathered dot products that autograd can follow; their values
+    # are discarded (the GEMM's are kept, exactly the ones the selection compared).
+    head_a = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_a
+    head_b = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_b
+    rows_a, rows_b = idx % n_a + head_a, idx // n_a + head_b
+    if shared:
+        again = (gather_dot(query_a, flat_a, rows_a.view(tokens, -1))
+                 + gather_dot(query_b, flat_b, rows_b.view(tokens, -1))).view(tokens, heads, k)
+    else:
+        again = (gather_dot(query_a.reshape(tokens * heads, d_a), flat_a,
+                            rows_a.view(tokens * heads, k))
+                 + gather_dot(query_b.reshape(tokens * heads, -1), flat_b,
+                              rows_b.view(tokens * heads, k))).view(tokens, heads, k)
+    return vals + (again - again.detach()).to(vals.dtype), idx

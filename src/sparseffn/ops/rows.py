@@ -1,0 +1,132 @@
+"""Products with gathered rows of a table, for layers whose experts are single rows: PKM value
+rows (seed 001 §3.2), PEER's single-neuron experts ``e_i(x) = σ(u_iᵀx) v_i`` (seed 002 §3)
+and product sub-keys.
+
+A *pair* (t, j) names row ``idx[t, j]`` of a table [N, d] for row t of a batch. The pairs are
+never copied out as a [T, m, d] tensor of gathered rows (that is what a plain
+``table[idx]`` followed by an einsum does, and what ``peer-pytorch`` does per token): the fused
+CPU kernels of ``ops/native/rows_cpu.c`` read each table row in place, and the backward's table
+gradient groups the pairs by row with a counting sort. Without the kernels (no compiler, other
+devices, other dtypes) a chunked PyTorch path computes the same thing.
+
+    gather_dot(x, table, idx)       [T, m]  out[t, j] = <x[t], table[idx[t, j]]>
+    gather_sum(idx, weights, table) [T, d]  out[t] = Σ_j weights[t, j] · table[idx[t, j]]
+
+Both are differentiable in every floating-point argument; each one's backward is made of the
+other and of ``scatter_rows`` (the table gradient, a dense [N, d] whose untouched rows are 0).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from . import native
+
+# The PyTorch path gathers at most this many table elements at a time.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(rows: int, per_row: int):
+    step = max(1, _CHUNK_ELEMENTS // max(1, per_row))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def _gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    if native.rows_usable(x, table):
+        return native.gather_dot(x, table, idx)
+    out = x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
+    for part in _chunks(idx.shape[0], idx.shape[1] * table.shape[1]):
+        rows = table[idx[part]]                                       # [t, m, d]
+        out[part] = torch.bmm(rows, x[part].to(rows.dtype).unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def _gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    if native.rows_usable(weights, table):
+        return native.gather_sum(idx, weights, table)
+    return F.embedding_bag(idx, table, per_sample_weights=weights.to(table.dtype), mode="sum")
+
+
+def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
+                 num_rows: int) -> torch.Tensor:
+    """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``: a dense [num_rows, d],
+    zero where no pair lands. idx, weights: [T, m]; src: [T, d]."""
+    if native.rows_usable(weights, src):
+        return native.scatter_rows(idx, weights, src, num_rows)
+    out = src.new_zeros(num_rows, src.shape[1])
+    for part in _chunks(idx.shape[0], idx.shape[1] * src.shape[1]):
+        contrib = weights[part].to(src.dtype).unsqueeze(-1) * src[part].unsqueeze(1)   # [t, m, d]
+        out.index_add_(0, idx[part].reshape(-1), contrib.reshape(-1, src.shape[1]))
+    return out
+
+
+class _GatherDot(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, table, idx):
+        ctx.save_for_backward(x, table, idx)
+        return _gather_dot(x, table, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, table, idx = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_table = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _gather_sum(idx, grad, table).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_table = scatter_rows(idx, grad, x.to(table.dtype), table.shape[0])
+        return grad_x, grad_table, None
+
+
+class _GatherSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, idx, weights, table):
+        ctx.save_for_backward(idx, weights, table)
+        return _gather_sum(idx, weights, table)
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx, weights, table = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_weights = grad_table = None
+        if ctx.needs_input_grad[1]:
+            grad_weights = _gather_dot(grad, table, idx).to(weights.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_table = scatter_rows(idx, weights, grad.to(table.dtype), table.shape[0])
+        return None, grad_weights, grad_table
+
+
+def _check_pairs(idx: torch.Tensor, rows: int, table: torch.Tensor, what: str) -> None:
+    if idx.dim() != 2 or idx.shape[0] != rows:
+        raise ValueError(f"{what}: idx must be [{rows}, m], got {tuple(idx.shape)}")
+    if idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{what}: idx must be an integer tensor, got {idx.dtype}")
+    if table.dim() != 2:
+        raise ValueError(f"{what}: table must be [N, d], got {tuple(table.shape)}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= table.shape[0]):
+        raise IndexError(f"{what}: idx must lie in [0, {table.shape[0]}), got values in "
+                         f"[{int(idx.min())}, {int(idx.max())}]")
+
+
+def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``out[t, j] = <x[t], table[idx[t, j]]>``, differentiable in x and table.
+
+    x: [T, d]; table: [N, d]; idx: int [T, m]. Returns [T, m]."""
+    _check_pairs(idx, x.shape[0], table, "gather_dot")
+    if x.shape[-1] != table.shape[1]:
+        raise ValueError(f"gather_dot: x has width {x.shape[-1]}, table rows {table.shape[1]}")
+    return _GatherDot.apply(x, table, idx.long())
+
+
+def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]`` (a weighted embedding bag),
+    differentiable in weights and table.
+
+    idx: int [T, m]; weights: [T, m]; table: [N, d]. Returns [T, d]."""
+    _check_pairs(idx, weights.shape[0], table, "gather_sum")
+    if weights.shape != idx.shape:
+        raise ValueError(f"gather_sum: weights {tuple(weights.shape)} must match idx "
+                         f"{tuple(idx.shape)}")
+    return _GatherSum.apply(idx.long(), weights, table)

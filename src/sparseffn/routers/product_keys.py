@@ -1,0 +1,109 @@
+"""Product-key retrieval as a router (Lample et al. 2019; seed 001 §3.2; seed 002 §3.2): the
+query network, the optional query norm and the per-head sub-key tables, returning the
+retrieved keys of every head as one :class:`~sparseffn.routing.Routing`.
+
+Used by :class:`~sparseffn.layers.ProductKeyMemory` (the keys index value rows) and
+:class:`~sparseffn.layers.PEER` (the keys index single-neuron experts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import ProductKeySpec
+from ..ops.product_keys import retrieve
+from ..routing import Routing
+
+
+class QueryNorm(nn.Module):
+    """BatchNorm over the query's units (Lample et al.; seed 002's query BatchNorm), or
+    LayerNorm over each half-query (as ``product-key-memory``), with an affine pair per unit.
+
+    forward(q: [T, width]) -> [T, width]
+    """
+
+    def __init__(self, kind: str, width: int, half: int) -> None:
+        super().__init__()
+        self.kind, self.half = kind, half
+        if kind == "batchnorm":
+            self.norm = nn.BatchNorm1d(width)
+        else:
+            self.weight = nn.Parameter(torch.ones(width))
+            self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        if self.kind == "batchnorm":
+            return self.norm(q)
+        halves = F.layer_norm(q.view(q.shape[0], -1, self.half), (self.half,))
+        return halves.view(q.shape) * self.weight + self.bias
+
+
+class ProductKeyRouter(nn.Module):
+    """``heads`` product-key retrievals of the top ``k`` of ``num_subkeys²`` keys each.
+
+    Parameters: ``query`` (Linear d_model -> heads·key_dim, no bias; None for the identity
+    query), ``query_norm`` (optional), ``keys_a`` and ``keys_b`` [heads, num_subkeys,
+    key_dim/2]: the sub-keys scored against the first and the second half of each head's query.
+    Key ``i + n·j`` of a head is ``[keys_a[h, i] | keys_b[h, j]]`` (seed 001 Eq. 15).
+
+    forward(x: [T, d_model]) -> Routing with indices [T, heads·k] (head h's keys in columns
+    h·k .. h·k + k - 1, best first) and weights [T, heads·k]: ``score`` of the retrieved
+    scores (softmax over each head's k, relu or sigmoid). :meth:`retrieve` gives the raw
+    scores and indices [T, heads, k].
+    """
+
+    def __init__(self, spec: ProductKeySpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.half = spec.key_dim // 2
+        if spec.query == "linear":
+            self.query = nn.Linear(spec.d_model, spec.heads * spec.key_dim, bias=False)
+        else:
+            self.register_module("query", None)
+        self.query_norm = (QueryNorm(spec.query_norm, spec.query_width, self.half)
+                           if spec.query_norm else None)
+        shape = (spec.heads, spec.num_subkeys, self.half)
+        self.keys_a = nn.Parameter(torch.empty(shape))
+        self.keys_b = nn.Parameter(torch.empty(shape))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, key_std: float | None = None) -> None:
+        """Sub-keys N(0, key_std) (default 1/sqrt(key_dim/2): a half-score of unit variance
+        for a unit-variance query); the query network N(0, 1/sqrt(d_model))."""
+        std = 1 / math.sqrt(self.half) if key_std is None else key_std
+        self.keys_a.normal_(0.0, std)
+        self.keys_b.normal_(0.0, std)
+        if self.query is not None:
+            self.query.weight.normal_(0.0, 1 / math.sqrt(self.spec.d_model))
+
+    def retrieve(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores [T, heads, k] (differentiable) and int64 key indices [T, heads, k].
+        x: [T, d_model]."""
+        q = x if self.query is None else self.query(x)
+        if self.query_norm is not None:
+            q = self.query_norm(q)
+        if self.query is not None:
+            q = q.view(q.shape[0], self.spec.heads, self.spec.key_dim)
+        return retrieve(q[..., :self.half], q[..., self.half:], self.keys_a, self.keys_b,
+                        self.spec.k)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        scores, indices = self.retrieve(x)
+        if self.spec.score == "softmax":
+            weights = torch.softmax(scores, dim=-1)
+        elif self.spec.score == "relu":
+            weights = F.relu(scores)
+        else:
+            weights = torch.sigmoid(scores)
+        tokens = x.shape[0]
+        return Routing(indices=indices.reshape(tokens, -1), weights=weights.reshape(tokens, -1))
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"heads={s.heads}, k={s.k}, num_subkeys={s.num_subkeys}, key_dim={s.key_dim}, "
+                f"query={s.query}, score={s.score}")
