@@ -345,3 +345,33 @@ def test_peer_cost_counts_heads_times_k_experts():
     assert cost.expert_flops == 2 * 8 * 16 * 2 * 256
     assert cost.total_params == 2 * 1024 ** 2 * 256 + 256 * 8 * 256 + 8 * 1024 * 256
     assert math.isclose(cost.active_params / cost.total_params, 0.0049, abs_tol=0.0005)
+
+
+@pytest.mark.parametrize("kind", ["pkm", "peer"])
+def test_sparse_grad_equals_dense_grad_and_trains_with_sparse_adam(rows_path, kind):
+    if kind == "pkm":
+        cfg = PKMConfig(d_model=8, num_subkeys=6, heads=2, k=3)
+        make = ProductKeyMemory
+    else:
+        cfg = PEERConfig(d_model=8, num_experts=36, heads=2, k=3)
+        make = PEER
+    dense = make(cfg)
+    sparse = make(cfg.replace(sparse_grad=True))
+    sparse.load_state_dict(dense.state_dict())
+    x = torch.randn(9, 8)
+    dense(x).square().sum().backward()
+    sparse(x).square().sum().backward()
+    tables = sparseffn.sparse_grad_parameters(sparse)
+    assert len(tables) == (1 if kind == "pkm" else 2)
+    assert sparseffn.sparse_grad_parameters(dense) == []
+    for (name, p), q in zip(sparse.named_parameters(), dense.parameters()):
+        if any(p is t for t in tables):
+            assert p.grad.is_sparse
+            torch.testing.assert_close(p.grad.to_dense(), q.grad)
+        else:
+            torch.testing.assert_close(p.grad, q.grad)
+    before = [t.detach().clone() for t in tables]
+    torch.optim.SparseAdam(tables, lr=0.1).step()
+    read = sparse.routing_stats["counts"] > 0
+    for b, t in zip(before, tables):
+        assert not torch.equal(b[read], t[read]) and torch.equal(b[~read], t[~read])

@@ -5,7 +5,7 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 :func:`aux_loss`.
 """
 
-from .auxiliary import aux_loss, aux_loss_terms, reset_usage, routing_stats
+from .auxiliary import aux_loss, aux_loss_terms, reset_usage, routing_stats, sparse_grad_parameters
 from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, PEERConfig,
                      PKMConfig, ProductKeySpec, SigmaMoEConfig, TopKMLPConfig, config_from_dict)
 from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
@@ -42,5 +42,5 @@ __all__ = [
     "SigmaRouterConfig", "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP",
     "TopKMLPConfig", "TreeRouterConfig", "active_equal_dense", "aux_loss", "aux_loss_terms", "build_layer",
     "compare_with_dense", "config_from_dict", "cvmm", "param_equal_dense", "reset_usage",
-    "routing_stats", "tune_cpu_allocator",
+    "routing_stats", "sparse_grad_parameters", "tune_cpu_allocator",
 ]

@@ -60,3 +60,16 @@ def reset_usage(model: nn.Module) -> None:
     """Zero the accumulated expert usage of every sparse layer."""
     for _, layer in _layers(model):
         layer.reset_usage()
+
+
+def sparse_grad_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of sparse layers built with ``sparse_grad=True`` (PKM values, PEER
+    expert tables), whose gradients are sparse tensors. They need an optimiser that takes
+    sparse gradients (``torch.optim.SparseAdam``, SGD); the other parameters keep theirs::
+
+        sparse = sparseffn.sparse_grad_parameters(model)
+        ids = {id(p) for p in sparse}
+        dense = [p for p in model.parameters() if id(p) not in ids]
+        optimizers = [torch.optim.Adam(dense), torch.optim.SparseAdam(sparse)]
+    """
+    return [p for _, layer in _layers(model) for p in layer.sparse_grad_parameters()]

@@ -46,6 +46,30 @@ def _bench_fff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_productkeys(args: argparse.Namespace) -> int:
+    from .bench import product_keys
+    product_keys.run(args.exponents, tokens=args.tokens, scaling_tokens=args.scaling_tokens,
+                     repeats=args.repeats, peers=not args.no_peers, train_steps=args.train_steps,
+                     train_batch=args.train_batch, cases=tuple(args.cases), json_path=args.json,
+                     plot_path=args.plot)
+    return 0
+
+
+def _exponents(text: str) -> list[int]:
+    """``"10-20"`` or ``"10,14,20"``: powers of two of the number of keys."""
+    try:
+        if "-" in text:
+            low, high = (int(v) for v in text.split("-"))
+            values = list(range(low, high + 1))
+        else:
+            values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"exponents must look like 10-20 or 10,14,20, got {text!r}") from None
+    if not values or min(values) < 2 or max(values) > 24:
+        raise argparse.ArgumentTypeError(f"exponents must lie in 2..24, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparseffn", description="Sparse feed-forward layers: benchmarks and tools.")
@@ -96,12 +120,34 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also time the fastfeedforward package (pip install 'sparseffn[peers]')")
     fff_bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     fff_bench.set_defaults(func=_bench_fff)
+
+    pk = benches.add_parser(
+        "productkeys", help="product-key retrieval vs naive scoring (N = 2^10..2^20), PEER with "
+                            "a million experts and PKM, side by side with peer-pytorch and "
+                            "product-key-memory, and a million-expert training run")
+    pk.add_argument("--exponents", type=_exponents, default=list(range(10, 21)),
+                    help="scaling: N = 2^e keys for these e, e.g. 10-20 (default) or 10,14,20")
+    pk.add_argument("--tokens", type=int, default=4096, help="tokens for PEER and PKM (4096)")
+    pk.add_argument("--scaling-tokens", type=int, default=1024,
+                    help="tokens for the scaling series (1024; naive scoring uses fewer at large N)")
+    pk.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement (3)")
+    pk.add_argument("--cases", nargs="+", default=["scaling", "peer_1m", "pkm", "train"],
+                    choices=["scaling", "peer_1m", "pkm", "train"], help="which parts to run")
+    pk.add_argument("--no-peers", action="store_true",
+                    help="skip peer-pytorch and product-key-memory")
+    pk.add_argument("--train-steps", type=int, default=300,
+                    help="steps of the million-expert PEER training run (300; 0 skips it)")
+    pk.add_argument("--train-batch", type=int, default=512, help="tokens per training step (512)")
+    pk.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    pk.add_argument("--plot", metavar="PATH", help="draw the scaling series to this PNG")
+    pk.set_defaults(func=_bench_productkeys)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("tokens", "repeats", "batch", "dim", "d_model", "leaf_width"):
+    for name in ("tokens", "repeats", "batch", "dim", "d_model", "leaf_width", "scaling_tokens",
+                 "train_batch"):
         if getattr(args, name, 1) <= 0:
             print(f"sparseffn: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2

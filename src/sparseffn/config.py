@@ -493,6 +493,8 @@ class PKMConfig(LayerConfig):
     - ``init``: ``"lample"`` (sub-keys N(0, 1/sqrt(key_dim/2)), values N(0, 1/sqrt(d_model)))
       or ``"dense"`` (seed 001's unified view: keys like the dense W1, values like W2 of an MLP
       of width n²).
+    - ``sparse_grad``: the values' gradient as a sparse tensor of the rows read (train them with
+      ``torch.optim.SparseAdam``; see :func:`sparseffn.sparse_grad_parameters`).
 
     Values are shared by the heads; each head has its own sub-keys.
     """
@@ -508,10 +510,12 @@ class PKMConfig(LayerConfig):
     key_dim: int | None = None
     query_norm: str | None = None
     init: str = "lample"
+    sparse_grad: bool = False
     n_layers: int = 1
 
     def __post_init__(self) -> None:
         _require_positive_int(self, "num_subkeys")
+        _require_bool(self, "sparse_grad")
         _require_choice(self, "activation", PKM_ACTIVATIONS)
         _require_choice(self, "query", PK_QUERIES)
         _require_choice(self, "init", PKM_INITS)
@@ -576,6 +580,9 @@ class PEERConfig(LayerConfig):
     - ``key_dim``: a head's query width, split into two halves (None: d_model).
     - ``query_norm``: None, ``"batchnorm"`` (seed 002's query BatchNorm) or ``"layernorm"``.
     - ``dropout``: on the experts' hidden units during training.
+    - ``sparse_grad``: the expert tables' gradients as sparse tensors of the rows read (train
+      them with ``torch.optim.SparseAdam``; see :func:`sparseffn.sparse_grad_parameters`): a
+      step then touches what the batch retrieved, not all 2·N·d_model weights.
 
     The experts are two embedding tables ``w_in`` (u_i) and ``w_out`` (v_i), [N, d_model],
     shared by the heads; each head has its own query network and sub-keys.
@@ -592,6 +599,7 @@ class PEERConfig(LayerConfig):
     key_dim: int | None = None
     query_norm: str | None = None
     dropout: float = 0.0
+    sparse_grad: bool = False
     n_layers: int = 1
 
     def __post_init__(self) -> None:
@@ -604,6 +612,7 @@ class PEERConfig(LayerConfig):
         _require_choice(self, "activation", ACTIVATIONS)
         _require_choice(self, "score", PEER_SCORES)
         _require_probability(self, "dropout")
+        _require_bool(self, "sparse_grad")
         _check_product_keys(self, root, "num_experts")
 
     @property

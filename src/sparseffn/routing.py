@@ -95,6 +95,10 @@ class SparseFFN(nn.Module):
         self.usage_counts += counts
         self.usage_mass += mass
 
+    def sparse_grad_parameters(self) -> list[nn.Parameter]:
+        """Parameters whose gradients are sparse tensors (none, unless a layer says so)."""
+        return []
+
     def reset_usage(self, num_experts: int | None = None, device=None) -> None:
         """Zero the accumulated per-expert usage."""
         if num_experts is None:

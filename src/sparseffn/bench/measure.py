@@ -89,3 +89,21 @@ def write_json(records: list[dict], path: str) -> None:
     with open(tmp, "w") as f:
         json.dump(records, f, indent=2)
     os.replace(tmp, path)
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of PyTorch CPU tensor memory allocated during one call of ``fn``, above what
+    was allocated when it started (so parameters and inputs are not counted; memory the call
+    leaves allocated, such as new gradients, is). Read from the profiler's allocation events;
+    memory that C code mallocs itself is not seen."""
+    from torch.profiler import ProfilerActivity, profile
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    del result
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    total = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        total += event.nbytes()
+        peak = max(peak, total)
+    return peak

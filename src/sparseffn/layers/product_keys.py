@@ -57,9 +57,14 @@ class ProductKeyMemory(SparseFFN):
         self._check_input(x)
         x2 = x.reshape(-1, self.d_model)
         routing = self.router(x2)
-        y = gather_sum(routing.indices, routing.weights, self.values)       # Eq. 14
+        y = gather_sum(routing.indices, routing.weights, self.values,         # Eq. 14
+                       sparse_grad=self.config.sparse_grad)
         self._record_routing(routing, self.config.num_values)
         return y.reshape(x.shape).to(x.dtype)
+
+    def sparse_grad_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are sparse (``config.sparse_grad``)."""
+        return [self.values] if self.config.sparse_grad else []
 
     def extra_repr(self) -> str:
         cfg = self.config
@@ -108,11 +113,18 @@ class PEER(SparseFFN):
         self._check_input(x)
         x2 = x.reshape(-1, self.d_model)
         routing = self.router(x2)
-        hidden = self.activation(gather_dot(x2, self.w_in, routing.indices))   # σ(u_iᵀ x)
+        sparse = self.config.sparse_grad
+        hidden = self.activation(gather_dot(x2, self.w_in, routing.indices,      # σ(u_iᵀ x)
+                                            sparse_grad=sparse))
         hidden = self.hidden_dropout(hidden)
-        y = gather_sum(routing.indices, routing.weights.to(hidden.dtype) * hidden, self.w_out)
+        y = gather_sum(routing.indices, routing.weights.to(hidden.dtype) * hidden, self.w_out,
+                       sparse_grad=sparse)
         self._record_routing(routing, self.config.num_experts)
         return y.reshape(x.shape).to(x.dtype)
+
+    def sparse_grad_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are sparse (``config.sparse_grad``)."""
+        return [self.w_in, self.w_out] if self.config.sparse_grad else []
 
     def extra_repr(self) -> str:
         cfg = self.config

@@ -14,6 +14,9 @@ devices, other dtypes) a chunked PyTorch path computes the same thing.
 
 Both are differentiable in every floating-point argument; each one's backward is made of the
 other and of ``scatter_rows`` (the table gradient, a dense [N, d] whose untouched rows are 0).
+With ``sparse_grad=True`` the table gradient is a coalesced sparse COO tensor holding only the
+rows some pair read, as ``nn.Embedding(sparse=True)`` gives (for ``torch.optim.SparseAdam`` or
+SGD): a table of a million rows then costs per step what the batch reads, not 4·N·d bytes.
 """
 
 from __future__ import annotations
@@ -62,9 +65,24 @@ def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
     return out
 
 
+def scatter_rows_sparse(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
+                        num_rows: int) -> torch.Tensor:
+    """:func:`scatter_rows` as a coalesced sparse COO [num_rows, d] with only the rows that some
+    pair lands on."""
+    rows, inverse = torch.unique(idx, return_inverse=True)
+    values = scatter_rows(inverse.view(idx.shape), weights, src, rows.numel())
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, src.shape[1]),
+                                   is_coalesced=True, check_invariants=False)
+
+
+def _table_grad(idx, weights, src, num_rows, sparse: bool) -> torch.Tensor:
+    return (scatter_rows_sparse if sparse else scatter_rows)(idx, weights, src, num_rows)
+
+
 class _GatherDot(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, table, idx):
+    def forward(ctx, x, table, idx, sparse):
+        ctx.sparse = sparse
         ctx.save_for_backward(x, table, idx)
         return _gather_dot(x, table, idx)
 
@@ -76,13 +94,14 @@ class _GatherDot(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _gather_sum(idx, grad, table).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_table = scatter_rows(idx, grad, x.to(table.dtype), table.shape[0])
-        return grad_x, grad_table, None
+            grad_table = _table_grad(idx, grad, x.to(table.dtype), table.shape[0], ctx.sparse)
+        return grad_x, grad_table, None, None
 
 
 class _GatherSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, idx, weights, table):
+    def forward(ctx, idx, weights, table, sparse):
+        ctx.sparse = sparse
         ctx.save_for_backward(idx, weights, table)
         return _gather_sum(idx, weights, table)
 
@@ -94,8 +113,9 @@ class _GatherSum(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weights = _gather_dot(grad, table, idx).to(weights.dtype)
         if ctx.needs_input_grad[2]:
-            grad_table = scatter_rows(idx, weights, grad.to(table.dtype), table.shape[0])
-        return None, grad_weights, grad_table
+            grad_table = _table_grad(idx, weights, grad.to(table.dtype), table.shape[0],
+                                     ctx.sparse)
+        return None, grad_weights, grad_table, None
 
 
 def _check_pairs(idx: torch.Tensor, rows: int, table: torch.Tensor, what: str) -> None:
@@ -110,23 +130,26 @@ def _check_pairs(idx: torch.Tensor, rows: int, table: torch.Tensor, what: str) -
                          f"[{int(idx.min())}, {int(idx.max())}]")
 
 
-def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``out[t, j] = <x[t], table[idx[t, j]]>``, differentiable in x and table.
+def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor,
+               sparse_grad: bool = False) -> torch.Tensor:
+    """``out[t, j] = <x[t], table[idx[t, j]]>``, differentiable in x and table (the table's
+    gradient sparse with ``sparse_grad``).
 
     x: [T, d]; table: [N, d]; idx: int [T, m]. Returns [T, m]."""
     _check_pairs(idx, x.shape[0], table, "gather_dot")
     if x.shape[-1] != table.shape[1]:
         raise ValueError(f"gather_dot: x has width {x.shape[-1]}, table rows {table.shape[1]}")
-    return _GatherDot.apply(x, table, idx.long())
+    return _GatherDot.apply(x, table, idx.long(), sparse_grad)
 
 
-def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor,
+               sparse_grad: bool = False) -> torch.Tensor:
     """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]`` (a weighted embedding bag),
-    differentiable in weights and table.
+    differentiable in weights and table (the table's gradient sparse with ``sparse_grad``).
 
     idx: int [T, m]; weights: [T, m]; table: [N, d]. Returns [T, d]."""
     _check_pairs(idx, weights.shape[0], table, "gather_sum")
     if weights.shape != idx.shape:
         raise ValueError(f"gather_sum: weights {tuple(weights.shape)} must match idx "
                          f"{tuple(idx.shape)}")
-    return _GatherSum.apply(idx.long(), weights, table)
+    return _GatherSum.apply(idx.long(), weights, table, sparse_grad)
