@@ -3,7 +3,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench test setup peers routers clean
+.PHONY: bench test setup peers routers productkeys clean
 
 # Main job: the layer benchmark (sigma-MoE vs parameter-equal and active-equal dense MLPs).
 bench:
@@ -27,6 +27,12 @@ peers:
 routers:
 	@EXTRAS=test bash scripts/setup.sh
 	$(BIN)/sparseffn bench routers --json runs/bench_routers.json --plot runs/bench_routers.png
+
+# Product keys: retrieval scaling, PEER with a million experts and PKM next to peer-pytorch and
+# product-key-memory (both in the test extra), and a million-expert training run.
+productkeys:
+	@EXTRAS=test bash scripts/setup.sh
+	$(BIN)/sparseffn bench productkeys --json runs/bench_productkeys.json --plot runs/bench_productkeys.png
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

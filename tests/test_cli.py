@@ -178,3 +178,54 @@ def test_bad_depths_are_rejected(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "routers", "--depths", "0-3"])
     assert "depths must lie in 1..20" in capsys.readouterr().err
+
+
+PRODUCT_KEY_FIELDS = {"case", "n_experts", "method", "pass", "ms", "peak_bytes"}
+
+
+def test_bench_productkeys_writes_the_issue_fields_and_plot(tmp_path, capsys):
+    path, png = tmp_path / "pk.json", tmp_path / "pk.png"
+    assert cli.main(["bench", "productkeys", "--exponents", "6,7", "--scaling-tokens", "16",
+                     "--tokens", "16", "--repeats", "1", "--cases", "scaling", "pkm",
+                     "--json", str(path), "--plot", str(png)]) == 0
+    records = json.loads(path.read_text())
+    assert all(PRODUCT_KEY_FIELDS <= set(r) for r in records)
+    cases = {(r["case"], r["method"], r["n_experts"]) for r in records}
+    assert {("scaling", "product_keys", 64), ("scaling", "naive", 128),
+            ("pkm", "sparseffn", 512 ** 2)} <= cases
+    assert {("pkm_product_key_memory", "product_key_memory", 512 ** 2)} <= cases
+    assert png.stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "retrieve the same 16 keys for 100.0%" in out
+    assert "PKM forward_backward: product-key-memory / ours" in out
+
+
+def test_peers_given_our_weights_compute_the_same_layer():
+    """The weight mapping the benchmark relies on: peer-pytorch and product-key-memory with
+    our weights give our outputs."""
+    from sparseffn import PEER, PEERConfig, PKMConfig, ProductKeyMemory
+    from sparseffn.bench import product_keys as bench
+    torch.manual_seed(0)
+    ours = PEER(PEERConfig(d_model=16, num_experts=64, heads=2, k=4))
+    theirs = bench._peer_pytorch(ours)
+    x = torch.randn(20, 16)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-5)
+    ours = ProductKeyMemory(PKMConfig(d_model=16, num_subkeys=8, heads=2, k=4, query="linear",
+                                      key_dim=12, query_norm="layernorm"))
+    theirs = bench._product_key_memory(ours)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-5)
+
+
+def test_peak_bytes_sees_a_temporary():
+    from sparseffn.bench.measure import peak_bytes
+
+    def make():
+        big = torch.ones(1 << 20)        # 4 MB, freed before returning
+        return big.sum()
+    assert peak_bytes(make) >= 4 << 20
+
+
+def test_bad_exponents_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "productkeys", "--exponents", "1-30"])
+    assert "exponents must lie in 2..24" in capsys.readouterr().err
