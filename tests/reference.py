@@ -42,7 +42,6 @@ def product_key_reference(query_a, query_b, keys_a, keys_b, k):
     query_a: [T, H, d_a]; keys_a: [H, n_a, d_a]. Returns scores [T, H, k] (differentiable)
     and indices [T, H, k]."""
     T, H = query_a.shape[:2]
-    n_a = keys_a.shape[1]
     scores, indices = [], []
     for t in range(T):
         head_scores, head_indices = [], []
