@@ -35,3 +35,13 @@ def matmul_path(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def native_or_torch(request):
+    """Body of the fixtures that run a test through a C kernel and through its PyTorch
+    fallback (``params=["native", "torch"]``)."""
+    if request.param == "native":
+        require_native()
+    native.set_native_enabled(request.param == "native")
+    yield request.param
+    native.set_native_enabled(True)

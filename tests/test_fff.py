@@ -7,9 +7,9 @@ import torch
 from torch.nn import functional as F
 
 import sparseffn
-from conftest import require_native
+from conftest import native_or_torch, require_native
 from sparseffn import FastFeedForward, FFFConfig, TreeRouterConfig, config_from_dict
-from sparseffn.ops import expert_mlp, DispatchPlan, fff, native
+from sparseffn.ops import expert_mlp, DispatchPlan, fff
 from sparseffn.routers import build_router
 
 FORMULATIONS = fff.SOFT_FORMULATIONS
@@ -18,11 +18,7 @@ FORMULATIONS = fff.SOFT_FORMULATIONS
 @pytest.fixture(params=["native", "torch"])
 def tree_path(request):
     """Run through the C kernels of fff_cpu.c and through their PyTorch fallback."""
-    if request.param == "native":
-        require_native()
-    native.set_native_enabled(request.param == "native")
-    yield request.param
-    native.set_native_enabled(True)
+    yield from native_or_torch(request)
 
 
 def _reference_probs(z64, activation):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sparseffn
-from conftest import require_native
+from conftest import native_or_torch, require_native
 from reference import product_key_layer_reference, product_key_reference
 from sparseffn import (PEER, DenseMLPConfig, PEERConfig, PKMConfig, ProductKeyMemory,
                        compare_with_dense, config_from_dict, param_equal_dense)
@@ -18,11 +18,7 @@ from sparseffn.ops import native, product_keys, rows
 @pytest.fixture(params=["native", "torch"])
 def rows_path(request):
     """Run through the C kernels of rows_cpu.c and through their PyTorch fallback."""
-    if request.param == "native":
-        require_native()
-    native.set_native_enabled(request.param == "native")
-    yield request.param
-    native.set_native_enabled(True)
+    yield from native_or_torch(request)
 
 
 def _sorted_topk(values, k):

@@ -15,19 +15,26 @@ def _bench_layers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _depths(text: str) -> list[int]:
-    """``"1-13"`` or ``"2,4,8"``."""
-    try:
-        if "-" in text:
-            low, high = (int(v) for v in text.split("-"))
-            depths = list(range(low, high + 1))
-        else:
-            depths = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"depths must look like 1-13 or 2,4,8, got {text!r}") from None
-    if not depths or min(depths) < 1 or max(depths) > 20:
-        raise argparse.ArgumentTypeError(f"depths must lie in 1..20, got {text!r}")
-    return depths
+def _int_list(name: str, low: int, high: int, example: str):
+    """An argparse type for ``"1-13"`` (a range) or ``"2,4,8"`` (a list) within [low, high]."""
+    def parse(text: str) -> list[int]:
+        try:
+            if "-" in text:
+                first, last = (int(v) for v in text.split("-"))
+                values = list(range(first, last + 1))
+            else:
+                values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must look like {example}, got {text!r}") from None
+        if not values or min(values) < low or max(values) > high:
+            raise argparse.ArgumentTypeError(f"{name} must lie in {low}..{high}, got {text!r}")
+        return values
+    return parse
+
+
+_depths = _int_list("depths", 1, 20, "1-13 or 2,4,8")
+# powers of two of the number of keys
+_exponents = _int_list("exponents", 2, 24, "10-20 or 10,14,20")
 
 
 def _bench_routers(args: argparse.Namespace) -> int:
@@ -53,21 +60,6 @@ def _bench_productkeys(args: argparse.Namespace) -> int:
                      train_batch=args.train_batch, cases=tuple(args.cases), json_path=args.json,
                      plot_path=args.plot)
     return 0
-
-
-def _exponents(text: str) -> list[int]:
-    """``"10-20"`` or ``"10,14,20"``: powers of two of the number of keys."""
-    try:
-        if "-" in text:
-            low, high = (int(v) for v in text.split("-"))
-            values = list(range(low, high + 1))
-        else:
-            values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"exponents must look like 10-20 or 10,14,20, got {text!r}") from None
-    if not values or min(values) < 2 or max(values) > 24:
-        raise argparse.ArgumentTypeError(f"exponents must lie in 2..24, got {text!r}")
-    return values
 
 
 def build_parser() -> argparse.ArgumentParser:

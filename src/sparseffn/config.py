@@ -462,6 +462,14 @@ def _check_product_keys(config: Any, num_subkeys: int, num_keys_name: str) -> No
                          f"{num_subkeys ** 2}], got {k!r}")
 
 
+def _subkeys_within(spec: ProductKeySpec, params_per_key: int, budget: int, what: str) -> int:
+    """The most sub-keys n for which retrieval (``spec`` with n sub-keys) plus n² keys of
+    ``params_per_key`` parameters each (a value row, or an expert's two rows) fit ``budget``."""
+    def params(n: int) -> int:
+        return dataclasses.replace(spec, num_subkeys=n).num_params() + n * n * params_per_key
+    return _largest_fitting(params, budget, what)
+
+
 def _largest_fitting(params_of, budget: int, what: str) -> int:
     """The largest n >= 1 with ``params_of(n) <= budget`` (params_of increasing)."""
     if params_of(1) > budget:
@@ -558,11 +566,8 @@ class PKMConfig(LayerConfig):
             return cls(d_model=d_model, num_subkeys=math.isqrt(max(d_ff, 1) - 1) + 1, **fields)
         budget = DenseMLPConfig(d_model=d_model, d_ff=d_ff, bias=dense_bias).cost().total_params
         probe = cls(d_model=d_model, num_subkeys=max(1, math.isqrt(budget // d_model)), **fields)
-
-        def params(n: int) -> int:
-            spec = dataclasses.replace(probe.retrieval(), num_subkeys=n)
-            return spec.num_params() + n * n * d_model
-        return probe.replace(num_subkeys=_largest_fitting(params, budget, "PKMConfig.from_dense"))
+        n = _subkeys_within(probe.retrieval(), d_model, budget, "PKMConfig.from_dense")
+        return probe.replace(num_subkeys=n)
 
 
 @dataclass(frozen=True)
@@ -640,9 +645,5 @@ class PEERConfig(LayerConfig):
         budget = DenseMLPConfig(d_model=d_model, d_ff=d_ff, bias=dense_bias).cost().total_params
         probe = cls(d_model=d_model, num_experts=max(1, math.isqrt(budget // (2 * d_model))) ** 2,
                     **fields)
-
-        def params(n: int) -> int:
-            spec = dataclasses.replace(probe.retrieval(), num_subkeys=n)
-            return spec.num_params() + 2 * n * n * d_model
-        n = _largest_fitting(params, budget, "PEERConfig.from_dense")
+        n = _subkeys_within(probe.retrieval(), 2 * d_model, budget, "PEERConfig.from_dense")
         return probe.replace(num_experts=n * n)
