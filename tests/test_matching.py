@@ -1,6 +1,6 @@
 import pytest
 
-from sparseffn import (DenseMLP, DenseMLPConfig, SigmaMoE, SigmaMoEConfig, TopKMLP,
+from sparseffn import (DenseMLP, DenseMLPConfig, SigmaMoE, SigmaMoEConfig,
                        TopKMLPConfig, active_equal_dense, build_layer, compare_with_dense,
                        param_equal_dense)
 
