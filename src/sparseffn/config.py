@@ -421,10 +421,6 @@ class ProductKeySpec:
     score: str
 
     @property
-    def num_keys(self) -> int:
-        return self.num_subkeys ** 2
-
-    @property
     def query_width(self) -> int:
         """Units of the (normalised) query: one shared query, or one per head."""
         return self.key_dim if self.query == "identity" else self.heads * self.key_dim
@@ -443,8 +439,9 @@ class ProductKeySpec:
         return query + 2 * self.heads * self.num_subkeys * self.key_dim
 
 
-def _check_product_keys(config: Any, num_subkeys: int, num_keys_name: str) -> None:
-    """Fields PKM and PEER share; ``key_dim`` None resolves to d_model."""
+def _check_product_keys(config: Any, num_keys_name: str) -> None:
+    """Fields PKM and PEER share; ``key_dim`` None resolves to d_model; k is at most the
+    field or property ``num_keys_name`` (n² keys)."""
     for name in ("d_model", "heads", "n_layers"):
         _require_positive_int(config, name)
     if config.key_dim is not None:
@@ -456,10 +453,7 @@ def _check_product_keys(config: Any, num_subkeys: int, num_keys_name: str) -> No
     if key_dim % 2:
         raise ValueError(f"{name}: the query is split into two halves, so key_dim (default "
                          f"d_model) must be even, got {key_dim}")
-    k = config.k
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_subkeys ** 2:
-        raise ValueError(f"{name}.k must be an integer in [1, {num_keys_name}="
-                         f"{num_subkeys ** 2}], got {k!r}")
+    _require_k(config, num_keys_name)
 
 
 def _subkeys_within(spec: ProductKeySpec, params_per_key: int, budget: int, what: str) -> int:
@@ -527,7 +521,7 @@ class PKMConfig(LayerConfig):
         _require_choice(self, "activation", PKM_ACTIVATIONS)
         _require_choice(self, "query", PK_QUERIES)
         _require_choice(self, "init", PKM_INITS)
-        _check_product_keys(self, self.num_subkeys, "num_values")
+        _check_product_keys(self, "num_values")
         if self.query == "identity" and self.key_dim not in (None, self.d_model):
             raise ValueError(f"PKMConfig: query 'identity' uses the input as the query, so "
                              f"key_dim must be d_model={self.d_model} (or None), got "
@@ -618,7 +612,7 @@ class PEERConfig(LayerConfig):
         _require_choice(self, "score", PEER_SCORES)
         _require_probability(self, "dropout")
         _require_bool(self, "sparse_grad")
-        _check_product_keys(self, root, "num_experts")
+        _check_product_keys(self, "num_experts")
 
     @property
     def num_subkeys(self) -> int:

@@ -35,7 +35,7 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     n = scores.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"topk_lowest_index: k must lie in [1, {n}], got {k}")
-    if scores.dim() == 2 and native.rows_usable(scores):
+    if scores.dim() == 2 and native.usable(scores, deterministic=True):
         return native.topk_rows(scores, k)
     if torch.isnan(scores).any():
         raise ValueError("topk_lowest_index: scores contain NaN")
@@ -64,7 +64,7 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
                          f"{tuple(scores_b.shape)} must have the same rows")
     if not 1 <= k <= n_a * n_b:
         raise ValueError(f"product_key_topk: k must lie in [1, {n_a * n_b}], got {k}")
-    if native.rows_usable(scores_a, scores_b):
+    if native.usable(scores_a, scores_b, deterministic=True):
         return native.product_key_topk(scores_a, scores_b, k)
     val_a, idx_a = topk_lowest_index(scores_a, min(k, n_a))
     val_b, idx_b = topk_lowest_index(scores_b, min(k, n_b))

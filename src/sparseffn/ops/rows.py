@@ -37,7 +37,7 @@ def _chunks(rows: int, per_row: int):
 
 
 def _gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    if native.rows_usable(x, table):
+    if native.usable(x, table, deterministic=True):
         return native.gather_dot(x, table, idx)
     out = x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
     for part in _chunks(idx.shape[0], idx.shape[1] * table.shape[1]):
@@ -47,7 +47,7 @@ def _gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torc
 
 
 def _gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    if native.rows_usable(weights, table):
+    if native.usable(weights, table, deterministic=True):
         return native.gather_sum(idx, weights, table)
     return F.embedding_bag(idx, table, per_sample_weights=weights.to(table.dtype), mode="sum")
 
@@ -56,7 +56,7 @@ def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
                  num_rows: int) -> torch.Tensor:
     """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``: a dense [num_rows, d],
     zero where no pair lands. idx, weights: [T, m]; src: [T, d]."""
-    if native.rows_usable(weights, src):
+    if native.usable(weights, src, deterministic=True):
         return native.scatter_rows(idx, weights, src, num_rows)
     out = src.new_zeros(num_rows, src.shape[1])
     for part in _chunks(idx.shape[0], idx.shape[1] * src.shape[1]):

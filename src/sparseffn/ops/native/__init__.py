@@ -216,10 +216,12 @@ def _chunk(width: int) -> int:
     return max(16, min(1024, _CHUNK_BYTES // (4 * max(width, 1))))
 
 
-def usable(*tensors: torch.Tensor | None) -> bool:
+def usable(*tensors: torch.Tensor | None, deterministic: bool = False) -> bool:
     """True when the fused kernels are available and can take these tensors: CPU float32,
-    and deterministic algorithms not requested (the kernels add rows in thread order)."""
-    if torch.are_deterministic_algorithms_enabled():
+    and deterministic algorithms not requested (the CVMM kernels add rows in thread order).
+    ``deterministic=True`` is for kernels whose results do not depend on threads (rows_cpu.c):
+    they stay on under ``torch.use_deterministic_algorithms``."""
+    if not deterministic and torch.are_deterministic_algorithms_enabled():
         return False
     for t in tensors:
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
@@ -419,15 +421,8 @@ def fff_descend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # ---------------------------------------------------------------------------------------------
 # Single-row tables (rows_cpu.c). A pair (t, j) reads row idx[t, j] of a table [N, d]. These
 # kernels are deterministic (each output element is summed by one thread in a fixed order), so
-# unlike CVMM they stay on under torch.use_deterministic_algorithms.
-
-def rows_usable(*tensors: torch.Tensor | None) -> bool:
-    """True when the row kernels are available and can take these tensors (CPU float32)."""
-    for t in tensors:
-        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
-            return False
-    return available()
-
+# unlike CVMM they stay on under torch.use_deterministic_algorithms: callers check
+# usable(..., deterministic=True).
 
 def _pairs(idx: torch.Tensor) -> torch.Tensor:
     if idx.dim() != 2:
@@ -435,17 +430,10 @@ def _pairs(idx: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.int64).contiguous()
 
 
-def _table(name: str, t: torch.Tensor) -> torch.Tensor:
-    if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a float32 CPU matrix, got {tuple(t.shape)} {t.dtype} "
-                         f"on {t.device}")
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
 def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: [T, m]."""
     lib = _load()
-    x, table, idx = _table("x", x), _table("table", table), _pairs(idx)
+    x, table, idx = _rows("x", x), _rows("table", table), _pairs(idx)
     out = x.new_empty(idx.shape)
     if out.numel():
         lib.sf_gather_dot(x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
@@ -457,7 +445,7 @@ def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch
 def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``. idx, weights: [T, m]; table: [N, d]."""
     lib = _load()
-    idx, table = _pairs(idx), _table("table", table)
+    idx, table = _pairs(idx), _rows("table", table)
     weights = weights.to(torch.float32).contiguous()
     out = table.new_empty(idx.shape[0], table.shape[1])
     if idx.shape[0]:
@@ -472,7 +460,7 @@ def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
     """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, a dense [num_rows, d]
     with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]."""
     lib = _load()
-    idx, src = _pairs(idx), _table("src", src)
+    idx, src = _pairs(idx), _rows("src", src)
     weights = weights.to(torch.float32).contiguous()
     out = src.new_empty(num_rows, src.shape[1])
     _check(lib.sf_scatter_rows(idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
@@ -485,7 +473,7 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     """The k largest entries of each row of ``scores`` [R, n], ordered by (value desc, index
     asc): (values [R, k], int64 indices [R, k])."""
     lib = _load()
-    s = _table("scores", scores)
+    s = _rows("scores", scores)
     vals = s.new_empty(s.shape[0], k)
     ids = torch.empty(s.shape[0], k, dtype=torch.int64)
     if s.shape[0] and k:
@@ -500,7 +488,7 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
     (i, j), full index ``i + n_a · j``, ordered by (sum desc, index asc). scores_a: [R, n_a];
     scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k])."""
     lib = _load()
-    a, b = _table("scores_a", scores_a), _table("scores_b", scores_b)
+    a, b = _rows("scores_a", scores_a), _rows("scores_b", scores_b)
     vals = a.new_empty(a.shape[0], k)
     ids = torch.empty(a.shape[0], k, dtype=torch.int64)
     if a.shape[0] and k:
