@@ -1,0 +1,226 @@
+"""A pre-LayerNorm causal Transformer language model whose FFN in every block is any sparseffn
+layer (seed 001 replaces every MLP block; seed 002's Switch Transformer block and model).
+
+    cfg = LMConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, context=128,
+                   ffn=SigmaMoEConfig(d_model=128, num_experts=8, expert_size=64, k=2))
+    model = TransformerLM(cfg)
+    logits = model(tokens)                    # tokens: int64 [batch, time] -> [batch, time, vocab]
+
+A block is ``x + Attn(LN(x))`` then ``x + FFN(LN(x))``. With ``sparse_every = 2`` only every
+second block (blocks 1, 3, ...) uses ``ffn`` and the others use ``dense_ffn``: GLaM's layout
+(a MoE layer in every other block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DenseMLPConfig, LayerConfig, config_from_dict
+from ..matching import param_equal_dense
+from ..validation import (require_bool, require_positive_int, require_probability)
+
+
+def _layer_config(value: Any, field: str) -> LayerConfig | None:
+    if value is None or isinstance(value, LayerConfig):
+        return value
+    if isinstance(value, dict):
+        return config_from_dict(value)
+    raise ValueError(f"LMConfig.{field} must be a layer config or a table with 'type', got "
+                     f"{type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """A causal Transformer LM.
+
+    Fields
+    - ``vocab_size``: 256 for bytes; a tokenizer's size otherwise.
+    - ``context``: the longest sequence (learned positional embeddings of that many rows).
+    - ``ffn``: the FFN layer config of the blocks (any registered layer; its ``d_model`` must be
+      this model's).
+    - ``sparse_every``: 1 puts ``ffn`` in every block; m > 1 puts it in blocks m-1, 2m-1, ...
+      and ``dense_ffn`` in the others (GLaM: m = 2).
+    - ``dropout``: on the embeddings, the attention probabilities and each residual branch.
+    - ``tie_embeddings``: the output projection is the token embedding (saves vocab·d_model).
+    """
+
+    kind: ClassVar[str] = "lm"
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    context: int
+    ffn: Any
+    sparse_every: int = 1
+    dense_ffn: Any = None
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context", "sparse_every"):
+            require_positive_int(self, name)
+        require_probability(self, "dropout")
+        require_bool(self, "tie_embeddings")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"LMConfig: d_model={self.d_model} must be divisible by "
+                             f"n_heads={self.n_heads}")
+        object.__setattr__(self, "ffn", _layer_config(self.ffn, "ffn"))
+        object.__setattr__(self, "dense_ffn", _layer_config(self.dense_ffn, "dense_ffn"))
+        if self.ffn is None:
+            raise ValueError("LMConfig.ffn is required: the FFN layer config of the blocks")
+        for name in ("ffn", "dense_ffn"):
+            layer = getattr(self, name)
+            if layer is not None and layer.d_model != self.d_model:  # type: ignore[attr-defined]
+                raise ValueError(f"LMConfig.{name}.d_model={layer.d_model} must equal the "
+                                 f"model's d_model={self.d_model}")
+            if layer is not None and getattr(layer, "output_width", self.d_model) != self.d_model:
+                raise ValueError(f"LMConfig.{name} must map d_model to d_model (a Transformer "
+                                 f"block is residual); unset its d_out")
+        if self.sparse_every > 1 and self.dense_ffn is None:
+            raise ValueError(f"LMConfig: sparse_every={self.sparse_every} leaves some blocks "
+                             f"without the sparse FFN; set dense_ffn for them")
+        if self.sparse_every > self.n_layers:
+            raise ValueError(f"LMConfig: sparse_every={self.sparse_every} exceeds n_layers="
+                             f"{self.n_layers}, so no block would be sparse")
+
+    def block_ffn(self, index: int) -> LayerConfig:
+        """The FFN config of block ``index`` (0-based)."""
+        sparse = (index + 1) % self.sparse_every == 0
+        return self.ffn if sparse else self.dense_ffn
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["ffn"] = self.ffn.to_dict()
+        data["dense_ffn"] = None if self.dense_ffn is None else self.dense_ffn.to_dict()
+        return {"kind": self.kind, **{k: v for k, v in data.items() if v is not None}}
+
+    def replace(self, **changes: Any) -> "LMConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- costs ------------------------------------------------------------------------------
+
+    def non_ffn_params(self) -> int:
+        """Embeddings, attention and LayerNorms (the parameters every variant shares)."""
+        d = self.d_model
+        embed = self.vocab_size * d + self.context * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        attention = 4 * d * d          # q, k, v, out projections, no bias
+        norms = 2 * 2 * d              # two LayerNorms per block
+        return embed + head + self.n_layers * (attention + norms) + 2 * d
+
+    def cost(self) -> dict[str, int]:
+        """Total parameters, parameters read per token and forward FLOPs per token (matrix
+        products; attention's score and mix products counted at the full context)."""
+        d = self.d_model
+        ffns = [self.block_ffn(i).cost() for i in range(self.n_layers)]
+        shared = self.non_ffn_params()
+        # per token: one token and one position row of the tables; the output projection
+        # (the token table itself when tied) reads all of its vocab_size rows
+        tables = self.vocab_size * d + self.context * d
+        active_shared = shared - tables + 2 * d + (self.vocab_size * d if self.tie_embeddings else 0)
+        attn_flops = self.n_layers * (2 * 4 * d * d + 2 * 2 * self.context * d)
+        head_flops = 2 * d * self.vocab_size
+        return {
+            "total_params": shared + sum(c.total_params for c in ffns),
+            "active_params": active_shared + sum(c.active_params for c in ffns),
+            "flops_per_token": attn_flops + head_flops + sum(c.flops for c in ffns),
+            "ffn_params": sum(c.total_params for c in ffns),
+        }
+
+    def dense_baseline(self) -> "LMConfig":
+        """The same model with every FFN replaced by its parameter-equal dense MLP (seed
+        001's evaluation rule): total parameters equal to within d_model per block."""
+        def dense(layer: LayerConfig) -> DenseMLPConfig:
+            return layer if isinstance(layer, DenseMLPConfig) else param_equal_dense(layer)
+        return self.replace(ffn=dense(self.ffn),
+                            dense_ffn=None if self.dense_ffn is None else dense(self.dense_ffn))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. forward(x: [B, T, d]) -> [B, T, d]."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, n_layers: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.dropout = dropout
+        nn.init.normal_(self.qkv.weight, 0.0, 1.0 / math.sqrt(d_model))
+        # scaled by depth so the residual stream's variance grows slowly (GPT-2)
+        nn.init.normal_(self.out.weight, 0.0, 1.0 / math.sqrt(d_model * 2 * n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """``x + Attn(LN(x))``, then ``x + FFN(LN(x))`` (pre-LayerNorm)."""
+
+    def __init__(self, config: LMConfig, ffn: LayerConfig) -> None:
+        super().__init__()
+        from .. import build_layer
+        self.norm1 = nn.LayerNorm(config.d_model)
+        self.attention = CausalSelfAttention(config.d_model, config.n_heads, config.dropout,
+                                             config.n_layers)
+        self.norm2 = nn.LayerNorm(config.d_model)
+        self.ffn = build_layer(ffn)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.norm1(x)))
+        return x + self.dropout(self.ffn(self.norm2(x)))
+
+
+class TransformerLM(nn.Module):
+    """forward(tokens: int64 [B, T]) -> logits [B, T, vocab_size], T <= context."""
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.position = nn.Embedding(config.context, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, config.block_ffn(i))
+                                    for i in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size,
+                                                                 bias=False)
+        nn.init.normal_(self.embed.weight, 0.0, 1.0)
+        nn.init.normal_(self.position.weight, 0.0, 0.02)
+        if self.head is not None:
+            nn.init.normal_(self.head.weight, 0.0, 1.0 / math.sqrt(config.d_model))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"TransformerLM expects int64 tokens [batch, time], got "
+                             f"{tuple(tokens.shape)} {tokens.dtype}")
+        t = tokens.shape[1]
+        if t > self.config.context:
+            raise ValueError(f"TransformerLM: sequence of {t} tokens exceeds context="
+                             f"{self.config.context}")
+        positions = torch.arange(t, device=tokens.device)
+        x = self.dropout(self.embed(tokens) + self.position(positions))
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        if self.head is None:
+            # tied: logits = x Eᵀ / sqrt(d), so unit-variance embeddings give unit-scale logits
+            return F.linear(x, self.embed.weight) / math.sqrt(self.config.d_model)
+        return self.head(x)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy in nats. targets: int64 [B, T]."""
+        logits = self(tokens)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,120 @@
+"""Named FFN presets sized to a dense MLP's parameters, for comparing layers at equal
+parameters (seed 001 §6: every sparse layer is compared with the dense MLP of the same size).
+
+``ffn_preset(name, d_model, d_ff, n_layers)`` returns the block layout of an LM whose FFNs each
+have at most the parameters of ``DenseMLPConfig(d_model, d_ff)`` (as close as the layer's
+granularity allows; :meth:`LMConfig.cost` reports the exact counts):
+
+| name | layer | source |
+|---|---|---|
+| ``dense`` | the dense MLP itself | seed 001 Eq. 1-2 |
+| ``sigma_moe`` | σ-MoE, 8 experts, k = 2, entropy regulariser | seed 001 §5 |
+| ``switch`` | MoE with the Switch router: top-1, capacity 1.25, balance + z-loss | seed 002, Fedus et al. |
+| ``glam`` | GShard top-2 MoE in every other block, dense MLPs between | GLaM (seed 004) |
+| ``fff`` | a fast feed-forward tree of 8 leaves | seeds 003, 000 |
+| ``pkm`` | a product-key memory, 4 heads, k = 32 | seed 001 §3.2 |
+| ``peer`` | PEER, 4 heads × k = 8 single-neuron experts | seed 002 §3 |
+
+``overrides`` change the preset's fields (``num_experts``, ``k``, ``depth``, ``heads`` ...);
+the size field (expert_size, leaf_width, num_subkeys, num_experts for PEER) is then fitted
+to the budget again unless it is given too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..config import (DenseMLPConfig, FFFConfig, LayerConfig, MoEConfig, PEERConfig, PKMConfig,
+                      SigmaMoEConfig, _largest_fitting)
+from ..router_config import GShardRouterConfig, SwitchRouterConfig
+
+
+@dataclass(frozen=True)
+class FFNLayout:
+    """Which FFN each block of an LM gets: ``ffn`` in every ``sparse_every``-th block,
+    ``dense_ffn`` in the others."""
+
+    ffn: LayerConfig
+    sparse_every: int = 1
+    dense_ffn: LayerConfig | None = None
+
+
+def _budget(d_model: int, d_ff: int) -> int:
+    return DenseMLPConfig(d_model=d_model, d_ff=d_ff).cost().total_params
+
+
+def _fit(make: Callable[[int], LayerConfig], budget: int, what: str) -> LayerConfig:
+    """``make(n)`` for the largest n whose parameters fit ``budget``."""
+    return make(_largest_fitting(lambda n: make(n).cost().total_params, budget, what))
+
+
+def _moe(d_model: int, d_ff: int, n_layers: int, defaults: dict, overrides: dict,
+         cls=MoEConfig) -> LayerConfig:
+    fields = {"n_layers": n_layers, **defaults, **overrides}
+    if "expert_size" in fields:
+        return cls(d_model=d_model, **fields)
+    return _fit(lambda g: cls(d_model=d_model, expert_size=g, **fields),
+                _budget(d_model, d_ff), f"{cls.__name__} preset")
+
+
+def _dense(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    return FFNLayout(DenseMLPConfig(d_model=d_model, d_ff=d_ff, n_layers=n_layers, **overrides))
+
+
+def _sigma_moe(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    defaults = {"num_experts": 8, "k": 2, "entropy_weight": 0.001}
+    return FFNLayout(_moe(d_model, d_ff, n_layers, defaults, overrides, SigmaMoEConfig))
+
+
+def _switch(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    router = SwitchRouterConfig(capacity_factor=1.25, balance_weight=0.01, z_loss_weight=1e-3)
+    defaults = {"num_experts": 8, "k": 1, "router": router, "init": "switch"}
+    return FFNLayout(_moe(d_model, d_ff, n_layers, defaults, overrides))
+
+
+def _glam(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    router = GShardRouterConfig(capacity_factor=2.0)
+    defaults = {"num_experts": 8, "k": 2, "router": router}
+    dense = DenseMLPConfig(d_model=d_model, d_ff=d_ff, n_layers=n_layers)
+    return FFNLayout(_moe(d_model, d_ff, n_layers, defaults, overrides), 2, dense)
+
+
+def _fff(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    fields = {"depth": 3, "n_layers": n_layers, "init": "sigma_moe", **overrides}
+    if "leaf_width" in fields:
+        return FFNLayout(FFFConfig(d_model=d_model, **fields))
+    return FFNLayout(_fit(lambda w: FFFConfig(d_model=d_model, leaf_width=w, **fields),
+                          _budget(d_model, d_ff), "FFFConfig preset"))
+
+
+def _pkm(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    fields = {"n_layers": n_layers, **overrides}
+    if "num_subkeys" in fields:
+        return FFNLayout(PKMConfig(d_model=d_model, **fields))
+    return FFNLayout(PKMConfig.from_dense(d_model, d_ff, **fields))
+
+
+def _peer(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    fields = {"heads": 4, "k": 8, "n_layers": n_layers, **overrides}
+    if "num_experts" in fields:
+        return FFNLayout(PEERConfig(d_model=d_model, **fields))
+    return FFNLayout(PEERConfig.from_dense(d_model, d_ff, **fields))
+
+
+PRESETS: dict[str, Callable[..., FFNLayout]] = {
+    "dense": _dense, "sigma_moe": _sigma_moe, "switch": _switch, "glam": _glam, "fff": _fff,
+    "pkm": _pkm, "peer": _peer,
+}
+
+
+def ffn_preset(name: str, d_model: int, d_ff: int, n_layers: int = 1,
+               **overrides: Any) -> FFNLayout:
+    """The named FFN layout with at most the parameters of a dense MLP of width ``d_ff`` per
+    block. Unknown names and fields are ValueErrors naming what is allowed."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown FFN preset {name!r}; presets are {', '.join(PRESETS)}")
+    try:
+        return PRESETS[name](d_model, d_ff, n_layers, overrides)
+    except TypeError as err:   # an override that is no field of the layer
+        raise ValueError(f"FFN preset {name!r}: {err}") from None
