@@ -1,0 +1,99 @@
+"""The ``train``, ``eval`` and ``compare`` subcommands of the ``sparseffn`` CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import (apply_overrides, dense_baseline, read_config_file, run_config_from_dict)
+
+
+def _run_config(args: argparse.Namespace, allow=()):
+    data = apply_overrides(read_config_file(args.config), args.set or [])
+    return data, run_config_from_dict(data, allow=allow)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from .trainer import Trainer
+    _, run = _run_config(args)
+    if args.dense_baseline:
+        run = dense_baseline(run)
+    out = Path(args.out or Path("runs") / run.name)
+    summary = Trainer(run, out, progress=not args.no_progress).train(resume=args.resume)
+    val = summary["val"]
+    metric = f"bpc {val['bpc']:.4f}" if "bpc" in val else f"accuracy {val['accuracy']:.4f}"
+    print(f"{run.name}: {summary['steps']} steps, val loss {val['loss']:.4f}, {metric}, "
+          f"{summary['total_params']:,} params ({summary['active_params']:,} active per token); "
+          f"files in {out}")
+    return 0
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from . import checkpoint as ckpt
+    from .trainer import build_model, evaluate, load_data
+    state = ckpt.load(args.checkpoint)
+    run = run_config_from_dict(state["config"])
+    data = load_data(run, state.get("tokenizer"))
+    model = build_model(run, data)
+    model.load_state_dict(state["model"])
+    results = {"checkpoint": str(args.checkpoint), "step": state["step"]}
+    for split in args.split:
+        results[split] = evaluate(model, data, run, split).as_dict()
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for split in args.split:
+            shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                              for k, v in results[split].items())
+            print(f"{run.name} step {state['step']} {split}: {shown}")
+    return 0
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    from .compare import compare
+    from .report import text_table
+    data, _ = _run_config(args, allow=("compare",))
+    out = Path(args.out or Path("runs") / data.get("name", "compare"))
+    only = args.variants.split(",") if args.variants else None
+    results = compare(data, out, fresh=args.fresh, only=only)
+    summaries = results["variants"]
+    print()
+    if "unigram_bits" in summaries[0]:
+        print(f"corpus {summaries[0]['corpus']}: unigram entropy {summaries[0]['unigram_bits']:.3f} "
+              f"bits per byte")
+    print(text_table(summaries))
+    print(f"\nreport: {out / 'report.md'}")
+    return 0
+
+
+def add_commands(commands) -> None:
+    train = commands.add_parser("train", help="train one model from a TOML config")
+    train.add_argument("config", help="a run config (.toml or .json), e.g. experiments/lm_pydoc.toml")
+    train.add_argument("--out", help="run folder (default runs/<name>)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the checkpoint in the run folder")
+    train.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set train.steps=100 (repeatable)")
+    train.add_argument("--dense-baseline", action="store_true",
+                       help="train the dense model with the same parameters as the config's")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=train_command)
+
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint")
+    evaluate.add_argument("checkpoint", help="a checkpoint.pt written by train")
+    evaluate.add_argument("--split", nargs="+", default=["val", "test"], choices=["train", "val", "test"])
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.set_defaults(func=eval_command)
+
+    comp = commands.add_parser(
+        "compare", help="train several variants at equal parameters and write a report")
+    comp.add_argument("config", help="a run config with a [compare] table, e.g. experiments/compare_pydoc.toml")
+    comp.add_argument("--out", help="report folder (default runs/<name>)")
+    comp.add_argument("--set", action="append", metavar="KEY=VALUE",
+                      help="override a field of every variant, e.g. --set train.steps=50")
+    comp.add_argument("--variants", help="only these variants, comma-separated")
+    comp.add_argument("--fresh", action="store_true",
+                      help="retrain every variant (default: reuse finished ones, resume interrupted)")
+    comp.set_defaults(func=compare_command)

@@ -1,0 +1,277 @@
+"""A run described by one TOML (or JSON) file: what data, what model, how to train.
+
+```toml
+name = "pydoc-sigma-moe"
+seed = 0
+
+[data]                      # text: corpus = pydoc | stdlib | shakespeare | wikipedia | file
+corpus = "pydoc"            # classification: dataset = clusters | fashion_mnist | mnist5k | digits | cifar10
+tokenizer = "byte"          # or "bpe" (vocab_size tokens, trained on the training split)
+
+[model]
+kind = "lm"                 # or "classifier"
+d_model = 128
+n_layers = 4
+n_heads = 4
+context = 128
+ffn = "sigma_moe"           # a preset (dense, sigma_moe, switch, glam, fff, pkm, peer) sized to d_ff,
+d_ff = 512                  # or a full layer table: [model.ffn] type = "moe" ...
+[model.ffn_options]         # preset fields to change (num_experts, k, depth, heads, ...)
+k = 4
+
+[train]
+steps = 1000
+batch_size = 32
+lr = 1e-3
+schedule = "cosine"         # cosine | one_cycle | constant
+```
+
+Every section and field is checked; an unknown one is an error naming the allowed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:   # Python 3.10
+    import tomli as tomllib   # type: ignore[no-redef]
+
+from ..config import LayerConfig, config_from_dict
+from ..models.classifier import ClassifierConfig
+from ..models.lm import LMConfig
+from ..models.presets import PRESETS, ffn_preset
+from .schedule import SCHEDULES
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be run; the message names the field."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    corpus: str | None = None
+    dataset: str | None = None
+    path: str | None = None
+    tokenizer: str = "byte"
+    vocab_size: int = 512
+    fetch: bool = True
+    options: dict = field(default_factory=dict)   # clusters: num_classes, dim, per_class, spread, seed
+
+    def __post_init__(self) -> None:
+        _check((self.corpus is None) != (self.dataset is None),
+               "data: set exactly one of corpus (language modelling) or dataset (classification)")
+        _check(self.tokenizer in ("byte", "bpe"), f"data.tokenizer must be 'byte' or 'bpe', got "
+                                                  f"{self.tokenizer!r}")
+
+    @property
+    def is_text(self) -> bool:
+        return self.corpus is not None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str = "lm"
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    context: int = 128
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    ffn: Any = "dense"          # a preset name or a layer table (LM: ffn; classifier: the layer)
+    d_ff: int | None = None     # the dense width presets are sized to (None: 4 · d_model)
+    ffn_options: dict = field(default_factory=dict)
+    sparse_every: int = 1       # with a layer table: ffn in every m-th block, dense_ffn elsewhere
+    dense_ffn: dict | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("lm", "classifier"), f"model.kind must be 'lm' or 'classifier', "
+                                                  f"got {self.kind!r}")
+        _check(isinstance(self.ffn, (str, dict)), "model.ffn must be a preset name or a table")
+        if isinstance(self.ffn, str):
+            _check(self.ffn in PRESETS, f"model.ffn: unknown preset {self.ffn!r}; presets are "
+                                        f"{', '.join(PRESETS)}, or give a layer table")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    steps: int | None = 1000
+    epochs: float | None = None     # classification: steps = epochs · (train size // batch)
+    batch_size: int = 32
+    lr: float = 1e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    final_lr_ratio: float = 0.0
+    clip: float | None = 0.25       # max gradient norm (seed 001); 0 or None: off
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    bf16: bool = False              # bfloat16 autocast for the forward
+    deterministic: bool = True      # torch.use_deterministic_algorithms: bit-exact reruns
+    eval_every: int = 100
+    eval_windows: int | None = 64   # LM: validation windows per evaluation (None: the whole split)
+    log_every: int = 10
+    checkpoint_every: int = 0       # 0: only at the end and on Ctrl-C
+
+    def __post_init__(self) -> None:
+        _check(self.schedule in SCHEDULES, f"train.schedule must be one of "
+                                           f"{', '.join(SCHEDULES)}, got {self.schedule!r}")
+        _check((self.steps is None) != (self.epochs is None),
+               "train: set exactly one of steps or epochs")
+        _check(self.steps is None or (isinstance(self.steps, int) and self.steps > 0),
+               f"train.steps must be a positive integer, got {self.steps!r}")
+        _check(self.epochs is None or self.epochs > 0, "train.epochs must be positive")
+        _check(self.batch_size > 0, "train.batch_size must be positive")
+        _check(self.lr > 0, "train.lr must be positive")
+        _check(self.eval_every > 0 and self.log_every > 0, "train.eval_every and train.log_every "
+                                                           "must be positive")
+        _check(len(self.betas) == 2, "train.betas must be two numbers")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    data: DataSpec = field(default_factory=lambda: DataSpec(corpus="pydoc"))
+    model: ModelSpec = field(default_factory=ModelSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_SECTIONS = {"data": DataSpec, "model": ModelSpec, "train": TrainSpec}
+
+
+def _section(cls, values: Any, name: str):
+    _check(isinstance(values, dict), f"[{name}] must be a table")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    _check(not unknown, f"[{name}] has no field(s) {unknown}; fields are {sorted(names)}")
+    try:
+        return cls(**values)
+    except TypeError as err:
+        raise ConfigError(f"[{name}]: {err}") from None
+
+
+def run_config_from_dict(data: dict[str, Any], allow: tuple[str, ...] = ()) -> RunConfig:
+    """A RunConfig from the parsed file; top-level keys in ``allow`` (e.g. ``compare``) are
+    left to the caller."""
+    top = {"name", "seed", *_SECTIONS, *allow}
+    unknown = sorted(set(data) - top)
+    _check(not unknown, f"unknown top-level key(s) {unknown}; allowed are {sorted(top)}")
+    fields = {k: _section(cls, data[k], k) for k, cls in _SECTIONS.items() if k in data}
+    for key in ("name", "seed"):
+        if key in data:
+            fields[key] = data[key]
+    _check(isinstance(fields.get("seed", 0), int), "seed must be an integer")
+    return RunConfig(**fields)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``["train.steps=100", "model.ffn=\"pkm\""]``: values are TOML (bare words are strings)."""
+    data = json.loads(json.dumps(data))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        _check(bool(sep) and bool(key), f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = data
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            _check(isinstance(node, dict), f"--set {key}: {part} is not a table")
+        node[leaf] = value
+    return data
+
+
+# -- from a run config to a model config ---------------------------------------------------
+
+def lm_config(run: RunConfig, vocab_size: int) -> LMConfig:
+    m = run.model
+    d_ff = m.d_ff or 4 * m.d_model
+    if isinstance(m.ffn, str):
+        try:
+            layout = ffn_preset(m.ffn, m.d_model, d_ff, m.n_layers, **m.ffn_options)
+        except ValueError as err:
+            raise ConfigError(f"model.ffn: {err}") from None
+        ffn, every, dense = layout.ffn, layout.sparse_every, layout.dense_ffn
+    else:
+        _check(not m.ffn_options, "model.ffn_options apply to presets; put the fields in "
+                                  "[model.ffn] instead")
+        ffn, every = _layer(m.ffn, m.d_model), m.sparse_every
+        dense = None if m.dense_ffn is None else _layer(m.dense_ffn, m.d_model)
+    try:
+        return LMConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers,
+                        n_heads=m.n_heads, context=m.context, ffn=ffn, sparse_every=every,
+                        dense_ffn=dense, dropout=m.dropout, tie_embeddings=m.tie_embeddings)
+    except ValueError as err:
+        raise ConfigError(f"model: {err}") from None
+
+
+def _layer(table: dict, d_model: int) -> LayerConfig:
+    table = dict(table)
+    table.setdefault("d_model", d_model)
+    try:
+        return config_from_dict(table)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"model.ffn: {err}") from None
+
+
+def classifier_config(run: RunConfig, in_features: int, num_classes: int) -> ClassifierConfig:
+    m = run.model
+    if isinstance(m.ffn, str):
+        d_ff = m.d_ff or 4 * in_features
+        layer = ffn_preset(m.ffn, in_features, d_ff, 1, **m.ffn_options).ffn
+    else:
+        layer = _layer(m.ffn, in_features)
+    try:
+        return ClassifierConfig(in_features=in_features, num_classes=num_classes, layer=layer,
+                                dropout=m.dropout)
+    except ValueError as err:
+        raise ConfigError(f"model: {err}") from None
+
+
+def total_steps(run: RunConfig, steps_per_epoch: int | None) -> int:
+    if run.train.steps is not None:
+        return run.train.steps
+    _check(steps_per_epoch is not None, "train.epochs needs a classification dataset; set steps")
+    return max(1, math.ceil(run.train.epochs * steps_per_epoch))  # type: ignore[operator]
+
+
+def dense_baseline(run: RunConfig) -> RunConfig:
+    """The run with every FFN replaced by its parameter-equal dense MLP (seed 001's rule: the
+    dense baseline has the sparse model's total parameters, to within d_model per block)."""
+    _check(run.model.kind == "lm", "the dense baseline is defined for language models")
+    lm = lm_config(run, 256).dense_baseline()   # FFN sizes do not depend on the vocabulary
+    model = dataclasses.replace(
+        run.model, ffn=lm.ffn.to_dict(), ffn_options={}, sparse_every=lm.sparse_every,
+        dense_ffn=None if lm.dense_ffn is None else lm.dense_ffn.to_dict())
+    return run.replace(name=f"{run.name}-dense-baseline", model=model)

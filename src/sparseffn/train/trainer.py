@@ -1,0 +1,307 @@
+"""Training and evaluation of a run: an LM on a corpus or a classifier on a dataset.
+
+Deterministic under a seed: parameters are initialised after ``torch.manual_seed(seed)``, the
+batch of step s is a function of ``(seed, s)``, dropout and routing noise draw from the torch
+RNG, whose state is checkpointed, and with ``train.deterministic`` (the default) PyTorch and
+our kernels pick only run-to-run reproducible algorithms. A run resumed from a checkpoint
+therefore continues with exactly the losses the uninterrupted run has (tested to the bit).
+
+Files in the run folder:
+- ``config.json``: the run config; ``checkpoint.pt``: the latest checkpoint (atomic);
+- ``metrics.jsonl``: one JSON object per line, ``{"kind": "train"|"eval", "step", ...}``;
+- ``summary.json``: parameters, costs, final validation metrics, throughput, memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..auxiliary import aux_loss, sparse_grad_parameters
+from ..data import ArrayData, TextData, bits_per_byte, load_arrays
+from ..models.classifier import SparseClassifier
+from ..models.lm import TransformerLM
+from . import checkpoint as ckpt
+from .config import RunConfig, classifier_config, lm_config, run_config_from_dict, total_steps
+from .progress import ProgressBar
+from .schedule import lr_factor
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+def load_data(run: RunConfig, tokenizer_state: dict | None = None) -> TextData | ArrayData:
+    d = run.data
+    if d.is_text:
+        return TextData.load(d.corpus, d.path, d.tokenizer, d.vocab_size, tokenizer_state, d.fetch)
+    return load_arrays(d.dataset, d.path, fetch=d.fetch, **d.options)
+
+
+def build_model(run: RunConfig, data: TextData | ArrayData) -> nn.Module:
+    """The model of ``run`` for ``data``, initialised from the torch RNG."""
+    if run.model.kind == "lm":
+        _require(isinstance(data, TextData), "model.kind 'lm' needs a text corpus (data.corpus)")
+        data.check_context(run.model.context)  # type: ignore[union-attr]
+        return TransformerLM(lm_config(run, data.vocab_size))
+    _require(isinstance(data, ArrayData), "model.kind 'classifier' needs data.dataset")
+    return SparseClassifier(classifier_config(run, data.in_features, data.num_classes))  # type: ignore[union-attr]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        from .config import ConfigError
+        raise ConfigError(message)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@dataclass
+class Evaluation:
+    loss: float          # mean nats per token (LM) or per example
+    bpc: float | None    # bits per byte of text (LM)
+    accuracy: float | None
+    items: int
+
+    def as_dict(self) -> dict:
+        out = {"loss": self.loss, "items": self.items}
+        if self.bpc is not None:
+            out["bpc"] = self.bpc
+        if self.accuracy is not None:
+            out["accuracy"] = self.accuracy
+        return out
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split: str = "val",
+             max_windows: int | None = None, batch_size: int = 64) -> Evaluation:
+    """Validation (or test) loss, with bits per byte for text and accuracy for classes."""
+    was_training = model.training
+    model.eval()
+    try:
+        with _autocast(run.train.bf16):
+            if isinstance(data, TextData):
+                windows = data.eval_windows(split, run.model.context, max_windows)
+                nats, count, nbytes = 0.0, 0, 0
+                for chunk in windows.split(batch_size):
+                    logits = model(chunk[:, :-1]).float()
+                    targets = chunk[:, 1:]
+                    nats += float(nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
+                    count += targets.numel()
+                    nbytes += data.target_bytes(targets)
+                return Evaluation(nats / count, bits_per_byte(nats, nbytes), None, count)
+            x, y = data.x[split], data.y[split]
+            nats, correct = 0.0, 0
+            for xs, ys in zip(x.split(256), y.split(256)):
+                logits = model(xs).float()
+                nats += float(nn.functional.cross_entropy(logits, ys, reduction="sum"))
+                correct += int((logits.argmax(-1) == ys).sum())
+            return Evaluation(nats / len(y), None, correct / len(y), len(y))
+    finally:
+        model.train(was_training)
+
+
+def _autocast(enabled: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+class Trainer:
+    """Trains ``run`` in ``out_dir``. ``train(resume=True)`` continues from the checkpoint."""
+
+    def __init__(self, run: RunConfig, out_dir: str | Path, progress: bool = True,
+                 label: str | None = None) -> None:
+        self.run, self.out = run, Path(out_dir)
+        self.progress, self.label = progress, label or run.name
+        self._previous_deterministic = torch.are_deterministic_algorithms_enabled()
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _setup(self, state: dict | None) -> None:
+        run = self.run
+        torch.use_deterministic_algorithms(run.train.deterministic)
+        torch.manual_seed(run.seed)
+        np.random.seed(run.seed % 2**32)
+        tokenizer = state.get("tokenizer") if state else None
+        self.data = load_data(run, tokenizer)
+        self.model = build_model(run, self.data)
+        self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
+                                 if isinstance(self.data, ArrayData) else None)
+        sparse = sparse_grad_parameters(self.model)
+        sparse_ids = {id(p) for p in sparse}
+        self.dense_params = [p for p in self.model.parameters() if id(p) not in sparse_ids]
+        t = run.train
+        self.optimizers = [torch.optim.Adam(self.dense_params, lr=t.lr, betas=t.betas,
+                                            weight_decay=t.weight_decay)]
+        if sparse:   # PKM values / PEER experts with sparse gradients (sparse_grad = true)
+            self.optimizers.append(torch.optim.SparseAdam(sparse, lr=t.lr, betas=t.betas))
+        self.step, self.train_time = 0, 0.0
+        if state is not None:
+            self.model.load_state_dict(state["model"])
+            for opt, opt_state in zip(self.optimizers, state["optimizers"]):
+                opt.load_state_dict(opt_state)
+            self.step, self.train_time = state["step"], state["train_time"]
+            ckpt.set_rng_state(state["rng"])
+
+    def _state(self) -> dict:
+        data = self.data
+        return {"config": self.run.to_dict(), "step": self.step, "train_time": self.train_time,
+                "model": self.model.state_dict(),
+                "optimizers": [opt.state_dict() for opt in self.optimizers],
+                "schedule": {"name": self.run.train.schedule, "step": self.step,
+                             "total_steps": self.steps},
+                "tokenizer": data.tokenizer.state() if isinstance(data, TextData) else None,
+                "rng": ckpt.rng_state()}
+
+    def save_checkpoint(self) -> Path:
+        return ckpt.save_atomic(self._state(), self.out / CHECKPOINT)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _batch(self, step: int):
+        t = self.run.train
+        if isinstance(self.data, TextData):
+            return self.data.batch(step, t.batch_size, self.run.model.context, self.run.seed)
+        return self.data.batch(step, t.batch_size, self.run.seed)
+
+    def _log(self, record: dict) -> None:
+        with open(self.out / METRICS, "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+    def _trim_metrics(self, step: int) -> None:
+        """Drop metric lines past ``step`` (written after the checkpoint a run resumes from),
+        so that the file reads as if the run had never stopped."""
+        path = self.out / METRICS
+        if not path.exists():
+            return
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def _evaluate(self, split: str = "val") -> Evaluation:
+        windows = self.run.train.eval_windows if split == "val" else None
+        return evaluate(self.model, self.data, self.run, split, windows)
+
+    def train(self, resume: bool = False) -> dict:
+        """Run to the last step (or continue from the checkpoint with ``resume``); returns the
+        summary. KeyboardInterrupt writes a checkpoint before it propagates."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = None
+        if resume:
+            path = self.out / CHECKPOINT
+            if not path.is_file():
+                from .config import ConfigError
+                raise ConfigError(f"--resume: no checkpoint in {self.out}; run without --resume "
+                                  f"to start")
+            state = ckpt.load(path)
+            saved = run_config_from_dict(state["config"])
+            if saved != self.run:
+                from .config import ConfigError
+                raise ConfigError(f"--resume: the checkpoint in {self.out} was written by a "
+                                  f"different config; resume with the same config or use a new "
+                                  f"--out")
+        else:
+            for name in (CHECKPOINT, METRICS, SUMMARY):
+                (self.out / name).unlink(missing_ok=True)
+        (self.out / "config.json").write_text(json.dumps(self.run.to_dict(), indent=2))
+        try:
+            self._setup(state)
+            if state is not None:
+                self._trim_metrics(self.step)
+            return self._loop()
+        finally:
+            torch.use_deterministic_algorithms(self._previous_deterministic)
+
+    def _loop(self) -> dict:
+        run, t = self.run, self.run.train
+        text = isinstance(self.data, TextData)
+        per_step = t.batch_size * (run.model.context if text else 1)
+        bar = ProgressBar(self.steps, self.step, self.label, "tok" if text else "ex") \
+            if self.progress else None
+        self.model.train()
+        window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
+        try:
+            while self.step < self.steps:
+                step = self.step
+                lr = t.lr * lr_factor(t.schedule, step, self.steps, t.warmup_steps,
+                                      t.final_lr_ratio)
+                for opt in self.optimizers:
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                inputs, targets = self._batch(step)
+                started = time.perf_counter()
+                with _autocast(t.bf16):
+                    loss = self.model.loss(inputs, targets)
+                    aux = aux_loss(self.model)
+                (loss + aux).backward()
+                if t.clip:
+                    torch.nn.utils.clip_grad_norm_(
+                        [p for p in self.dense_params if p.grad is not None], t.clip)
+                for opt in self.optimizers:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                elapsed = time.perf_counter() - started
+                self.train_time += elapsed
+                self.step = step + 1
+                loss, aux = loss.detach(), aux.detach()
+                if not math.isfinite(float(loss)):
+                    raise FloatingPointError(f"loss is {float(loss)} at step {step}; lower "
+                                             f"train.lr or enable train.clip")
+                window_loss += float(loss)
+                window_aux += float(aux)
+                window_n += 1
+                window_time += elapsed
+                if bar:
+                    bar.update(self.step, per_step, loss=float(loss), lr=lr)
+                if self.step % t.log_every == 0 or self.step == self.steps:
+                    self._log({"kind": "train", "step": self.step, "loss": window_loss / window_n,
+                               "aux_loss": window_aux / window_n, "lr": lr,
+                               "items_per_s": per_step * window_n / max(window_time, 1e-9),
+                               "train_time": self.train_time})
+                    window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
+                if self.step % t.eval_every == 0 or self.step == self.steps:
+                    result = self._evaluate()
+                    self._log({"kind": "eval", "split": "val", "step": self.step,
+                               "train_time": self.train_time, **result.as_dict()})
+                if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                    self.save_checkpoint()
+        except KeyboardInterrupt:
+            if bar:
+                bar.close()
+            path = self.save_checkpoint()
+            print(f"\ninterrupted at step {self.step}/{self.steps}; checkpoint written to {path}; "
+                  f"continue with --resume", file=sys.stderr)
+            raise
+        if bar:
+            bar.close()
+        self.save_checkpoint()
+        summary = self.summary(per_step)
+        (self.out / SUMMARY).write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def summary(self, per_step: int) -> dict:
+        final = evaluate(self.model, self.data, self.run, "val")   # the whole split
+        cost = self.model.config.cost()
+        out = {"name": self.run.name, "steps": self.step, "train_time_s": self.train_time,
+               "items_per_s": self.step * per_step / max(self.train_time, 1e-9),
+               "peak_rss_mb": peak_rss_bytes() / 2**20, **cost,
+               "val": final.as_dict(), "model": self.model.config.to_dict()}
+        if isinstance(self.data, TextData):
+            out["unigram_bits"] = self.data.unigram_bits
+            out["corpus"] = self.data.name
+        return out

@@ -1,0 +1,123 @@
+"""The Transformer LM and the classifier: shapes, causality, the FFN in every block, parameter
+counts that equal the modules', presets within the dense budget, the dense baseline."""
+
+import pytest
+import torch
+
+import sparseffn
+from sparseffn import DenseMLP, DenseMLPConfig, FFFConfig, SigmaMoEConfig
+from sparseffn.models import (PRESETS, ClassifierConfig, LMConfig, SparseClassifier,
+                              TransformerLM, ffn_preset)
+
+
+def lm(name="sigma_moe", d=32, layers=2, **kw):
+    layout = ffn_preset(name, d, 4 * d, layers)
+    return LMConfig(vocab_size=50, d_model=d, n_layers=layers, n_heads=4, context=16,
+                    ffn=layout.ffn, sparse_every=layout.sparse_every, dense_ffn=layout.dense_ffn, **kw)
+
+
+def count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_fits_the_dense_budget_and_counts_exactly(name):
+    cfg = lm(name)
+    model = TransformerLM(cfg)
+    assert cfg.cost()["total_params"] == count(model)
+    budget = DenseMLPConfig(d_model=32, d_ff=128).cost().total_params
+    for block in range(cfg.n_layers):
+        params = cfg.block_ffn(block).cost().total_params
+        assert 0.85 * budget <= params <= budget, (block, params, budget)
+    assert cfg.cost()["active_params"] <= cfg.cost()["total_params"]
+
+
+def test_blocks_use_the_configured_ffn_and_glam_alternates():
+    model = TransformerLM(lm("glam", layers=4))
+    kinds = [type(b.ffn).__name__ for b in model.blocks]
+    assert kinds == ["DenseMLP", "MoE", "DenseMLP", "MoE"]
+    model = TransformerLM(lm("pkm", layers=3))
+    assert all(type(b.ffn).__name__ == "ProductKeyMemory" for b in model.blocks)
+
+
+@pytest.mark.parametrize("name", ["dense", "sigma_moe", "fff", "peer"])
+def test_lm_is_causal(name):
+    model = TransformerLM(lm(name)).eval()
+    tokens = torch.randint(0, 50, (2, 12))
+    changed = tokens.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % 50
+    a, b = model(tokens), model(changed)
+    assert a.shape == (2, 12, 50)
+    torch.testing.assert_close(a[:, :8], b[:, :8])
+    assert not torch.allclose(a[:, 8:], b[:, 8:])
+
+
+def test_lm_loss_and_aux_loss_reach_every_parameter():
+    model = TransformerLM(lm("switch"))
+    tokens = torch.randint(0, 50, (3, 16))
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:]) + sparseffn.aux_loss(model)
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing
+    assert set(sparseffn.aux_loss_terms(model)) >= {"blocks.0.ffn/balance", "blocks.1.ffn/z_loss"}
+
+
+def test_dense_baseline_has_the_sparse_models_parameters():
+    for name in ("sigma_moe", "pkm", "peer", "glam", "fff"):
+        cfg = lm(name, layers=4)
+        dense = cfg.dense_baseline()
+        assert all(isinstance(dense.block_ffn(i), DenseMLPConfig) for i in range(4))
+        diff = abs(dense.cost()["total_params"] - cfg.cost()["total_params"])
+        assert diff <= 4 * cfg.d_model, (name, diff)
+        assert count(TransformerLM(dense)) == dense.cost()["total_params"]
+
+
+def test_lm_config_errors():
+    ffn = SigmaMoEConfig(d_model=32, num_experts=4, expert_size=8, k=2)
+    with pytest.raises(ValueError, match="divisible by n_heads"):
+        LMConfig(vocab_size=10, d_model=32, n_layers=2, n_heads=5, context=8, ffn=ffn)
+    with pytest.raises(ValueError, match="must equal the model's d_model=64"):
+        LMConfig(vocab_size=10, d_model=64, n_layers=2, n_heads=4, context=8, ffn=ffn)
+    with pytest.raises(ValueError, match="set dense_ffn"):
+        LMConfig(vocab_size=10, d_model=32, n_layers=2, n_heads=4, context=8, ffn=ffn, sparse_every=2)
+    with pytest.raises(ValueError, match="unset its d_out"):
+        LMConfig(vocab_size=10, d_model=32, n_layers=2, n_heads=4, context=8,
+                 ffn=FFFConfig(d_model=32, depth=2, leaf_width=4, d_out=10))
+    model = TransformerLM(LMConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=4, context=8, ffn=ffn))
+    with pytest.raises(ValueError, match="exceeds context=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="unknown FFN preset"):
+        ffn_preset("mixtral", 32, 128)
+    with pytest.raises(ValueError, match="preset 'sigma_moe'"):
+        ffn_preset("sigma_moe", 32, 128, num_expert=4)
+
+
+def test_lm_config_round_trips_through_a_dict():
+    cfg = lm("glam", layers=2)
+    data = cfg.to_dict()
+    data.pop("kind")
+    assert LMConfig(**data) == cfg
+
+
+def test_classifier_fff_gives_logits_directly_and_moe_gets_a_read_out():
+    fff = ClassifierConfig(in_features=12, num_classes=3,
+                           layer=FFFConfig(d_model=12, depth=2, leaf_width=8, d_out=3, dropout=0.2))
+    model = SparseClassifier(fff)
+    assert model.head is None
+    assert model(torch.randn(5, 3, 2, 2)).shape == (5, 3)
+    assert fff.cost()["total_params"] == count(model)
+    moe = ClassifierConfig(in_features=12, num_classes=3,
+                           layer={"type": "moe", "d_model": 12, "num_experts": 4, "expert_size": 8, "k": 1})
+    model = SparseClassifier(moe)
+    assert model.head is not None and model(torch.randn(5, 12)).shape == (5, 3)
+    assert moe.cost()["total_params"] == count(model)
+    with pytest.raises(ValueError, match="must equal in_features=12"):
+        ClassifierConfig(in_features=12, num_classes=3, layer=DenseMLPConfig(d_model=10, d_ff=4))
+    with pytest.raises(ValueError, match="expects 12 features"):
+        model(torch.randn(5, 13))
+
+
+def test_dense_preset_is_the_dense_mlp():
+    layout = ffn_preset("dense", 32, 100, 3)
+    assert layout.ffn == DenseMLPConfig(d_model=32, d_ff=100, n_layers=3)
+    assert isinstance(sparseffn.build_layer(layout.ffn), DenseMLP)

