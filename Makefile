@@ -3,9 +3,16 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench test setup peers routers productkeys clean
+.PHONY: compare bench test setup peers routers productkeys clean
 
-# Main job: the layer benchmark (sigma-MoE vs parameter-equal and active-equal dense MLPs).
+# Main job: a byte-level Transformer LM on Python's own documentation (no download) with every
+# FFN (dense, sigma-MoE, Switch, FFF, PKM, PEER) at equal parameters; writes
+# runs/compare_pydoc/report.md and its plots.
+compare:
+	@EXTRAS=test bash scripts/setup.sh
+	$(BIN)/sparseffn compare experiments/compare_pydoc.toml
+
+# The layer benchmark (sigma-MoE vs parameter-equal and active-equal dense MLPs).
 bench:
 	@EXTRAS=test bash scripts/setup.sh
 	$(BIN)/sparseffn bench layers --json runs/bench_layers.json

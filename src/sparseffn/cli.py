@@ -64,7 +64,7 @@ def _bench_productkeys(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sparseffn", description="Sparse feed-forward layers: benchmarks and tools.")
+        prog="sparseffn", description="Sparse feed-forward layers: train, evaluate and compare models; benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     bench = commands.add_parser("bench", help="run a benchmark")
@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     pk.add_argument("--plot", metavar="PATH", help="draw the scaling series to this PNG")
     pk.set_defaults(func=_bench_productkeys)
+
+    from .train.commands import add_commands
+    add_commands(commands)
     return parser
 
 
@@ -145,9 +148,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     tune_cpu_allocator()
     from .bench.plotting import MissingDependency
+    from .data.errors import MissingDataset
+    from .train.config import ConfigError
     try:
         return args.func(args)
-    except MissingDependency as err:
+    except (MissingDependency, MissingDataset) as err:
+        print(f"sparseffn: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
+        print(f"sparseffn: config error: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
         print(f"sparseffn: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
