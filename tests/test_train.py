@@ -35,7 +35,7 @@ def lm_run(corpus, ffn="sigma_moe", steps=6, **train):
 
 def classifier_run(layer, steps=None, epochs=2, **train):
     return RunConfig(name="tiny-classifier", data=DataSpec(dataset="clusters", options={
-                         "num_classes": 3, "dim": 6, "per_class": 40}),
+                         "num_classes": 3, "dim": 6, "per_class": 100}),
                      model=ModelSpec(kind="classifier", ffn=layer, dropout=0.2),
                      train=TrainSpec(steps=steps, epochs=None if steps else epochs, batch_size=8,
                                      lr=8e-3, schedule="one_cycle", eval_every=5, log_every=1,
@@ -75,7 +75,7 @@ def test_an_lm_learns_the_corpus(corpus, tmp_path):
 def test_tiny_classifier_runs_end_to_end_and_learns(tmp_path, layer):
     run = classifier_run(layer, epochs=6)
     summary = Trainer(run, tmp_path, progress=False).train()
-    assert summary["steps"] == 6 * (96 // 8)
+    assert summary["steps"] == 6 * (240 // 8)
     assert summary["val"]["accuracy"] > 0.6     # 3 classes of separated clusters
 
 

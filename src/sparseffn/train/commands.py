@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from .config import (apply_overrides, dense_baseline, read_config_file, run_config_from_dict)

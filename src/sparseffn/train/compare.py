@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import (ConfigError, RunConfig, _check, dense_baseline, run_config_from_dict)
+from .config import RunConfig, _check, dense_baseline, run_config_from_dict
 from .report import write_report
 from .trainer import CHECKPOINT, METRICS, SUMMARY
 

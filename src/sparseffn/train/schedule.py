@@ -25,11 +25,12 @@ def lr_factor(schedule: str, step: int, total_steps: int, warmup_steps: int = 0,
               final_div_factor: float = 1e4) -> float:
     """The learning rate at ``step`` (0-based) as a fraction of the peak ``lr``."""
     if schedule == "one_cycle":
-        rise = max(1, int(pct_start * total_steps))
+        # the peak is at step pct_start · total - 1 (a float), as in OneCycleLR
+        peak = max(pct_start * total_steps - 1.0, 1e-9)
         low = 1.0 / div_factor
-        if step < rise:
-            return _cosine(low, 1.0, step / rise)
-        return _cosine(1.0, low / final_div_factor, (step - rise) / max(1, total_steps - 1 - rise))
+        if step <= peak:
+            return _cosine(low, 1.0, step / peak)
+        return _cosine(1.0, low / final_div_factor, (step - peak) / max(total_steps - 1 - peak, 1e-9))
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -33,7 +32,8 @@ from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
 from ..models.lm import TransformerLM
 from . import checkpoint as ckpt
-from .config import RunConfig, classifier_config, lm_config, run_config_from_dict, total_steps
+from .config import (ConfigError, RunConfig, _check, classifier_config, lm_config,
+                     run_config_from_dict, total_steps)
 from .progress import ProgressBar
 from .schedule import lr_factor
 
@@ -52,17 +52,11 @@ def load_data(run: RunConfig, tokenizer_state: dict | None = None) -> TextData |
 def build_model(run: RunConfig, data: TextData | ArrayData) -> nn.Module:
     """The model of ``run`` for ``data``, initialised from the torch RNG."""
     if run.model.kind == "lm":
-        _require(isinstance(data, TextData), "model.kind 'lm' needs a text corpus (data.corpus)")
+        _check(isinstance(data, TextData), "model.kind 'lm' needs a text corpus (data.corpus)")
         data.check_context(run.model.context)  # type: ignore[union-attr]
         return TransformerLM(lm_config(run, data.vocab_size))
-    _require(isinstance(data, ArrayData), "model.kind 'classifier' needs data.dataset")
+    _check(isinstance(data, ArrayData), "model.kind 'classifier' needs data.dataset")
     return SparseClassifier(classifier_config(run, data.in_features, data.num_classes))  # type: ignore[union-attr]
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        from .config import ConfigError
-        raise ConfigError(message)
 
 
 def peak_rss_bytes() -> int:
@@ -205,13 +199,11 @@ class Trainer:
         if resume:
             path = self.out / CHECKPOINT
             if not path.is_file():
-                from .config import ConfigError
                 raise ConfigError(f"--resume: no checkpoint in {self.out}; run without --resume "
                                   f"to start")
             state = ckpt.load(path)
             saved = run_config_from_dict(state["config"])
             if saved != self.run:
-                from .config import ConfigError
                 raise ConfigError(f"--resume: the checkpoint in {self.out} was written by a "
                                   f"different config; resume with the same config or use a new "
                                   f"--out")
