@@ -165,6 +165,10 @@ def test_config_parsing_and_overrides():
         run_config_from_dict({"model": {"ffn": "moe"}})
     with pytest.raises(ConfigError, match="exactly one of corpus"):
         run_config_from_dict({"data": {"corpus": "pydoc", "dataset": "digits"}})
+    assert run_config_from_dict({"train": {"epochs": 2}}).train.steps is None
+    assert run_config_from_dict({}).train.steps == 1000
+    with pytest.raises(ConfigError, match="steps or epochs, not both"):
+        run_config_from_dict({"train": {"epochs": 2, "steps": 5}})
     with pytest.raises(ConfigError, match="schedule must be one of"):
         run_config_from_dict({"train": {"schedule": "linear"}})
 

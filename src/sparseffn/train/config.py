@@ -106,7 +106,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TrainSpec:
-    steps: int | None = 1000
+    steps: int | None = None        # None (and no epochs): 1000
     epochs: float | None = None     # classification: steps = epochs · (train size // batch)
     batch_size: int = 32
     lr: float = 1e-3
@@ -126,8 +126,10 @@ class TrainSpec:
     def __post_init__(self) -> None:
         _check(self.schedule in SCHEDULES, f"train.schedule must be one of "
                                            f"{', '.join(SCHEDULES)}, got {self.schedule!r}")
-        _check((self.steps is None) != (self.epochs is None),
-               "train: set exactly one of steps or epochs")
+        _check(self.steps is None or self.epochs is None,
+               "train: set steps or epochs, not both")
+        if self.steps is None and self.epochs is None:
+            object.__setattr__(self, "steps", 1000)
         _check(self.steps is None or (isinstance(self.steps, int) and self.steps > 0),
                f"train.steps must be a positive integer, got {self.steps!r}")
         _check(self.epochs is None or self.epochs > 0, "train.epochs must be positive")
