@@ -187,3 +187,15 @@ def test_dispatched_mask_must_match_the_indices():
     with pytest.raises(ValueError, match="dispatched must be a bool tensor"):
         DispatchPlan.build(torch.zeros(3, 2, dtype=torch.long), 2,
                            dispatched=torch.ones(3, dtype=torch.bool))
+
+
+def test_grouped_mm_probe_leaves_the_global_rng_alone(monkeypatch):
+    """The probe runs once, at the first MoE forward of a process: if it drew from the global
+    RNG, a process's first training run would differ from its later ones under one seed."""
+    import importlib
+    grouped_mm = importlib.import_module("sparseffn.ops.grouped_mm")
+    monkeypatch.setattr(grouped_mm, "_GROUPED_MM_OK", {})
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    grouped_mm._grouped_mm_usable(torch.device("cpu"), torch.float32)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -33,7 +33,9 @@ def _grouped_mm_usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run both kernels once on a small uneven problem (with an empty group) and compare."""
+    """Run both kernels once on a small uneven problem (with an empty group) and compare.
+    Its inputs come from a private generator: the probe runs at the first MoE forward, and
+    drawing from the global RNG there would make a process's first run differ from its next."""
     try:
         gen = torch.Generator().manual_seed(0)
         counts = [3, 0, 5, 8]
@@ -41,7 +43,8 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         weight = torch.randn(len(counts), 16, 8, generator=gen).to(device, dtype)
         offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
         got = torch._grouped_mm(rows, weight, offs=offsets)
-        got_t = torch._grouped_mm(rows.t(), torch.randn_like(rows[:, :8]), offs=offsets)
+        grad = torch.randn(sum(counts), 8, generator=gen).to(device, dtype)
+        got_t = torch._grouped_mm(rows.t(), grad, offs=offsets)
         want = _loop_mm(rows, weight, counts)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return (
