@@ -113,6 +113,35 @@ def test_resume_equals_the_uninterrupted_run_to_the_bit(corpus, tmp_path, make_r
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_ctrl_c_mid_step_finishes_the_step_then_checkpoints(corpus, tmp_path):
+    """A real SIGINT arriving during a step (after its dropout noise was drawn) lets the step
+    finish, so the checkpoint is a whole step and resuming still gives the same curve."""
+    import os
+    import signal
+    run = lm_run(corpus, "sigma_moe", steps=8)
+    Trainer(run, tmp_path / "straight", progress=False).train()
+    stopped = Trainer(run, tmp_path / "resumed", progress=False)
+    loss = stopped.__class__._loop
+    def loop_with_signal(self):
+        original = self.model.loss
+        def interrupted_loss(inputs, targets):
+            out = original(inputs, targets)
+            if self.step == 4:
+                os.kill(os.getpid(), signal.SIGINT)   # mid-step: forward done, no update yet
+            return out
+        self.model.loss = interrupted_loss
+        return loss(self)
+    stopped._loop = loop_with_signal.__get__(stopped)
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    assert ckpt.load(tmp_path / "resumed" / "checkpoint.pt")["step"] == 5
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    Trainer(run, tmp_path / "resumed", progress=False).train(resume=True)
+    def curve(folder):
+        return [(m["kind"], m["step"], m["loss"]) for m in metrics(folder)]
+    assert curve(tmp_path / "resumed") == curve(tmp_path / "straight")
+
+
 def test_resume_refuses_another_config_or_no_checkpoint(corpus, tmp_path):
     Trainer(lm_run(corpus, "dense", steps=2), tmp_path, progress=False).train()
     with pytest.raises(ConfigError, match="different config"):

@@ -18,7 +18,9 @@ import contextlib
 import json
 import math
 import resource
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +124,7 @@ class Trainer:
                  label: str | None = None) -> None:
         self.run, self.out = run, Path(out_dir)
         self.progress, self.label = progress, label or run.name
-        self._previous_deterministic = torch.are_deterministic_algorithms_enabled()
+        self._stop_requested = self._stopped_mid_step = False
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -193,7 +195,8 @@ class Trainer:
 
     def train(self, resume: bool = False) -> dict:
         """Run to the last step (or continue from the checkpoint with ``resume``); returns the
-        summary. KeyboardInterrupt writes a checkpoint before it propagates."""
+        summary. Ctrl-C stops the run at the end of the step in progress and writes a
+        checkpoint before KeyboardInterrupt propagates."""
         self.out.mkdir(parents=True, exist_ok=True)
         state = None
         if resume:
@@ -211,13 +214,37 @@ class Trainer:
             for name in (CHECKPOINT, METRICS, SUMMARY):
                 (self.out / name).unlink(missing_ok=True)
         (self.out / "config.json").write_text(json.dumps(self.run.to_dict(), indent=2))
+        previous_deterministic = torch.are_deterministic_algorithms_enabled()
         try:
             self._setup(state)
             if state is not None:
                 self._trim_metrics(self.step)
-            return self._loop()
+            with self._interrupts_at_step_boundaries():
+                return self._loop()
         finally:
-            torch.use_deterministic_algorithms(self._previous_deterministic)
+            torch.use_deterministic_algorithms(previous_deterministic)
+
+    @contextlib.contextmanager
+    def _interrupts_at_step_boundaries(self):
+        """Ctrl-C (SIGINT) stops the run after the step in progress, so that the checkpoint
+        holds a whole step: parameters, optimiser state and RNG state all from the same step
+        boundary (a step cut short would already have drawn dropout noise or updated some
+        parameters). A second Ctrl-C stops at once, without a checkpoint."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        def handler(signum, frame):
+            if self._stop_requested:
+                self._stopped_mid_step = True
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            print("\nstopping after this step (Ctrl-C again to stop now, without a checkpoint)",
+                  file=sys.stderr)
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def _loop(self) -> dict:
         run, t = self.run, self.run.train
@@ -250,16 +277,16 @@ class Trainer:
                 elapsed = time.perf_counter() - started
                 self.train_time += elapsed
                 self.step = step + 1
-                loss, aux = loss.detach(), aux.detach()
-                if not math.isfinite(float(loss)):
-                    raise FloatingPointError(f"loss is {float(loss)} at step {step}; lower "
+                loss_value = float(loss.detach())
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {step}; lower "
                                              f"train.lr or enable train.clip")
-                window_loss += float(loss)
-                window_aux += float(aux)
+                window_loss += loss_value
+                window_aux += float(aux.detach())
                 window_n += 1
                 window_time += elapsed
                 if bar:
-                    bar.update(self.step, per_step, loss=float(loss), lr=lr)
+                    bar.update(self.step, per_step, loss=loss_value, lr=lr)
                 if self.step % t.log_every == 0 or self.step == self.steps:
                     self._log({"kind": "train", "step": self.step, "loss": window_loss / window_n,
                                "aux_loss": window_aux / window_n, "lr": lr,
@@ -272,9 +299,15 @@ class Trainer:
                                "train_time": self.train_time, **result.as_dict()})
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                     self.save_checkpoint()
+                if self._stop_requested:
+                    raise KeyboardInterrupt
         except KeyboardInterrupt:
             if bar:
                 bar.close()
+            if self._stopped_mid_step:
+                print(f"\nstopped during step {self.step + 1}/{self.steps}; no checkpoint written "
+                      f"(the last one in {self.out} stands)", file=sys.stderr)
+                raise
             path = self.save_checkpoint()
             print(f"\ninterrupted at step {self.step}/{self.steps}; checkpoint written to {path}; "
                   f"continue with --resume", file=sys.stderr)
