@@ -44,18 +44,21 @@ def _budget(d_model: int, d_ff: int) -> int:
     return DenseMLPConfig(d_model=d_model, d_ff=d_ff).cost().total_params
 
 
-def _fit(make: Callable[[int], LayerConfig], budget: int, what: str) -> LayerConfig:
-    """``make(n)`` for the largest n whose parameters fit ``budget``."""
-    return make(_largest_fitting(lambda n: make(n).cost().total_params, budget, what))
+def _fitted(cls, size_field: str, d_model: int, d_ff: int, fields: dict) -> LayerConfig:
+    """``cls(d_model, **fields)`` with ``size_field`` the largest value whose parameters fit
+    the dense budget (or as given in ``fields``)."""
+    if size_field in fields:
+        return cls(d_model=d_model, **fields)
+    def make(n: int) -> LayerConfig:
+        return cls(d_model=d_model, **{size_field: n}, **fields)
+    budget = _budget(d_model, d_ff)
+    return make(_largest_fitting(lambda n: make(n).cost().total_params, budget,
+                                 f"{cls.__name__} preset"))
 
 
 def _moe(d_model: int, d_ff: int, n_layers: int, defaults: dict, overrides: dict,
          cls=MoEConfig) -> LayerConfig:
-    fields = {"n_layers": n_layers, **defaults, **overrides}
-    if "expert_size" in fields:
-        return cls(d_model=d_model, **fields)
-    return _fit(lambda g: cls(d_model=d_model, expert_size=g, **fields),
-                _budget(d_model, d_ff), f"{cls.__name__} preset")
+    return _fitted(cls, "expert_size", d_model, d_ff, {"n_layers": n_layers, **defaults, **overrides})
 
 
 def _dense(d_model, d_ff, n_layers, overrides) -> FFNLayout:
@@ -82,10 +85,7 @@ def _glam(d_model, d_ff, n_layers, overrides) -> FFNLayout:
 
 def _fff(d_model, d_ff, n_layers, overrides) -> FFNLayout:
     fields = {"depth": 3, "n_layers": n_layers, "init": "sigma_moe", **overrides}
-    if "leaf_width" in fields:
-        return FFNLayout(FFFConfig(d_model=d_model, **fields))
-    return FFNLayout(_fit(lambda w: FFFConfig(d_model=d_model, leaf_width=w, **fields),
-                          _budget(d_model, d_ff), "FFFConfig preset"))
+    return FFNLayout(_fitted(FFFConfig, "leaf_width", d_model, d_ff, fields))
 
 
 def _pkm(d_model, d_ff, n_layers, overrides) -> FFNLayout:

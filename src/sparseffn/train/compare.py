@@ -69,12 +69,12 @@ def variant_runs(data: dict[str, Any]) -> list[RunConfig]:
     return list(runs.values())
 
 
-def _finished(folder: Path, run: RunConfig) -> bool:
+def _saved_run(folder: Path) -> RunConfig | None:
+    """The config a previous run in ``folder`` was trained with, if any."""
     try:
-        saved = run_config_from_dict(json.loads((folder / "config.json").read_text()))
+        return run_config_from_dict(json.loads((folder / "config.json").read_text()))
     except (OSError, ValueError):
-        return False
-    return saved == run and (folder / SUMMARY).is_file()
+        return None
 
 
 def _train_in_subprocess(run: RunConfig, folder: Path, resume: bool) -> int:
@@ -106,16 +106,12 @@ def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     for index, run in enumerate(runs, 1):
         folder = out / run.name
-        if not fresh and _finished(folder, run):
+        same_config = not fresh and _saved_run(folder) == run
+        if same_config and (folder / SUMMARY).is_file():
             print(f"[{index}/{len(runs)}] {run.name}: already trained, reusing {folder}",
                   file=sys.stderr)
             continue
-        same_config = False
-        try:
-            same_config = run_config_from_dict(json.loads((folder / "config.json").read_text())) == run
-        except (OSError, ValueError):
-            pass
-        resume = not fresh and same_config and (folder / CHECKPOINT).is_file()
+        resume = same_config and (folder / CHECKPOINT).is_file()
         print(f"[{index}/{len(runs)}] {run.name}: {'resuming' if resume else 'training'}",
               file=sys.stderr)
         code = _train_in_subprocess(run, folder, resume)

@@ -10,7 +10,7 @@ from pathlib import Path
 def _layer_name(model: dict) -> str:
     ffn = model.get("ffn") or model.get("layer") or {}
     name = ffn.get("type", "?")
-    if ffn.get("type") in ("moe",):
+    if name == "moe":
         router = ffn.get("router", {}).get("type", "")
         name = f"moe/{router}"
     if model.get("sparse_every", 1) > 1:
