@@ -80,7 +80,7 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
     for peer_name, layer in peer_layers:
         contenders["peer:" + peer_name] = (layer, getattr(layer, "bench_extra_loss", None))
     with torch.no_grad():
-        counts = DispatchPlan.build(moe.router(x).indices, cfg.moe.num_experts).counts
+        counts = DispatchPlan.build(moe.router(x).indices, cfg.moe.num_experts).counts.tolist()
     records = []
     for pass_name in ("forward", "forward_backward"):
         fns = {name: (forward_fn(layer, x) if pass_name == "forward"

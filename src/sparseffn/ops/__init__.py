@@ -1,8 +1,11 @@
-"""Small autograd operations under the layers; each has a plain reference in the tests."""
+"""The arithmetic under the layers: autograd functions over the operators of
+:mod:`~sparseffn.ops.kernels` (registered with ``torch.library``); each has a plain reference
+in the tests."""
 
 from .cvmm import DispatchPlan, cvmm
 from .expert_mlp import expert_mlp
-from .grouped_mm import grouped_mm, grouped_weight_grad, set_grouped_mm_enabled
+from .debug import set_checks
+from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, set_grouped_mm_enabled
 
-__all__ = ["DispatchPlan", "cvmm", "expert_mlp", "grouped_mm", "grouped_weight_grad",
-           "set_grouped_mm_enabled"]
+__all__ = ["DispatchPlan", "cvmm", "expert_mlp", "grouped_mm_rows", "grouped_weight_grad_rows",
+           "set_checks", "set_grouped_mm_enabled"]

@@ -3,10 +3,10 @@
 ``y_t = Σ_j g_tj · act(x_t W1[e_tj]ᵀ) W2[e_tj]`` (seed 001 Eq. 25), with the hidden units kept
 in the plan's expert-sorted order between the two CVMMs.
 
-On CPU in float32 with ReLU, one autograd function runs both layers on the fused kernels of
-:mod:`~sparseffn.ops.native`, with the ReLU and its derivative, the gate scaling and the gate
-gradient folded into the kernels' epilogues (no separate passes over the
-``[pairs, expert_size]`` hidden units). Everywhere else it is two :func:`cvmm` calls and the
+With ReLU experts (and no dropout, biases or autocast), one autograd function runs both
+layers on the ``sparseffn::cvmm_rows`` operator, with the ReLU and its derivative, the gate
+scaling and the gate gradient folded into the kernel's epilogues (no separate passes over the
+``[pairs, expert_size]`` hidden units). Otherwise it is two :func:`cvmm` calls and the
 activation, which compute the same thing.
 """
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch import nn
 
 from ..activations import activation_fn
-from . import native
+from . import kernels
 from .cvmm import DispatchPlan, _pairs_to_slots, cvmm
+from .rows import gather_sum
 
 _FUSED_ACTIVATIONS = {"relu"}
 
@@ -49,60 +49,61 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
     biased = b1 is not None or b2 is not None
     if biased and indices is None:
         raise ValueError("expert_mlp: biases need the expert indices the plan was built from")
-    fused = (activation in _FUSED_ACTIVATIONS and hidden_dropout is None and not biased
-             and x.dim() == 2 and not torch.is_autocast_enabled(x.device.type)
-             and native.usable(x, w1, w2, gates))
-    if fused:
-        return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1), plan).reshape(
-            x.shape[0], w2.shape[-1])
-    hidden = cvmm(x, plan, w1.transpose(1, 2), sorted_output=True)                  # [P, G]
+    if activation in _FUSED_ACTIVATIONS and hidden_dropout is None and not biased \
+            and x.dim() == 2 and not torch.is_autocast_enabled(x.device.type) \
+            and x.dtype == w1.dtype == w2.dtype:
+        return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
+                                    plan.token_of_row, plan.counts)
+    hidden = cvmm(x, plan, w1.transpose(1, 2), sorted_output=True)                  # [S, G]
     if b1 is not None:   # each sorted row's expert: the plan's order over the flat indices
-        hidden = hidden + b1.index_select(0, indices.reshape(-1).index_select(0, plan.order))
+        hidden = hidden + b1.index_select(0, indices.reshape(-1).index_select(0, plan.order)
+                                          ).to(hidden.dtype)
     hidden = activation_fn(activation)(hidden)
     if hidden_dropout is not None:
         hidden = hidden_dropout(hidden)
     y = cvmm(hidden, plan, w2, gates=gates, sorted_input=True)
-    if b2 is not None:   # Σ_j g_j b2[e_j], dropped pairs have gate 0
-        y = y + nn.functional.embedding_bag(indices.reshape(-1, plan.k), b2.to(y.dtype),
-                                            per_sample_weights=gates.reshape(-1, plan.k).to(y.dtype),
-                                            mode="sum").reshape(y.shape)
+    if b2 is not None:   # Σ_j g_j b2[e_j]; a dropped pair's gate is 0
+        y = y + gather_sum(indices.reshape(-1, plan.k), gates.reshape(-1, plan.k),
+                           b2).to(y.dtype)
     return y
 
 
 class _ReluExpertMLP(torch.autograd.Function):
-    """Both layers of ReLU experts on the fused CPU kernels.
+    """Both layers of ReLU experts, with the ReLU and its derivative, the gate scaling and the
+    gate gradient folded into the ``sparseffn::cvmm_rows`` epilogues (no separate passes over
+    the [S, expert_size] hidden units).
 
-    Saves the input, the weights, the gates and the hidden units h = relu(x W1ᵀ) [P, G] in
+    Saves the input, the weights, the gates and the hidden units h = relu(x W1ᵀ) [S, G] in
     sorted order (the ReLU's derivative is read off h > 0).
     """
 
     @staticmethod
-    def forward(ctx, x, w1, w2, gates, plan: DispatchPlan):
-        tokens, order, counts = plan.token_of_row, plan.order, plan.count_tensor
+    def forward(ctx, x, w1, w2, gates, order, tokens, counts):
         gate_rows = gates.index_select(0, order)
-        hidden = native.cvmm_rows(x, w1.transpose(1, 2), counts, in_idx=tokens, relu=True)
-        y = native.cvmm_rows(hidden, w2, counts, out_idx=tokens, scale=gate_rows,
-                             out_rows=x.shape[0])
-        ctx.save_for_backward(x, w1, w2, gates, hidden, order, tokens)
-        ctx.counts = counts
+        hidden, _ = kernels.cvmm_rows(x, w1.transpose(1, 2), counts, tokens, None, None,
+                                      order.shape[0], True, None, None)
+        y, _ = kernels.cvmm_rows(hidden, w2, counts, None, tokens, gate_rows, x.shape[0], False,
+                                 None, None)
+        ctx.save_for_backward(x, w1, w2, gates, hidden, order, tokens, counts)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w1, w2, gates, hidden, order, tokens = ctx.saved_tensors
-        counts = ctx.counts
+        x, w1, w2, gates, hidden, order, tokens, counts = ctx.saved_tensors
         need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
+        grad_y = grad_y.contiguous()
         gate_rows = gates.index_select(0, order)
         grad_x = grad_w1 = grad_w2 = grad_g = None
         # dh = g · dy W2ᵀ masked by relu'; the gate gradient is <dy W2ᵀ, h> (unscaled rows)
-        grad_pre, dots = native.cvmm_rows(grad_y, w2.transpose(1, 2), counts, in_idx=tokens,
-                                          scale=gate_rows, dot_with=hidden, mask_with=hidden)
+        grad_pre, dots = kernels.cvmm_rows(grad_y, w2.transpose(1, 2), counts, tokens, None,
+                                           gate_rows, order.shape[0], False, hidden, hidden)
         if need_g:
-            grad_g = _pairs_to_slots(gates, order, dots)
+            grad_g = _pairs_to_slots(order, dots)
         if need_w2:   # dW2_e = Σ_r g_r h_rᵀ dy_r
-            grad_w2 = native.weight_grad(hidden, grad_y, counts, b_idx=tokens, scale=gate_rows)
+            grad_w2 = kernels.expert_weight_grad(hidden, grad_y, counts, None, tokens, gate_rows)
         if need_x:    # dx_t = Σ_{r of t} dpre_r W1[e_r]
-            grad_x = native.cvmm_rows(grad_pre, w1, counts, out_idx=tokens, out_rows=x.shape[0])
+            grad_x, _ = kernels.cvmm_rows(grad_pre, w1, counts, None, tokens, None, x.shape[0],
+                                          False, None, None)
         if need_w1:   # dW1_e = Σ_r dpre_rᵀ x_r
-            grad_w1 = native.weight_grad(grad_pre, x, counts, b_idx=tokens)
-        return grad_x, grad_w1, grad_w2, grad_g, None
+            grad_w1 = kernels.expert_weight_grad(grad_pre, x, counts, None, tokens, None)
+        return grad_x, grad_w1, grad_w2, grad_g, None, None, None

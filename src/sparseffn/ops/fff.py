@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from . import native
+from . import kernels, native
 
 TREE_ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
 SOFT_FORMULATIONS = ("orig", "logs", "matrix", "matrix_sparse", "levelwise")
@@ -287,14 +287,14 @@ class _LevelwiseTree(torch.autograd.Function):
             z = z.contiguous()
         if activation == "logsigmoid":
             p = torch.sigmoid(z)
-            probs = native.fff_expand(p, depth, _MODE_PRODUCT)
+            probs = kernels.fff_expand(p, depth, _MODE_PRODUCT, None)
             ctx.save_for_backward(p, probs)
         else:
             if activation == "linear":
-                leaf_logits = native.fff_expand(z, depth, _MODE_SUM_ODD)
+                leaf_logits = kernels.fff_expand(z, depth, _MODE_SUM_ODD, None)
             else:
-                leaf_logits = native.fff_expand(tree_activation(activation)(z), depth,
-                                                _MODE_SUM_SHIFTED, node_logits=z)
+                leaf_logits = kernels.fff_expand(tree_activation(activation)(z), depth,
+                                                _MODE_SUM_SHIFTED, z)
             probs = torch.softmax(leaf_logits, dim=-1)
             ctx.save_for_backward(z, probs)
         ctx.depth, ctx.activation = depth, activation
@@ -306,14 +306,14 @@ class _LevelwiseTree(torch.autograd.Function):
         depth, activation = ctx.depth, ctx.activation
         grad_probs = grad_probs.contiguous()
         if activation == "logsigmoid":
-            grad_z = native.fff_expand_backward(grad_probs, probs, saved, depth, _MODE_PRODUCT)
+            grad_z = kernels.fff_expand_backward(grad_probs, probs, saved, depth, _MODE_PRODUCT)
         else:
             # softmax backward: g_i = R_i (dR_i - Σ_j dR_j R_j)
             grad_logits = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
             if activation == "linear":
-                grad_z = native.fff_expand_backward(grad_logits, None, None, depth, _MODE_SUM_ODD)
+                grad_z = kernels.fff_expand_backward(grad_logits, None, None, depth, _MODE_SUM_ODD)
             else:
-                grad_z = native.fff_expand_backward(grad_logits, None,
+                grad_z = kernels.fff_expand_backward(grad_logits, None,
                                                     _activation_derivative(saved, activation),
                                                     depth, _MODE_SUM_SHIFTED)
         return grad_z, None, None

@@ -1,7 +1,8 @@
 """Grouped matrix multiplication over rows sorted by expert.
 
-Rows ``[offset_e, offset_e + count_e)`` of the input belong to expert ``e`` and are multiplied
-by that expert's matrix. Two implementations compute the same thing:
+Rows ``[offset_{e-1}, offset_e)`` of the input belong to expert ``e`` and are multiplied by
+that expert's matrix; rows after the last expert's block (pairs dropped at an expert's
+capacity) are left out and come back as zeros. Two implementations compute the same thing:
 
 - ``torch._grouped_mm`` where PyTorch provides it and it is correct for the device and dtype
   (checked once per (device, dtype) against the loop below);
@@ -79,35 +80,50 @@ def _loop_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> tor
     return out
 
 
-def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
-               offsets: torch.Tensor) -> torch.Tensor:
-    """``out[r] = rows[r] @ weight[e(r)]`` for rows sorted by expert.
+def _tail_zeroed(out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``out`` with its rows >= Σ counts set to exactly zero (no host read)."""
+    done = torch.arange(out.shape[0], device=out.device) < counts.sum()
+    return torch.where(done.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
-    rows: [P, m]; weight: [E, m, n] (may be a transposed view); counts: E python ints summing
-    to P; offsets: int32 [E], the cumulative sum of counts. Returns [P, n].
+
+def grouped_mm_rows(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``out[r] = rows[r] @ weight[e(r)]`` for the expert-sorted rows r < Σ counts; the rows
+    after them (pairs dropped at capacity) are zero.
+
+    rows: [P, m]; weight: [E, m, n] (may be a transposed view); counts: int64 [E] tensor.
+    Returns [P, n]. With ``torch._grouped_mm`` nothing is read on the host; the loop reads the
+    counts once.
     """
-    if rows.shape[0] and _grouped_mm_usable(rows.device, rows.dtype) and _aligned(weight.shape[-1], rows, weight):
-        return torch._grouped_mm(rows, weight, offs=offsets)
-    return _loop_mm(rows, weight, counts)
+    if rows.shape[0] and _grouped_mm_usable(rows.device, rows.dtype) and \
+            _aligned(weight.shape[-1], rows, weight):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return _tail_zeroed(torch._grouped_mm(rows, weight, offs=offsets), counts)
+    sizes = counts.tolist()
+    done = sum(sizes)
+    out = _loop_mm(rows[:done], weight, sizes)
+    if done == rows.shape[0]:
+        return out
+    return torch.cat((out, out.new_zeros(rows.shape[0] - done, out.shape[1])))
 
 
-def grouped_weight_grad(rows: torch.Tensor, grads: torch.Tensor, counts: list[int],
-                        offsets: torch.Tensor) -> torch.Tensor:
-    """``out[e] = rows_e^T @ grads_e``: the gradient of each expert's matrix.
-
-    rows: [P, m]; grads: [P, n], both sorted by expert. Returns [E, m, n]; an expert with no
-    rows gets an exact zero matrix. When ``m > n`` the products are computed as
-    ``grads_e^T @ rows_e`` (wide outputs run faster on CPU) and a transposed view of that
-    [E, n, m] buffer is returned; the gradient of a weight stored as [E, n, m] and used
-    through ``.transpose(1, 2)`` is then contiguous without a copy.
-    """
+def grouped_weight_grad_rows(rows: torch.Tensor, grads: torch.Tensor,
+                             counts: torch.Tensor) -> torch.Tensor:
+    """``out[e] = rows_eᵀ @ grads_e`` over the expert-sorted rows r < Σ counts (the rows after
+    them are ignored). rows: [P, m]; grads: [P, n]; counts: int64 [E] tensor.
+    Returns [E, m, n]; an expert with no rows gets an exact zero matrix."""
     if rows.shape[1] > grads.shape[1]:
-        return grouped_weight_grad(grads, rows, counts, offsets).transpose(1, 2)
-    num_experts = len(counts)
+        return grouped_weight_grad_rows(grads, rows, counts).transpose(1, 2)
     if rows.shape[0] and _grouped_mm_usable(rows.device, rows.dtype) and \
             _aligned(grads.shape[-1], rows, grads):
-        return torch._grouped_mm(rows.t(), grads, offs=offsets)
-    out = rows.new_empty(num_experts, rows.shape[1], grads.shape[1])
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(_tail_zeroed(rows, counts).t(), grads, offs=offsets)
+    sizes = counts.tolist()
+    done = sum(sizes)
+    return _loop_weight_grad(rows[:done], grads[:done], sizes)
+
+
+def _loop_weight_grad(rows: torch.Tensor, grads: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out = rows.new_empty(len(counts), rows.shape[1], grads.shape[1])
     for block, grad_block, out_e, count in zip(rows.split(counts), grads.split(counts),
                                                out.unbind(0), counts):
         if count:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import native
+from . import kernels
 from .rows import gather_dot
 
 # Sub-key scores of at most this many floats (per half) exist at once during retrieval.
@@ -35,8 +35,8 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     n = scores.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"topk_lowest_index: k must lie in [1, {n}], got {k}")
-    if scores.dim() == 2 and native.usable(scores, deterministic=True):
-        return native.topk_rows(scores, k)
+    if scores.dim() == 2:
+        return kernels.topk_rows(scores, k)
     if torch.isnan(scores).any():
         raise ValueError("topk_lowest_index: scores contain NaN")
     kth = scores.topk(k, dim=-1).values[..., -1:]
@@ -64,15 +64,7 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
                          f"{tuple(scores_b.shape)} must have the same rows")
     if not 1 <= k <= n_a * n_b:
         raise ValueError(f"product_key_topk: k must lie in [1, {n_a * n_b}], got {k}")
-    if native.usable(scores_a, scores_b, deterministic=True):
-        return native.product_key_topk(scores_a, scores_b, k)
-    val_a, idx_a = topk_lowest_index(scores_a, min(k, n_a))
-    val_b, idx_b = topk_lowest_index(scores_b, min(k, n_b))
-    sums = (val_a.unsqueeze(-1) + val_b.unsqueeze(-2)).reshape(rows, -1)       # Eq. 15
-    full = (idx_a.unsqueeze(-1) + n_a * idx_b.unsqueeze(-2)).reshape(rows, -1)
-    order = full.argsort(dim=-1)                # candidates by index, so ties go to the lower
-    values, pos = topk_lowest_index(sums.gather(-1, order), k)
-    return values, full.gather(-1, order).gather(-1, pos)
+    return kernels.product_key_topk(scores_a, scores_b, k)
 
 
 def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,

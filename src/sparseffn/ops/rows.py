@@ -22,47 +22,13 @@ SGD): a table of a million rows then costs per step what the batch reads, not 4�
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
-from . import native
+from . import kernels
+from .debug import checks_enabled
 
-# The PyTorch path gathers at most this many table elements at a time.
-_CHUNK_ELEMENTS = 1 << 24
-
-
-def _chunks(rows: int, per_row: int):
-    step = max(1, _CHUNK_ELEMENTS // max(1, per_row))
-    for start in range(0, rows, step):
-        yield slice(start, min(rows, start + step))
-
-
-def _gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    if native.usable(x, table, deterministic=True):
-        return native.gather_dot(x, table, idx)
-    out = x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
-    for part in _chunks(idx.shape[0], idx.shape[1] * table.shape[1]):
-        rows = table[idx[part]]                                       # [t, m, d]
-        out[part] = torch.bmm(rows, x[part].to(rows.dtype).unsqueeze(-1)).squeeze(-1)
-    return out
-
-
-def _gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    if native.usable(weights, table, deterministic=True):
-        return native.gather_sum(idx, weights, table)
-    return F.embedding_bag(idx, table, per_sample_weights=weights.to(table.dtype), mode="sum")
-
-
-def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
-                 num_rows: int) -> torch.Tensor:
-    """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``: a dense [num_rows, d],
-    zero where no pair lands. idx, weights: [T, m]; src: [T, d]."""
-    if native.usable(weights, src, deterministic=True):
-        return native.scatter_rows(idx, weights, src, num_rows)
-    out = src.new_zeros(num_rows, src.shape[1])
-    for part in _chunks(idx.shape[0], idx.shape[1] * src.shape[1]):
-        contrib = weights[part].to(src.dtype).unsqueeze(-1) * src[part].unsqueeze(1)   # [t, m, d]
-        out.index_add_(0, idx[part].reshape(-1), contrib.reshape(-1, src.shape[1]))
-    return out
+_gather_dot = kernels.gather_dot
+_gather_sum = kernels.gather_sum
+scatter_rows = kernels.scatter_rows
 
 
 def scatter_rows_sparse(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
@@ -70,7 +36,7 @@ def scatter_rows_sparse(idx: torch.Tensor, weights: torch.Tensor, src: torch.Ten
     """:func:`scatter_rows` as a coalesced sparse COO [num_rows, d] with only the rows that some
     pair lands on."""
     rows, inverse = torch.unique(idx, return_inverse=True)
-    values = scatter_rows(inverse.view(idx.shape), weights, src, rows.numel())
+    values = scatter_rows(inverse.view(idx.shape), weights.contiguous(), src, rows.numel())
     return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, src.shape[1]),
                                    is_coalesced=True, check_invariants=False)
 
@@ -125,7 +91,8 @@ def _check_pairs(idx: torch.Tensor, rows: int, table: torch.Tensor, what: str) -
         raise ValueError(f"{what}: idx must be an integer tensor, got {idx.dtype}")
     if table.dim() != 2:
         raise ValueError(f"{what}: table must be [N, d], got {tuple(table.shape)}")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= table.shape[0]):
+    if idx.numel() and checks_enabled(idx) and \
+            (int(idx.min()) < 0 or int(idx.max()) >= table.shape[0]):
         raise IndexError(f"{what}: idx must lie in [0, {table.shape[0]}), got values in "
                          f"[{int(idx.min())}, {int(idx.max())}]")
 

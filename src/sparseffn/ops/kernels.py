@@ -1,0 +1,306 @@
+"""The arithmetic under every expert store, registered as PyTorch operators (``torch.library``).
+
+Each operator has one schema and several implementations chosen by the device of the
+tensors that arrive: the fused C kernels of :mod:`~sparseffn.ops.native` on CPU in float32
+(when they are built), and a PyTorch implementation everywhere else (other devices, other
+dtypes, no C compiler). Each has a *fake* implementation that gives the output's shape and
+dtype without computing it, so ``torch.compile`` traces a layer through them in one graph;
+the GPU kernels register CUDA implementations of the same operators.
+
+None of them reads a tensor on the host on its way in: counts and offsets arrive as tensors.
+(The PyTorch implementation of the grouped products reads the per-expert counts inside the
+operator when ``torch._grouped_mm`` cannot take the problem; that is invisible to the
+compiler, and on a GPU it is one synchronisation.)
+
+Rows are *expert-sorted*: row r of a product belongs to expert e(r), rows
+``[offset_{e-1}, offset_e)`` to expert e, with ``offset_e = Σ_{i<=e} counts[i]``. The first
+``D = Σ counts`` rows are computed; any row after them (a pair dropped at an expert's
+capacity) is never computed, and where it appears in an output it is exactly zero.
+
+    sparseffn::cvmm_rows          gather → per-expert product → scale → scatter (CVMM, Csordás
+                                  et al. 2023, arXiv:2310.10837, App. B.1, Eq. 40)
+    sparseffn::expert_weight_grad Σ over an expert's rows of aᵀ b (the CVMM weight gradient)
+    sparseffn::gather_dot         <x[t], table[idx[t, j]]>
+    sparseffn::gather_sum         Σ_j w[t, j] · table[idx[t, j]]
+    sparseffn::scatter_rows       the transpose of gather_sum (a table's gradient)
+    sparseffn::topk_rows          top-k per row, ties to the lower index
+    sparseffn::product_key_topk   the top-k of all sums of two score rows (Lample et al. 2019)
+    sparseffn::fff_expand         leaf values of a fast feed-forward tree, level by level
+    sparseffn::fff_expand_backward
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import native
+from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows
+
+_LIB = "sparseffn"
+
+
+def _fused(*tensors: Optional[Tensor], deterministic: bool = False) -> bool:
+    """True when the C kernels take these tensors (CPU float32, built, allowed)."""
+    return native.usable(*tensors, deterministic=deterministic)
+
+
+# ---------------------------------------------------------------------------------------------
+# CVMM over expert-sorted rows
+
+@torch.library.custom_op(f"{_LIB}::cvmm_rows", mutates_args=())
+def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tensor],
+              out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int,
+              relu: bool, mask_with: Optional[Tensor], dot_with: Optional[Tensor]
+              ) -> tuple[Tensor, Tensor]:
+    """``y_r = scale[r] · z_r`` with ``z_r = src[in_idx[r]] @ weight[e(r)]`` for the
+    expert-sorted rows r < D = Σ counts.
+
+    src: [R, m]; weight: [E, m, n] (any strides); counts: int64 [E]; in_idx: int64 [P] or None
+    (row r of src); out_idx: int64 [P] or None; scale: [P] or None; P >= D sorted rows.
+
+    Returns ``(out, dots)``. ``out`` is the rows ``y`` [out_rows = P, n] (rows >= D zero), or
+    with ``out_idx`` the sums ``out[i] = Σ_{r<D: out_idx[r] = i} y_r`` [out_rows, n]. Without
+    ``out_idx``: ``relu`` applies max(y, 0) and ``mask_with`` [P, n] zeroes y where
+    ``mask_with <= 0`` (backward through a ReLU whose output it is). ``dots`` is
+    ``<z_r, dot_with[r]>`` [P] (the gate gradient; zero for rows >= D), or an empty tensor
+    when ``dot_with`` is None.
+    """
+    if _fused(src, weight, scale, mask_with, dot_with):
+        return _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, relu,
+                                 mask_with, dot_with)
+    return _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, relu,
+                            mask_with, dot_with)
+
+
+def _num_sorted_rows(src: Tensor, in_idx: Optional[Tensor], out_idx: Optional[Tensor]) -> int:
+    if in_idx is not None:
+        return in_idx.shape[0]
+    if out_idx is not None:
+        return out_idx.shape[0]
+    return src.shape[0]
+
+
+def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, relu, mask_with,
+                      dot_with):
+    rows = _num_sorted_rows(src, in_idx, out_idx)
+    done = int(counts.sum())               # a CPU tensor: no synchronisation
+    cut = (lambda t: t if t is None else t[:done]) if done != rows else (lambda t: t)
+    result = native.cvmm_rows(src, weight, counts, in_idx=cut(in_idx), out_idx=cut(out_idx),
+                              scale=cut(scale), out_rows=out_rows if out_idx is not None else None,
+                              dot_with=cut(dot_with), relu=relu, mask_with=cut(mask_with))
+    out, dots = result if dot_with is not None else (result, src.new_empty(0))
+    if out_idx is None and done != rows:   # the rows of dropped pairs: written, as zeros
+        out = torch.cat((out, out.new_zeros(rows - done, out.shape[1])))
+    if dot_with is not None and done != rows:
+        dots = torch.cat((dots, dots.new_zeros(rows - done)))
+    return out, dots
+
+
+def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, relu, mask_with,
+                     dot_with):
+    dtype = torch.promote_types(src.dtype, weight.dtype)
+    rows = src if in_idx is None else src.index_select(0, in_idx)                # [P, m]
+    z = grouped_mm_rows(rows.to(dtype), weight.to(dtype), counts)               # [P, n]
+    dots = ((z * dot_with.to(dtype)).sum(1) if dot_with is not None
+            else src.new_empty(0, dtype=dtype))
+    y = z if scale is None else z * scale.to(dtype).unsqueeze(1)
+    if relu:
+        y = torch.relu(y)
+    if mask_with is not None:
+        y = torch.where(mask_with > 0, y, torch.zeros((), dtype=dtype, device=y.device))
+    if scale is not None:   # a dropped row's scale may be anything: its rows stay exactly zero
+        y = torch.where(_computed(counts, y.shape[0]).unsqueeze(1), y,
+                        torch.zeros((), dtype=dtype, device=y.device))
+    if out_idx is None:
+        return y, dots
+    return y.new_zeros(out_rows, y.shape[1]).index_add_(0, out_idx, y), dots
+
+
+def _computed(counts: Tensor, rows: int) -> Tensor:
+    """bool [rows]: True for the rows r < Σ counts (no host read)."""
+    return torch.arange(rows, device=counts.device) < counts.sum()
+
+
+@cvmm_rows.register_fake
+def _(src, weight, counts, in_idx, out_idx, scale, out_rows, relu, mask_with, dot_with):
+    rows = _num_sorted_rows(src, in_idx, out_idx)
+    dtype = torch.promote_types(src.dtype, weight.dtype)
+    out = src.new_empty(out_rows if out_idx is not None else rows, weight.shape[2], dtype=dtype)
+    return out, src.new_empty(rows if dot_with is not None else 0, dtype=dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::expert_weight_grad", mutates_args=())
+def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Optional[Tensor],
+                       b_idx: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+    """``out[e] = A_eᵀ B_e`` over expert e's sorted rows r < Σ counts, with
+    ``A_r = scale[r] · a_src[a_idx[r]]`` [ma] and ``B_r = b_src[b_idx[r]]`` [nb].
+
+    Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix."""
+    if _fused(a_src, b_src, scale):
+        rows = _num_sorted_rows(a_src, a_idx, b_idx)
+        done = int(counts.sum())
+        cut = (lambda t: t if t is None else t[:done]) if done != rows else (lambda t: t)
+        return native.weight_grad(a_src, b_src, counts, a_idx=cut(a_idx), b_idx=cut(b_idx),
+                                  scale=cut(scale))
+    dtype = torch.promote_types(a_src.dtype, b_src.dtype)
+    a = (a_src if a_idx is None else a_src.index_select(0, a_idx)).to(dtype)
+    b = (b_src if b_idx is None else b_src.index_select(0, b_idx)).to(dtype)
+    if scale is not None:
+        a = a * scale.to(dtype).unsqueeze(1)
+    return grouped_weight_grad_rows(a, b, counts)
+
+
+@expert_weight_grad.register_fake
+def _(a_src, b_src, counts, a_idx, b_idx, scale):
+    dtype = torch.promote_types(a_src.dtype, b_src.dtype)
+    return a_src.new_empty(counts.shape[0], a_src.shape[1], b_src.shape[1], dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathered rows of single-row tables (PKM values, PEER experts, product sub-keys)
+
+# The PyTorch path gathers at most this many table elements at a time.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(rows: int, per_row: int):
+    step = max(1, _CHUNK_ELEMENTS // max(1, per_row))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+@torch.library.custom_op(f"{_LIB}::gather_dot", mutates_args=())
+def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
+    """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: int64 [T, m]."""
+    if _fused(x, table, deterministic=True):
+        return native.gather_dot(x, table, idx)
+    out = x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
+    for part in _chunks(idx.shape[0], idx.shape[1] * table.shape[1]):
+        rows = table[idx[part]]                                       # [t, m, d]
+        out[part] = torch.bmm(rows.to(out.dtype),
+                              x[part].to(out.dtype).unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+@gather_dot.register_fake
+def _(x, table, idx):
+    return x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
+
+
+@torch.library.custom_op(f"{_LIB}::gather_sum", mutates_args=())
+def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
+    """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``. idx, weights: [T, m]; table: [N, d];
+    returns [T, d] in the table's dtype."""
+    if _fused(weights, table, deterministic=True):
+        return native.gather_sum(idx, weights, table)
+    if idx.shape[0] == 0:
+        return table.new_zeros(0, table.shape[1])
+    out = table.new_empty(idx.shape[0], table.shape[1])
+    for part in _chunks(idx.shape[0], idx.shape[1] * table.shape[1]):
+        out[part] = (table[idx[part]] * weights[part].to(table.dtype).unsqueeze(-1)).sum(1)
+    return out
+
+
+@gather_sum.register_fake
+def _(idx, weights, table):
+    return table.new_empty(idx.shape[0], table.shape[1])
+
+
+@torch.library.custom_op(f"{_LIB}::scatter_rows", mutates_args=())
+def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Tensor:
+    """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, a dense [num_rows, d]
+    with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]."""
+    if _fused(weights, src, deterministic=True):
+        return native.scatter_rows(idx, weights, src, num_rows)
+    out = src.new_zeros(num_rows, src.shape[1])
+    for part in _chunks(idx.shape[0], idx.shape[1] * src.shape[1]):
+        contrib = weights[part].to(src.dtype).unsqueeze(-1) * src[part].unsqueeze(1)  # [t, m, d]
+        out.index_add_(0, idx[part].reshape(-1), contrib.reshape(-1, src.shape[1]))
+    return out
+
+
+@scatter_rows.register_fake
+def _(idx, weights, src, num_rows):
+    return src.new_empty(num_rows, src.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic top-k (product-key retrieval)
+
+@torch.library.custom_op(f"{_LIB}::topk_rows", mutates_args=())
+def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each row of ``scores`` [R, n], ordered by (value desc, index
+    asc): (values [R, k], int64 indices [R, k]). A row holding NaN raises a ValueError."""
+    if _fused(scores, deterministic=True):
+        return native.topk_rows(scores, k)
+    if torch.isnan(scores).any():
+        raise ValueError("topk_lowest_index: scores contain NaN")
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(-1, keepdim=True)
+    keep = above | (tied & (tied.cumsum(-1) <= room))     # the lowest-index ties fill the room
+    idx = keep.nonzero()[:, -1].view(*scores.shape[:-1], k)   # ascending index per row
+    values = scores.gather(-1, idx)
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    return values.gather(-1, order), idx.gather(-1, order)
+
+
+@topk_rows.register_fake
+def _(scores, k):
+    return scores.new_empty(scores.shape[0], k), scores.new_empty(scores.shape[0], k,
+                                                                   dtype=torch.int64)
+
+
+@torch.library.custom_op(f"{_LIB}::product_key_topk", mutates_args=())
+def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The top k of ``scores_a[r, i] + scores_b[r, j]`` over all (i, j), index ``i + n_a·j``,
+    ordered by (sum desc, index asc) (Lample et al. 2019, Eq. 15 of Csordás et al. 2023).
+    scores_a: [R, n_a]; scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k])."""
+    if _fused(scores_a, scores_b, deterministic=True):
+        return native.product_key_topk(scores_a, scores_b, k)
+    rows, n_a = scores_a.shape
+    n_b = scores_b.shape[1]
+    val_a, idx_a = topk_rows(scores_a, min(k, n_a))
+    val_b, idx_b = topk_rows(scores_b, min(k, n_b))
+    sums = (val_a.unsqueeze(-1) + val_b.unsqueeze(-2)).reshape(rows, -1)
+    full = (idx_a.unsqueeze(-1) + n_a * idx_b.unsqueeze(-2)).reshape(rows, -1)
+    order = full.argsort(dim=-1)                # candidates by index, so ties go to the lower
+    values, pos = topk_rows(sums.gather(-1, order), k)
+    return values, full.gather(-1, order).gather(-1, pos)
+
+
+@product_key_topk.register_fake
+def _(scores_a, scores_b, k):
+    rows = scores_a.shape[0]
+    return scores_a.new_empty(rows, k), scores_a.new_empty(rows, k, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast feed-forward trees (C kernels only: callers take the PyTorch formulation elsewhere)
+
+@torch.library.custom_op(f"{_LIB}::fff_expand", mutates_args=(), device_types="cpu")
+def fff_expand(node_values: Tensor, depth: int, mode: int,
+               node_logits: Optional[Tensor]) -> Tensor:
+    """Leaf values [T, 2^depth] from node values [T, 2^depth - 1] (see ``fff_cpu.c``)."""
+    return native.fff_expand(node_values, depth, mode, node_logits=node_logits)
+
+
+@fff_expand.register_fake
+def _(node_values, depth, mode, node_logits):
+    return node_values.new_empty(node_values.shape[0], 1 << depth)
+
+
+@torch.library.custom_op(f"{_LIB}::fff_expand_backward", mutates_args=(), device_types="cpu")
+def fff_expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Optional[Tensor],
+                        depth: int, mode: int) -> Tensor:
+    """The gradient [T, 2^depth - 1] of :func:`fff_expand` with respect to the node values."""
+    return native.fff_expand_backward(grad_leaf, leaf, node_data, depth, mode)
+
+
+@fff_expand_backward.register_fake
+def _(grad_leaf, leaf, node_data, depth, mode):
+    return grad_leaf.new_empty(grad_leaf.shape[0], (1 << depth) - 1)
