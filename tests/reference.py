@@ -82,9 +82,10 @@ def product_key_layer_reference(layer, x):
         for h in range(spec.heads):
             for j in range(spec.k):
                 i = indices[t, h, j]
-                if hasattr(layer, "values"):                       # PKM: value rows
-                    y = y + weights[t, h, j] * layer.values[i]
+                store = layer.store
+                if hasattr(store, "values"):                       # PKM: value rows
+                    y = y + weights[t, h, j] * store.values[i]
                 else:                                              # PEER: σ(u_iᵀx) v_i
-                    y = y + weights[t, h, j] * layer.activation(layer.w_in[i] @ x[t]) * layer.w_out[i]
+                    y = y + weights[t, h, j] * store.activation(store.w_in[i] @ x[t]) * store.w_out[i]
         rows.append(y)
     return torch.stack(rows), indices

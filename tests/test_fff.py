@@ -178,8 +178,8 @@ def _leaf_loop(layer, x, leaf_weights):
             w = leaf_weights[t, i]
             if w == 0:
                 continue
-            h = F.relu(layer.w1[i] @ x[t] + layer.b1[i])
-            y = y + w * (h @ layer.w2[i] + layer.b2[i])
+            h = F.relu(layer.store.w1[i] @ x[t] + layer.store.b1[i])
+            y = y + w * (h @ layer.store.w2[i] + layer.store.b2[i])
         rows.append(y)
     return torch.stack(rows)
 
@@ -193,7 +193,7 @@ def test_soft_layer_matches_the_leaf_loop(activation):
     ref = _leaf_loop(layer, x, probs)
     torch.testing.assert_close(y, ref)
     g = torch.randn_like(y)
-    params = [x, layer.router.weight, layer.router.bias, layer.w1, layer.b1, layer.w2, layer.b2]
+    params = [x, layer.router.weight, layer.router.bias, layer.store.w1, layer.store.b1, layer.store.w2, layer.store.b2]
     grads = torch.autograd.grad((y * g).sum(), params)
     ref_grads = torch.autograd.grad((ref * g).sum(), params)
     for a, b in zip(grads, ref_grads):
@@ -209,7 +209,7 @@ def test_sparse_layer_matches_the_leaf_loop(matmul_path):
     weights = torch.zeros_like(probs).scatter(1, idx, top)
     ref = _leaf_loop(layer, x, weights)
     torch.testing.assert_close(y, ref)
-    params = [x, layer.router.weight, layer.w1, layer.b1, layer.w2, layer.b2]
+    params = [x, layer.router.weight, layer.store.w1, layer.store.b1, layer.store.w2, layer.store.b2]
     grads = torch.autograd.grad(y.square().sum(), params)
     ref_grads = torch.autograd.grad(ref.square().sum(), params)
     for a, b in zip(grads, ref_grads):
@@ -320,10 +320,10 @@ def test_matches_fastfeedforward_given_the_same_weights():
         # their node sends σ(z) to the right child, ours to the left: negate the node
         ours.router.weight.copy_(-theirs.node_weights)
         ours.router.bias.copy_(-theirs.node_biases.squeeze(1))
-        ours.w1.copy_(theirs.w1s.transpose(1, 2))
-        ours.b1.copy_(theirs.b1s)
-        ours.w2.copy_(theirs.w2s)
-        ours.b2.copy_(theirs.b2s)
+        ours.store.w1.copy_(theirs.w1s.transpose(1, 2))
+        ours.store.b1.copy_(theirs.b1s)
+        ours.store.w2.copy_(theirs.w2s)
+        ours.store.b2.copy_(theirs.b2s)
     x = torch.randn(40, 12)
     theirs.train()
     torch.testing.assert_close(ours.train()(x), theirs(x), atol=1e-5, rtol=1e-5)
@@ -332,5 +332,5 @@ def test_matches_fastfeedforward_given_the_same_weights():
     y_hard = ours(x)
     leaves = ours.router.hard_leaves(x)
     # their eval_forward leaves out the leaf output bias b2; ours keeps it
-    torch.testing.assert_close(y_hard, theirs(x) + ours.b2[leaves], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y_hard, theirs(x) + ours.store.b2[leaves], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(y_hard, theirs(x))

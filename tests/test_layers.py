@@ -29,7 +29,7 @@ def sigma_moe_reference(layer: SigmaMoE, x):
         weights = torch.softmax(logits, -1).gather(1, indices)
     else:
         weights = torch.softmax(chosen, -1)
-    return expert_mlp_reference(x, indices, weights, layer.w1.transpose(1, 2), layer.w2,
+    return expert_mlp_reference(x, indices, weights, layer.store.w1.transpose(1, 2), layer.store.w2,
                                 ACT[cfg.activation])
 
 
@@ -56,8 +56,8 @@ def test_sigma_moe_with_experts_left_idle_gives_zero_grads():
     x = torch.randn(5, 8)
     x[:, :] = x.abs()
     layer(x).sum().backward()
-    assert layer.w1.grad is not None
-    assert torch.all(layer.w1.grad[2:] == 0) and torch.all(layer.w2.grad[2:] == 0)
+    assert layer.store.w1.grad is not None
+    assert torch.all(layer.store.w1.grad[2:] == 0) and torch.all(layer.store.w2.grad[2:] == 0)
 
 
 def test_sigma_moe_bf16_close_to_fp32():

@@ -223,8 +223,8 @@ def test_heads_are_independent(kind):
             single.router.keys_a.copy_(layer.router.keys_a[h:h + 1])
             single.router.keys_b.copy_(layer.router.keys_b[h:h + 1])
             for name in ("values", "w_in", "w_out"):
-                if hasattr(layer, name):
-                    getattr(single, name).copy_(getattr(layer, name))
+                if hasattr(layer.store, name):
+                    getattr(single.store, name).copy_(getattr(layer.store, name))
         total += single(x)          # the score activation is per head (softmax over its k)
     torch.testing.assert_close(layer(x), total, rtol=1e-5, atol=1e-6)
 

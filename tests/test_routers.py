@@ -55,8 +55,8 @@ def _moe_reference(layer, x, routing):
     weights = routing.weights
     if routing.dispatched is not None:
         weights = weights * routing.dispatched
-    return expert_mlp_reference(x, routing.indices, weights, layer.w1.transpose(1, 2),
-                                layer.w2, F.relu)
+    return expert_mlp_reference(x, routing.indices, weights, layer.store.w1.transpose(1, 2),
+                                layer.store.w2, F.relu)
 
 
 # --- configs ---------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_moe_with_every_router_matches_the_per_token_reference(matmul_path, name
     ref = _moe_reference(layer, x, routing)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
     grad = torch.randn_like(out)
-    params = [x, layer.w1, layer.w2]
+    params = [x, layer.store.w1, layer.store.w2]
     for got, want in zip(torch.autograd.grad(out, params, grad),
                          torch.autograd.grad(ref, params, grad)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
@@ -245,7 +245,7 @@ def test_dropped_tokens_produce_zero_output():
     assert torch.all(y[capacity:] == 0) and torch.all(y[:capacity].abs().sum(-1) > 0)
     assert layer.routing_stats["dropped_fraction"].item() == pytest.approx(1 - capacity / 64)
     (y.sum()).backward()
-    assert torch.all(layer.w1.grad[:3] == 0)   # only expert 3 computed anything
+    assert torch.all(layer.store.w1.grad[:3] == 0)   # only expert 3 computed anything
 
 
 def _gshard_algorithm1(gates, group_size, capacity, uniform):
@@ -477,7 +477,7 @@ def test_capacity_rounding_gives_distinct_experts_within_capacity(tokens, expert
 def test_switch_initialisation_is_sqrt_point1_over_fan_in():
     layer = MoE(MoEConfig(d_model=256, num_experts=8, expert_size=128, k=1, router="switch",
                           init="switch"))
-    for weight, fan_in in ((layer.w1, 256), (layer.w2, 128), (layer.router.weight, 256)):
+    for weight, fan_in in ((layer.store.w1, 256), (layer.store.w2, 128), (layer.router.weight, 256)):
         want = math.sqrt(0.1 / fan_in) * 0.8796   # std of N(0, σ) truncated at ±2σ
         assert abs(weight.std().item() - want) < 0.03 * want
 

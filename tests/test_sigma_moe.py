@@ -88,8 +88,8 @@ def test_expert_dropout_is_off_in_eval():
 def test_sigma_moe_init_matches_the_dense_layer_it_replaces():
     layer = SigmaMoE(d_model=256, num_experts=16, expert_size=64, k=4, n_layers=4)
     d_ff = 16 * 64
-    assert abs(layer.w1.std().item() - math.sqrt(2 / (256 * 4))) < 0.02 * math.sqrt(2 / (256 * 4))
-    assert abs(layer.w2.std().item() - math.sqrt(2 / (d_ff * 4))) < 0.02 * math.sqrt(2 / (d_ff * 4))
+    assert abs(layer.store.w1.std().item() - math.sqrt(2 / (256 * 4))) < 0.02 * math.sqrt(2 / (256 * 4))
+    assert abs(layer.store.w2.std().item() - math.sqrt(2 / (d_ff * 4))) < 0.02 * math.sqrt(2 / (d_ff * 4))
     norms = layer.router.weight.norm(dim=1)
     torch.testing.assert_close(norms, norms[0].expand_as(norms))   # equal row norms
     rms = layer.router.weight.square().mean().sqrt().item()
@@ -99,7 +99,7 @@ def test_sigma_moe_init_matches_the_dense_layer_it_replaces():
 def test_standard_init_uses_the_expert_width():
     layer = SigmaMoE(d_model=256, num_experts=16, expert_size=64, k=4, init="standard")
     want = math.sqrt(2 / 64)
-    assert abs(layer.w2.std().item() - want) < 0.02 * want
+    assert abs(layer.store.w2.std().item() - want) < 0.02 * want
     norms = layer.router.weight.norm(dim=1)
     assert norms.max() - norms.min() > 1e-3
 

@@ -22,11 +22,18 @@ def _layers(model: nn.Module):
 def aux_loss(model: nn.Module) -> torch.Tensor:
     """Σ over sparse layers and their losses of ``weight · loss`` from the last forward.
 
-    A scalar tensor (zero when the model has no sparse layers or none has run)."""
+    A scalar tensor (zero when the model has no sparse layers or none has run). Every loss a
+    layer records must have a weight (zero is a weight): a loss without one raises a KeyError
+    naming the layer, rather than being dropped silently."""
     total = None
-    for _, layer in _layers(model):
+    for name, layer in _layers(model):
         for loss_name, value in layer.aux_losses.items():
-            weight = layer.aux_loss_weights.get(loss_name, 0.0)
+            try:
+                weight = layer.aux_loss_weights[loss_name]
+            except KeyError:
+                raise KeyError(f"sparse layer {name or '<root>'} ({type(layer).__name__}) "
+                               f"recorded the aux loss {loss_name!r} but has no weight for it "
+                               f"(aux_loss_weights: {sorted(layer.aux_loss_weights)})") from None
             if weight:
                 term = weight * value
                 total = term if total is None else total + term

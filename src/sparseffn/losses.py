@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from .ops.assignment import count_keys
+
 
 def batch_entropy_loss(logits: torch.Tensor) -> torch.Tensor:
     """σ-MoE's regulariser (seed 001 Eq. 34-35): the *negative* entropy of the selection
@@ -46,7 +48,7 @@ def switch_balance_loss(probs: torch.Tensor, top1: torch.Tensor) -> torch.Tensor
     num_experts = probs.shape[-1]
     if probs.shape[0] == 0:
         return probs.new_zeros(())
-    fraction = torch.bincount(top1, minlength=num_experts).float() / top1.numel()   # Eq. 29
+    fraction = count_keys(top1, num_experts).float() / top1.numel()   # Eq. 29
     mean_prob = probs.float().mean(0)                                            # Eq. 30
     return num_experts * (fraction * mean_prob).sum()                            # Eq. 31
 

@@ -20,11 +20,15 @@ class Routing:
     indices: int64 [tokens, k], expert ids.
     weights: float32 [tokens, k], the gate value multiplying each selected expert's output
       (zero where the slot was not dispatched).
-    aux_losses: unweighted auxiliary losses (scalar tensors) by name.
+    aux_losses: unweighted auxiliary losses (scalar tensors) by name; their weights in the
+      training objective come from the router (``Router.aux_loss_weights``).
     dispatched: bool [tokens, k] or None (all dispatched): False where a slot was dropped at
       an expert's capacity (or, in GShard, where the second expert was not sampled); such a
       slot is never computed and contributes zero.
     stats: router-specific statistics (detached scalars), e.g. ``dropped_fraction``.
+    dense: True when every token uses every expert in order: ``weights`` is [tokens, E] and
+      ``indices`` is ``arange(E)`` for each token (the soft mode of a fast feed-forward tree,
+      Belcak & Wattenhofer 2023, arXiv:2308.14711); stores may then compute densely.
     """
 
     indices: torch.Tensor
@@ -32,20 +36,78 @@ class Routing:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     dispatched: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense: bool = False
+
+    @staticmethod
+    def all_experts(weights: torch.Tensor, **kwargs) -> "Routing":
+        """A dense routing: every token uses all ``E`` experts with ``weights`` [T, E]."""
+        tokens, experts = weights.shape
+        indices = torch.arange(experts, device=weights.device).expand(tokens, experts)
+        return Routing(indices=indices, weights=weights, dense=True, **kwargs)
 
 
+@torch.no_grad()
 def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  dispatched: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert number of dispatched (token, slot) pairs and their total selection weight,
-    float32 [E]."""
+    """Per expert: the number of dispatched (token, slot) pairs and their total selection
+    weight, float32 [E] each. Reads nothing on the host."""
     flat = indices.reshape(-1)
+    mass_each = weights.detach().reshape(-1).float()
+    ones = torch.ones_like(mass_each)
     if dispatched is not None:
         keep = dispatched.reshape(-1)
-        flat, weights = flat[keep], weights.reshape(-1)[keep]
-    counts = torch.bincount(flat, minlength=num_experts).float()
+        ones = keep.float()
+        mass_each = torch.where(keep, mass_each, torch.zeros_like(mass_each))
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
     mass = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
-    mass.index_add_(0, flat, weights.detach().reshape(-1).float())
-    return counts, mass
+    return counts.index_add_(0, flat, ones), mass.index_add_(0, flat, mass_each)
+
+
+def recomputing() -> bool:
+    """True while a forward runs again inside a backward pass: the recomputation of
+    activation checkpointing (``torch.utils.checkpoint``, reentrant or not)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+class _AddAuxLossGradient(torch.autograd.Function):
+    """The identity on ``y`` whose backward also sends ``d(objective)/d(aux) = 1`` into the
+    weighted auxiliary loss ``aux`` (a scalar).
+
+    Used only in the recomputation of reentrant activation checkpointing: there the first
+    forward ran without autograd, so the ``aux_loss(model)`` a training loop added was a
+    constant, and the recomputed forward is the only graph the aux loss can enter.
+    (The same injection in a non-reentrant recomputation is harmless: that graph is only
+    read for its saved tensors.)"""
+
+    @staticmethod
+    def forward(ctx, y, aux):
+        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+class _Transient:
+    """What one forward leaves on a layer for the helpers to collect: the unweighted aux
+    losses (in the autograd graph) and the routing statistics. Never copied, pickled or saved:
+    a deep copy or an unpickled layer starts empty (so ``copy.deepcopy`` and
+    ``torch.optim.swa_utils.AveragedModel`` work after a training forward)."""
+
+    __slots__ = ("aux_losses", "routing_stats")
+
+    def __init__(self) -> None:
+        self.aux_losses: dict[str, torch.Tensor] = {}
+        self.routing_stats: dict[str, torch.Tensor] = {}
+
+    def __deepcopy__(self, memo) -> "_Transient":
+        return _Transient()
+
+    def __reduce__(self):
+        return (_Transient, ())
 
 
 class SparseFFN(nn.Module):
@@ -54,19 +116,41 @@ class SparseFFN(nn.Module):
     After each forward a layer holds:
       aux_losses: unweighted auxiliary losses by name (scalar tensors, in the graph);
       aux_loss_weights: the weight of each in the training objective;
-      routing_stats: per-expert ``counts`` and selection ``mass`` of the last forward, and the
-        router's own statistics (``dropped_fraction`` where capacity applies);
-    and accumulates ``usage_counts`` / ``usage_mass`` across forwards until
-    :meth:`reset_usage` (for the expert-usage analyses of seed 001 Fig. 3).
+      routing_stats: per-expert ``counts`` (dispatched (token, slot) pairs) and selection
+        ``mass`` of the last forward, and the router's own statistics (``dropped_fraction``
+        where capacity applies);
+    and accumulates, in the non-persistent buffers ``usage_counts`` / ``usage_mass`` (moved
+    by ``.to()``, not saved in a state dict), the same per-expert sums across forwards until
+    :meth:`reset_usage` (for the expert-usage analyses of Csordás et al. 2023, Fig. 3).
+
+    Transient state survives the ecosystem: ``copy.deepcopy`` after a training forward,
+    ``torch.inference_mode`` then a normal forward, activation checkpointing (a recomputed
+    forward records nothing and, under reentrant checkpointing, adds the aux-loss gradient
+    itself), meta-device construction then ``to_empty`` and ``reset_parameters``.
     """
 
     d_model: int
 
     def __init__(self) -> None:
         super().__init__()
-        self.aux_losses: dict[str, torch.Tensor] = {}
+        self._transient = _Transient()
         self.aux_loss_weights: dict[str, float] = {}
-        self.routing_stats: dict[str, torch.Tensor] = {}
+
+    @property
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        return self._transient.aux_losses
+
+    @aux_losses.setter
+    def aux_losses(self, value: dict[str, torch.Tensor]) -> None:
+        self._transient.aux_losses = value
+
+    @property
+    def routing_stats(self) -> dict[str, torch.Tensor]:
+        return self._transient.routing_stats
+
+    @routing_stats.setter
+    def routing_stats(self, value: dict[str, torch.Tensor]) -> None:
+        self._transient.routing_stats = value
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -76,12 +160,31 @@ class SparseFFN(nn.Module):
             raise ValueError(f"{type(self).__name__} expects input of shape [..., d_model="
                              f"{self.d_model}], got {tuple(x.shape)}")
 
-    def _record_routing(self, routing: Routing, num_experts: int) -> None:
+    def _init_usage(self, num_experts: int) -> None:
+        """Register the usage buffers for ``num_experts`` experts (at construction)."""
+        self.register_buffer("usage_counts", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("usage_mass", torch.zeros(num_experts), persistent=False)
+
+    def _record_routing(self, routing: Routing, num_experts: int,
+                        y: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Keep the routing's aux losses and usage from this forward; returns ``y`` (with the
+        aux-loss gradient attached during a reentrant checkpoint's recomputation)."""
+        if recomputing():
+            return self._attach_aux_gradient(routing, y)
         self.aux_losses = dict(routing.aux_losses)
-        with torch.no_grad():
-            counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
-                                        routing.dispatched)
-            self._record_usage(counts, mass, routing.stats)
+        counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
+                                    routing.dispatched)
+        self._record_usage(counts, mass, routing.stats)
+        return y
+
+    def _attach_aux_gradient(self, routing: Routing, y: torch.Tensor | None):
+        if y is None or not torch.is_grad_enabled():
+            return y
+        weighted = [self.aux_loss_weights[name] * loss for name, loss in routing.aux_losses.items()
+                    if loss.requires_grad and self.aux_loss_weights.get(name)]
+        if not weighted:
+            return y
+        return _AddAuxLossGradient.apply(y, torch.stack(weighted).sum())
 
     @torch.no_grad()
     def _record_usage(self, counts: torch.Tensor, mass: torch.Tensor,
@@ -90,20 +193,76 @@ class SparseFFN(nn.Module):
         ``stats`` in ``routing_stats``, and add them to the accumulated usage."""
         self.routing_stats = {"counts": counts, "mass": mass, **stats}
         usage = getattr(self, "usage_counts", None)
-        if usage is None or usage.shape[0] != counts.shape[0] or usage.device != counts.device:
-            self.reset_usage(counts.shape[0], counts.device)
-        self.usage_counts += counts
-        self.usage_mass += mass
+        if usage is None:
+            return
+        if usage.shape != counts.shape:
+            raise ValueError(f"{type(self).__name__}: routing over {counts.shape[0]} experts, "
+                             f"but usage is kept for {usage.shape[0]}")
+        self.usage_counts.add_(counts.to(self.usage_counts.dtype))
+        self.usage_mass.add_(mass.to(self.usage_mass.dtype))
 
     def sparse_grad_parameters(self) -> list[nn.Parameter]:
         """Parameters whose gradients are sparse tensors (none, unless a layer says so)."""
         return []
 
-    def reset_usage(self, num_experts: int | None = None, device=None) -> None:
-        """Zero the accumulated per-expert usage."""
-        if num_experts is None:
-            if not hasattr(self, "usage_counts"):
-                return
-            num_experts, device = self.usage_counts.shape[0], self.usage_counts.device
-        self.usage_counts = torch.zeros(num_experts, device=device)
-        self.usage_mass = torch.zeros(num_experts, device=device)
+    @torch.no_grad()
+    def reset_usage(self) -> None:
+        """Zero the accumulated per-expert usage (in place: the buffers stay where they are)."""
+        for name in ("usage_counts", "usage_mass"):
+            buffer = getattr(self, name, None)
+            if buffer is not None:
+                buffer.zero_()
+
+
+class RoutedFFN(SparseFFN):
+    """A layer that is a router plus an expert store (../DESIGN.md).
+
+    One ``forward`` for all of them: check the input, flatten it to [T, d_model], route
+    (:meth:`route`, by default ``router(x)``), compute (``store(x, routing)``), record the aux
+    losses and the usage. The aux-loss weights come from the router, so no layer can forget
+    them.
+
+    Subclasses build ``router`` and ``store`` and may override :meth:`route` (a fast
+    feed-forward tree routes differently in its soft and hard modes). ``_renamed_parameters``
+    maps state-dict keys of earlier releases to today's, so old checkpoints still load.
+
+    forward(x: [..., d_model]) -> [..., store.d_out]
+    """
+
+    _renamed_parameters: dict[str, str] = {}
+
+    def __init__(self, router: nn.Module, store: nn.Module) -> None:
+        super().__init__()
+        self.router = router
+        self.store = store
+        self.d_model = store.d_model
+        self.num_experts = store.num_experts
+        self.aux_loss_weights = dict(router.aux_loss_weights())
+        self._init_usage(store.num_experts)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """The routing of the flattened tokens x [T, d_model]."""
+        return self.router(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        x2 = x.reshape(-1, self.d_model)
+        routing = self.route(x2)
+        y = self.store(x2, routing)                                      # [T, d_out]
+        y = self._record_routing(routing, self.num_experts, y)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def reset_parameters(self) -> None:
+        """Initialise the router and the store again, and zero the usage buffers."""
+        self.router.reset_parameters()
+        self.store.reset_parameters()
+        self.reset_usage()
+
+    def sparse_grad_parameters(self) -> list[nn.Parameter]:
+        return self.store.sparse_grad_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for old, new in self._renamed_parameters.items():
+            if prefix + old in state_dict and prefix + new not in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

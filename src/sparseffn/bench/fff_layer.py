@@ -32,10 +32,10 @@ def _their_fff(ours: FastFeedForward):
     with torch.no_grad():
         theirs.node_weights.copy_(-ours.router.weight)
         theirs.node_biases.copy_(-ours.router.bias[:, None])
-        theirs.w1s.copy_(ours.w1.transpose(1, 2))
-        theirs.b1s.copy_(ours.b1)
-        theirs.w2s.copy_(ours.w2)
-        theirs.b2s.copy_(ours.b2)
+        theirs.w1s.copy_(ours.store.w1.transpose(1, 2))
+        theirs.b1s.copy_(ours.store.b1)
+        theirs.w2s.copy_(ours.store.w2)
+        theirs.b2s.copy_(ours.store.b2)
     return theirs
 
 
@@ -84,7 +84,7 @@ def bench_depth(depth: int, batch: int, d_model: int, leaf_width: int, repeats: 
             notes.append(f"depth {depth}: same weights, max |ours soft - their training_forward| "
                          f"= {soft_diff:.2e}; max |ours hard - their eval_forward| = "
                          f"{(hard - their_eval).abs().max().item():.2e}, and "
-                         f"{(hard - their_eval - soft.b2[leaves]).abs().max().item():.2e} once "
+                         f"{(hard - their_eval - soft.store.b2[leaves]).abs().max().item():.2e} once "
                          f"their missing leaf bias b2 is added")
     keyed = {f"{m}|{p}": fn for (m, p), fn in fns.items()}
     times = interleaved_times(keyed, repeats, warmup=1)

@@ -154,8 +154,8 @@ def _peer_pytorch(ours: PEER) -> nn.Module | None:
                        num_experts_per_head=cfg.k, non_competing_scores=False)
     with torch.no_grad():
         _copy_keys_and_query(ours, theirs.keys, theirs.to_queries[0].weight)
-        ours.w_in.copy_(theirs.weight_down_embed.weight)
-        ours.w_out.copy_(theirs.weight_up_embed.weight)
+        ours.store.w_in.copy_(theirs.weight_down_embed.weight)
+        ours.store.w_out.copy_(theirs.weight_up_embed.weight)
     return _Batched(theirs)
 
 
@@ -168,7 +168,7 @@ def _product_key_memory(ours: ProductKeyMemory) -> nn.Module | None:
                  dim_head=cfg.key_dim // 2)
     with torch.no_grad():
         _copy_keys_and_query(ours, theirs.keys, theirs.to_queries.weight)
-        ours.values.copy_(theirs.values.weight)
+        ours.store.values.copy_(theirs.values.weight)
     return _Batched(theirs)
 
 

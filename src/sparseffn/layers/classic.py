@@ -87,6 +87,8 @@ class GatedMixture(SparseFFN):
                                    init="standard")
         self.experts = ExpertBank(num_experts, in_features, out_features, expert_hidden,
                                   expert_activation)
+        self.aux_loss_weights = dict(self.router.aux_loss_weights())
+        self._init_usage(num_experts)
 
     def gates_and_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, in_features] -> (gates [T, E], expert outputs [T, E, out_features])."""

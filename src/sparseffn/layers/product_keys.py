@@ -7,80 +7,64 @@ from __future__ import annotations
 
 import math
 
-import torch
-from torch import nn
-
-from ..activations import activation_fn
 from ..config import PEERConfig, PKMConfig
 from ..init import dense_init_std
-from ..ops.rows import gather_dot, gather_sum
 from ..routers.product_keys import ProductKeyRouter
-from ..routing import SparseFFN
+from ..routing import RoutedFFN
+from ..stores import NeuronExperts, ValueRows
 
 
-class ProductKeyMemory(SparseFFN):
-    """``y = Σ_heads Σ_{i ∈ top-k} act(s_i) v_i`` (seed 001 Eq. 14-15): each head retrieves
-    the top k of ``num_subkeys²`` product keys and adds the matching value rows, weighted by
-    the softmax (or ReLU) of their scores.
+class ProductKeyMemory(RoutedFFN):
+    """``y = Σ_heads Σ_{i ∈ top-k} act(s_i) v_i`` (Lample et al. 2019; Csordás et al. 2023,
+    arXiv:2310.10837, Eq. 14-15): each head retrieves the top k of ``num_subkeys²`` product
+    keys and adds the matching value rows, weighted by the softmax (or ReLU) of their scores.
+    A :class:`ProductKeyRouter` plus a :class:`~sparseffn.stores.ValueRows` store.
 
-    Parameters: ``router.*`` (sub-keys, optional query network and norm) and ``values``
+    Parameters: ``router.*`` (sub-keys, optional query network and norm) and ``store.values``
     [num_subkeys², d_model], shared by the heads.
 
     After each forward, ``routing_stats``: ``counts`` (per value row, how many (token, head)
     retrievals read it) and ``mass`` (their summed weights), over ``num_values`` rows.
 
+    Initialisation (``init``): ``"lample"``: sub-keys N(0, 1/sqrt(key_dim/2)), values
+    N(0, 1/sqrt(d_model)); ``"dense"``: each full key N(0, sqrt(2/(d_model n_layers))) per
+    entry like the dense W1 rows, values like W2 of an MLP of width num_values (Csordás et al.
+    2023, §5).
+
     forward(x: [..., d_model]) -> [..., d_model]
     """
 
+    _renamed_parameters = {"values": "store.values"}
+
     def __init__(self, config: PKMConfig | None = None, **kwargs) -> None:
-        super().__init__()
-        self.config = config = config if config is not None else PKMConfig(**kwargs)
-        self.d_model = config.d_model
-        self.router = ProductKeyRouter(config.retrieval())
-        self.values = nn.Parameter(torch.empty(config.num_values, config.d_model))
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """``"lample"``: sub-keys N(0, 1/sqrt(key_dim/2)), values N(0, 1/sqrt(d_model));
-        ``"dense"``: each full key N(0, sqrt(2/(d_model n_layers))) per entry like the dense
-        W1 rows, values like W2 of an MLP of width num_values (seed 001 §5)."""
-        cfg = self.config
-        if cfg.init == "lample":
-            self.router.reset_parameters()
-            self.values.normal_(0.0, 1 / math.sqrt(cfg.d_model))
+        config = config if config is not None else PKMConfig(**kwargs)
+        if config.init == "lample":
+            key_std, value_std = None, 1 / math.sqrt(config.d_model)
         else:
-            self.router.reset_parameters(key_std=dense_init_std(cfg.d_model, cfg.n_layers))
-            self.values.normal_(0.0, dense_init_std(cfg.num_values, cfg.n_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        x2 = x.reshape(-1, self.d_model)
-        routing = self.router(x2)
-        y = gather_sum(routing.indices, routing.weights, self.values,         # Eq. 14
-                       sparse_grad=self.config.sparse_grad)
-        self._record_routing(routing, self.config.num_values)
-        return y.reshape(x.shape).to(x.dtype)
-
-    def sparse_grad_parameters(self) -> list[nn.Parameter]:
-        """The parameters whose gradients are sparse (``config.sparse_grad``)."""
-        return [self.values] if self.config.sparse_grad else []
+            key_std = dense_init_std(config.d_model, config.n_layers)
+            value_std = dense_init_std(config.num_values, config.n_layers)
+        super().__init__(ProductKeyRouter(config.retrieval(), key_std=key_std),
+                         ValueRows(config.num_values, config.d_model, std=value_std,
+                                   sparse_grad=config.sparse_grad))
+        self.config = config
 
     def extra_repr(self) -> str:
         cfg = self.config
         return f"d_model={cfg.d_model}, num_values={cfg.num_values}, activation={cfg.activation}"
 
 
-class PEER(SparseFFN):
-    """``f(x) = Σ_heads Σ_{i ∈ I_h} g_i(x) σ(u_iᵀ x) v_i`` (seed 002 §3.2): ``num_experts``
-    single-neuron experts, the top k per head retrieved by product keys, router scores
-    ``g = softmax`` (or sigmoid) of the retrieved keys' scores.
+class PEER(RoutedFFN):
+    """``f(x) = Σ_heads Σ_{i ∈ I_h} g_i(x) σ(u_iᵀ x) v_i`` (He 2024, "Mixture of A Million
+    Experts", arXiv:2407.04153, §3.2): ``num_experts`` single-neuron experts, the top k per
+    head retrieved by product keys, router scores ``g = softmax`` (or sigmoid) of the retrieved
+    keys' scores. A :class:`ProductKeyRouter` plus a :class:`~sparseffn.stores.NeuronExperts`
+    store.
 
     Parameters: ``router.*`` (query networks, optional query norm, sub-keys) and the experts as
-    two embedding tables ``w_in`` [N, d_model] (rows u_i) and ``w_out`` [N, d_model] (rows
-    v_i), shared by the heads. Per token only the ``heads · k`` retrieved rows of each table
-    are read: ``σ(u_iᵀ x)`` as gathered dot products and ``Σ g σ v`` as a gathered sum, neither
-    materialising [T, heads·k, d_model] weights.
+    two embedding tables ``store.w_in`` [N, d_model] (rows u_i) and ``store.w_out``
+    [N, d_model] (rows v_i), shared by the heads, initialised ``N(0, sqrt(2/(d_model
+    n_layers)))`` and ``N(0, sqrt(2/(heads·k n_layers)))``: Csordás et al.'s dense init for an
+    MLP whose hidden layer is the heads·k retrieved neurons.
 
     After each forward, ``routing_stats``: ``counts`` (per expert, how many (token, head)
     retrievals chose it) and ``mass`` (their summed router scores).
@@ -88,43 +72,17 @@ class PEER(SparseFFN):
     forward(x: [..., d_model]) -> [..., d_model]
     """
 
+    _renamed_parameters = {"w_in": "store.w_in", "w_out": "store.w_out"}
+
     def __init__(self, config: PEERConfig | None = None, **kwargs) -> None:
-        super().__init__()
-        self.config = config = config if config is not None else PEERConfig(**kwargs)
-        self.d_model = config.d_model
-        self.router = ProductKeyRouter(config.retrieval())
-        self.w_in = nn.Parameter(torch.empty(config.num_experts, config.d_model))
-        self.w_out = nn.Parameter(torch.empty(config.num_experts, config.d_model))
-        self.activation = activation_fn(config.activation)
-        self.hidden_dropout = nn.Dropout(config.dropout)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """``w_in`` N(0, sqrt(2/(d_model n_layers))) and ``w_out`` N(0, sqrt(2/(heads·k
-        n_layers))): seed 001 §5's dense init for an MLP whose hidden layer is the heads·k
-        retrieved neurons."""
-        cfg = self.config
-        self.router.reset_parameters()
-        self.w_in.normal_(0.0, dense_init_std(cfg.d_model, cfg.n_layers))
-        self.w_out.normal_(0.0, dense_init_std(cfg.heads * cfg.k, cfg.n_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        x2 = x.reshape(-1, self.d_model)
-        routing = self.router(x2)
-        sparse = self.config.sparse_grad
-        hidden = self.activation(gather_dot(x2, self.w_in, routing.indices,      # σ(u_iᵀ x)
-                                            sparse_grad=sparse))
-        hidden = self.hidden_dropout(hidden)
-        y = gather_sum(routing.indices, routing.weights.to(hidden.dtype) * hidden, self.w_out,
-                       sparse_grad=sparse)
-        self._record_routing(routing, self.config.num_experts)
-        return y.reshape(x.shape).to(x.dtype)
-
-    def sparse_grad_parameters(self) -> list[nn.Parameter]:
-        """The parameters whose gradients are sparse (``config.sparse_grad``)."""
-        return [self.w_in, self.w_out] if self.config.sparse_grad else []
+        config = config if config is not None else PEERConfig(**kwargs)
+        store = NeuronExperts(config.num_experts, config.d_model, activation=config.activation,
+                              dropout=config.dropout,
+                              in_std=dense_init_std(config.d_model, config.n_layers),
+                              out_std=dense_init_std(config.heads * config.k, config.n_layers),
+                              sparse_grad=config.sparse_grad)
+        super().__init__(ProductKeyRouter(config.retrieval()), store)
+        self.config = config
 
     def extra_repr(self) -> str:
         cfg = self.config

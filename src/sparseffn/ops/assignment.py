@@ -17,19 +17,32 @@ import numpy as np
 import torch
 
 
+def count_keys(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``bincount(keys, minlength=num_keys)`` for keys known to lie in ``[0, num_keys)``:
+    int64 [num_keys], with a shape that does not depend on the data (no host read, no graph
+    break under ``torch.compile``)."""
+    counts = torch.zeros(num_keys, dtype=torch.int64, device=keys.device)
+    return counts.scatter_add_(0, keys.reshape(-1), torch.ones_like(keys.reshape(-1)))
+
+
 def positions_in_expert(experts: torch.Tensor, num_experts: int,
-                        groups: torch.Tensor | None = None, start: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        groups: torch.Tensor | None = None, start: torch.Tensor | None = None,
+                        num_groups: int | None = None) -> torch.Tensor:
     """The buffer position of each pair at its expert: how many earlier pairs (in the given
     order) of the same group chose the same expert, plus ``start``.
 
-    experts: int64 [P]; groups: optional int64 [P] group ids in [0, G); start: optional
-    int64 [G, E] positions already taken. Returns int64 [P]. O(P log P), no [P, E] one-hot.
+    experts: int64 [P]; groups: optional int64 [P] group ids in [0, G) (G = ``num_groups``,
+    or ``start.shape[0]``, or P); start: optional int64 [G, E] positions already taken.
+    Returns int64 [P]. O(P log P), no [P, E] one-hot, nothing read on the host.
     """
     key = experts if groups is None else groups * num_experts + experts
+    if groups is None:
+        num_groups = 1
+    elif num_groups is None:
+        num_groups = start.shape[0] if start is not None else max(1, key.numel())
     order = torch.sort(key, stable=True).indices
     sorted_key = key[order]
-    counts = torch.bincount(key, minlength=int(key.max()) + 1 if key.numel() else 1)
+    counts = count_keys(key, num_groups * num_experts)
     first = counts.cumsum(0) - counts                     # where each key's run starts
     rank = torch.arange(key.numel(), device=key.device) - first[sorted_key]
     positions = torch.empty_like(rank).scatter_(0, order, rank)
@@ -62,6 +75,24 @@ def balanced_capacity(tokens: int, k: int, num_experts: int) -> int:
 
 def capacity_rounding(scores: torch.Tensor, k: int, capacity: int | None = None
                       ) -> torch.Tensor:
+    """:func:`_capacity_rounding` as the operator ``sparseffn::capacity_rounding``: its loop
+    runs until no token is turned down, which a compiler cannot trace; as an operator it is
+    one opaque node (no gradient flows through an assignment)."""
+    return _capacity_rounding_op(scores.detach(), k, -1 if capacity is None else capacity)
+
+
+@torch.library.custom_op("sparseffn::capacity_rounding", mutates_args=())
+def _capacity_rounding_op(scores: torch.Tensor, k: int, capacity: int) -> torch.Tensor:
+    return _capacity_rounding(scores, k, None if capacity < 0 else capacity)
+
+
+@_capacity_rounding_op.register_fake
+def _(scores, k, capacity):
+    return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
+
+
+def _capacity_rounding(scores: torch.Tensor, k: int, capacity: int | None = None
+                       ) -> torch.Tensor:
     """k distinct experts per token, each expert taking at most ``capacity`` (default
     ``ceil(T·k/E)``) pairs, by deferred acceptance: every token short of k experts proposes to
     its best experts that have not turned it down; each expert keeps the highest-scoring
@@ -107,6 +138,23 @@ def capacity_rounding(scores: torch.Tensor, k: int, capacity: int | None = None
 
 def exact_balanced_assignment(scores: torch.Tensor, k: int, capacity: int | None = None
                               ) -> torch.Tensor:
+    """:func:`_exact_balanced_assignment` as the operator
+    ``sparseffn::exact_balanced_assignment`` (SciPy's solver is opaque to a compiler)."""
+    return _exact_assignment_op(scores.detach(), k, -1 if capacity is None else capacity)
+
+
+@torch.library.custom_op("sparseffn::exact_balanced_assignment", mutates_args=())
+def _exact_assignment_op(scores: torch.Tensor, k: int, capacity: int) -> torch.Tensor:
+    return _exact_balanced_assignment(scores, k, None if capacity < 0 else capacity)
+
+
+@_exact_assignment_op.register_fake
+def _(scores, k, capacity):
+    return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
+
+
+def _exact_balanced_assignment(scores: torch.Tensor, k: int, capacity: int | None = None
+                               ) -> torch.Tensor:
     """Maximise ``Σ_x Σ_{e ∈ E_x} scores[x, e]`` over sets E_x of k distinct experts per token,
     with every expert in at most ``capacity`` sets (default: the balanced
     ``ceil(T·k/E)``). Seed 001 Eq. 33 for k = 1.

@@ -86,6 +86,10 @@ class Router(nn.Module):
     def reset_parameters(self) -> None:
         raise NotImplementedError
 
+    def aux_loss_weights(self) -> dict[str, float]:
+        """The weight in the training objective of each aux loss this router returns."""
+        return self.config.aux_loss_weights()
+
     def forward(self, x: torch.Tensor) -> Routing:
         raise NotImplementedError
 

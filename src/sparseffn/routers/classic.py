@@ -71,9 +71,9 @@ class DenseGateRouter(_AffineGateRouter):
             with torch.no_grad():
                 totals = self.assignment_totals + gates.sum(0)
                 over = totals - totals.mean() > margin                         # [E]
-            if bool(over.any()):
-                gates = gates * ~over
-                gates = gates / gates.sum(-1, keepdim=True).clamp_min(1e-30)
+            masked = gates * ~over
+            masked = masked / masked.sum(-1, keepdim=True).clamp_min(1e-30)
+            gates = torch.where(over.any(), masked, gates)     # no host read
             with torch.no_grad():
                 self.assignment_totals += gates.sum(0)
             stats["zeroed_experts"] = over.float().sum()

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.assignment import count_keys, positions_in_expert
 from ..routing import Routing
-from ..ops.assignment import positions_in_expert
 from .base import LinearRouter, capacity_of
 
 
@@ -51,16 +51,16 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     g1, g2 = g1 / (g1 + g2), g2 / (g1 + g2)                                  # lines 6, 16
     group = torch.arange(tokens, device=gates.device) // size
     num_groups = (tokens + size - 1) // size
-    first_counts = torch.bincount(group * num_experts + e1, minlength=num_groups * num_experts
-                                  ).view(num_groups, num_experts)          # c_E after line 12
-    pos1 = positions_in_expert(e1, num_experts, group)                       # line 7
+    first_counts = count_keys(group * num_experts + e1, num_groups * num_experts
+                              ).view(num_groups, num_experts)              # c_E after line 12
+    pos1 = positions_in_expert(e1, num_experts, group, num_groups=num_groups)  # line 7
     pos2 = positions_in_expert(e2, num_experts, group, start=first_counts)   # line 18
     keep1 = torch.ones_like(e1, dtype=torch.bool) if capacity is None else pos1 < capacity
     keep2 = torch.ones_like(e2, dtype=torch.bool) if capacity is None else pos2 < capacity
     if uniform is not None:
         keep2 = keep2 & (2 * g2.detach() > uniform)                          # line 19
     # Line 13 per group: (1/E) Σ_e (c_e / S) m_e, with m_e the group's mean gate (line 3).
-    group_tokens = torch.bincount(group, minlength=num_groups).clamp_min(1).float()   # S
+    group_tokens = count_keys(group, num_groups).clamp_min(1).float()        # S
     gate_sums = gates.new_zeros(num_groups, num_experts).index_add(0, group, gates)
     mean_gates = gate_sums / group_tokens.unsqueeze(1)
     fractions = first_counts.float() / group_tokens.unsqueeze(1)
@@ -104,5 +104,6 @@ class GShardRouter(LinearRouter):
         if capacity is not None:
             stats["capacity"] = torch.tensor(float(capacity))
         return Routing(indices=result.indices, weights=result.combine,
-                       dispatched=None if bool(dispatched.all()) else dispatched,
+                       # every pair is kept when nothing can drop one (known without a host read)
+                       dispatched=None if capacity is None and uniform is None else dispatched,
                        aux_losses={"gshard": result.aux_loss}, stats=stats)

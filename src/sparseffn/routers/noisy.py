@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..losses import cv_squared
+from ..ops.assignment import count_keys
 from ..router_config import NoisyTopKRouterConfig
 from ..routing import Routing
 from .base import Router, fp32_linear, init_selection_
@@ -67,7 +68,7 @@ class NoisyTopKRouter(Router):
         if noisy_run and self.k < self.num_experts:
             load = noisy_topk_load(clean, logits, noise_std, self.k)
         else:
-            load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+            load = count_keys(indices, self.num_experts).float()
         return Routing(indices=indices, weights=weights,
                        aux_losses={"importance": cv_squared(importance),
                                    "load": cv_squared(load)})

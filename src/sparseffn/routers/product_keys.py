@@ -35,6 +35,14 @@ class QueryNorm(nn.Module):
             self.weight = nn.Parameter(torch.ones(width))
             self.bias = nn.Parameter(torch.zeros(width))
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.kind == "batchnorm":
+            self.norm.reset_parameters()     # affine pair and running statistics
+        else:
+            self.weight.fill_(1.0)
+            self.bias.zero_()
+
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         if self.kind == "batchnorm":
             return self.norm(q)
@@ -56,9 +64,13 @@ class ProductKeyRouter(nn.Module):
     scores and indices [T, heads, k].
     """
 
-    def __init__(self, spec: ProductKeySpec) -> None:
+    def __init__(self, spec: ProductKeySpec, key_std: float | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.key_std = key_std
+        self.d_model = spec.d_model
+        self.num_experts = spec.num_subkeys ** 2     # the keys each head chooses among
+        self.k = spec.heads * spec.k                 # keys retrieved per token, all heads
         self.half = spec.key_dim // 2
         if spec.query == "linear":
             self.query = nn.Linear(spec.d_model, spec.heads * spec.key_dim, bias=False)
@@ -72,14 +84,21 @@ class ProductKeyRouter(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, key_std: float | None = None) -> None:
+    def reset_parameters(self) -> None:
         """Sub-keys N(0, key_std) (default 1/sqrt(key_dim/2): a half-score of unit variance
-        for a unit-variance query); the query network N(0, 1/sqrt(d_model))."""
-        std = 1 / math.sqrt(self.half) if key_std is None else key_std
+        for a unit-variance query); the query network N(0, 1/sqrt(d_model)); the query norm
+        to its identity (unit scale, zero shift, fresh running statistics)."""
+        std = 1 / math.sqrt(self.half) if self.key_std is None else self.key_std
         self.keys_a.normal_(0.0, std)
         self.keys_b.normal_(0.0, std)
         if self.query is not None:
             self.query.weight.normal_(0.0, 1 / math.sqrt(self.spec.d_model))
+        if self.query_norm is not None:
+            self.query_norm.reset_parameters()
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        """Product-key retrieval has no auxiliary loss."""
+        return {}
 
     def retrieve(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [T, heads, k] (differentiable) and int64 key indices [T, heads, k].

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..losses import batch_entropy_loss
-from ..ops.assignment import capacity_rounding, exact_balanced_assignment, sinkhorn_log_plan
+from ..ops.assignment import (capacity_rounding, count_keys, exact_balanced_assignment,
+                              sinkhorn_log_plan)
 from ..routing import Routing
 from .base import LinearRouter
 
@@ -43,7 +44,7 @@ class SBaseRouter(LinearRouter):
         weights = torch.sigmoid(logits.gather(1, indices))                        # Eq. 32
         tokens = x.shape[0]
         share = tokens * self.k / self.num_experts
-        load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+        load = count_keys(indices, self.num_experts).float()
         stats = {"max_load": (load.max() / share) if tokens else torch.zeros(())}
         return Routing(indices=indices, weights=weights,
                        aux_losses={"entropy": batch_entropy_loss(logits)}, stats=stats)

@@ -1,0 +1,115 @@
+"""Two-layer MLP experts, computed with CVMM (Csordás, Irie & Schmidhuber 2023,
+arXiv:2310.10837, App. B.1) or, for a dense routing, as one pair of dense products."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..activations import activation_fn
+from ..init import dense_init_std
+from ..ops import DispatchPlan, expert_mlp
+from ..routing import Routing
+from .base import ExpertStore
+
+#: Initialisation schemes of :class:`MLPExperts`.
+MLP_EXPERT_INITS = ("sigma_moe", "standard", "switch", "fff")
+
+
+class MLPExperts(ExpertStore):
+    """``num_experts`` MLPs ``f_e(x) = act(x W1_eᵀ + b1_e) W2_e + b2_e``, combined as
+    ``y_t = Σ_j w_tj f_{i_tj}(x_t)`` (Csordás et al. 2023, Eq. 25; Belcak & Wattenhofer 2023,
+    arXiv:2308.14711, Eq. 5 for the leaves of a fast feed-forward tree).
+
+    Parameters: ``w1`` [E, expert_size, d_model] (rows: the keys of each expert's hidden units),
+    ``w2`` [E, expert_size, d_out] (rows: their values) and, with ``bias``, ``b1``
+    [E, expert_size] and ``b2`` [E, d_out].
+
+    Sparse routings run through :func:`~sparseffn.ops.expert_mlp` (pairs a router dropped at
+    capacity are never computed: their output is zero). A ``dense`` routing (weights over every
+    expert, the soft mode of a fast feed-forward tree) runs as one GEMM into all experts'
+    hidden units, each expert's block scaled by its weight, and one GEMM back.
+
+    init (with ``init_layers``, the number of blocks the init is scaled for):
+      ``"sigma_moe"``: like the dense MLP of width ``E · expert_size`` it replaces,
+        ``W1 ~ N(0, sqrt(2/(d_model L)))``, ``W2 ~ N(0, sqrt(2/(E·expert_size·L)))`` (Csordás
+        et al. 2023, §5); zero biases;
+      ``"standard"``: W2's fan-in is the expert's own width;
+      ``"switch"``: truncated ``N(0, sqrt(0.1/fan_in))`` (Fedus, Zoph & Shazeer 2022,
+        arXiv:2101.03961, §2.5); zero biases;
+      ``"fff"``: uniform ``±1/sqrt(fan_in)`` for weights and biases (the ``fastfeedforward``
+        package of Belcak & Wattenhofer).
+
+    forward(x: [T, d_model], routing) -> [T, d_out]
+    """
+
+    def __init__(self, num_experts: int, d_model: int, expert_size: int, d_out: int | None = None,
+                 *, activation: str = "relu", bias: bool = False, dropout: float = 0.0,
+                 init: str = "sigma_moe", init_layers: int = 1) -> None:
+        super().__init__()
+        if init not in MLP_EXPERT_INITS:
+            raise ValueError(f"MLPExperts init must be one of {MLP_EXPERT_INITS}, got {init!r}")
+        self.num_experts, self.d_model, self.expert_size = num_experts, d_model, expert_size
+        self.d_out = d_model if d_out is None else d_out
+        self.activation, self.init, self.init_layers = activation, init, init_layers
+        self.w1 = nn.Parameter(torch.empty(num_experts, expert_size, d_model))
+        self.w2 = nn.Parameter(torch.empty(num_experts, expert_size, self.d_out))
+        self.b1 = nn.Parameter(torch.empty(num_experts, expert_size)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, self.d_out)) if bias else None
+        self.hidden_dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.init == "fff":
+            for params, fan_in in (((self.w1, self.b1), self.d_model),
+                                   ((self.w2, self.b2), self.expert_size)):
+                bound = 1 / math.sqrt(fan_in)
+                for p in params:
+                    if p is not None:
+                        p.uniform_(-bound, bound)
+            return
+        if self.init == "switch":
+            for weight, fan_in in ((self.w1, self.d_model), (self.w2, self.expert_size)):
+                std = math.sqrt(0.1 / fan_in)
+                nn.init.trunc_normal_(weight, 0.0, std, -2 * std, 2 * std)
+        else:
+            w2_fan_in = (self.num_experts * self.expert_size if self.init == "sigma_moe"
+                         else self.expert_size)
+            self.w1.normal_(0.0, dense_init_std(self.d_model, self.init_layers))
+            self.w2.normal_(0.0, dense_init_std(w2_fan_in, self.init_layers))
+        for p in (self.b1, self.b2):
+            if p is not None:
+                p.zero_()
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if routing.dense:
+            return self.dense_output(x, routing.weights)
+        dropout = self.hidden_dropout if self.training and self.hidden_dropout.p > 0 else None
+        plan = DispatchPlan.build(routing.indices, self.num_experts, dispatched=routing.dispatched)
+        return expert_mlp(x, plan, self.w1, self.w2, routing.weights, activation=self.activation,
+                          hidden_dropout=dropout, b1=self.b1, b2=self.b2,
+                          indices=routing.indices if self.b1 is not None or self.b2 is not None
+                          else None)
+
+    def dense_output(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``Σ_e w_e f_e(x)`` over every expert: the hidden layers as one GEMM
+        [T, E·expert_size], each expert's block scaled by its weight, then one GEMM back.
+
+        x: [T, d_model]; weights: [T, E]; returns [T, d_out]."""
+        tokens = x.shape[0]
+        experts, width, d_model = self.w1.shape
+        hidden = nn.functional.linear(x, self.w1.reshape(experts * width, d_model),
+                                      None if self.b1 is None else self.b1.reshape(-1))
+        hidden = self.hidden_dropout(activation_fn(self.activation)(hidden))
+        weights = weights.to(hidden.dtype)
+        hidden = (hidden.view(tokens, experts, width) * weights.unsqueeze(-1)).view(tokens, -1)
+        y = hidden @ self.w2.reshape(experts * width, -1).to(hidden.dtype)
+        return y if self.b2 is None else y + weights @ self.b2.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, d_model={self.d_model}, "
+                f"expert_size={self.expert_size}, d_out={self.d_out}, "
+                f"activation={self.activation}, bias={self.b1 is not None}, init={self.init}")

@@ -1,0 +1,94 @@
+"""Stores whose experts are single rows of a table, read with the gathered-row operators
+(:mod:`sparseffn.ops.rows`), which never copy the selected rows out per token."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..activations import activation_fn
+from ..ops.rows import gather_dot, gather_sum
+from ..routing import Routing
+from .base import ExpertStore
+
+
+class ValueRows(ExpertStore):
+    """``y_t = Σ_j w_tj · v_{i_tj}``: each expert is one value row ``v_i`` (the values of a
+    product-key memory, Lample et al. 2019, Eq. 14 of Csordás et al. 2023, arXiv:2310.10837;
+    the second layer of a top-K MLP, their Eq. 13-14).
+
+    Parameters: ``values`` [num_rows, d_model], initialised ``N(0, std)``. With
+    ``sparse_grad`` their gradient is a sparse tensor holding only the rows a batch read.
+
+    forward(x: [T, d_model], routing) -> [T, d_model]
+    """
+
+    def __init__(self, num_rows: int, d_model: int, *, std: float,
+                 sparse_grad: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.d_model, self.d_out = num_rows, d_model, d_model
+        self.std, self.sparse_grad = std, sparse_grad
+        self.values = nn.Parameter(torch.empty(num_rows, d_model))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.values.normal_(0.0, self.std)
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        y = gather_sum(routing.indices, routing.weights, self.values,
+                       sparse_grad=self.sparse_grad)
+        return y.to(x.dtype)
+
+    def sparse_grad_parameters(self) -> list[nn.Parameter]:
+        return [self.values] if self.sparse_grad else []
+
+    def extra_repr(self) -> str:
+        return f"num_rows={self.num_experts}, d_model={self.d_model}, sparse_grad={self.sparse_grad}"
+
+
+class NeuronExperts(ExpertStore):
+    """PEER's single-neuron experts ``e_i(x) = act(u_iᵀ x) v_i`` (He 2024, "Mixture of A
+    Million Experts", arXiv:2407.04153, §3.2): ``y_t = Σ_j w_tj · act(u_{i_tj}ᵀ x_t) ·
+    v_{i_tj}``, with hidden-unit dropout.
+
+    Parameters: ``w_in`` [N, d_model] (rows u_i, ``N(0, in_std)``) and ``w_out`` [N, d_model]
+    (rows v_i, ``N(0, out_std)``). Per token only the selected rows are read: ``u_iᵀ x`` as
+    gathered dot products and the sum as a gathered sum, neither materialising
+    [T, k, d_model] weights.
+
+    forward(x: [T, d_model], routing) -> [T, d_model]
+    """
+
+    def __init__(self, num_experts: int, d_model: int, *, activation: str = "relu",
+                 dropout: float = 0.0, in_std: float, out_std: float,
+                 sparse_grad: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.d_model, self.d_out = num_experts, d_model, d_model
+        self.activation_name, self.in_std, self.out_std = activation, in_std, out_std
+        self.sparse_grad = sparse_grad
+        self.activation = activation_fn(activation)
+        self.w_in = nn.Parameter(torch.empty(num_experts, d_model))
+        self.w_out = nn.Parameter(torch.empty(num_experts, d_model))
+        self.hidden_dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.w_in.normal_(0.0, self.in_std)
+        self.w_out.normal_(0.0, self.out_std)
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        hidden = self.activation(gather_dot(x, self.w_in, routing.indices,          # act(u_iᵀ x)
+                                            sparse_grad=self.sparse_grad))
+        hidden = self.hidden_dropout(hidden)
+        y = gather_sum(routing.indices, routing.weights.to(hidden.dtype) * hidden, self.w_out,
+                       sparse_grad=self.sparse_grad)
+        return y.to(x.dtype)
+
+    def sparse_grad_parameters(self) -> list[nn.Parameter]:
+        return [self.w_in, self.w_out] if self.sparse_grad else []
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, d_model={self.d_model}, "
+                f"activation={self.activation_name}, sparse_grad={self.sparse_grad}")
