@@ -89,9 +89,9 @@ def test_topk_mlp_matches_masked_dense_reference():
     layer = TopKMLP(d_model=10, d_ff=24, k=5)
     x = torch.randn(2, 7, 10, requires_grad=True)
     out = layer(x)
-    u = F.relu(x @ layer.keys.t())
+    u = F.relu(x @ layer.router.keys.t())
     mask = torch.zeros_like(u).scatter(-1, u.topk(5, dim=-1).indices, 1.0)
-    ref = (u * mask) @ layer.values       # Eq. 13-14
+    ref = (u * mask) @ layer.store.values       # Eq. 13-14
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     grad = torch.randn_like(out)
     for got, want in zip(_grads(layer, x, out, grad), _grads(layer, x, ref, grad)):
@@ -101,7 +101,7 @@ def test_topk_mlp_matches_masked_dense_reference():
 def test_topk_with_k_equal_d_ff_is_the_dense_mlp():
     layer = TopKMLP(d_model=8, d_ff=12, k=12)
     x = torch.randn(5, 8)
-    torch.testing.assert_close(layer(x), F.relu(x @ layer.keys.t()) @ layer.values)
+    torch.testing.assert_close(layer(x), F.relu(x @ layer.router.keys.t()) @ layer.store.values)
 
 
 @pytest.mark.parametrize("layer", [

@@ -62,6 +62,13 @@ def _bench_productkeys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_compile(args: argparse.Namespace) -> int:
+    from .bench import compiled
+    compiled.run(tokens=args.tokens, d_model=args.d_model, repeats=args.repeats,
+                 device=args.device, bf16=args.bf16, names=args.layers, json_path=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparseffn", description="Sparse feed-forward layers: train, evaluate and compare models; benchmarks.")
@@ -112,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also time the fastfeedforward package (pip install 'sparseffn[peers]')")
     fff_bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     fff_bench.set_defaults(func=_bench_fff)
+
+    comp = benches.add_parser(
+        "compile", help="every layer under torch.compile: graph breaks, fullgraph, compiled vs "
+                        "eager forward+backward time (and host synchronisations on CUDA)")
+    comp.add_argument("--tokens", type=int, default=4096, help="tokens per batch (4096)")
+    comp.add_argument("--d-model", type=int, default=256, help="layer width (256)")
+    comp.add_argument("--repeats", type=int, default=5, help="timed rounds (5)")
+    comp.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    comp.add_argument("--bf16", action="store_true", help="under bf16 autocast")
+    comp.add_argument("--layers", nargs="+", metavar="NAME",
+                      help="only these layers (default: all; see bench/compiled.py)")
+    comp.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    comp.set_defaults(func=_bench_compile)
 
     pk = benches.add_parser(
         "productkeys", help="product-key retrieval vs naive scoring (N = 2^10..2^20), PEER with "

@@ -1,46 +1,37 @@
-"""The MLP with a top-K activation (seed 001 §3.1)."""
+"""The MLP with a top-K activation (Csordás, Irie & Schmidhuber 2023, arXiv:2310.10837,
+§3.1)."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.nn import functional as F
-
 from ..config import TopKMLPConfig
 from ..init import dense_init_std
-from ..routing import SparseFFN
-from ..activations import activation_fn
+from ..routers.activation import TopKActivationRouter
+from ..routing import RoutedFFN
+from ..stores import ValueRows
 
 
-class TopKMLP(SparseFFN):
-    """``u = act(W1 x)``; keep the K largest entries (Eq. 13); ``y = Σ_{i∈E_x} u_i v_i`` (Eq. 14).
+class TopKMLP(RoutedFFN):
+    """``u = act(W1 x)``; keep the K largest entries (Eq. 13); ``y = Σ_{i∈E_x} u_i v_i``
+    (Eq. 14): a :class:`~sparseffn.routers.activation.TopKActivationRouter` (the first layer,
+    computed in full) plus a :class:`~sparseffn.stores.ValueRows` store whose rows are the
+    values v_i (W2 transposed); the second layer reads only the K selected rows.
 
-    The first layer is computed in full (as the paper notes, top-K alone cannot save it); the
-    second reads only the K selected value rows, through an embedding bag.
+    Parameters: ``router.keys`` [d_ff, d_model] and ``store.values`` [d_ff, d_model], with
+    the dense MLP's initialisation (their §5).
+
+    After each forward, ``routing_stats``: ``counts`` (per hidden unit, the tokens that kept
+    it) and ``mass`` (its summed activation).
 
     forward(x: [..., d_model]) -> [..., d_model]
     """
 
+    _renamed_parameters = {"keys": "router.keys", "values": "store.values"}
+
     def __init__(self, config: TopKMLPConfig | None = None, **kwargs) -> None:
-        super().__init__()
-        self.config = config = config if config is not None else TopKMLPConfig(**kwargs)
-        self.d_model = config.d_model
-        self.keys = nn.Parameter(torch.empty(config.d_ff, config.d_model))    # W1, rows k_i
-        self.values = nn.Parameter(torch.empty(config.d_ff, config.d_model))  # W2ᵀ, rows v_i
-        self.activation = activation_fn(config.activation)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        cfg = self.config
-        self.keys.normal_(0.0, dense_init_std(cfg.d_model, cfg.n_layers))
-        self.values.normal_(0.0, dense_init_std(cfg.d_ff, cfg.n_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        x2 = x.reshape(-1, self.d_model)
-        u = self.activation(F.linear(x2, self.keys))                   # [T, d_ff]  (Eq. 1)
-        top_values, top_index = torch.topk(u, self.config.k, dim=-1)   # Eq. 13
-        y = F.embedding_bag(top_index, self.values, per_sample_weights=top_values,
-                            mode="sum")                                 # Eq. 14
-        return y.reshape(x.shape)
+        config = config if config is not None else TopKMLPConfig(**kwargs)
+        router = TopKActivationRouter(config.d_model, config.d_ff, config.k, config.activation,
+                                      std=dense_init_std(config.d_model, config.n_layers))
+        store = ValueRows(config.d_ff, config.d_model,
+                          std=dense_init_std(config.d_ff, config.n_layers))
+        super().__init__(router, store)
+        self.config = config

@@ -1,0 +1,144 @@
+"""``sparseffn bench compile``: every layer under ``torch.compile``.
+
+For each layer (the MoE layer with every router, FFF, PKM, PEER, the top-K and dense MLPs):
+the number of graphs and graph breaks ``torch._dynamo.explain`` finds, whether
+``fullgraph=True`` compiles, and the forward+backward time compiled and eager, timed in
+rotation in one run (the ratio is what to read; the machine's drift cancels in it). On CUDA it
+also says whether a forward+backward makes any host synchronisation
+(``torch.cuda.set_sync_debug_mode("error")``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import (DenseMLPConfig, FFFConfig, MoEConfig, PEERConfig, PKMConfig,
+                      TopKMLPConfig)
+from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRouterConfig,
+                             SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig,
+                             TreeRouterConfig)
+from .measure import interleaved_times, paired_ratio, write_json
+
+
+def layer_configs(d_model: int) -> dict[str, object]:
+    """The layers timed, at width ``d_model``: MoE layers of 16 experts of 128 units (k = 4;
+    Switch k = 1, GShard k = 2), an FFF of depth 4, PKM and PEER with 4 heads."""
+    def moe(router, k=4):
+        return MoEConfig(d_model=d_model, num_experts=16, expert_size=128, k=k, router=router)
+    return {
+        "sigma_moe": moe(SigmaRouterConfig()),
+        "softmax": moe(SoftmaxRouterConfig()),
+        "noisy_topk": moe(NoisyTopKRouterConfig()),
+        "sbase": moe(SBaseRouterConfig()),
+        "tree": moe(TreeRouterConfig()),
+        "switch": moe(SwitchRouterConfig(), k=1),
+        "gshard": moe(GShardRouterConfig(), k=2),
+        "fff_soft": FFFConfig(d_model=d_model, depth=4, leaf_width=128),
+        "fff_sparse": FFFConfig(d_model=d_model, depth=4, leaf_width=128, train_mode="sparse",
+                                k=2),
+        "pkm": PKMConfig(d_model=d_model, num_subkeys=64, heads=4, k=16, query="linear",
+                         key_dim=64),
+        "peer": PEERConfig(d_model=d_model, num_experts=64 * 64, heads=4, k=16, key_dim=64),
+        "topk_mlp": TopKMLPConfig(d_model=d_model, d_ff=2048, k=128),
+        "dense": DenseMLPConfig(d_model=d_model, d_ff=2048),
+    }
+
+
+def _synced(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize(device)
+    return run
+
+
+def _train_step(layer: nn.Module, x: torch.Tensor, autocast_dtype) -> Callable[[], object]:
+    from ..auxiliary import aux_loss
+    x = x.detach().requires_grad_(True)
+    grad = torch.randn_like(x)
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = (layer(x).float() * grad).sum() + aux_loss(layer)
+        loss.backward()
+    return run
+
+
+def _host_syncs(step: Callable[[], object], device: torch.device) -> str:
+    """"none", or the first synchronising call, with sync debug mode set to error."""
+    if device.type != "cuda":
+        return "n/a"
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return "none"
+    except RuntimeError as error:
+        return str(error).split("\n")[0][:120]
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize(device)
+
+
+def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = "cpu",
+        bf16: bool = False, names: list[str] | None = None, json_path: str | None = None
+        ) -> list[dict]:
+    from .. import build_layer
+    dev = torch.device(device)
+    autocast_dtype = torch.bfloat16 if bf16 else None
+    configs = layer_configs(d_model)
+    names = names or list(configs)
+    print(f"sparseffn bench compile: {tokens} tokens, d_model {d_model}, {device}, "
+          f"{'bf16 autocast' if bf16 else 'fp32'}, torch {torch.__version__}")
+    header = (f"{'layer':12s} {'graphs':>6s} {'breaks':>6s} {'fullgraph':>9s} "
+              f"{'eager ms':>9s} {'compiled ms':>11s} {'compiled/eager':>14s}  host syncs")
+    print(header)
+    records = []
+    for name in names:
+        torch.manual_seed(0)
+        layer = build_layer(configs[name]).to(dev).train()
+        x = torch.randn(tokens, d_model, device=dev)
+        eager = _train_step(layer, x, autocast_dtype)
+        syncs = _host_syncs(eager, dev)
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            explained = torch._dynamo.explain(layer)(x)
+        torch._dynamo.reset()
+        compiled_layer = torch.compile(layer, fullgraph=True)
+        try:
+            compiled = _train_step(compiled_layer, x, autocast_dtype)
+            compiled()
+            fullgraph = "yes"
+        except Exception as error:   # reported, not fatal: the table says which layer failed
+            fullgraph = "no"
+            print(f"  {name}: fullgraph compile failed: {type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:200]}")
+        times = interleaved_times({"eager": _synced(eager, dev)} | (
+            {"compiled": _synced(compiled, dev)} if fullgraph == "yes" else {}), repeats)
+        eager_ms = statistics.median(times["eager"])
+        compiled_ms = statistics.median(times["compiled"]) if "compiled" in times else None
+        ratio = paired_ratio(times["compiled"], times["eager"]) if compiled_ms else None
+        record = {"layer": name, "tokens": tokens, "d_model": d_model, "device": device,
+                  "bf16": bf16, "graphs": explained.graph_count,
+                  "graph_breaks": explained.graph_break_count, "fullgraph": fullgraph == "yes",
+                  "eager_ms": eager_ms, "compiled_ms": compiled_ms,
+                  "compiled_over_eager": ratio, "host_syncs": syncs}
+        records.append(record)
+        print(f"{name:12s} {explained.graph_count:6d} {explained.graph_break_count:6d} "
+              f"{fullgraph:>9s} {eager_ms:9.2f} "
+              f"{'-' if compiled_ms is None else f'{compiled_ms:.2f}':>11s} "
+              f"{'-' if ratio is None else f'{ratio:.2f}':>14s}  {syncs}")
+        torch._dynamo.reset()
+    if json_path:
+        write_json(records, json_path)
+    return records
