@@ -106,7 +106,7 @@ def test_bad_arguments_exit_with_a_message(capsys):
 
 def test_mixtral_style_peer_computes_the_same_mixture():
     """The peer we time is a faithful MoE: its output equals the per-token reference."""
-    from reference import expert_mlp_reference
+    from tests.ops.reference import expert_mlp_reference
     from sparseffn import SigmaMoEConfig
     from sparseffn.bench.peers import MixtralStyleMoE
 

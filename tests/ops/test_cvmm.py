@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference import cvmm_reference
+from tests.ops.reference import cvmm_reference
 from sparseffn.ops import DispatchPlan, cvmm
 
 

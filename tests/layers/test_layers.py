@@ -4,7 +4,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import sparseffn
-from reference import expert_mlp_reference
+from tests.ops.reference import expert_mlp_reference
 from sparseffn import (DenseMLP, DenseMLPConfig, SigmaMoE, SigmaMoEConfig, TopKMLP,
                        TopKMLPConfig)
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conftest import require_native
-from reference import cvmm_reference
+from tests.conftest import require_native
+from tests.ops.reference import cvmm_reference
 from sparseffn.ops import DispatchPlan, cvmm, native
 
 

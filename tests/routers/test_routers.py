@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 import sparseffn
-from reference import expert_mlp_reference
+from tests.ops.reference import expert_mlp_reference
 from sparseffn import MoE, MoEConfig, config_from_dict
 from sparseffn.losses import cv_squared, router_z_loss, switch_balance_loss
 from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,

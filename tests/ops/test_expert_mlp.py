@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from reference import expert_mlp_reference
+from tests.ops.reference import expert_mlp_reference
 from sparseffn.ops import DispatchPlan, expert_mlp, native
 
 

@@ -1,0 +1,167 @@
+"""The FastFeedForward layer (Belcak & Wattenhofer 2023, arXiv:2308.14711): its modes against
+per-leaf loops, hard inference, training, config, and the fastfeedforward package given the same
+weights."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import sparseffn
+from tests.conftest import native_or_torch
+from sparseffn import FastFeedForward, FFFConfig, config_from_dict
+from sparseffn.ops import fff
+
+FORMULATIONS = fff.SOFT_FORMULATIONS
+
+
+@pytest.fixture(params=["native", "torch"])
+def tree_path(request):
+    """Run through the C kernels of fff_cpu.c and through their PyTorch fallback."""
+    yield from native_or_torch(request)
+
+
+def _leaf_loop(layer, x, leaf_weights):
+    """Σ_i w_i f_i(x) with f_i = W2_i act(W1_i x + b1_i) + b2_i: a loop over tokens and leaves."""
+    rows = []
+    for t in range(x.shape[0]):
+        y = 0
+        for i in range(layer.config.num_leaves):
+            w = leaf_weights[t, i]
+            if w == 0:
+                continue
+            h = F.relu(layer.store.w1[i] @ x[t] + layer.store.b1[i])
+            y = y + w * (h @ layer.store.w2[i] + layer.store.b2[i])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("activation", ["logsigmoid", "softplus", "linear"])
+def test_soft_layer_matches_the_leaf_loop(activation):
+    layer = FastFeedForward(d_model=10, depth=3, leaf_width=4, d_out=6, activation=activation)
+    x = torch.randn(9, 10, requires_grad=True)
+    y = layer(x)
+    probs = layer.router.leaf_probs(x)
+    ref = _leaf_loop(layer, x, probs)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn_like(y)
+    params = [x, layer.router.weight, layer.router.bias, layer.store.w1, layer.store.b1, layer.store.w2, layer.store.b2]
+    grads = torch.autograd.grad((y * g).sum(), params)
+    ref_grads = torch.autograd.grad((ref * g).sum(), params)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_sparse_layer_matches_the_leaf_loop(matmul_path):
+    layer = FastFeedForward(d_model=10, depth=3, leaf_width=4, train_mode="sparse", k=2)
+    x = torch.randn(9, 10, requires_grad=True)
+    y = layer(x)
+    probs = layer.router.leaf_probs(x)
+    top, idx = probs.topk(2, -1)
+    weights = torch.zeros_like(probs).scatter(1, idx, top)
+    ref = _leaf_loop(layer, x, weights)
+    torch.testing.assert_close(y, ref)
+    params = [x, layer.router.weight, layer.store.w1, layer.store.b1, layer.store.w2, layer.store.b2]
+    grads = torch.autograd.grad(y.square().sum(), params)
+    ref_grads = torch.autograd.grad(ref.square().sum(), params)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("node_width", [1, 4])
+def test_hard_inference_equals_soft_output_with_the_path_weight_one(node_width):
+    layer = FastFeedForward(d_model=12, depth=4, leaf_width=5, node_width=node_width,
+                            eval_mode="hard").eval()
+    x = torch.randn(50, 12)
+    y = layer(x)
+    leaves = layer.router.hard_leaves(x)
+    assert torch.equal(leaves, fff.descend_logits(layer.router.node_logits(x)))
+    onehot = F.one_hot(leaves, 16).float()
+    torch.testing.assert_close(y, layer.soft_output(x, onehot))
+    torch.testing.assert_close(y, _leaf_loop(layer, x, onehot))
+    assert torch.equal(layer.routing_stats["counts"], torch.bincount(leaves, minlength=16).float())
+
+
+def test_modes_follow_train_and_eval():
+    layer = FastFeedForward(d_model=8, depth=2, leaf_width=3)
+    assert layer.mode == "soft" and layer.eval().mode == "soft"
+    sparse = FastFeedForward(d_model=8, depth=2, leaf_width=3, train_mode="sparse", k=2)
+    assert sparse.mode == "sparse" and sparse.eval().mode == "topk"
+    hard = FastFeedForward(d_model=8, depth=2, leaf_width=3, eval_mode="hard")
+    assert hard.mode == "soft" and hard.eval().mode == "hard"
+    x = torch.randn(2, 5, 8)
+    assert hard(x).shape == (2, 5, 8)
+    assert "entropy" not in hard.routing_stats
+    layer.train()(x)
+    assert "entropy" in layer.routing_stats
+
+
+@pytest.mark.parametrize("train_mode", ["soft", "sparse"])
+def test_fff_layer_learns_a_piecewise_task(train_mode):
+    torch.manual_seed(0)
+    x = torch.randn(512, 6)
+    target = torch.where(x[:, :1] > 0, x @ torch.randn(6, 3), torch.sin(3 * x[:, 1:4]))
+    layer = FastFeedForward(d_model=6, depth=3, leaf_width=8, d_out=3, train_mode=train_mode,
+                            k=2)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    baseline = (target - target.mean(0)).square().mean().item()
+    for _ in range(300):
+        opt.zero_grad()
+        loss = (layer(x) - target).square().mean()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.2 * baseline
+
+
+def test_config_round_trip_cost_and_errors():
+    cfg = FFFConfig(d_model=16, depth=3, leaf_width=4, eval_mode="hard", node_width=2)
+    assert config_from_dict(cfg.to_dict()) == cfg
+    layer = sparseffn.build_layer(cfg)
+    assert cfg.cost().total_params == sum(p.numel() for p in layer.parameters())
+    leaf = 16 * 4 + 4 * 16 + 4 + 16
+    node = 2 * 16 + 2 + 2 + 1
+    assert cfg.cost().active_params == 3 * node + leaf
+    soft = cfg.replace(eval_mode="soft")
+    assert soft.cost().active_params == soft.cost().total_params
+    with pytest.raises(ValueError, match="k must be an integer in \\[1, num_leaves=8\\]"):
+        FFFConfig(d_model=4, depth=3, leaf_width=2, k=9)
+    with pytest.raises(ValueError, match="eval_mode"):
+        FFFConfig(d_model=4, depth=3, leaf_width=2, eval_mode="greedy")
+    with pytest.raises(ValueError, match="use 'levelwise'"):
+        FFFConfig(d_model=4, depth=15, leaf_width=2, formulation="matrix")
+    eye = torch.eye(8).tolist()
+    with pytest.raises(ValueError, match="not defined for explicit"):
+        FFFConfig(d_model=4, depth=3, leaf_width=2, eval_mode="hard", activation="linear",
+                  t_matrix=eye, s_matrix=eye)
+    with pytest.raises(ValueError, match="power of two"):
+        sparseffn.MoEConfig(d_model=4, num_experts=6, expert_size=2, k=1, router="tree")
+    with pytest.raises(ValueError, match="t_matrix has 3 rows"):
+        sparseffn.MoEConfig(d_model=4, num_experts=4, expert_size=2, k=1,
+                            router={"type": "tree", "t_matrix": torch.eye(3).tolist(),
+                                    "s_matrix": torch.eye(3).tolist()})
+    with pytest.raises(ValueError, match="d_model=16"):
+        layer(torch.randn(3, 15))
+
+
+def test_matches_fastfeedforward_given_the_same_weights():
+    from fastfeedforward import FFF
+    torch.manual_seed(1)
+    theirs = FFF(input_width=12, leaf_width=5, output_width=7, depth=3)
+    ours = FastFeedForward(d_model=12, depth=3, leaf_width=5, d_out=7, eval_mode="hard")
+    with torch.no_grad():
+        # their node sends σ(z) to the right child, ours to the left: negate the node
+        ours.router.weight.copy_(-theirs.node_weights)
+        ours.router.bias.copy_(-theirs.node_biases.squeeze(1))
+        ours.store.w1.copy_(theirs.w1s.transpose(1, 2))
+        ours.store.b1.copy_(theirs.b1s)
+        ours.store.w2.copy_(theirs.w2s)
+        ours.store.b2.copy_(theirs.b2s)
+    x = torch.randn(40, 12)
+    theirs.train()
+    torch.testing.assert_close(ours.train()(x), theirs(x), atol=1e-5, rtol=1e-5)
+    theirs.eval()
+    ours.eval()
+    y_hard = ours(x)
+    leaves = ours.router.hard_leaves(x)
+    # their eval_forward leaves out the leaf output bias b2; ours keeps it
+    torch.testing.assert_close(y_hard, theirs(x) + ours.store.b2[leaves], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(y_hard, theirs(x))

@@ -1,0 +1,155 @@
+"""Product-key operators: exact top-k against full scoring (ties included), retrieval with its
+gradients, and the gathered-row operators against plain indexing."""
+
+import pytest
+import torch
+
+from tests.conftest import native_or_torch, require_native
+from tests.ops.reference import product_key_reference
+from sparseffn.ops import native, product_keys, rows
+
+
+@pytest.fixture(params=["native", "torch"])
+def rows_path(request):
+    """Run through the C kernels of rows_cpu.c and through their PyTorch fallback."""
+    yield from native_or_torch(request)
+
+
+
+def _sorted_topk(values, k):
+    """Reference: indices of the k largest by (value desc, index asc)."""
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
+
+
+# --- top-k with deterministic ties ---------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(7, 3), (64, 16), (1000, 32), (1024, 16), (300, 300), (100, 1)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_lowest_index_matches_sorted_reference(rows_path, n, k, ties):
+    scores = torch.randn(40, n)
+    if ties:
+        scores = (scores * 2).round() / 2          # few distinct values: many ties
+    values, idx = product_keys.topk_lowest_index(scores, k)
+    for r in range(scores.shape[0]):
+        expect = _sorted_topk(scores[r].tolist(), k)
+        assert idx[r].tolist() == expect
+        assert torch.equal(values[r], scores[r, expect])
+
+
+def test_topk_lowest_index_all_equal_takes_the_first_k(rows_path):
+    values, idx = product_keys.topk_lowest_index(torch.zeros(3, 50), 5)
+    assert idx.tolist() == [[0, 1, 2, 3, 4]] * 3
+
+
+@pytest.mark.parametrize("n_a,n_b,k", [(8, 8, 4), (16, 8, 16), (5, 7, 9), (3, 3, 9), (32, 32, 32),
+                                       (1, 6, 2)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_product_key_topk_is_exactly_the_top_k_of_all_sums(rows_path, n_a, n_b, k, ties):
+    s_a, s_b = torch.randn(30, n_a), torch.randn(30, n_b)
+    if ties:
+        s_a, s_b = s_a.round(), s_b.round()
+    values, idx = product_keys.product_key_topk(s_a, s_b, k)
+    full = (s_b[:, :, None] + s_a[:, None, :]).reshape(30, -1)       # Eq. 15: index i + n_a·j
+    for r in range(30):
+        expect = _sorted_topk(full[r].tolist(), k)
+        assert idx[r].tolist() == expect
+        assert torch.equal(values[r], full[r, expect])
+
+
+def test_native_and_torch_retrieval_agree_bitwise():
+    require_native()
+    s_a, s_b = torch.randn(500, 128).round(decimals=1), torch.randn(500, 128).round(decimals=1)
+    got = product_keys.product_key_topk(s_a, s_b, 16)
+    native.set_native_enabled(False)
+    try:
+        want = product_keys.product_key_topk(s_a, s_b, 16)
+    finally:
+        native.set_native_enabled(True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_product_key_topk_rejects_impossible_k():
+    with pytest.raises(ValueError, match="k must lie in"):
+        product_keys.product_key_topk(torch.randn(2, 3), torch.randn(2, 3), 10)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_retrieve_matches_full_scoring_with_gradients(rows_path, shared):
+    T, H, n, d = 6, 3, 9, 10
+    dtype = torch.float32 if rows_path == "native" else torch.float64
+    keys_a = torch.randn(H, n, d // 2, dtype=dtype, requires_grad=True)
+    keys_b = torch.randn(H, n, d // 2, dtype=dtype, requires_grad=True)
+    q = torch.randn(T, d if shared else H * d, dtype=dtype, requires_grad=True)
+    q3 = q.view(T, -1, d)
+    scores, idx = product_keys.retrieve(q[:, :d // 2] if shared else q3[..., :d // 2],
+                                        q[:, d // 2:] if shared else q3[..., d // 2:],
+                                        keys_a, keys_b, k=5)
+    grad = torch.randn_like(scores)
+    got = torch.autograd.grad((scores * grad).sum(), (q, keys_a, keys_b))
+    qe = q3.expand(T, H, d)
+    ref_scores, ref_idx = product_key_reference(qe[..., :d // 2], qe[..., d // 2:], keys_a,
+                                                keys_b, 5)
+    want = torch.autograd.grad((ref_scores * grad).sum(), (q, keys_a, keys_b))
+    assert torch.equal(idx, ref_idx)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(scores, ref_scores, **tol)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol)
+
+
+def test_retrieve_chunks_tokens_without_changing_results(monkeypatch):
+    q_a, q_b = torch.randn(50, 2, 4), torch.randn(50, 2, 4)
+    keys_a, keys_b = torch.randn(2, 16, 4), torch.randn(2, 16, 4)
+    whole = product_keys.retrieve(q_a, q_b, keys_a, keys_b, 8)
+    monkeypatch.setattr(product_keys, "_SCORE_CHUNK_ELEMENTS", 64)   # two tokens per chunk
+    chunked = product_keys.retrieve(q_a, q_b, keys_a, keys_b, 8)
+    assert torch.equal(whole[1], chunked[1])
+    torch.testing.assert_close(whole[0], chunked[0])    # a GEMM's last bit depends on its size
+
+
+# --- gathered rows --------------------------------------------------------------------------
+
+def test_gather_dot_and_gather_sum_match_indexing_with_gradients(rows_path):
+    dtype = torch.float32 if rows_path == "native" else torch.float64
+    x = torch.randn(12, 7, dtype=dtype, requires_grad=True)
+    table = torch.randn(20, 7, dtype=dtype, requires_grad=True)
+    idx = torch.randint(0, 20, (12, 5))
+    idx[0] = 3                                            # one row repeats a table row
+    w = torch.randn(12, 5, dtype=dtype, requires_grad=True)
+    g1, g2 = torch.randn(12, 5, dtype=dtype), torch.randn(12, 7, dtype=dtype)
+    got = (rows.gather_dot(x, table, idx) * g1).sum() + (rows.gather_sum(idx, w, table) * g2).sum()
+    want = ((table[idx] * x[:, None]).sum(-1) * g1).sum() \
+        + (((w[..., None] * table[idx]).sum(1)) * g2).sum()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(torch.autograd.grad(got, (x, table, w)), torch.autograd.grad(want, (x, table, w))):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_scatter_rows_is_independent_of_thread_count():
+    require_native()
+    idx = torch.randint(0, 50, (400, 16))
+    w, src = torch.randn(400, 16), torch.randn(400, 33)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rows.scatter_rows(idx, w, src, 50)
+        torch.set_num_threads(max(2, threads))
+        many = rows.scatter_rows(idx, w, src, 50)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    untouched = ~torch.isin(torch.arange(50), idx)
+    assert torch.count_nonzero(one[untouched]) == 0
+
+
+def test_gathered_rows_reject_bad_indices():
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        rows.gather_dot(torch.randn(2, 3), torch.randn(4, 3), torch.tensor([[0], [4]]))
+    with pytest.raises(ValueError, match="width"):
+        rows.gather_dot(torch.randn(2, 5), torch.randn(4, 3), torch.tensor([[0], [1]]))
+    with pytest.raises(ValueError, match="must match idx"):
+        rows.gather_sum(torch.tensor([[0], [1]]), torch.randn(2, 2), torch.randn(4, 3))
+
+
+# --- the layers against loops ---------------------------------------------------------------
