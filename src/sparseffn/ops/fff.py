@@ -159,8 +159,9 @@ def orig_level(mixture: torch.Tensor, z_level: torch.Tensor, activation: str) ->
         a_left, a_right = _branches(z_level, activation)
         top = torch.maximum(a_left, a_right).amax(dim=-1, keepdim=True)
         left, right = (a_left - top).exp(), (a_right - top).exp()
-    modifier = torch.stack((left, right), dim=-1).reshape(tokens, -1, 1)    # [T, 2^(l+1), 1]
-    return (mixture.view(tokens, modifier.shape[1], -1) * modifier).reshape(tokens, leaves)
+    modifier = torch.stack((left, right), dim=-1).reshape(tokens, 2 * left.shape[-1], 1)    # [T, 2^(l+1), 1]
+    return (mixture.view(tokens, modifier.shape[1], leaves // modifier.shape[1]) * modifier
+            ).reshape(tokens, leaves)
 
 
 def leaf_probs_orig(z: torch.Tensor, activation: str = "logsigmoid") -> torch.Tensor:
@@ -177,8 +178,10 @@ def leaf_probs_orig(z: torch.Tensor, activation: str = "logsigmoid") -> torch.Te
 def logs_level(log_mixture: torch.Tensor, z_level: torch.Tensor, activation: str) -> torch.Tensor:
     """One level of Eq. 7 on the full [T, L] log-mixture: add ``a(±z)`` of each leaf's ancestor."""
     tokens, leaves = log_mixture.shape
-    modifier = torch.stack(_branches(z_level, activation), dim=-1).reshape(tokens, -1, 1)
-    return (log_mixture.view(tokens, modifier.shape[1], -1) + modifier).reshape(tokens, leaves)
+    modifier = torch.stack(_branches(z_level, activation), dim=-1).reshape(
+        tokens, 2 * z_level.shape[-1], 1)
+    return (log_mixture.view(tokens, modifier.shape[1], leaves // modifier.shape[1]) + modifier
+            ).reshape(tokens, leaves)
 
 
 def leaf_probs_logs(z: torch.Tensor, activation: str = "logsigmoid") -> torch.Tensor:
@@ -221,7 +224,7 @@ def leaf_probs_matrix_sparse(z: torch.Tensor, activation: str = "logsigmoid") ->
     (S has two nonzeros per column), and T (d nonzeros per row) multiplies in CSR."""
     depth = depth_of(z.shape[-1])
     tokens = z.shape[0]
-    pairs = torch.stack(_branches(z, activation), dim=-1).reshape(tokens, -1)    # a(S z) [T, 2N]
+    pairs = torch.stack(_branches(z, activation), dim=-1).reshape(tokens, 2 * z.shape[-1])    # a(S z) [T, 2N]
     if z.device.type == "cpu" and z.dtype == torch.float32:
         leaf_logits = torch.sparse.mm(_sparse_T(depth), pairs.T).T                 # [T, L]
     else:   # the same sums as a gather of each leaf's d path columns
@@ -252,13 +255,14 @@ def _levelwise_torch(z: torch.Tensor, depth: int, activation: str) -> torch.Tens
         values = z.new_ones(tokens, 1)
         for level in range(depth):
             left = values * p[:, level_slice(level)]
-            values = torch.stack((left, values - left), dim=-1).reshape(tokens, -1)
+            values = torch.stack((left, values - left), dim=-1).reshape(tokens, 2 * left.shape[-1])
         return values
     a_left, a_right = _branches(z, activation)
     values = z.new_zeros(tokens, 1)
     for level in range(depth):
         s = level_slice(level)
-        values = torch.stack((values + a_left[:, s], values + a_right[:, s]), dim=-1).reshape(tokens, -1)
+        values = torch.stack((values + a_left[:, s], values + a_right[:, s]), dim=-1).reshape(
+            tokens, 2 * values.shape[-1])
     return torch.softmax(values, dim=-1)
 
 

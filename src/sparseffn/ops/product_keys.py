@@ -117,11 +117,11 @@ def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
     head_b = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_b
     rows_a, rows_b = idx % n_a + head_a, idx // n_a + head_b
     if shared:
-        again = (gather_dot(query_a, flat_a, rows_a.view(tokens, -1))
-                 + gather_dot(query_b, flat_b, rows_b.view(tokens, -1))).view(tokens, heads, k)
+        again = (gather_dot(query_a, flat_a, rows_a.view(tokens, heads * k))
+                 + gather_dot(query_b, flat_b, rows_b.view(tokens, heads * k))).view(tokens, heads, k)
     else:
         again = (gather_dot(query_a.reshape(tokens * heads, d_a), flat_a,
                             rows_a.view(tokens * heads, k))
-                 + gather_dot(query_b.reshape(tokens * heads, -1), flat_b,
+                 + gather_dot(query_b.reshape(tokens * heads, query_b.shape[-1]), flat_b,
                               rows_b.view(tokens * heads, k))).view(tokens, heads, k)
     return vals + (again - again.detach()).to(vals.dtype), idx

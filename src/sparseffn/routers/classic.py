@@ -104,14 +104,15 @@ class HierarchicalRouter(_AffineGateRouter):
     def leaf_log_weights(self, x: torch.Tensor) -> torch.Tensor:
         """log of each leaf's path product: float32 [T, E]."""
         b = self.branching
+        logits = self.gate_logits(x)
         node_log_gates = torch.log_softmax(
-            self.gate_logits(x).view(x.shape[0], -1, b), dim=-1)                  # [T, N, b]
+            logits.view(x.shape[0], logits.shape[-1] // b, b), dim=-1)          # [T, N, b]
         log_weights = node_log_gates.new_zeros(x.shape[0], 1)
         first = 0
         for level in range(self.depth):     # expand each level's log gates onto its children
             width = b ** level
             level_gates = node_log_gates[:, first:first + width]                  # [T, w, b]
-            log_weights = (log_weights.unsqueeze(-1) + level_gates).reshape(x.shape[0], -1)
+            log_weights = (log_weights.unsqueeze(-1) + level_gates).reshape(x.shape[0], width * b)
             first += width
         return log_weights
 

@@ -45,8 +45,10 @@ class QueryNorm(nn.Module):
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         if self.kind == "batchnorm":
-            return self.norm(q)
-        halves = F.layer_norm(q.view(q.shape[0], -1, self.half), (self.half,))
+            # an empty batch has no statistics to normalise by (and must not update them)
+            return q if q.shape[0] == 0 else self.norm(q)
+        halves = F.layer_norm(q.view(q.shape[0], q.shape[1] // self.half, self.half),
+                              (self.half,))
         return halves.view(q.shape) * self.weight + self.bias
 
 
@@ -120,7 +122,8 @@ class ProductKeyRouter(nn.Module):
         else:
             weights = torch.sigmoid(scores)
         tokens = x.shape[0]
-        return Routing(indices=indices.reshape(tokens, -1), weights=weights.reshape(tokens, -1))
+        width = self.spec.heads * self.spec.k
+        return Routing(indices=indices.reshape(tokens, width), weights=weights.reshape(tokens, width))
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -79,7 +79,8 @@ class TreeRouter(Router):
             if self.config.node_width == 1:
                 return self._linear_logits(x)
             hidden = F.relu(F.linear(x, self.weight.float(), self.hidden_bias.float()))
-            z = (hidden.view(x.shape[0], self.num_nodes, -1) * self.out_weight.float()).sum(-1)
+            z = (hidden.view(x.shape[0], self.num_nodes, self.config.node_width)
+                 * self.out_weight.float()).sum(-1)
             return z if self.bias is None else z + self.bias.float()
 
     def _linear_logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ class MLPExperts(ExpertStore):
                                       None if self.b1 is None else self.b1.reshape(-1))
         hidden = self.hidden_dropout(activation_fn(self.activation)(hidden))
         weights = weights.to(hidden.dtype)
-        hidden = (hidden.view(tokens, experts, width) * weights.unsqueeze(-1)).view(tokens, -1)
+        hidden = (hidden.view(tokens, experts, width) * weights.unsqueeze(-1)).view(tokens, experts * width)
         y = hidden @ self.w2.reshape(experts * width, -1).to(hidden.dtype)
         return y if self.b2 is None else y + weights @ self.b2.to(y.dtype)
 

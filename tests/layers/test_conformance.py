@@ -1,0 +1,362 @@
+"""What every registered layer and router owes its users, checked from the registries.
+
+Each registered layer config type and each registered router gets an example here; a new
+registration without one fails :func:`test_every_registration_has_an_example`. Each expert
+store class gets a loop reference; a layer built on a store without one fails
+:func:`test_output_and_gradients_match_the_store_reference`. Then every example is checked
+for: drop-in shapes (empty batches too), ``cost()`` equal to the parameter count, aux losses
+all weighted, config round trip, output and every gradient against the loop reference (the
+layer's own routing fed to a per-token loop over the selected experts), deepcopy and
+``AveragedModel`` after a training forward, pickling, both activation-checkpointing modes
+(no lost aux-loss gradient, no double-counted usage), ``inference_mode`` then a training
+forward, meta-device construction then ``reset_parameters``, state-dict round trip, and
+``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+import sparseffn
+from sparseffn import (DenseMLPConfig, FFFConfig, MoEConfig, PEERConfig, PKMConfig,
+                       SigmaMoEConfig, TopKMLPConfig, build_layer, config_from_dict)
+from sparseffn.config import LayerConfig
+from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
+                                     HierarchicalRouterConfig, NoisyTopKRouterConfig,
+                                     RouterConfig, SBaseRouterConfig, SigmaRouterConfig,
+                                     SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
+from sparseffn.routing import RoutedFFN
+from sparseffn.stores import MLPExperts, NeuronExperts, ValueRows
+
+D = 12
+
+
+def _moe(router, k=2, num_experts=5):
+    return MoEConfig(d_model=D, num_experts=num_experts, expert_size=6, k=k, router=router)
+
+
+# One example per registered layer type ...
+LAYER_EXAMPLES = {
+    "dense": DenseMLPConfig(d_model=D, d_ff=20),
+    "topk": TopKMLPConfig(d_model=D, d_ff=20, k=5),
+    "sigma_moe": SigmaMoEConfig(d_model=D, num_experts=5, expert_size=6, k=2),
+    "moe": _moe(SoftmaxRouterConfig()),
+    "fff": FFFConfig(d_model=D, depth=2, leaf_width=4),
+    "pkm": PKMConfig(d_model=D, num_subkeys=4, heads=2, k=3, query="linear", key_dim=6),
+    "peer": PEERConfig(d_model=D, num_experts=16, heads=2, k=3, key_dim=6,
+                       query_norm="batchnorm"),
+}
+# ... and per registered router, the MoE layer that uses it.
+ROUTER_EXAMPLES = {
+    "sigma": _moe(SigmaRouterConfig()),
+    "softmax": _moe(SoftmaxRouterConfig(renormalize=True)),
+    "noisy_topk": _moe(NoisyTopKRouterConfig()),
+    "switch": _moe(SwitchRouterConfig(capacity_factor=1.0), k=1),     # drops some tokens
+    "gshard": _moe(GShardRouterConfig(capacity_factor=1.0)),
+    "sbase": _moe(SBaseRouterConfig()),
+    "dense_softmax": _moe(DenseGateRouterConfig(), k=4, num_experts=4),
+    "hierarchical": _moe(HierarchicalRouterConfig(), k=4, num_experts=4),
+    "tree": _moe(TreeRouterConfig(), num_experts=4),
+}
+# Variants whose code paths differ: sparse FFF training, biased leaves off, product keys
+# without a query network, PEER with sparse gradients and dropout.
+VARIANTS = {
+    "fff_sparse": FFFConfig(d_model=D, depth=2, leaf_width=4, train_mode="sparse", k=2,
+                            bias=False),
+    "pkm_identity_query": PKMConfig(d_model=D, num_subkeys=4, heads=1, k=3, key_dim=D,
+                                    query="identity", query_norm="layernorm"),
+    "peer_sparse_grad": PEERConfig(d_model=D, num_experts=16, heads=2, k=3, key_dim=6,
+                                   sparse_grad=True, dropout=0.1),
+}
+EXAMPLES = {**{f"layer:{k}": v for k, v in LAYER_EXAMPLES.items()},
+            **{f"router:{k}": v for k, v in ROUTER_EXAMPLES.items()},
+            **{f"variant:{k}": v for k, v in VARIANTS.items()}}
+
+
+def test_every_registration_has_an_example():
+    assert set(LAYER_EXAMPLES) == set(LayerConfig._registry), \
+        "register an example (and, for a new store, a reference) for each layer type"
+    assert set(ROUTER_EXAMPLES) == set(RouterConfig._registry), \
+        "register an example MoE config for each router"
+
+
+# --- loop references, one per store ---------------------------------------------------------
+
+def _mlp_experts_reference(store: MLPExperts, x, routing):
+    act = {"relu": F.relu, "gelu": F.gelu}[store.activation]
+    rows = []
+    for t in range(x.shape[0]):
+        y = x.new_zeros(store.d_out)
+        for j in range(routing.indices.shape[1]):
+            if routing.dispatched is not None and not routing.dispatched[t, j]:
+                continue
+            e = int(routing.indices[t, j])
+            h = store.w1[e] @ x[t] + (0 if store.b1 is None else store.b1[e])
+            out = act(h) @ store.w2[e] + (0 if store.b2 is None else store.b2[e])
+            y = y + routing.weights[t, j].to(x.dtype) * out
+        rows.append(y)
+    return torch.stack(rows) if rows else x.new_zeros(0, store.d_out)
+
+
+def _value_rows_reference(store: ValueRows, x, routing):
+    rows = [sum((routing.weights[t, j] * store.values[int(routing.indices[t, j])]
+                 for j in range(routing.indices.shape[1])), x.new_zeros(store.d_model))
+            for t in range(x.shape[0])]
+    return torch.stack(rows) if rows else x.new_zeros(0, store.d_model)
+
+
+def _neuron_experts_reference(store: NeuronExperts, x, routing):
+    rows = []
+    for t in range(x.shape[0]):
+        y = x.new_zeros(store.d_model)
+        for j in range(routing.indices.shape[1]):
+            i = int(routing.indices[t, j])
+            y = y + routing.weights[t, j] * store.activation(store.w_in[i] @ x[t]) * store.w_out[i]
+        rows.append(y)
+    return torch.stack(rows) if rows else x.new_zeros(0, store.d_model)
+
+
+STORE_REFERENCES = {MLPExperts: _mlp_experts_reference, ValueRows: _value_rows_reference,
+                    NeuronExperts: _neuron_experts_reference}
+
+
+def _dense_reference(layer, x):
+    return layer.down(layer.activation(layer.up(x)))
+
+
+def _reference(layer, x):
+    """The layer's output by the loop reference of its store, fed the layer's own routing
+    (captured from the same forward, so noise and sampling agree)."""
+    if not isinstance(layer, RoutedFFN):
+        return layer(x), _dense_reference(layer, x)
+    captured = []
+    route = layer.route
+
+    def spy(x2):
+        captured.append(route(x2))
+        return captured[-1]
+    layer.route = spy
+    try:
+        y = layer(x)
+    finally:
+        del layer.route
+    reference = STORE_REFERENCES[type(layer.store)]
+    return y, reference(layer.store, x.reshape(-1, D), captured[0]).reshape(y.shape)
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+def _build(config, seed=0):
+    torch.manual_seed(seed)
+    return build_layer(config)
+
+
+def _dense_grads(params):
+    return [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            for p in params]
+
+
+params_of = lambda layer: [p for p in layer.parameters()]   # noqa: E731
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_drop_in_shapes_and_empty_batches(name):
+    layer = _build(EXAMPLES[name])
+    d_out = getattr(EXAMPLES[name], "output_width", D)
+    for mode in ("train", "eval"):
+        layer.train(mode == "train")
+        assert layer(torch.randn(2, 3, D)).shape == (2, 3, d_out)
+        if mode == "eval" or getattr(EXAMPLES[name], "query_norm", None) != "batchnorm":
+            assert layer(torch.randn(D)).shape == (d_out,)    # BatchNorm trains on >= 2 rows
+        assert layer(torch.randn(0, D)).shape == (0, d_out)
+        assert layer(torch.randn(2, 0, D)).shape == (2, 0, d_out)
+    with pytest.raises(ValueError, match="d_model"):
+        layer(torch.randn(3, D + 1))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_cost_counts_every_parameter(name):
+    layer = _build(EXAMPLES[name])
+    assert EXAMPLES[name].cost().total_params == sum(p.numel() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_aux_losses_all_have_weights_and_config_round_trips(name):
+    config = EXAMPLES[name]
+    layer = _build(config).train()
+    layer(torch.randn(9, D))
+    assert set(layer.aux_losses) <= set(layer.aux_loss_weights)
+    sparseffn.aux_loss(layer)            # raises for an unweighted loss
+    assert config_from_dict(config.to_dict()) == config
+    assert config_from_dict(json.loads(config.to_json())) == config
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_output_and_gradients_match_the_store_reference(name, training):
+    layer = _build(EXAMPLES[name]).train(training)
+    if isinstance(layer, RoutedFFN):
+        assert type(layer.store) in STORE_REFERENCES, "add a loop reference for this store"
+    if training and "dropout" in name or (training and EXAMPLES[name] is VARIANTS.get(
+            "peer_sparse_grad")):
+        layer.store.hidden_dropout.p = 0.0      # the reference has no dropout mask to share
+    x = torch.randn(7, D, requires_grad=True)
+    y, ref = _reference(layer, x)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
+    grad = torch.randn_like(y)
+    params = [x] + params_of(layer)
+    got = torch.autograd.grad(y, params, grad, retain_graph=True, allow_unused=True)
+    want = torch.autograd.grad(ref, params, grad, allow_unused=True)
+    for g, w, p in zip(got, want, params):
+        g = None if g is None else (g.to_dense() if g.is_sparse else g)
+        if w is None:
+            assert g is None or torch.all(g == 0)
+        else:
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_deepcopy_pickle_and_averaged_model_after_a_training_forward(name):
+    layer = _build(EXAMPLES[name]).train()
+    x = torch.randn(6, D)
+    layer(x).sum().backward()
+    twin = copy.deepcopy(layer)
+    assert twin.aux_losses == {} and twin.routing_stats == {}
+    averaged = torch.optim.swa_utils.AveragedModel(layer)
+    averaged.update_parameters(layer)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    layer.eval(), twin.eval(), averaged.eval(), loaded.eval()
+    for other in (twin, averaged, loaded):
+        torch.testing.assert_close(other(x), layer(x))
+
+
+def _usage(layer):
+    return None if not hasattr(layer, "usage_counts") else layer.usage_counts.clone()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_activation_checkpointing_keeps_the_aux_gradient_and_counts_usage_once(name, reentrant):
+    config = EXAMPLES[name]
+    plain, ckpt = _build(config).train(), _build(config).train()
+    x = torch.randn(8, D, requires_grad=True)
+    outputs = {}
+    for label, layer in (("plain", plain), ("ckpt", ckpt)):
+        torch.manual_seed(1)
+        xx = x.detach().clone().requires_grad_(True)
+        if label == "plain":
+            y = layer(xx)
+        else:
+            y = checkpoint(layer, xx, use_reentrant=reentrant)
+        loss = (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum() \
+            + sparseffn.aux_loss(layer)
+        loss.backward()
+        outputs[label] = (xx.grad, _dense_grads(params_of(layer)), _usage(layer))
+    (gx, gp, usage), (cx, cp, cusage) = outputs["plain"], outputs["ckpt"]
+    torch.testing.assert_close(cx, gx, atol=1e-5, rtol=1e-4)
+    for a, b in zip(cp, gp):
+        if b is None:
+            assert a is None or torch.all(a == 0)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    if usage is not None:
+        torch.testing.assert_close(cusage, usage)      # recorded once, not twice
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_inference_mode_then_training_forward(name):
+    layer = _build(EXAMPLES[name])
+    with torch.inference_mode():
+        layer.eval()(torch.randn(5, D))
+        layer.train()(torch.randn(5, D))
+    layer.train()
+    y = layer(torch.randn(5, D))
+    (y.sum() + sparseffn.aux_loss(layer)).backward()
+    layer.reset_usage()
+    assert all(p.grad is not None for p in layer.parameters() if p.requires_grad) or \
+        isinstance(layer, RoutedFFN)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_meta_device_init_then_reset_parameters(name):
+    config = EXAMPLES[name]
+    with torch.device("meta"):
+        layer = build_layer(config)
+    layer.to_empty(device="cpu")
+    for t in list(layer.parameters()) + list(layer.buffers()):
+        if t.is_floating_point():
+            t.detach().fill_(float("nan"))         # what uninitialised memory may hold
+    torch.manual_seed(0)
+    layer.reset_parameters()
+    for name_, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+        assert torch.isfinite(t).all(), f"{name_} not initialised by reset_parameters"
+    if hasattr(layer, "usage_counts"):
+        assert torch.all(layer.usage_counts == 0) and torch.all(layer.usage_mass == 0)
+    reference = _build(config)
+    for (n1, a), (n2, b) in zip(layer.named_parameters(), reference.named_parameters()):
+        assert n1 == n2 and a.shape == b.shape
+        if bool((b == b.flatten()[0]).all()):       # constants: norms' scales, zero biases
+            torch.testing.assert_close(a, b)
+        elif b.numel() >= 16:                        # drawn from the same distribution
+            assert math.isclose(a.std().item(), b.std().item(), rel_tol=0.5), n1
+    assert torch.isfinite(layer(torch.randn(4, D))).all()
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_state_dict_round_trip(name):
+    layer, other = _build(EXAMPLES[name], seed=0).eval(), _build(EXAMPLES[name], seed=1).eval()
+    state = layer.state_dict()
+    assert not any("usage" in key for key in state)       # statistics are not weights
+    other.load_state_dict(state)
+    x = torch.randn(5, D)
+    torch.testing.assert_close(other(x), layer(x))
+
+
+COMPILED = [n for n in EXAMPLES if n != "variant:peer_sparse_grad"]   # sparse COO: not traced
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiles_in_one_graph_and_matches_eager(name):
+    layer = _build(EXAMPLES[name]).train()
+    if name in ("router:noisy_topk", "router:gshard", "router:switch"):
+        layer.eval()                 # their training noise is drawn differently when compiled
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 5, D)
+    results = []
+    for fn in (layer, compiled):
+        torch.manual_seed(3)
+        xx = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        y = fn(xx)
+        (y.square().sum() + sparseffn.aux_loss(layer)).backward()
+        results.append((y.detach(), xx.grad, _dense_grads(params_of(layer))))
+    (y, gx, gp), (cy, cgx, cgp) = results
+    torch.testing.assert_close(cy, y, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cgx, gx, atol=1e-5, rtol=1e-4)
+    for a, b in zip(cgp, gp):
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["layer:sigma_moe", "layer:pkm", "layer:fff"])
+def test_inductor_compiled_training_step_matches_eager(name):
+    """The default backend generates code: one MoE, one product-key and one tree layer."""
+    layer = _build(EXAMPLES[name]).train()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(16, D)
+    torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()
