@@ -189,3 +189,20 @@ def test_expert_mlp_with_biases_matches_the_loop(matmul_path):
 
 
 # --- the authors' package, same weights ---------------------------------------------------
+
+
+def test_tree_matrix_cache_is_bounded_by_bytes_and_survives_inference_mode(monkeypatch):
+    cache = fff._TreeMatrixCache(max_bytes=3 * 4 * (1 << 6) * 2 * ((1 << 6) - 1))
+    monkeypatch.setattr(fff, "tree_matrix_cache", cache)
+    z = torch.randn(5, (1 << 6) - 1, requires_grad=True)
+    with torch.inference_mode():              # a first call under inference mode ...
+        fff.leaf_probs(z.detach(), "matrix")
+    probs = fff.leaf_probs(z, "matrix")       # ... leaves nothing behind that breaks autograd
+    probs.sum().backward()
+    assert z.grad is not None
+    for depth in range(6, 9):                 # deeper trees push the shallow ones out
+        fff.leaf_probs(torch.randn(2, (1 << depth) - 1), "matrix")
+        assert cache.nbytes() <= cache.max_bytes
+    T, S = fff.tree_matrices(8)
+    too_big = T.numel() * 4 + S.numel() * 4
+    assert too_big > cache.max_bytes and cache.nbytes() <= cache.max_bytes

@@ -30,8 +30,10 @@ activation it is the negation.
 
 from __future__ import annotations
 
-import functools
+import collections
 import math
+import os
+import threading
 import warnings
 from typing import Callable
 
@@ -43,6 +45,60 @@ from . import kernels, native
 TREE_ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
 SOFT_FORMULATIONS = ("orig", "logs", "matrix", "matrix_sparse", "levelwise")
 MAX_DENSE_MATRIX_DEPTH = 14     # T alone is 2^d x 2^(d+1) floats: 2 GiB at d = 14
+# The tree matrices kept between calls, at most this many bytes in all (least recently used
+# go first); SPARSEFFN_TREE_CACHE_MB overrides it, 0 keeps none.
+TREE_CACHE_BYTES = int(float(os.environ.get("SPARSEFFN_TREE_CACHE_MB", "256")) * (1 << 20))
+
+
+class _TreeMatrixCache:
+    """Tree matrices by (kind, depth, dtype, device), bounded by bytes, not entries: one
+    depth-13 pair of dense matrices alone is 1 GiB. Entries are built outside any
+    ``inference_mode`` and without autograd, so a first call under ``inference_mode`` cannot
+    leave inference tensors behind for later calls that need autograd."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _nbytes(value) -> int:
+        tensors = value if isinstance(value, tuple) else (value,)
+        total = 0
+        for t in tensors:
+            if t.layout == torch.sparse_csr:
+                total += sum(p.numel() * p.element_size()
+                             for p in (t.crow_indices(), t.col_indices(), t.values()))
+            else:
+                total += t.numel() * t.element_size()
+        return total
+
+    def get(self, key, build):
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        with torch.inference_mode(False), torch.no_grad():
+            value = build()
+        size = self._nbytes(value)
+        with self._lock:
+            if size <= self.max_bytes:
+                self._entries[key] = value
+                while sum(self._nbytes(v) for v in self._entries.values()) > self.max_bytes:
+                    self._entries.popitem(last=False)
+        return value
+
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        with self._lock:
+            return sum(self._nbytes(v) for v in self._entries.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+tree_matrix_cache = _TreeMatrixCache(TREE_CACHE_BYTES)
 
 
 def _linear(x: torch.Tensor) -> torch.Tensor:
@@ -113,10 +169,13 @@ def tree_matrices(depth: int, dtype: torch.dtype = torch.float32, device=None
     return T, S
 
 
-@functools.lru_cache(maxsize=32)
 def path_columns(depth: int) -> torch.Tensor:
     """int64 [2^d, d]: for every leaf, the columns of ``a(S z)`` its path sums (``2n + turn``
     for each node n on the path, root first): the nonzeros of T's rows."""
+    return tree_matrix_cache.get(("path_columns", depth), lambda: _path_columns(depth))
+
+
+def _path_columns(depth: int) -> torch.Tensor:
     leaves = torch.arange(1 << depth)
     node = torch.zeros_like(leaves)
     columns = []
@@ -127,9 +186,12 @@ def path_columns(depth: int) -> torch.Tensor:
     return torch.stack(columns, dim=1)
 
 
-@functools.lru_cache(maxsize=32)
 def _sparse_T(depth: int) -> torch.Tensor:
     """T in CSR on the CPU (d nonzeros per row)."""
+    return tree_matrix_cache.get(("sparse_T", depth), lambda: _build_sparse_T(depth))
+
+
+def _build_sparse_T(depth: int) -> torch.Tensor:
     leaves = 1 << depth
     cols = path_columns(depth)
     with warnings.catch_warnings():   # "CSR support is in beta": it is what seed 003 names
@@ -210,13 +272,9 @@ def leaf_probs_matrix(z: torch.Tensor, activation: str = "logsigmoid",
     return torch.softmax(act(z @ S.T.to(z.dtype)) @ T.T.to(z.dtype), dim=-1)
 
 
-@functools.lru_cache(maxsize=8)
-def _dense_matrices_cached(depth: int, dtype: torch.dtype, device: str):
-    return tree_matrices(depth, dtype, device)
-
-
 def _dense_matrices(depth: int, dtype: torch.dtype, device: torch.device):
-    return _dense_matrices_cached(depth, dtype, str(device))
+    return tree_matrix_cache.get(("dense", depth, dtype, str(device)),
+                                 lambda: tree_matrices(depth, dtype, device))
 
 
 def leaf_probs_matrix_sparse(z: torch.Tensor, activation: str = "logsigmoid") -> torch.Tensor:
