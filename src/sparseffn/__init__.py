@@ -16,22 +16,10 @@ from .router_config import (DenseGateRouterConfig, GShardRouterConfig, Hierarchi
 from .matching import active_equal_dense, compare_with_dense, param_equal_dense
 from .ops import DispatchPlan, cvmm
 from .routing import Routing, SparseFFN
+from .registry import build_layer, build_router
 from .runtime import tune_cpu_allocator
 
 __version__ = "0.1.0"
-
-_LAYERS = {DenseMLPConfig: DenseMLP, TopKMLPConfig: TopKMLP, SigmaMoEConfig: SigmaMoE,
-           MoEConfig: MoE, FFFConfig: FastFeedForward, PKMConfig: ProductKeyMemory,
-           PEERConfig: PEER}
-
-
-def build_layer(config: LayerConfig) -> SparseFFN:
-    """The layer a config describes."""
-    try:
-        return _LAYERS[type(config)](config)
-    except KeyError:
-        raise TypeError(f"no layer is registered for {type(config).__name__}") from None
-
 
 __all__ = [
     "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan",
@@ -40,7 +28,7 @@ __all__ = [
     "PEERConfig", "PKMConfig", "ProductKeyMemory", "ProductKeySpec",
     "RouterConfig", "Routing", "SBaseRouterConfig", "SigmaMoE", "SigmaMoEConfig",
     "SigmaRouterConfig", "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP",
-    "TopKMLPConfig", "TreeRouterConfig", "active_equal_dense", "aux_loss", "aux_loss_terms", "build_layer",
+    "TopKMLPConfig", "TreeRouterConfig", "active_equal_dense", "aux_loss", "aux_loss_terms", "build_layer", "build_router",
     "compare_with_dense", "config_from_dict", "cvmm", "param_equal_dense", "reset_usage",
     "routing_stats", "sparse_grad_parameters", "tune_cpu_allocator",
 ]

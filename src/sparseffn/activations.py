@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
+ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..router_config import DenseGateRouterConfig, HierarchicalRouterConfig, RouterConfig
-from ..routers import build_router
+from ..registry import RouterConfig, build_router
+from ..routers.classic import DenseGateRouterConfig, HierarchicalRouterConfig
 from ..routing import SparseFFN
 
 TASKS = ("classification", "regression")

@@ -2,15 +2,51 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import nn
 
-from ..config import DenseMLPConfig
+from ..activations import ACTIVATIONS, activation_fn
 from ..init import dense_init_std
+from ..registry import LayerConfig, LayerCost, implements
 from ..routing import SparseFFN
-from ..activations import activation_fn
+from ..validation import require_choice, require_positive_int, require_probability
 
 
+@dataclass(frozen=True)
+class DenseMLPConfig(LayerConfig):
+    """The two-layer MLP ``y = W2 act(W1 x)`` (seed 001 Eq. 1-2).
+
+    ``n_layers`` only sets the initialisation scale of a pre-LayerNorm Transformer with that
+    many blocks: ``W1 ~ N(0, sqrt(2 / (d_model n_layers)))``, ``W2 ~ N(0, sqrt(2 / (d_ff
+    n_layers)))`` (seed 001 §5).
+    """
+
+    type_name: ClassVar[str] = "dense"
+
+    d_model: int
+    d_ff: int
+    activation: str = "relu"
+    bias: bool = False
+    dropout: float = 0.0
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        require_positive_int(self, "d_model")
+        require_positive_int(self, "d_ff")
+        require_positive_int(self, "n_layers")
+        require_choice(self, "activation", ACTIVATIONS)
+        require_probability(self, "dropout")
+
+    def cost(self) -> LayerCost:
+        params = 2 * self.d_model * self.d_ff + (self.d_ff + self.d_model if self.bias else 0)
+        flops = 4 * self.d_model * self.d_ff
+        return LayerCost(params, params, flops, flops)
+
+
+@implements(DenseMLPConfig)
 class DenseMLP(SparseFFN):
     """``y = W2 · act(W1 · x)`` (+ biases if ``config.bias``), with optional dropout on the
     hidden units.

@@ -3,14 +3,141 @@ seeds 003 and 000)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 import torch
 
-from ..config import FFFConfig
-from ..routers.tree import TreeRouter
+from ..activations import ACTIVATIONS
+from ..registry import LayerConfig, LayerCost, implements
+from ..routers.tree import TreeRouter, TreeRouterConfig
 from ..routing import RoutedFFN, Routing
 from ..stores import MLPExperts
+from ..validation import (require_bool, require_choice, require_k, require_positive_int,
+                          require_probability)
 
 
+FFF_TRAIN_MODES = ("soft", "sparse")
+FFF_EVAL_MODES = ("soft", "topk", "hard")
+
+
+@dataclass(frozen=True)
+class FFFConfig(LayerConfig):
+    """A fast feed-forward tree (Belcak & Wattenhofer; seeds 003 §1.2-2.3 and 000): ``depth``
+    levels of router nodes over ``2^depth`` leaf experts, each a two-layer MLP
+    ``W2 act(W1 x + b1) + b2`` with ``leaf_width`` hidden units.
+
+    Fields
+    - ``d_out``: output width (None: d_model, the drop-in case; a classifier sets its classes).
+    - ``node_width``, ``activation`` (the tree's ``a``), ``formulation``, explicit T/S: see
+      :class:`~sparseffn.router_config.TreeRouterConfig`; ``bias`` applies to the nodes and
+      the leaves.
+    - ``leaf_activation``: ``"relu"`` or ``"gelu"`` inside the leaves.
+    - ``dropout``: on the leaves' hidden units during training (as ``fastfeedforward``).
+    - ``train_mode``: ``"soft"`` (every leaf weighted by R, as in the papers) or ``"sparse"``
+      (the top-k leaves by R, through CVMM; beyond the papers).
+    - ``eval_mode``: ``"soft"``, ``"topk"`` (k leaves by R), or ``"hard"`` (greedy descent,
+      one leaf with weight 1: d node dot products per token); None: like training (soft ->
+      soft, sparse -> topk).
+    - ``k``: leaves per token in the sparse modes.
+    - ``init``: ``"fff"`` (uniform ±1/sqrt(fan_in) everywhere, as ``fastfeedforward``) or
+      ``"sigma_moe"`` (leaves like the dense MLP of width 2^depth·leaf_width, seed 001 §5;
+      nodes by the σ-MoE selection init).
+    """
+
+    type_name: ClassVar[str] = "fff"
+
+    d_model: int
+    depth: int
+    leaf_width: int
+    d_out: int | None = None
+    node_width: int = 1
+    activation: str = "logsigmoid"
+    formulation: str = "auto"
+    leaf_activation: str = "relu"
+    bias: bool = True
+    dropout: float = 0.0
+    train_mode: str = "soft"
+    eval_mode: str | None = None
+    k: int = 1
+    renormalize: bool = False
+    init: str = "fff"
+    n_layers: int = 1
+    t_matrix: Any = None
+    s_matrix: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "depth", "leaf_width", "node_width", "n_layers"):
+            require_positive_int(self, name)
+        if self.depth > 24:
+            raise ValueError(f"FFFConfig.depth must be at most 24 (2^24 leaves), got {self.depth}")
+        if self.d_out is not None:
+            require_positive_int(self, "d_out")
+        require_choice(self, "leaf_activation", ACTIVATIONS)
+        require_choice(self, "train_mode", FFF_TRAIN_MODES)
+        if self.eval_mode is not None:
+            require_choice(self, "eval_mode", FFF_EVAL_MODES)
+        require_choice(self, "init", ("fff", "sigma_moe"))
+        require_probability(self, "dropout")
+        require_bool(self, "bias")
+        require_k(self, "num_leaves")
+        if self.formulation == "matrix" and self.depth > 14:
+            raise ValueError(f"FFFConfig: formulation 'matrix' stores a dense T of 2^depth x "
+                             f"2^(depth+1) floats; use 'levelwise' or 'auto' for depth "
+                             f"{self.depth} > 14")
+        router = self.router_config()   # validates activation, formulation, node_width, matrices
+        if self.resolved_eval_mode == "hard" and router.explicit:
+            raise ValueError("FFFConfig: eval_mode 'hard' descends the tree; it is not defined "
+                             "for explicit t_matrix/s_matrix")
+
+    @property
+    def num_leaves(self) -> int:
+        return 1 << self.depth
+
+    @property
+    def num_nodes(self) -> int:
+        return (1 << self.depth) - 1
+
+    @property
+    def output_width(self) -> int:
+        return self.d_model if self.d_out is None else self.d_out
+
+    @property
+    def resolved_eval_mode(self) -> str:
+        if self.eval_mode is not None:
+            return self.eval_mode
+        return "soft" if self.train_mode == "soft" else "topk"
+
+    def router_config(self) -> TreeRouterConfig:
+        """The tree router this layer's fields describe."""
+        return TreeRouterConfig(activation=self.activation, formulation=self.formulation,
+                                node_width=self.node_width, bias=self.bias,
+                                renormalize=self.renormalize, t_matrix=self.t_matrix,
+                                s_matrix=self.s_matrix,
+                                init="fff" if self.init == "fff" else "layer")
+
+    def cost(self) -> LayerCost:
+        """Counted for the evaluation forward (``resolved_eval_mode``): soft reads every node
+        and leaf, topk every node and k leaves, hard ``depth`` nodes and one leaf."""
+        bias = int(self.bias)
+        leaf = (self.d_model * self.leaf_width + self.leaf_width * self.output_width
+                + bias * (self.leaf_width + self.output_width))
+        tree = self.router_config()
+        num_nodes = tree.num_nodes(self.num_leaves)
+        router = tree.num_params(self.d_model, self.num_leaves)
+        per_node = router // num_nodes
+        leaf_flops = 2 * (self.d_model + self.output_width) * self.leaf_width
+        node_flops = 2 * self.d_model * self.node_width + (2 * self.node_width if self.node_width > 1 else 0)
+        mode = self.resolved_eval_mode
+        nodes_read = self.depth if mode == "hard" else num_nodes
+        leaves_read = {"soft": self.num_leaves, "topk": self.k, "hard": 1}[mode]
+        return LayerCost(total_params=router + self.num_leaves * leaf,
+                         active_params=nodes_read * per_node + leaves_read * leaf,
+                         flops=nodes_read * node_flops + leaves_read * leaf_flops,
+                         expert_flops=leaves_read * leaf_flops)
+
+
+@implements(FFFConfig)
 class FastFeedForward(RoutedFFN):
     """``y = Σ_i R(i|x) f_i(x)`` (Belcak & Wattenhofer 2023, arXiv:2308.14711; Eq. 5 of the
     matrix-FFF note of Chaunin & Mikhailovskiy) over ``2^depth`` leaves

@@ -3,12 +3,85 @@ expert store)."""
 
 from __future__ import annotations
 
-from ..config import MoEConfig
-from ..routers import build_router
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..activations import ACTIVATIONS
+from ..registry import (LayerConfig, LayerCost, build_router, implements,
+                        router_config_from)
+from ..routers.sigma import SigmaRouterConfig
 from ..routing import RoutedFFN
 from ..stores import MLPExperts
+from ..validation import require_choice, require_k, require_positive_int, require_probability
 
 
+MOE_INITS = ("sigma_moe", "standard", "switch")
+
+
+def _check_experts(config: object) -> None:
+    """The fields every mixture of MLP experts has."""
+    for name in ("d_model", "num_experts", "expert_size", "n_layers"):
+        require_positive_int(config, name)
+    require_k(config, "num_experts")
+    require_choice(config, "activation", ACTIVATIONS)
+
+
+@dataclass(frozen=True)
+class MoEConfig(LayerConfig):
+    """A mixture of ``num_experts`` two-layer MLP experts of ``expert_size`` hidden units, ``k``
+    per token, chosen by any router (see :mod:`sparseffn.router_config`).
+
+    Fields
+    - ``router``: a router config, a dict with ``type`` (as in TOML) or a bare router name
+      (``"sigma"``, ``"softmax"``, ``"noisy_topk"``, ``"switch"``, ``"gshard"``, ``"sbase"``,
+      ``"dense_softmax"``, ``"hierarchical"``) for its defaults.
+    - ``hidden_dropout``: dropout on the experts' hidden units (Switch's "expert dropout" of
+      0.4 in Fedus et al.; seed 001 Table 4's "standard dropout").
+    - ``init``: ``"sigma_moe"`` (experts like the dense MLP of width num_experts·expert_size
+      they replace, selection rows of equal norm; seed 001 §5), ``"standard"`` (each
+      expert's own fan-in) or ``"switch"`` (Fedus et al.: every matrix
+      ``N(0, sqrt(0.1 / fan_in))``, i.e. ``sqrt(0.1/G)`` for the second expert layer).
+    """
+
+    type_name: ClassVar[str] = "moe"
+
+    d_model: int
+    num_experts: int
+    expert_size: int
+    k: int
+    router: Any = SigmaRouterConfig()
+    activation: str = "relu"
+    hidden_dropout: float = 0.0
+    init: str = "sigma_moe"
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _check_experts(self)
+        require_choice(self, "init", MOE_INITS)
+        require_probability(self, "hidden_dropout")
+        object.__setattr__(self, "router", router_config_from(self.router))
+        self.router.check_layer(self.num_experts, self.k)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["router"] = self.router.to_dict()
+        return data
+
+    def cost(self) -> LayerCost:
+        selection = self.router.num_params(self.d_model, self.num_experts)
+        expert = 2 * self.d_model * self.expert_size
+        return LayerCost(total_params=selection + self.num_experts * expert,
+                         active_params=selection + self.k * expert,
+                         flops=2 * selection + 2 * self.k * expert,
+                         expert_flops=2 * self.k * expert)
+
+    @property
+    def d_ff(self) -> int:
+        """Hidden units over all experts: the d_ff of the MLP this layer approximates."""
+        return self.num_experts * self.expert_size
+
+
+@implements(MoEConfig)
 class MoE(RoutedFFN):
     """``y = Σ_{e∈E_x} w_e(x) · W2^e act(W1^e x)`` (Csordás, Irie & Schmidhuber 2023,
     arXiv:2310.10837, Eq. 25), with ``E_x`` and the weights ``w_e`` from the router that

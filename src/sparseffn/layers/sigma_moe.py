@@ -2,10 +2,91 @@
 
 from __future__ import annotations
 
-from ..config import SigmaMoEConfig
-from .moe import MoE
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..registry import LayerConfig, LayerCost, implements
+from ..routers.sigma import SIGMA_GATES, SigmaRouterConfig
+from ..validation import require_choice, require_non_negative, require_probability
+from .moe import MoE, MoEConfig, _check_experts
 
 
+SIGMA_MOE_GATES = SIGMA_GATES
+SIGMA_MOE_INITS = ("sigma_moe", "standard")
+
+
+@dataclass(frozen=True)
+class SigmaMoEConfig(LayerConfig):
+    """σ-MoE (seed 001 §5): ``num_experts`` MLP experts of ``expert_size`` hidden units, ``k``
+    of them per token, chosen by sigmoid scores.
+
+    Fields
+    - ``gate``: ``"sigmoid"`` (σ-MoE), or the Table 4 ablations ``"softmax"`` (softmax over all
+      experts, then top-k, no renormalisation) and ``"softmax_renorm"`` (softmax renormalised
+      over the k selected experts, App. A.1 Eq. 37-39).
+    - ``entropy_weight``: γ, the weight of the batch-entropy regulariser (Eq. 34-35).
+    - ``expert_dropout``: δ, the probability of dropping an expert for a token during
+      training, without rescaling the others (Eq. 36).
+    - ``hidden_dropout``: ordinary dropout on the experts' hidden units (the "standard
+      dropout" ablation of Table 4).
+    - ``init``: ``"sigma_moe"`` initialises experts like the dense layer they replace and
+      gives the selection rows equal norm; ``"standard"`` uses each expert's own fan-in.
+    """
+
+    type_name: ClassVar[str] = "sigma_moe"
+
+    d_model: int
+    num_experts: int
+    expert_size: int
+    k: int
+    activation: str = "relu"
+    gate: str = "sigmoid"
+    entropy_weight: float = 0.001
+    expert_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init: str = "sigma_moe"
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        _check_experts(self)
+        require_choice(self, "gate", SIGMA_MOE_GATES)
+        require_choice(self, "init", SIGMA_MOE_INITS)
+        require_non_negative(self, "entropy_weight")
+        require_probability(self, "expert_dropout")
+        require_probability(self, "hidden_dropout")
+
+    def cost(self) -> LayerCost:
+        return self.to_moe_config().cost()
+
+    @property
+    def d_ff(self) -> int:
+        """Hidden units over all experts: the d_ff of the MLP this layer approximates."""
+        return self.num_experts * self.expert_size
+
+    @classmethod
+    def from_dense(cls, d_model: int, d_ff: int, num_experts: int, k: int, **kwargs: Any):
+        """Split a dense MLP of width ``d_ff`` into ``num_experts`` equal experts (seed 001
+        §3.3: ``G · N_E = d_ff``)."""
+        if isinstance(num_experts, int) and num_experts > 0 and d_ff % num_experts:
+            raise ValueError(
+                f"SigmaMoEConfig.from_dense: d_ff={d_ff} must be divisible by "
+                f"num_experts={num_experts} to split it into equal experts"
+            )
+        return cls(d_model=d_model, num_experts=num_experts,
+                   expert_size=d_ff // num_experts, k=k, **kwargs)
+
+    def to_moe_config(self) -> "MoEConfig":
+        """The same layer as a :class:`MoEConfig` with a σ-MoE router."""
+        return MoEConfig(d_model=self.d_model, num_experts=self.num_experts,
+                         expert_size=self.expert_size, k=self.k, activation=self.activation,
+                         router=SigmaRouterConfig(gate=self.gate,
+                                                  entropy_weight=self.entropy_weight,
+                                                  expert_dropout=self.expert_dropout),
+                         hidden_dropout=self.hidden_dropout, init=self.init,
+                         n_layers=self.n_layers)
+
+
+@implements(SigmaMoEConfig)
 class SigmaMoE(MoE):
     """``y = Σ_{e∈E_x} s[e] · W2^e act(W1^e x)`` (seed 001 Eq. 25) with σ-MoE's selection:
     the :class:`MoE` layer with a :class:`~sparseffn.routers.SigmaRouter`, configured by one

@@ -3,13 +3,47 @@
 
 from __future__ import annotations
 
-from ..config import TopKMLPConfig
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..activations import ACTIVATIONS
 from ..init import dense_init_std
+from ..registry import LayerConfig, LayerCost, implements
 from ..routers.activation import TopKActivationRouter
 from ..routing import RoutedFFN
 from ..stores import ValueRows
+from ..validation import require_choice, require_k, require_positive_int
 
 
+@dataclass(frozen=True)
+class TopKMLPConfig(LayerConfig):
+    """The MLP with a top-K activation: only the K largest of ``u = act(W1 x)`` reach W2
+    (seed 001 §3.1, Eq. 13-14)."""
+
+    type_name: ClassVar[str] = "topk"
+
+    d_model: int
+    d_ff: int
+    k: int
+    activation: str = "relu"
+    n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        require_positive_int(self, "d_model")
+        require_positive_int(self, "d_ff")
+        require_positive_int(self, "n_layers")
+        require_k(self, "d_ff")
+        require_choice(self, "activation", ACTIVATIONS)
+
+    def cost(self) -> LayerCost:
+        # All keys are read (Eq. 13 needs the full u); only k value rows are (Eq. 14).
+        flops = 2 * self.d_model * self.d_ff + 2 * self.k * self.d_model
+        return LayerCost(total_params=2 * self.d_model * self.d_ff,
+                         active_params=self.d_model * self.d_ff + self.k * self.d_model,
+                         flops=flops, expert_flops=flops)
+
+
+@implements(TopKMLPConfig)
 class TopKMLP(RoutedFFN):
     """``u = act(W1 x)``; keep the K largest entries (Eq. 13); ``y = Σ_{i∈E_x} u_i v_i``
     (Eq. 14): a :class:`~sparseffn.routers.activation.TopKActivationRouter` (the first layer,

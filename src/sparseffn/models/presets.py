@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import (DenseMLPConfig, FFFConfig, LayerConfig, MoEConfig, PEERConfig, PKMConfig,
-                      SigmaMoEConfig, _largest_fitting)
+                      SigmaMoEConfig)
+from ..layers.product_keys import _largest_fitting
 from ..router_config import GShardRouterConfig, SwitchRouterConfig
 
 

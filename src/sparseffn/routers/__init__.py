@@ -1,45 +1,23 @@
 """Routing rules; each returns a :class:`sparseffn.routing.Routing`.
 
-:func:`build_router` makes the router a :class:`~sparseffn.router_config.RouterConfig`
-describes.
+Each module holds one routing rule: its config (a frozen dataclass registered under a
+``type`` name) and its router class (registered with ``@implements``), so
+:func:`build_router` makes the router a config describes with no table to keep.
 """
 
-from ..router_config import (DenseGateRouterConfig, GShardRouterConfig,
-                             HierarchicalRouterConfig, NoisyTopKRouterConfig, RouterConfig,
-                             SBaseRouterConfig, SigmaRouterConfig, SoftmaxRouterConfig,
-                             SwitchRouterConfig, TreeRouterConfig)
+from ..registry import ROUTERS, RouterConfig, build_router
 from .base import Router
-from .classic import DenseGateRouter, HierarchicalRouter
-from .gshard import GShardRouter, gshard_top2
-from .noisy import NoisyTopKRouter
-from .sbase import SBaseRouter
-from .sigma import SigmaRouter, SoftmaxRouter
-from .switch import SwitchRouter
-from .tree import TreeRouter
+from .classic import DenseGateRouter, DenseGateRouterConfig, HierarchicalRouter, HierarchicalRouterConfig
+from .gshard import GShardRouter, GShardRouterConfig, gshard_top2
+from .noisy import NoisyTopKRouter, NoisyTopKRouterConfig
+from .sbase import SBaseRouter, SBaseRouterConfig
+from .sigma import SigmaRouter, SigmaRouterConfig, SoftmaxRouter, SoftmaxRouterConfig
+from .switch import SwitchRouter, SwitchRouterConfig
+from .tree import TreeRouter, TreeRouterConfig
 
-ROUTERS: dict[type, type] = {
-    SigmaRouterConfig: SigmaRouter,
-    SoftmaxRouterConfig: SoftmaxRouter,
-    NoisyTopKRouterConfig: NoisyTopKRouter,
-    SwitchRouterConfig: SwitchRouter,
-    GShardRouterConfig: GShardRouter,
-    SBaseRouterConfig: SBaseRouter,
-    DenseGateRouterConfig: DenseGateRouter,
-    HierarchicalRouterConfig: HierarchicalRouter,
-    TreeRouterConfig: TreeRouter,
-}
-
-
-def build_router(config: RouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> Router:
-    """The router ``config`` describes, selecting ``k`` of ``num_experts`` experts."""
-    try:
-        cls = ROUTERS[type(config)]
-    except KeyError:
-        raise TypeError(f"no router is registered for {type(config).__name__}") from None
-    return cls(config, d_model, num_experts, k, init=init, n_layers=n_layers)
-
-
-__all__ = ["DenseGateRouter", "GShardRouter", "HierarchicalRouter", "NoisyTopKRouter",
-           "ROUTERS", "Router", "SBaseRouter", "SigmaRouter", "SoftmaxRouter", "SwitchRouter",
-           "TreeRouter", "build_router", "gshard_top2"]
+__all__ = ["DenseGateRouter", "DenseGateRouterConfig", "GShardRouter", "GShardRouterConfig",
+           "HierarchicalRouter", "HierarchicalRouterConfig", "NoisyTopKRouter",
+           "NoisyTopKRouterConfig", "ROUTERS", "Router", "RouterConfig", "SBaseRouter",
+           "SBaseRouterConfig", "SigmaRouter", "SigmaRouterConfig", "SoftmaxRouter",
+           "SoftmaxRouterConfig", "SwitchRouter", "SwitchRouterConfig", "TreeRouter",
+           "TreeRouterConfig", "build_router", "gshard_top2"]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..init import dense_init_std, equal_norm_rows_
-from ..router_config import RouterConfig
+from ..registry import RouterConfig
 from ..routing import Routing
 
 

@@ -4,12 +4,83 @@ gates)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import nn
 
-from ..router_config import DenseGateRouterConfig, HierarchicalRouterConfig
+from ..registry import RouterConfig, implements, require_router_k
 from ..routing import Routing
+from ..validation import require_non_negative, require_positive_int
 from .base import Router, fp32_linear, init_selection_
+
+
+@dataclass(frozen=True)
+
+
+class DenseGateRouterConfig(RouterConfig):
+    """The classic gate (Jacobs et al. 1991; seed 004): ``g = softmax(V [x, 1])`` over all
+    experts, every expert used (the layer's k must equal num_experts).
+
+    margin: Eigen et al.'s deep-MoE rule (seed 004): during training an expert whose running
+      total assignment exceeds the mean of all experts' by more than ``margin`` gets gate 0
+      (the other gates are renormalised). None: off.
+    """
+
+    type_name: ClassVar[str] = "dense_softmax"
+
+    margin: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.margin is not None:
+            require_non_negative(self, "margin")
+
+    def check_layer(self, num_experts: int, k: int) -> None:
+        require_router_k(self, k, num_experts, "every expert")
+
+    def num_params(self, d_model: int, num_experts: int) -> int:
+        return num_experts * (d_model + 1)
+
+
+@dataclass(frozen=True)
+
+
+class HierarchicalRouterConfig(RouterConfig):
+    """The hierarchical mixture's gate (Jordan & Jacobs 1994; seed 004): a tree of softmax
+    gates on ``[x, 1]``, each with ``branching`` children, over ``branching ** depth`` leaf
+    experts; a leaf's weight is the product of the gates on its path
+    (``g_i · g_(j|i) · ...``). Every leaf is used (k must equal num_experts)."""
+
+    type_name: ClassVar[str] = "hierarchical"
+
+    branching: int = 2
+
+    def __post_init__(self) -> None:
+        require_positive_int(self, "branching")
+        if self.branching < 2:
+            raise ValueError(f"HierarchicalRouterConfig.branching must be at least 2, got "
+                             f"{self.branching}")
+
+    def depth(self, num_experts: int) -> int:
+        depth = round(math.log(num_experts, self.branching)) if num_experts > 1 else 0
+        if depth < 1 or self.branching ** depth != num_experts:
+            raise ValueError(f"HierarchicalRouterConfig: num_experts={num_experts} must be a "
+                             f"power of branching={self.branching} (branching ** depth, depth "
+                             f">= 1)")
+        return depth
+
+    def num_gates(self, num_experts: int) -> int:
+        """Internal nodes of the tree, each a softmax over ``branching`` children."""
+        return (num_experts - 1) // (self.branching - 1)
+
+    def check_layer(self, num_experts: int, k: int) -> None:
+        self.depth(num_experts)
+        require_router_k(self, k, num_experts, "every leaf expert")
+
+    def num_params(self, d_model: int, num_experts: int) -> int:
+        return self.num_gates(num_experts) * self.branching * (d_model + 1)
 
 
 def _every_expert(tokens: int, num_experts: int, device) -> torch.Tensor:
@@ -37,6 +108,7 @@ class _AffineGateRouter(Router):
         return fp32_linear(x, self.weight, self.bias)
 
 
+@implements(DenseGateRouterConfig)
 class DenseGateRouter(_AffineGateRouter):
     """``g_i(x) = softmax_i(v_iᵀ [x, 1])`` (Jacobs et al. 1991; seed 004): every expert is
     used with its gate value; the weights sum to one.
@@ -81,6 +153,7 @@ class DenseGateRouter(_AffineGateRouter):
                        weights=gates, stats=stats)
 
 
+@implements(HierarchicalRouterConfig)
 class HierarchicalRouter(_AffineGateRouter):
     """A tree of softmax gates on ``[x, 1]`` (Jordan & Jacobs 1994; seed 004): the root
     chooses among ``branching`` subtrees, each inner node among its own children, down to

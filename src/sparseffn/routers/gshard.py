@@ -3,15 +3,62 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..ops.assignment import count_keys, positions_in_expert
+from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
+from ..validation import require_choice, require_non_negative, require_positive_int
 from .base import LinearRouter, capacity_of
+
+GSHARD_SECOND_EXPERT = ("random", "all")
+
+
+@dataclass(frozen=True)
+
+
+class GShardRouterConfig(RouterConfig):
+    """GShard top-2 gating (Lepikhin et al. 2021; seed 004 Algorithm 1).
+
+    Tokens are split into groups of ``group_size`` (None: the whole batch is one group). In
+    each group every expert has a buffer of
+    ``capacity = ceil(capacity_factor · 2 · group_size / num_experts)`` positions; the first
+    choices fill it in token order, then the second choices, each dispatched only with
+    probability ``min(1, 2 · g2)`` (``second_expert="random"``, during training; at
+    evaluation and with ``"all"`` every second choice is dispatched). ``capacity_factor`` 0 or
+    None: dropless.
+
+    aux_weight: weight of the group auxiliary loss ``(1/E) Σ_e (c_e / S) · m_e`` (line 13).
+    """
+
+    type_name: ClassVar[str] = "gshard"
+
+    capacity_factor: float | None = 1.0
+    group_size: int | None = None
+    second_expert: str = "random"
+    aux_weight: float = 0.01
+
+    def __post_init__(self) -> None:
+        require_capacity_factor(self)
+        if self.group_size is not None:
+            require_positive_int(self, "group_size")
+        require_choice(self, "second_expert", GSHARD_SECOND_EXPERT)
+        require_non_negative(self, "aux_weight")
+
+    def check_layer(self, num_experts: int, k: int) -> None:
+        require_router_k(self, k, 2, "its top-2 experts")
+        if num_experts < 2:
+            raise ValueError(f"GShardRouterConfig needs at least 2 experts, got {num_experts}")
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        return {"gshard": self.aux_weight}
 
 
 @dataclass
+
+
 class Top2Assignment:
     """The result of :func:`gshard_top2` for T tokens.
 
@@ -72,6 +119,7 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
                           aux_loss=aux)
 
 
+@implements(GShardRouterConfig)
 class GShardRouter(LinearRouter):
     """Top-2 gating with per-group expert capacity (see :func:`gshard_top2`).
 

@@ -2,14 +2,54 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from ..losses import cv_squared
 from ..ops.assignment import count_keys
-from ..router_config import NoisyTopKRouterConfig
+from ..registry import RouterConfig, implements
 from ..routing import Routing
+from ..validation import require_bool, require_non_negative
 from .base import Router, fp32_linear, init_selection_
+
+
+@dataclass(frozen=True)
+
+
+class NoisyTopKRouterConfig(RouterConfig):
+    """Shazeer et al. (2017) noisy top-k gating (seed 001 Eq. 27-28, seed 004).
+
+    ``H(x) = W_g x + N(0,1) · softplus(W_noise x)`` during training,
+    ``G(x) = softmax(KeepTopK(H(x), k))``.
+
+    importance_weight: weight of ``CV(importance)²``, importance = Σ_x G(x) (Eq. 28).
+    load_weight: weight of ``CV(load)²``, Shazeer's smooth estimate of the number of tokens
+      per expert (the probability that each expert stays in the top k under new noise).
+    noise_epsilon: added to the noise standard deviation (keeps it positive).
+    train_noise: add the noise during training (never at evaluation).
+    """
+
+    type_name: ClassVar[str] = "noisy_topk"
+
+    importance_weight: float = 0.01
+    load_weight: float = 0.01
+    noise_epsilon: float = 0.01
+    train_noise: bool = True
+
+    def __post_init__(self) -> None:
+        require_non_negative(self, "importance_weight")
+        require_non_negative(self, "load_weight")
+        require_non_negative(self, "noise_epsilon")
+        require_bool(self, "train_noise")
+
+    def num_params(self, d_model: int, num_experts: int) -> int:
+        return 2 * num_experts * d_model      # W_g and W_noise
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        return {"importance": self.importance_weight, "load": self.load_weight}
 
 
 def noisy_topk_load(clean: torch.Tensor, noisy: torch.Tensor, noise_std: torch.Tensor,
@@ -28,6 +68,7 @@ def noisy_topk_load(clean: torch.Tensor, noisy: torch.Tensor, noise_std: torch.T
     return normal.cdf((clean - threshold) / noise_std).sum(0)
 
 
+@implements(NoisyTopKRouterConfig)
 class NoisyTopKRouter(Router):
     """``H(x) = W_g x + N(0,1)·softplus(W_noise x)`` (noise only in training),
     ``G(x) = softmax(KeepTopK(H(x), k))``: the k weights sum to one.

@@ -9,14 +9,61 @@ Used by :class:`~sparseffn.layers.ProductKeyMemory` (the keys index value rows) 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..config import ProductKeySpec
 from ..ops.product_keys import retrieve
 from ..routing import Routing
+
+
+PK_QUERIES = ("identity", "linear")
+PK_QUERY_NORMS = ("batchnorm", "layernorm")
+PEER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class ProductKeySpec:
+    """Product-key retrieval as PKM and PEER use it (seed 001 §3.2, seed 002 §3.2).
+
+    ``heads`` independent retrievals, each of the top ``k`` of ``num_subkeys²`` keys. A head's
+    query has ``key_dim`` units, split into two halves scored against its two sub-key tables
+    of ``num_subkeys`` rows each. ``query``: ``"identity"`` (the input itself, shared by all
+    heads, as seed 001 App. A.3) or ``"linear"`` (a query network ``d_model -> heads ·
+    key_dim``, without bias). ``query_norm``: None, ``"batchnorm"`` (Lample et al.; seed 002's
+    query BatchNorm) or ``"layernorm"`` (each half-query, as ``product-key-memory``). ``score``:
+    how the k retrieved scores become weights (``"softmax"`` over each head's k, ``"relu"``,
+    ``"sigmoid"``).
+    """
+
+    d_model: int
+    num_subkeys: int
+    heads: int
+    k: int
+    key_dim: int
+    query: str
+    query_norm: str | None
+    score: str
+
+    @property
+    def query_width(self) -> int:
+        """Units of the (normalised) query: one shared query, or one per head."""
+        return self.key_dim if self.query == "identity" else self.heads * self.key_dim
+
+    def num_params(self) -> int:
+        """Query network, query norm (two affine vectors) and sub-keys (two tables of
+        ``num_subkeys`` half-keys per head)."""
+        query = self.d_model * self.heads * self.key_dim if self.query == "linear" else 0
+        norm = 2 * self.query_width if self.query_norm else 0
+        return query + norm + self.heads * self.num_subkeys * self.key_dim
+
+    def flops(self) -> int:
+        """Per token: the query network and every sub-key score (the O(√N · d) of retrieval;
+        the k² candidate sums and the top-k are not counted)."""
+        query = 2 * self.d_model * self.heads * self.key_dim if self.query == "linear" else 0
+        return query + 2 * self.heads * self.num_subkeys * self.key_dim
 
 
 class QueryNorm(nn.Module):

@@ -3,15 +3,61 @@ training, sigmoid weighting, plain top-k at inference (seed 001 §4, Eq. 32-33).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ..losses import batch_entropy_loss
 from ..ops.assignment import (capacity_rounding, count_keys, exact_balanced_assignment,
                               sinkhorn_log_plan)
+from ..registry import RouterConfig, implements
 from ..routing import Routing
+from ..validation import require_choice, require_non_negative, require_positive_int
 from .base import LinearRouter
 
+SBASE_ASSIGNMENTS = ("sinkhorn", "exact")
+SBASE_ROUNDINGS = ("topk", "capacity")
 
+
+@dataclass(frozen=True)
+
+
+class SBaseRouterConfig(RouterConfig):
+    """BASE / S-BASE (seed 001 §4, Eq. 32-33): during training, a balanced assignment of the
+    batch's tokens to experts; the selected experts are weighted by ``σ(W x)``; at evaluation
+    plain top-k. Extended to k > 1 (seed 001 Table 4 "S-BASE, K=4").
+
+    assignment: ``"sinkhorn"`` (Clark et al. 2022: Sinkhorn iterations on ``exp(W x)``, then
+      the top-k of the balanced plan), or ``"exact"`` (the linear assignment of Eq. 33, each
+      expert taking at most ``ceil(tokens · k / num_experts)`` tokens; solved with SciPy, for
+      small batches).
+    sinkhorn_iterations: number of row/column normalisations.
+    rounding: how the Sinkhorn plan becomes k experts per token: ``"topk"`` (each token's k
+      largest plan entries, as Clark et al. and seed 001; nearly balanced) or ``"capacity"``
+      (deferred acceptance with at most ``ceil(T·k/E)`` pairs per expert: exactly balanced
+      for k = 1, within a few % for k > 1; slower, see ``ops.assignment.capacity_rounding``).
+    entropy_weight: γ of Eq. 35 (seed 001 regularises S-BASE with it, App. B Table 9).
+    """
+
+    type_name: ClassVar[str] = "sbase"
+
+    assignment: str = "sinkhorn"
+    sinkhorn_iterations: int = 8
+    rounding: str = "topk"
+    entropy_weight: float = 0.001
+
+    def __post_init__(self) -> None:
+        require_choice(self, "assignment", SBASE_ASSIGNMENTS)
+        require_choice(self, "rounding", SBASE_ROUNDINGS)
+        require_positive_int(self, "sinkhorn_iterations")
+        require_non_negative(self, "entropy_weight")
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        return {"entropy": self.entropy_weight}
+
+
+@implements(SBaseRouterConfig)
 class SBaseRouter(LinearRouter):
     """Scores ``sel(x) = σ(W x)`` (Eq. 32). During training the batch's tokens are assigned
     to experts so that every expert gets an equal share: the Sinkhorn plan of ``exp(W x)``

@@ -2,10 +2,69 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
+
 from ..losses import batch_entropy_loss
+from ..registry import RouterConfig, implements
 from ..routing import Routing
+from ..validation import require_bool, require_choice, require_non_negative, require_probability
 from .base import LinearRouter, drop_experts
+
+SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm")
+
+
+@dataclass(frozen=True)
+
+
+class SigmaRouterConfig(RouterConfig):
+    """σ-MoE's selection (seed 001 §5): ``s = σ(W_s x)``, top-k, unnormalised.
+
+    gate: ``"sigmoid"``, or Table 4's ablations ``"softmax"`` (softmax over all experts, then
+      top-k) and ``"softmax_renorm"`` (softmax over the k selected, App. A.1 Eq. 37-39).
+    entropy_weight: γ of the batch-entropy regulariser (Eq. 34-35).
+    expert_dropout: δ of Eq. 36 (per token and expert, during training, no rescaling).
+    """
+
+    type_name: ClassVar[str] = "sigma"
+
+    gate: str = "sigmoid"
+    entropy_weight: float = 0.001
+    expert_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_choice(self, "gate", SIGMA_GATES)
+        require_non_negative(self, "entropy_weight")
+        require_probability(self, "expert_dropout")
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        return {"entropy": self.entropy_weight}
+
+
+@dataclass(frozen=True)
+
+
+class SoftmaxRouterConfig(RouterConfig):
+    """Softmax top-k (seed 001 §3.3, Table 4): ``s = softmax(W x)`` over all experts, then
+    top-k; with ``renormalize`` the k kept scores are renormalised to sum to one
+    (``normtopk``, App. A.1 Eq. 37-39, the same as a softmax over the k selected logits).
+    Regularised with the batch entropy of Eq. 35, as seed 001 does for its softmax variants."""
+
+    type_name: ClassVar[str] = "softmax"
+
+    renormalize: bool = False
+    entropy_weight: float = 0.001
+    expert_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_bool(self, "renormalize")
+        require_non_negative(self, "entropy_weight")
+        require_probability(self, "expert_dropout")
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        return {"entropy": self.entropy_weight}
 
 
 def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, training: bool
@@ -40,6 +99,7 @@ def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, 
     return indices, weights
 
 
+@implements(SigmaRouterConfig)
 class SigmaRouter(LinearRouter):
     """Scores ``s = act(W_s x)`` and keeps the top-k experts per token (see
     :func:`select_topk`); the batch-entropy regulariser (Eq. 34-35) is
@@ -60,6 +120,7 @@ class SigmaRouter(LinearRouter):
                        aux_losses={"entropy": batch_entropy_loss(logits)})
 
 
+@implements(SoftmaxRouterConfig)
 class SoftmaxRouter(SigmaRouter):
     """Softmax top-k (seed 001 §3.3): ``softmax(W x)``, top-k, renormalised over the k or not.
     Regularised like σ-MoE with the batch entropy (Eq. 35)."""

@@ -3,14 +3,61 @@ expert capacity."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ..losses import router_z_loss, switch_balance_loss
-from ..routing import Routing
 from ..ops.assignment import positions_in_expert
+from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
+from ..routing import Routing
+from ..validation import require_non_negative, require_probability
 from .base import LinearRouter, capacity_of, drop_experts
 
 
+@dataclass(frozen=True)
+
+
+class SwitchRouterConfig(RouterConfig):
+    """Switch Transformer routing (Fedus et al. 2022; seeds 001 §4, 002, 004).
+
+    Top-1 after the softmax, not renormalised; each expert takes at most
+    ``capacity = ceil(capacity_factor · tokens / num_experts)`` tokens, in token order; the
+    rest are dropped (their expert output is zero, the residual carries them).
+    ``capacity_factor`` 0 or None: dropless.
+
+    balance_weight: weight of ``N_E · f·p`` (seed 001 Eq. 29-31); Switch uses 0.01.
+    z_loss_weight: weight of the router z-loss ``mean(logsumexp(logits)²)`` (ST-MoE); 0: off.
+    expert_dropout: seed 001's expert dropout (Eq. 36) applied to the selection; the other
+      choice, Switch's high dropout inside the experts, is the layer's ``hidden_dropout``.
+    jitter: multiply the router input by U(1-jitter, 1+jitter) during training (Switch's
+      "input jitter"); 0: off.
+    """
+
+    type_name: ClassVar[str] = "switch"
+
+    capacity_factor: float | None = 1.25
+    balance_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    expert_dropout: float = 0.0
+    jitter: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_capacity_factor(self)
+        require_non_negative(self, "balance_weight")
+        require_non_negative(self, "z_loss_weight")
+        require_probability(self, "expert_dropout")
+        require_probability(self, "jitter")
+
+    def check_layer(self, num_experts: int, k: int) -> None:
+        require_router_k(self, k, 1, "one expert (top-1)")
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        return {"balance": self.balance_weight, "z_loss": self.z_loss_weight}
+
+
+@implements(SwitchRouterConfig)
 class SwitchRouter(LinearRouter):
     """``p = softmax(W x)``; each token goes to ``argmax p`` with weight ``p[e]`` (no
     renormalisation). Each expert takes at most ``capacity = ceil(capacity_factor · T / E)``

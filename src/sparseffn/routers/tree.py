@@ -4,15 +4,118 @@ distribution in any formulation, top-k leaves, and greedy hard descent."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..ops import fff
-from ..router_config import TreeRouterConfig, tree_depth
+from ..ops.fff import SOFT_FORMULATIONS, TREE_ACTIVATIONS
+from ..registry import RouterConfig, implements
 from ..routing import Routing
+from ..validation import matrix_tuple, require_bool, require_choice, require_positive_int
 from .base import Router, init_selection_
+
+TREE_FORMULATIONS = ("auto",) + SOFT_FORMULATIONS
+TREE_INITS = ("fff", "layer")
+
+
+def tree_depth(num_leaves: int, owner: str) -> int:
+    """d for ``num_leaves = 2^d`` leaves (d >= 1); ValueError otherwise."""
+    depth = int(num_leaves).bit_length() - 1 if isinstance(num_leaves, int) else -1
+    if depth < 1 or (1 << depth) != num_leaves:
+        raise ValueError(f"{owner}: a binary tree has 2^depth leaves (depth >= 1), so "
+                         f"num_experts must be a power of two >= 2, got {num_leaves}")
+    return depth
+
+
+@dataclass(frozen=True)
+
+
+class TreeRouterConfig(RouterConfig):
+    """A fast feed-forward tree (Belcak & Wattenhofer; seeds 003 and 000) over
+    ``num_experts = 2^depth`` leaf experts: ``2^depth - 1`` nodes with logits ``z = W x + b``,
+    leaf probabilities ``R = softmax(T a(S z))`` (seed 003 Eq. 9), then top-k.
+
+    activation: ``a``: ``"logsigmoid"`` (the original FFF, Eq. 8: R is the product of the
+      sigmoids on the path), ``"softplus"`` (seed 003's default), ``"linear"``, ``"relu"``,
+      ``"gelu"`` (seed 003 §2.3).
+    formulation: how R is computed (all give the same R; see :mod:`sparseffn.ops.fff`):
+      ``"orig"``, ``"logs"``, ``"matrix"``, ``"matrix_sparse"``, ``"levelwise"`` or
+      ``"auto"`` (levelwise).
+    node_width: 1: each node is one neuron, ``z_n = w_n·x + b_n`` (as in the
+      ``fastfeedforward`` package and seed 003's router benchmark); h > 1: each node is a small
+      MLP with h hidden ReLU units and one output (seed 003 §3.1 uses 8 or 16).
+    bias: node biases.
+    renormalize: rescale the k selected leaf probabilities to sum to one.
+    t_matrix, s_matrix: explicit T [E, m] and S [m, n] of Eq. 9 instead of the tree's (the
+      router then has n nodes and ``formulation`` must be ``"matrix"`` or ``"auto"``);
+      ``T = S = I`` with ``activation="linear"`` is the softmax MoE router.
+    init: ``"fff"``: uniform ±1/sqrt(d_model) for the node weights and biases, as in the
+      ``fastfeedforward`` package; ``"layer"``: the layer's init scheme for the weights and zero
+      biases.
+    """
+
+    type_name: ClassVar[str] = "tree"
+
+    activation: str = "logsigmoid"
+    formulation: str = "auto"
+    node_width: int = 1
+    bias: bool = True
+    renormalize: bool = False
+    t_matrix: Any = None
+    s_matrix: Any = None
+    init: str = "fff"
+
+    def __post_init__(self) -> None:
+        require_choice(self, "activation", TREE_ACTIVATIONS)
+        require_choice(self, "formulation", TREE_FORMULATIONS)
+        require_positive_int(self, "node_width")
+        require_bool(self, "bias")
+        require_bool(self, "renormalize")
+        require_choice(self, "init", TREE_INITS)
+        object.__setattr__(self, "t_matrix", matrix_tuple(self, "t_matrix"))
+        object.__setattr__(self, "s_matrix", matrix_tuple(self, "s_matrix"))
+        if (self.t_matrix is None) != (self.s_matrix is None):
+            raise ValueError("TreeRouterConfig: give both t_matrix and s_matrix, or neither")
+        if self.explicit:
+            if len(self.t_matrix[0]) != len(self.s_matrix):
+                raise ValueError(f"TreeRouterConfig: t_matrix has {len(self.t_matrix[0])} "
+                                 f"columns but s_matrix has {len(self.s_matrix)} rows")
+            if self.formulation not in ("auto", "matrix"):
+                raise ValueError(f"TreeRouterConfig: explicit t_matrix/s_matrix need "
+                                 f"formulation 'matrix' (or 'auto'), got {self.formulation!r}")
+            if self.node_width != 1:
+                raise ValueError("TreeRouterConfig: explicit t_matrix/s_matrix need node_width=1")
+
+    @property
+    def explicit(self) -> bool:
+        """True when T and S are given rather than the tree's."""
+        return self.t_matrix is not None
+
+    def num_nodes(self, num_experts: int) -> int:
+        return len(self.s_matrix[0]) if self.explicit else num_experts - 1
+
+    def check_layer(self, num_experts: int, k: int) -> None:
+        if self.explicit:
+            if len(self.t_matrix) != num_experts:
+                raise ValueError(f"TreeRouterConfig: t_matrix has {len(self.t_matrix)} rows "
+                                 f"but the layer has num_experts={num_experts}")
+        else:
+            tree_depth(num_experts, "TreeRouterConfig")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"TreeRouterConfig: k must be in [1, num_experts={num_experts}], "
+                             f"got {k}")
+
+    def num_params(self, d_model: int, num_experts: int) -> int:
+        nodes, h = self.num_nodes(num_experts), self.node_width
+        if h == 1:
+            return nodes * (d_model + int(self.bias))
+        # hidden layer (weights + biases) and the output neuron (weights + bias)
+        return nodes * (h * d_model + h + h + int(self.bias))
+
 
 # Depths whose node logits are computed with the weight padded to 2^d rows: a GEMM with
 # 2^d - 1 output columns measured up to 1.6x slower than with 2^d at d = 6-7 (2 cores, MKL);
@@ -20,6 +123,7 @@ from .base import Router, init_selection_
 _PADDED_DEPTHS = range(6, 11)
 
 
+@implements(TreeRouterConfig)
 class TreeRouter(Router):
     """``R = softmax(T a(S z))`` over ``num_experts = 2^depth`` leaves (seed 003 Eq. 9), then
     the top-k leaves with their probabilities as weights.

@@ -1,0 +1,168 @@
+"""The registries of routers and layers, the base classes of their configs, and the functions
+that build a router or a layer from its config.
+
+Every config is a frozen dataclass with a ``type_name``; defining one registers it under that
+name (so ``config_from_dict`` / ``router_config_from`` can read it back from a dict, JSON or
+TOML). Its module class registers itself with :func:`implements`::
+
+    @dataclass(frozen=True)
+    class MyRouterConfig(RouterConfig):
+        type_name: ClassVar[str] = "mine"
+        ...
+
+    @implements(MyRouterConfig)
+    class MyRouter(LinearRouter):
+        ...
+
+so :func:`build_router` and :func:`build_layer` need no second table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+from .validation import from_typed_dict
+
+
+def implements(config_cls: type) -> Callable[[type], type]:
+    """Class decorator: the decorated router or layer is what ``config_cls`` builds."""
+    def register(module_cls: type) -> type:
+        config_cls.module_class = module_cls
+        return module_cls
+    return register
+
+
+# ---------------------------------------------------------------------------------------------
+# Routers
+
+class RouterConfig:
+    """Mixin for router configs: dict round trip under a registered ``type`` name."""
+
+    type_name: ClassVar[str]
+    module_class: ClassVar[type]
+    _registry: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        RouterConfig._registry[cls.type_name] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type_name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+    def check_layer(self, num_experts: int, k: int) -> None:
+        """Raise ValueError if this router cannot select ``k`` of ``num_experts`` experts."""
+
+    def num_params(self, d_model: int, num_experts: int) -> int:
+        """Parameters of the selection network."""
+        return num_experts * d_model
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        """The weight of each auxiliary loss the router records."""
+        return {}
+
+
+ROUTERS = RouterConfig._registry
+"""Router config classes by type name (every router module adds its own)."""
+
+
+def router_config_from(value: Any) -> RouterConfig:
+    """A router config from a config object, a dict with ``type`` or a bare type name."""
+    if isinstance(value, RouterConfig):
+        return value
+    if isinstance(value, str):
+        value = {"type": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"router must be a router config, a dict with 'type' or a router "
+                         f"name, got {value!r}")
+    return from_typed_dict(RouterConfig._registry, value, "router")
+
+
+def build_router(config: RouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1):
+    """The router ``config`` describes, selecting ``k`` of ``num_experts`` experts."""
+    cls = getattr(type(config), "module_class", None)
+    if cls is None:
+        raise TypeError(f"no router is registered for {type(config).__name__}")
+    return cls(config, d_model, num_experts, k, init=init, n_layers=n_layers)
+
+
+def require_router_k(config: RouterConfig, k: int, allowed: int, why: str) -> None:
+    if k != allowed:
+        raise ValueError(f"{type(config).__name__} routes every token to {why}: the layer's k "
+                         f"must be {allowed}, got k={k}")
+
+
+def require_capacity_factor(config: object) -> None:
+    value = getattr(config, "capacity_factor")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{type(config).__name__}.capacity_factor must be a non-negative number "
+                         f"(0 or None: dropless), got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs, counted from its config.
+
+    total_params: every parameter of the layer.
+    active_params: parameters a single token reads in the forward pass.
+    flops: forward FLOPs per token (a multiply-add is 2 FLOPs; activations, sorting and
+      other elementwise work are not counted).
+    expert_flops: the part of ``flops`` spent in the experts / value rows, i.e. without the
+      selection network; Csordás et al. 2023 (arXiv:2310.10837) Table 7 reports
+      ``expert_flops`` relative to dense.
+    """
+
+    total_params: int
+    active_params: int
+    flops: int
+    expert_flops: int
+
+
+class LayerConfig:
+    """Mixin for layer configs: dict/JSON round trip under a registered ``type`` name."""
+
+    type_name: ClassVar[str]
+    module_class: ClassVar[type]
+    _registry: ClassVar[dict[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        LayerConfig._registry[cls.type_name] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type_name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def cost(self) -> LayerCost:
+        raise NotImplementedError
+
+    def replace(self, **changes: Any):
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+LAYERS = LayerConfig._registry
+"""Layer config classes by type name (every layer module adds its own)."""
+
+
+def config_from_dict(data: dict[str, Any]) -> LayerConfig:
+    """Build the config a ``to_dict()`` produced; unknown types and fields are errors."""
+    return from_typed_dict(LayerConfig._registry, data, "config")
+
+
+def build_layer(config: LayerConfig):
+    """The layer a config describes."""
+    cls = getattr(type(config), "module_class", None)
+    if cls is None:
+        raise TypeError(f"no layer is registered for {type(config).__name__}")
+    return cls(config)
