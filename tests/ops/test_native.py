@@ -5,7 +5,7 @@ import torch
 
 from tests.conftest import require_native
 from tests.ops.reference import cvmm_reference
-from sparseffn.ops import DispatchPlan, cvmm, native
+from sparseffn.ops import DispatchPlan, cvmm, expert_mlp, native
 
 
 @pytest.fixture(autouse=True)
@@ -132,16 +132,61 @@ def test_cvmm_takes_the_fused_path_for_float32_cpu(monkeypatch):
     torch.testing.assert_close(out, cvmm_reference(x.detach(), indices, weight.detach()))
 
 
-def test_deterministic_mode_uses_the_pytorch_path(monkeypatch):
-    monkeypatch.setattr(native, "cvmm_rows", lambda *a, **k: pytest.fail("fused path taken"))
-    indices = torch.randint(0, 3, (5, 2))
-    x, weight = torch.randn(5, 4), torch.randn(3, 4, 6)
-    torch.use_deterministic_algorithms(True)
+def _mixture_step(threads: int, deterministic: bool):
+    """Outputs and every gradient of a ReLU expert mixture step on the fused kernels."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
     try:
-        out = cvmm(x, DispatchPlan.build(indices, 3), weight)
+        gen = torch.Generator().manual_seed(0)
+        T, k, E, d, G = 300, 4, 5, 24, 16
+        indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+        x = torch.randn(T, d, generator=gen, requires_grad=True)
+        w1 = torch.randn(E, G, d, generator=gen, requires_grad=True)
+        w2 = torch.randn(E, G, d, generator=gen, requires_grad=True)
+        gates = torch.rand(T, k, generator=gen, requires_grad=True)
+        y = expert_mlp(x, DispatchPlan.build(indices, E), w1, w2, gates)
+        y.backward(torch.randn(y.shape, generator=gen))
+        return [y.detach()] + [t.grad for t in (x, w1, w2, gates)]
     finally:
+        torch.set_num_threads(previous)
         torch.use_deterministic_algorithms(False)
-    torch.testing.assert_close(out, cvmm_reference(x, indices, weight))
+
+
+def test_deterministic_mode_keeps_the_fused_kernels_and_is_thread_independent(monkeypatch):
+    require_native()
+    calls = []
+    original = native.cvmm_rows
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(native, "cvmm_rows", counting)
+    one, two, again = (_mixture_step(1, True), _mixture_step(2, True), _mixture_step(2, True))
+    assert calls, "deterministic mode left the fused kernels"
+    for a, b, c in zip(one, two, again):
+        assert torch.equal(a, b) and torch.equal(b, c)     # bitwise, any thread count
+    fast = _mixture_step(2, False)                           # the same numbers, up to rounding
+    for a, b in zip(fast, two):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_weight_gradient_is_the_same_for_any_thread_count():
+    require_native()
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.tensor([700, 0, 50, 1300, 3])
+    a = torch.randn(int(counts.sum()), 33, generator=gen)
+    b = torch.randn(int(counts.sum()), 17, generator=gen)
+    scale = torch.rand(int(counts.sum()), generator=gen)
+    results = []
+    for threads in (1, 2, 3):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            results.append(native.weight_grad(a, b, counts, scale=scale))
+        finally:
+            torch.set_num_threads(previous)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[1], results[2])
 
 
 def test_bad_arguments_raise_clear_errors():

@@ -12,6 +12,11 @@ None of them reads a tensor on the host on its way in: counts and offsets arrive
 operator when ``torch._grouped_mm`` cannot take the problem; that is invisible to the
 compiler, and on a GPU it is one synchronisation.)
 
+On CPU every operator gives the same result for any thread count and schedule, with one
+exception: ``cvmm_rows`` scattering several rows onto one output row adds them in thread order;
+under ``torch.use_deterministic_algorithms(True)`` it computes the sorted rows with the kernel
+and sums them in row order instead (one extra [rows, n] buffer while it runs).
+
 Rows are *expert-sorted*: row r of a product belongs to expert e(r), rows
 ``[offset_{e-1}, offset_e)`` to expert e, with ``offset_e = Σ_{i<=e} counts[i]``. The first
 ``D = Σ counts`` rows are computed; any row after them (a pair dropped at an expert's
@@ -42,9 +47,9 @@ from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows
 _LIB = "sparseffn"
 
 
-def _fused(*tensors: Optional[Tensor], deterministic: bool = False) -> bool:
+def _fused(*tensors: Optional[Tensor]) -> bool:
     """True when the C kernels take these tensors (CPU float32, built, allowed)."""
-    return native.usable(*tensors, deterministic=deterministic)
+    return native.usable(*tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +93,12 @@ def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, rel
     rows = _num_sorted_rows(src, in_idx, out_idx)
     done = int(counts.sum())               # a CPU tensor: no synchronisation
     cut = (lambda t: t if t is None else t[:done]) if done != rows else (lambda t: t)
+    if out_idx is not None and out_rows < rows and torch.are_deterministic_algorithms_enabled():
+        # Several rows land on one output row, and the kernel adds them in thread order. Under
+        # deterministic algorithms: the sorted rows from the kernel, then summed in row order.
+        ys, dots = _cvmm_rows_native(src, weight, counts, in_idx, None, scale, rows, False, None,
+                                     dot_with)
+        return _sum_rows_in_order(ys, out_idx, out_rows), dots
     result = native.cvmm_rows(src, weight, counts, in_idx=cut(in_idx), out_idx=cut(out_idx),
                               scale=cut(scale), out_rows=out_rows if out_idx is not None else None,
                               dot_with=cut(dot_with), relu=relu, mask_with=cut(mask_with))
@@ -97,6 +108,20 @@ def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, rel
     if dot_with is not None and done != rows:
         dots = torch.cat((dots, dots.new_zeros(rows - done)))
     return out, dots
+
+
+def _sum_rows_in_order(rows: Tensor, out_idx: Tensor, out_rows: int) -> Tensor:
+    """``out[i] = Σ_{r: out_idx[r] = i} rows[r]``, each sum taken in row order (deterministic).
+
+    When every output row receives the same number of rows (a token's k slots: rows of
+    dropped pairs are zero and still listed), the rows are grouped by a stable sort and summed
+    by the gathered-row kernel, in parallel over output rows; otherwise ``index_add_``."""
+    per = rows.shape[0] // out_rows if out_rows else 0
+    if per and per * out_rows == rows.shape[0] and bool(
+            (torch.bincount(out_idx, minlength=out_rows) == per).all()):
+        groups = torch.sort(out_idx, stable=True).indices.view(out_rows, per)
+        return native.gather_sum(groups, rows.new_ones(out_rows, per), rows)
+    return rows.new_zeros(out_rows, rows.shape[1]).index_add_(0, out_idx, rows)
 
 
 def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, relu, mask_with,
@@ -139,7 +164,7 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
     ``A_r = scale[r] · a_src[a_idx[r]]`` [ma] and ``B_r = b_src[b_idx[r]]`` [nb].
 
     Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix."""
-    if _fused(a_src, b_src, scale):
+    if _fused(a_src, b_src, scale):   # summed in a fixed order
         rows = _num_sorted_rows(a_src, a_idx, b_idx)
         done = int(counts.sum())
         cut = (lambda t: t if t is None else t[:done]) if done != rows else (lambda t: t)
@@ -175,7 +200,7 @@ def _chunks(rows: int, per_row: int):
 @torch.library.custom_op(f"{_LIB}::gather_dot", mutates_args=())
 def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: int64 [T, m]."""
-    if _fused(x, table, deterministic=True):
+    if _fused(x, table):
         return native.gather_dot(x, table, idx)
     out = x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
     for part in _chunks(idx.shape[0], idx.shape[1] * table.shape[1]):
@@ -194,7 +219,7 @@ def _(x, table, idx):
 def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``. idx, weights: [T, m]; table: [N, d];
     returns [T, d] in the table's dtype."""
-    if _fused(weights, table, deterministic=True):
+    if _fused(weights, table):
         return native.gather_sum(idx, weights, table)
     if idx.shape[0] == 0:
         return table.new_zeros(0, table.shape[1])
@@ -213,7 +238,7 @@ def _(idx, weights, table):
 def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Tensor:
     """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, a dense [num_rows, d]
     with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]."""
-    if _fused(weights, src, deterministic=True):
+    if _fused(weights, src):
         return native.scatter_rows(idx, weights, src, num_rows)
     out = src.new_zeros(num_rows, src.shape[1])
     for part in _chunks(idx.shape[0], idx.shape[1] * src.shape[1]):
@@ -234,7 +259,7 @@ def _(idx, weights, src, num_rows):
 def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of ``scores`` [R, n], ordered by (value desc, index
     asc): (values [R, k], int64 indices [R, k]). A row holding NaN raises a ValueError."""
-    if _fused(scores, deterministic=True):
+    if _fused(scores):
         return native.topk_rows(scores, k)
     if torch.isnan(scores).any():
         raise ValueError("topk_lowest_index: scores contain NaN")
@@ -260,7 +285,7 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
     """The top k of ``scores_a[r, i] + scores_b[r, j]`` over all (i, j), index ``i + n_a·j``,
     ordered by (sum desc, index asc) (Lample et al. 2019, Eq. 15 of Csordás et al. 2023).
     scores_a: [R, n_a]; scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k])."""
-    if _fused(scores_a, scores_b, deterministic=True):
+    if _fused(scores_a, scores_b):
         return native.product_key_topk(scores_a, scores_b, k)
     rows, n_a = scores_a.shape
     n_b = scores_b.shape[1]

@@ -9,182 +9,24 @@ level-by-level expansion of fast feed-forward trees and their greedy descent (op
 ``rows_cpu.c`` holds the gathered-row products of single-row tables and the product-key top-k
 (ops/rows.py, ops/product_keys.py).
 
-The shared library is built with the system C compiler (``$CC`` or ``cc``) the first time a
-fused kernel is asked for, into ``$SPARSEFFN_CACHE_DIR`` (default
-``~/.cache/sparseffn``), keyed by a hash of the source, the flags and the machine. When
-there is no compiler, the build fails, or PyTorch exports no ``sgemm_``, :func:`available`
-returns False (the reason is in :func:`unavailable_reason`) and CVMM runs its pure-PyTorch
-path, which computes the same thing. ``SPARSEFFN_NO_NATIVE=1`` turns the kernels off.
+The package is three modules: :mod:`.build` compiles and loads the library, :mod:`.abi`
+declares every C function from one table and checks every return code, and this module wraps
+them for tensors, checking what the C code assumes (CPU, float32, strides). The operators of
+:mod:`sparseffn.ops.kernels` call these wrappers; nothing else should.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c", "rows_cpu.c")]
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None
-_enabled = True
+from .abi import call
+from .build import _load, available, native_enabled, set_native_enabled, unavailable_reason
 
-
-def set_native_enabled(enabled: bool) -> None:
-    """Allow (True) or forbid (False) the fused CPU kernels in this process."""
-    global _enabled
-    _enabled = enabled
-
-
-def native_enabled() -> bool:
-    return _enabled and not os.environ.get("SPARSEFFN_NO_NATIVE")
-
-
-def available() -> bool:
-    """True when the fused kernels are built and loaded (building them if needed)."""
-    if not native_enabled():
-        return False
-    return _load() is not None
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`available` is False, or None."""
-    if not native_enabled():
-        return "disabled (set_native_enabled(False) or SPARSEFFN_NO_NATIVE)"
-    _load()
-    return _reason
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("SPARSEFFN_CACHE_DIR")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sparseffn"
-
-
-def _machine_tag() -> str:
-    """The CPU the library is built for (-march=native makes it machine specific)."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    model += line
-    except OSError:
-        pass
-    return model
-
-
-def _compile(compiler: str, flags: list[str], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        cmd = [compiler, *flags, *map(str, _SOURCES), "-o", str(tmp_out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{proc.stderr.strip()[-2000:]}")
-        os.replace(tmp_out, out)   # atomic: concurrent builders never see half a file
-
-
-def _find_blas() -> tuple[int, int | None]:
-    """Addresses of the Fortran ``sgemm_`` PyTorch uses and MKL's per-thread thread count."""
-    lib_dir = Path(torch.__file__).parent / "lib"
-    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "libtorch.so"):
-        path = lib_dir / name
-        if not path.exists():
-            continue
-        lib = ctypes.CDLL(str(path))
-        try:
-            sgemm = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
-        except AttributeError:
-            continue
-        try:
-            local = ctypes.cast(lib.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value
-        except AttributeError:
-            local = None
-        return sgemm, local
-    raise RuntimeError("this PyTorch build exports no BLAS sgemm_")
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _reason
-    if _lib is not None or _reason is not None:
-        return _lib
-    with _lock:
-        if _lib is not None or _reason is not None:
-            return _lib
-        if not sys.platform.startswith("linux"):   # not an error: the PyTorch path runs
-            _reason = "the fused kernels are built on Linux only"
-            return None
-        try:
-            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            if not compiler:
-                raise RuntimeError("no C compiler found (set CC or install gcc)")
-            flags = [*_FLAGS, "-march=native"] if platform.machine() in ("x86_64", "AMD64") \
-                else list(_FLAGS)
-            key = hashlib.sha256(
-                b"".join(src.read_bytes() for src in _SOURCES)
-                + repr((flags, compiler, _machine_tag())).encode()
-            ).hexdigest()[:16]
-            name = f"sparseffn_cpu-{key}.so"
-            path = _cache_dir() / name
-            if not path.exists():
-                try:
-                    _compile(compiler, flags, path)
-                except OSError:   # cache dir not writable: build into the temp dir instead
-                    path = Path(tempfile.gettempdir()) / f"sparseffn-{os.getuid()}" / name
-                    if not path.exists():
-                        _compile(compiler, flags, path)
-            sgemm, local = _find_blas()
-            lib = ctypes.CDLL(str(path))
-            _declare(lib)
-            lib.sf_init(ctypes.c_void_p(sgemm), ctypes.c_void_p(local) if local else None)
-            _lib = lib
-        except (OSError, RuntimeError) as err:
-            _reason = str(err)
-            warnings.warn(f"sparseffn: fused CPU kernels unavailable, using the PyTorch path "
-                          f"({_reason})", RuntimeWarning, stacklevel=3)
-    return _lib
-
-
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.sf_init.argtypes = [_P, _P]
-    lib.sf_init.restype = None
-    lib.sf_cvmm.argtypes = [_P, _I64, _P, _P, _I64, _INT, _INT, _P, _INT, _INT, _INT, _P, _I64,
-                            _P, _P, _P, _P, _INT, _P, _INT, _INT]
-    lib.sf_weight_grad.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _P,
-                                   _INT, _INT]
-    lib.sf_fff_expand.argtypes = [_P, _I64, _P, _I64, _I64, _INT, _INT, _P, _INT]
-    lib.sf_fff_expand_backward.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT, _P,
-                                           _INT]
-    lib.sf_fff_descend.argtypes = [_P, _I64, _P, _I64, _P, _I64, _INT, _INT, _P, _INT]
-    lib.sf_gather_dot.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _INT]
-    lib.sf_gather_sum.argtypes = [_P, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _INT]
-    lib.sf_scatter_rows.argtypes = [_P, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _INT]
-    lib.sf_topk_rows.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _INT]
-    lib.sf_pk_topk.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT]
-    for fn in (lib.sf_cvmm, lib.sf_weight_grad, lib.sf_fff_expand, lib.sf_fff_expand_backward,
-               lib.sf_fff_descend, lib.sf_gather_dot, lib.sf_gather_sum, lib.sf_scatter_rows,
-               lib.sf_topk_rows, lib.sf_pk_topk):
-        fn.restype = _INT
-
+__all__ = ["available", "cvmm_rows", "fff_descend", "fff_expand", "fff_expand_backward",
+           "gather_dot", "gather_sum", "native_enabled", "product_key_topk", "scatter_rows",
+           "set_native_enabled", "topk_rows", "unavailable_reason", "usable", "weight_grad"]
 
 # ---------------------------------------------------------------------------------------------
 # Tensor-level wrappers. They check what the C code assumes (CPU, fp32, rows with unit column
@@ -216,13 +58,12 @@ def _chunk(width: int) -> int:
     return max(16, min(1024, _CHUNK_BYTES // (4 * max(width, 1))))
 
 
-def usable(*tensors: torch.Tensor | None, deterministic: bool = False) -> bool:
-    """True when the fused kernels are available and can take these tensors: CPU float32,
-    and deterministic algorithms not requested (the CVMM kernels add rows in thread order).
-    ``deterministic=True`` is for kernels whose results do not depend on threads (rows_cpu.c):
-    they stay on under ``torch.use_deterministic_algorithms``."""
-    if not deterministic and torch.are_deterministic_algorithms_enabled():
-        return False
+def usable(*tensors: torch.Tensor | None) -> bool:
+    """True when the fused kernels are available and can take these tensors: CPU float32.
+
+    Every kernel gives the same result for any thread count and schedule, except a
+    ``cvmm_rows`` scatter of several rows onto one output row (the operator
+    ``sparseffn::cvmm_rows`` handles that case under deterministic algorithms)."""
     for t in tensors:
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
             return False
@@ -320,10 +161,10 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     dots = src.new_empty(num_rows) if dot_with is not None else None
     out = src.new_empty(out_rows, n)
     if num_rows and n:
-        lib.sf_cvmm(src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se, ld, trans,
-                    counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
-                    _ptr(scale), _ptr(dot_with), _ptr(dots), int(relu), _ptr(mask_with),
-                    torch.get_num_threads(), _chunk(max(m, n)))
+        call(lib, "sf_cvmm", src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se,
+                  ld, trans, counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
+                  _ptr(scale), _ptr(dot_with), _ptr(dots), int(relu), _ptr(mask_with),
+                  torch.get_num_threads(), _chunk(max(m, n)))
     else:
         out.zero_()
         if dots is not None:
@@ -343,9 +184,9 @@ def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
     scale = None if scale is None else scale.to(torch.float32).contiguous()
     E, ma, nb = counts.shape[0], a_src.shape[1], b_src.shape[1]
     out = a_src.new_empty(E, ma, nb)
-    lib.sf_weight_grad(a_src.data_ptr(), a_src.stride(0), _ptr(a_idx), _ptr(scale),
-                       b_src.data_ptr(), b_src.stride(0), _ptr(b_idx), counts.data_ptr(), E,
-                       ma, nb, out.data_ptr(), torch.get_num_threads(), _chunk(ma + nb))
+    call(lib, "sf_weight_grad", a_src.data_ptr(), a_src.stride(0), _ptr(a_idx), _ptr(scale),
+              b_src.data_ptr(), b_src.stride(0), _ptr(b_idx), counts.data_ptr(), E, ma, nb,
+              out.data_ptr(), torch.get_num_threads(), _chunk(ma + nb))
     return out
 
 
@@ -359,11 +200,6 @@ def _unit_rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def _check(status: int, what: str) -> None:
-    if status:
-        raise MemoryError(f"sparseffn: {what} could not allocate its scratch rows")
-
-
 def fff_expand(node_values: torch.Tensor, depth: int, mode: int,
                node_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Leaf values [T, 2^depth] from node values [T, 2^depth - 1], level by level (modes in
@@ -375,9 +211,9 @@ def fff_expand(node_values: torch.Tensor, depth: int, mode: int,
     z = None if node_logits is None else _unit_rows("node_logits", node_logits, nodes)
     out = a.new_empty(a.shape[0], 1 << depth)
     if a.shape[0]:
-        _check(lib.sf_fff_expand(a.data_ptr(), a.stride(0), _ptr(z), 0 if z is None else z.stride(0),
-                                 a.shape[0], depth, mode, out.data_ptr(), torch.get_num_threads()),
-               "fff_expand")
+        call(lib, "sf_fff_expand", a.data_ptr(), a.stride(0), _ptr(z),
+                  0 if z is None else z.stride(0), a.shape[0], depth, mode, out.data_ptr(),
+                  torch.get_num_threads())
     return out
 
 
@@ -392,10 +228,9 @@ def fff_expand_backward(grad_leaf: torch.Tensor, leaf: torch.Tensor | None,
     d = None if node_data is None else _unit_rows("node_data", node_data, nodes)
     out = g.new_empty(g.shape[0], nodes)
     if g.shape[0]:
-        _check(lib.sf_fff_expand_backward(
-            g.data_ptr(), g.stride(0), _ptr(leaf), 0 if leaf is None else leaf.stride(0),
-            _ptr(d), 0 if d is None else d.stride(0), g.shape[0], depth, mode, out.data_ptr(),
-            torch.get_num_threads()), "fff_expand_backward")
+        call(lib, "sf_fff_expand_backward", g.data_ptr(), g.stride(0), _ptr(leaf),
+                  0 if leaf is None else leaf.stride(0), _ptr(d), 0 if d is None else d.stride(0),
+                  g.shape[0], depth, mode, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -412,17 +247,15 @@ def fff_descend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bias = None if bias is None else bias.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
-        lib.sf_fff_descend(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
-                           _ptr(bias), x.shape[0], x.shape[1], depth, out.data_ptr(),
-                           torch.get_num_threads())
+        call(lib, "sf_fff_descend", x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+                  _ptr(bias), x.shape[0], x.shape[1], depth, out.data_ptr(),
+                  torch.get_num_threads())
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Single-row tables (rows_cpu.c). A pair (t, j) reads row idx[t, j] of a table [N, d]. These
-# kernels are deterministic (each output element is summed by one thread in a fixed order), so
-# unlike CVMM they stay on under torch.use_deterministic_algorithms: callers check
-# usable(..., deterministic=True).
+# Single-row tables (rows_cpu.c). A pair (t, j) reads row idx[t, j] of a table [N, d]. Each
+# output element is summed by one thread in a fixed order.
 
 def _pairs(idx: torch.Tensor) -> torch.Tensor:
     if idx.dim() != 2:
@@ -436,9 +269,9 @@ def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch
     x, table, idx = _rows("x", x), _rows("table", table), _pairs(idx)
     out = x.new_empty(idx.shape)
     if out.numel():
-        lib.sf_gather_dot(x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
-                          idx.data_ptr(), idx.shape[0], idx.shape[1], x.shape[1], out.data_ptr(),
-                          torch.get_num_threads())
+        call(lib, "sf_gather_dot", x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
+                  idx.data_ptr(), idx.shape[0], idx.shape[1], x.shape[1], out.data_ptr(),
+                  torch.get_num_threads())
     return out
 
 
@@ -449,9 +282,9 @@ def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) ->
     weights = weights.to(torch.float32).contiguous()
     out = table.new_empty(idx.shape[0], table.shape[1])
     if idx.shape[0]:
-        lib.sf_gather_sum(idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
-                          table.data_ptr(), table.stride(0), table.shape[1], out.data_ptr(),
-                          out.stride(0), torch.get_num_threads())
+        call(lib, "sf_gather_sum", idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
+                  table.data_ptr(), table.stride(0), table.shape[1], out.data_ptr(), out.stride(0),
+                  torch.get_num_threads())
     return out
 
 
@@ -463,9 +296,9 @@ def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
     idx, src = _pairs(idx), _rows("src", src)
     weights = weights.to(torch.float32).contiguous()
     out = src.new_empty(num_rows, src.shape[1])
-    _check(lib.sf_scatter_rows(idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
-                               src.data_ptr(), src.stride(0), num_rows, src.shape[1],
-                               out.data_ptr(), torch.get_num_threads()), "scatter_rows")
+    call(lib, "sf_scatter_rows", idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
+              src.data_ptr(), src.stride(0), num_rows, src.shape[1], out.data_ptr(),
+              torch.get_num_threads())
     return out
 
 
@@ -477,8 +310,8 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     vals = s.new_empty(s.shape[0], k)
     ids = torch.empty(s.shape[0], k, dtype=torch.int64)
     if s.shape[0] and k:
-        lib.sf_topk_rows(s.data_ptr(), s.stride(0), s.shape[0], s.shape[1], k, vals.data_ptr(),
-                         ids.data_ptr(), torch.get_num_threads())
+        call(lib, "sf_topk_rows", s.data_ptr(), s.stride(0), s.shape[0], s.shape[1], k,
+                  vals.data_ptr(), ids.data_ptr(), torch.get_num_threads())
     return vals, ids
 
 
@@ -492,7 +325,7 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
     vals = a.new_empty(a.shape[0], k)
     ids = torch.empty(a.shape[0], k, dtype=torch.int64)
     if a.shape[0] and k:
-        _check(lib.sf_pk_topk(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.shape[0],
-                              a.shape[1], b.shape[1], k, vals.data_ptr(), ids.data_ptr(),
-                              torch.get_num_threads()), "product_key_topk")
+        call(lib, "sf_pk_topk", a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.shape[0],
+                  a.shape[1], b.shape[1], k, vals.data_ptr(), ids.data_ptr(),
+                  torch.get_num_threads())
     return vals, ids

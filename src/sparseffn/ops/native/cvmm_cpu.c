@@ -67,6 +67,7 @@ static int make_items(const int64_t *counts, int E, int chunk, item **out) {
     int64_t n = 0;
     for (int e = 0; e < E; e++) n += (counts[e] + chunk - 1) / chunk;
     item *items = (item *)malloc(sizeof(item) * (n ? n : 1));
+    if (!items) { *out = 0; return -1; }
     int64_t start = 0, i = 0;
     for (int e = 0; e < E; e++) {
         for (int64_t r = 0; r < counts[e]; r += chunk) {
@@ -120,16 +121,24 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
     if (!g_sgemm) return -1;
     if (out_idx && (relu || mask_with)) return -2;
     item *items; int n_items = make_items(counts, E, chunk, &items);
+    if (n_items < 0) return -3;
     /* locks[i]: bit 0 is the lock, written[i] says whether out row i holds a value yet */
     char *locks = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
     char *written = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
+    if (out_idx && (!locks || !written)) { free(locks); free(written); free(items); return -3; }
+    int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
         THREAD_SETUP();
         float *in_buf = in_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * m) : 0;
         float *out_buf = out_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * n) : 0;
+        if ((in_idx && !in_buf) || (out_idx && !out_buf)) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < n_items; i++) {
+            if (failed) continue;
             item it = items[i];
             operand A;
             if (in_idx) { gather_rows(in_buf, src, src_ld, in_idx, it.start, it.rows, m);
@@ -169,23 +178,26 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
         free(in_buf); free(out_buf);
         THREAD_DONE();
     }
-    if (out_idx)
+    if (out_idx && !failed)
         for (int64_t i = 0; i < out_rows; i++)
             if (!written[i]) memset(out + i * n, 0, sizeof(float) * n);
     free(written);
     free(locks);
     free(items);
-    return 0;
+    return failed ? -3 : 0;
 }
 
 /* out[e] = A_e^T @ B_e for every expert: A rows scale[r] * a_src[a_idx[r]] ([P, ma]), B rows
  * b_src[b_idx[r]] ([P, nb]); out: [E, ma, nb] contiguous, overwritten (zero for empty
  * experts).
  *
- * The sum over an expert's rows is split into slabs of whole chunks, large enough that there
- * are about 4 slabs per thread. A slab that covers its whole expert accumulates straight into
- * out[e]; otherwise it accumulates into a private matrix that is added to out[e] under a
- * lock (out[e] zeroed beforehand). */
+ * The sum over an expert's rows is split into slabs of whole chunks, about WG_SLABS slabs for
+ * the whole problem whatever the thread count. A slab that covers its whole expert accumulates
+ * straight into out[e]; otherwise it accumulates into a buffer of its own, and the buffers of
+ * an expert are added in slab order after the parallel loop. So the result is the same for any
+ * thread count and any schedule (deterministic), at the cost of one [ma, nb] buffer per split
+ * slab. Returns -3 when a buffer cannot be allocated. */
+#define WG_SLABS 16
 int sf_weight_grad(const float *a_src, int64_t a_ld, const int64_t *a_idx, const float *scale,
                    const float *b_src, int64_t b_ld, const int64_t *b_idx,
                    const int64_t *counts, int E, int ma, int nb, float *out,
@@ -193,27 +205,38 @@ int sf_weight_grad(const float *a_src, int64_t a_ld, const int64_t *a_idx, const
     if (!g_sgemm) return -1;
     int64_t mat = (int64_t)ma * nb, total = 0;
     for (int e = 0; e < E; e++) total += counts[e];
-    int64_t slab = (total + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
+    int64_t slab = (total + WG_SLABS - 1) / WG_SLABS;
     slab = (slab + chunk - 1) / chunk * chunk;
     if (slab < chunk) slab = chunk;
     if (slab > (1 << 30)) slab = 1 << 30;
     item *items; int n_items = make_items(counts, E, (int)slab, &items);
+    if (n_items < 0) return -3;
+    /* part_of[i]: the buffer of split item i (-1 for an item that is its expert's whole) */
+    int *part_of = (int *)malloc(sizeof(int) * (n_items ? n_items : 1));
+    if (!part_of) { free(items); return -3; }
+    int n_parts = 0;
+    for (int i = 0; i < n_items; i++)
+        part_of[i] = counts[items[i].expert] > slab ? n_parts++ : -1;
+    float *parts = n_parts ? (float *)malloc(sizeof(float) * mat * n_parts) : 0;
+    if (n_parts && !parts) { free(part_of); free(items); return -3; }
     for (int e = 0; e < E; e++)
-        if (counts[e] == 0 || counts[e] > slab) memset(out + e * mat, 0, sizeof(float) * mat);
-    char *locks = (char *)calloc(E ? E : 1, 1);
+        if (counts[e] == 0) memset(out + e * mat, 0, sizeof(float) * mat);
+    int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
         THREAD_SETUP();
         float *abuf = (a_idx || scale) ? (float *)malloc(sizeof(float) * (int64_t)chunk * ma) : 0;
         float *bbuf = b_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * nb) : 0;
-        float *part = 0;
+        if (((a_idx || scale) && !abuf) || (b_idx && !bbuf)) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < n_items; i++) {
+            if (failed) continue;
             item it = items[i];
-            float *o = out + (int64_t)it.expert * mat;
-            int whole = counts[it.expert] <= slab;
-            if (!whole && !part) part = (float *)malloc(sizeof(float) * mat);
-            float *acc = whole ? o : part;
+            float *acc = part_of[i] < 0 ? out + (int64_t)it.expert * mat
+                                        : parts + (int64_t)part_of[i] * mat;
             for (int c = 0; c < it.rows; c += chunk) {
                 int64_t start = it.start + c;
                 int rows = it.rows - c < chunk ? it.rows - c : chunk;
@@ -234,16 +257,33 @@ int sf_weight_grad(const float *a_src, int64_t a_ld, const int64_t *a_idx, const
                 A.trans = 1; B.trans = 0;
                 gemm_rm(ma, nb, rows, 1.0f, A, B, c ? 1.0f : 0.0f, acc, nb);
             }
-            if (!whole) {
-                lock_row(locks, it.expert);
-                for (int64_t j = 0; j < mat; j++) o[j] += part[j];
-                unlock_row(locks, it.expert);
-            }
         }
-        free(abuf); free(bbuf); free(part);
+        free(abuf); free(bbuf);
         THREAD_DONE();
     }
-    free(locks);
+    if (!failed && n_parts) {
+        /* out[e] = its slabs' buffers summed in slab order, element blocks in parallel */
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t j0 = 0; j0 < mat; j0 += 4096) {
+            int64_t j1 = j0 + 4096 < mat ? j0 + 4096 : mat;
+            int64_t first_item = 0;
+            for (int e = 0; e < E; e++) {
+                int64_t pieces = (counts[e] + slab - 1) / slab;
+                if (counts[e] > slab) {
+                    float *o = out + (int64_t)e * mat;
+                    const float *p0 = parts + (int64_t)part_of[first_item] * mat;
+                    for (int64_t j = j0; j < j1; j++) o[j] = p0[j];
+                    for (int64_t q = 1; q < pieces; q++) {
+                        const float *pq = parts + (int64_t)part_of[first_item + q] * mat;
+                        for (int64_t j = j0; j < j1; j++) o[j] += pq[j];
+                    }
+                }
+                first_item += pieces;
+            }
+        }
+    }
+    free(parts);
+    free(part_of);
     free(items);
-    return 0;
+    return failed ? -3 : 0;
 }

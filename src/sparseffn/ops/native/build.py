@@ -1,0 +1,154 @@
+"""Building and loading the fused CPU kernels (``*.c`` beside this file) on first use.
+
+The shared library is built with the system C compiler (``$CC`` or ``cc``) the first time a
+kernel is asked for, into ``$SPARSEFFN_CACHE_DIR`` (default ``~/.cache/sparseffn``), keyed
+by a hash of the sources, the flags and the machine, and written atomically. Without a
+compiler, a BLAS ``sgemm_`` in PyTorch, or on another OS, :func:`available` is False (the
+reason is in :func:`unavailable_reason`) and the operators run their PyTorch implementations.
+``SPARSEFFN_NO_NATIVE=1`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .abi import declare
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c", "rows_cpu.c")]
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_enabled = True
+
+
+def set_native_enabled(enabled: bool) -> None:
+    """Allow (True) or forbid (False) the fused CPU kernels in this process."""
+    global _enabled
+    _enabled = enabled
+
+
+def native_enabled() -> bool:
+    return _enabled and not os.environ.get("SPARSEFFN_NO_NATIVE")
+
+
+def available() -> bool:
+    """True when the fused kernels are built and loaded (building them if needed)."""
+    if not native_enabled():
+        return False
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False, or None."""
+    if not native_enabled():
+        return "disabled (set_native_enabled(False) or SPARSEFFN_NO_NATIVE)"
+    _load()
+    return _reason
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPARSEFFN_CACHE_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sparseffn"
+
+
+def _machine_tag() -> str:
+    """The CPU the library is built for (-march=native makes it machine specific)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    model += line
+    except OSError:
+        pass
+    return model
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [compiler, *flags, *map(str, _SOURCES), "-o", str(tmp_out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_out, out)   # atomic: concurrent builders never see half a file
+
+
+def _find_blas() -> tuple[int, int | None]:
+    """Addresses of the Fortran ``sgemm_`` PyTorch uses and MKL's per-thread thread count."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "libtorch.so"):
+        path = lib_dir / name
+        if not path.exists():
+            continue
+        lib = ctypes.CDLL(str(path))
+        try:
+            sgemm = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+        except AttributeError:
+            continue
+        try:
+            local = ctypes.cast(lib.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value
+        except AttributeError:
+            local = None
+        return sgemm, local
+    raise RuntimeError("this PyTorch build exports no BLAS sgemm_")
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _reason
+    if _lib is not None or _reason is not None:
+        return _lib
+    with _lock:
+        if _lib is not None or _reason is not None:
+            return _lib
+        if not sys.platform.startswith("linux"):   # not an error: the PyTorch path runs
+            _reason = "the fused kernels are built on Linux only"
+            return None
+        try:
+            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if not compiler:
+                raise RuntimeError("no C compiler found (set CC or install gcc)")
+            flags = [*_FLAGS, "-march=native"] if platform.machine() in ("x86_64", "AMD64") \
+                else list(_FLAGS)
+            key = hashlib.sha256(
+                b"".join(src.read_bytes() for src in _SOURCES)
+                + repr((flags, compiler, _machine_tag())).encode()
+            ).hexdigest()[:16]
+            name = f"sparseffn_cpu-{key}.so"
+            path = _cache_dir() / name
+            if not path.exists():
+                try:
+                    _compile(compiler, flags, path)
+                except OSError:   # cache dir not writable: build into the temp dir instead
+                    path = Path(tempfile.gettempdir()) / f"sparseffn-{os.getuid()}" / name
+                    if not path.exists():
+                        _compile(compiler, flags, path)
+            sgemm, local = _find_blas()
+            lib = ctypes.CDLL(str(path))
+            declare(lib)
+            lib.sf_init(ctypes.c_void_p(sgemm), ctypes.c_void_p(local) if local else None)
+            _lib = lib
+        except (OSError, RuntimeError) as err:
+            _reason = str(err)
+            warnings.warn(f"sparseffn: fused CPU kernels unavailable, using the PyTorch path "
+                          f"({_reason})", RuntimeWarning, stacklevel=3)
+    return _lib
+
+
