@@ -24,7 +24,7 @@ def test_param_equal_dense_is_exact(num_experts, expert_size, k):
     cfg = SigmaMoEConfig(d_model=512, num_experts=num_experts, expert_size=expert_size, k=k)
     dense = param_equal_dense(cfg)
     assert _numel(DenseMLP(dense)) == _numel(SigmaMoE(cfg))
-    # seed 001: the selection network's parameters are compensated by widening d_ff
+    # Csordás et al. 2023: the selection network's parameters are compensated by widening d_ff
     assert dense.d_ff == num_experts * expert_size + num_experts // 2
 
 
@@ -46,7 +46,7 @@ def test_active_equal_dense_has_the_expert_flops():
 def test_table7_flops_fraction_and_active_params():
     cfg = SigmaMoEConfig(d_model=412, num_experts=16, expert_size=128, k=4)
     report = compare_with_dense(cfg)
-    assert report.relative_expert_flops == pytest.approx(0.25)       # seed 001 Table 7
+    assert report.relative_expert_flops == pytest.approx(0.25)       # Csordás et al. 2023 Table 7
     assert report.sparse.active_params == 16 * 412 + 4 * 2 * 412 * 128
     assert report.sparse.flops == 2 * 16 * 412 + 4 * 4 * 412 * 128
     assert 0.25 < report.relative_flops < 0.26                       # + the selection network

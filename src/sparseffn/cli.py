@@ -93,11 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     layers.set_defaults(func=_bench_layers)
 
     routers = benches.add_parser(
-        "routers", help="FFF tree routers vs MoE: seed 003's Table 2 and Figure 3, and ours")
+        "routers", help="FFF tree routers vs MoE: Chaunin & Mikhailovskiy's Table 2 and Figure 3, and ours")
     routers.add_argument("--depths", type=_depths, default=list(range(1, 14)),
                          help="tree depths, e.g. 1-13 (default) or 2,4,8")
     routers.add_argument("--batch", type=int, default=2048, help="tokens per batch (2048)")
-    routers.add_argument("--dim", type=int, default=1024, help="input dimension (1024, as seed 003)")
+    routers.add_argument("--dim", type=int, default=1024, help="input dimension (1024, as Chaunin & Mikhailovskiy)")
     routers.add_argument("--repeats", type=int, default=5, help="timed rounds per depth (5)")
     routers.add_argument("--max-matrix-depth", type=int, default=13,
                          help="skip the dense T,S formulation above this depth (13)")
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fff", help="the FastFeedForward layer: soft / sparse / hard modes, and the "
                     "fastfeedforward package side by side (--peers)")
     fff_bench.add_argument("--depths", type=_depths, default=[2, 4, 6],
-                           help="tree depths (default 2,4,6: seed 003 trains depths 1-5)")
+                           help="tree depths (default 2,4,6: Chaunin & Mikhailovskiy trains depths 1-5)")
     fff_bench.add_argument("--batch", type=int, default=2048, help="tokens per batch (2048)")
     fff_bench.add_argument("--d-model", type=int, default=256, help="input width (256)")
     fff_bench.add_argument("--leaf-width", type=int, default=16, help="leaf hidden units (16)")

@@ -1,4 +1,4 @@
-"""Initialisation schemes of seed 001 §5."""
+"""Initialisation schemes of Csordás et al. 2023 §5."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import torch
 
 
 def dense_init_std(fan_in: int, n_layers: int) -> float:
-    """``sqrt(2 / (fan_in · n_layers))``: seed 001's pre-LayerNorm init of an MLP matrix whose
+    """``sqrt(2 / (fan_in · n_layers))``: Csordás et al.'s pre-LayerNorm init of an MLP matrix whose
     input has ``fan_in`` units, for a stack of ``n_layers`` blocks."""
     return math.sqrt(2.0 / (fan_in * n_layers))
 
 
 @torch.no_grad()
 def equal_norm_rows_(weight: torch.Tensor, std: float) -> torch.Tensor:
-    """σ-MoE's selection init (seed 001 §5): draw N(0, 1), rescale every row to norm 1, then
+    """σ-MoE's selection init (Csordás et al. 2023 §5): draw N(0, 1), rescale every row to norm 1,
+    then
     rescale the whole matrix so that its entries have RMS ``std``. All rows keep equal norm, so at
     initialisation only the angle between x and a row decides its score."""
     weight.normal_()

@@ -11,7 +11,7 @@ from .ops.assignment import count_keys
 
 
 def batch_entropy_loss(logits: torch.Tensor) -> torch.Tensor:
-    """σ-MoE's regulariser (seed 001 Eq. 34-35): the *negative* entropy of the selection
+    """σ-MoE's regulariser (Csordás et al. 2023 Eq. 34-35): the *negative* entropy of the selection
     distribution averaged over the batch.
 
         p = (1/|B|) Σ_x softmax(W_s x)        (Eq. 34)
@@ -30,7 +30,8 @@ def batch_entropy_loss(logits: torch.Tensor) -> torch.Tensor:
 
 def cv_squared(values: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
     """The squared coefficient of variation ``(std / mean)²`` of a vector (population
-    variance), Shazeer et al.'s balance measure (seed 001 Eq. 28; seed 001 writes CV as μ/σ,
+    variance), Shazeer et al.'s balance measure (Csordás et al. 2023 Eq. 28; Csordás et al. 2023
+    writes CV as μ/σ,
     a typo for σ/μ). Zero for fewer than two values."""
     values = values.float()
     if values.numel() < 2:
@@ -39,7 +40,7 @@ def cv_squared(values: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
 
 
 def switch_balance_loss(probs: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
-    """Switch Transformer's load-balancing loss (seed 001 Eq. 29-31): ``N_E · f · p``.
+    """Switch Transformer's load-balancing loss (Csordás et al. 2023 Eq. 29-31): ``N_E · f · p``.
 
     probs: [T, E] router probabilities ``softmax(W x)``; top1: int64 [T] the chosen expert
     (before any capacity dropping). ``f_i`` is the fraction of tokens choosing expert i

@@ -1,4 +1,4 @@
-"""Equal-parameter and equal-compute dense baselines for any sparse layer (seed 001 §6).
+"""Equal-parameter and equal-compute dense baselines for any sparse layer (Csordás et al. 2023 §6).
 
 Seed 001 compares every sparse layer with the dense MLP that has the *same number of
 parameters* (the fair baseline), compensating for the selection network by widening the dense
@@ -37,7 +37,7 @@ class CostReport:
     """A sparse layer's cost next to its parameter-equal dense MLP.
 
     relative_flops: forward FLOPs per token over the dense MLP's, selection included.
-    relative_expert_flops: seed 001 Table 7's "% FLOPs": expert FLOPs only, over the MLP
+    relative_expert_flops: Csordás et al. 2023 Table 7's "% FLOPs": expert FLOPs only, over the MLP
       being approximated (for a MoE, the MLP of width ``num_experts · expert_size`` that its
       experts partition; so exactly ``k / num_experts``).
     """

@@ -1,4 +1,4 @@
-"""The classic mixtures of seed 004 against their formulas, and they learn."""
+"""The classic mixtures of the classic mixtures against their formulas, and they learn."""
 
 import math
 

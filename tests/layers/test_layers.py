@@ -17,7 +17,7 @@ def _grads(module, x, out, grad):
 
 
 def sigma_moe_reference(layer: SigmaMoE, x):
-    """Per-token loop implementing seed 001 Eq. 25 with the router's own rule, from the
+    """Per-token loop implementing Csordás et al. 2023 Eq. 25 with the router's own rule, from the
     layer's parameters (no CVMM, no dispatch plan)."""
     cfg = layer.config
     logits = x @ layer.router.weight.t()

@@ -1,4 +1,4 @@
-"""σ-MoE's regulariser, expert dropout, initialisation and statistics (seed 001 §5)."""
+"""σ-MoE's regulariser, expert dropout, initialisation and statistics (Csordás et al. 2023 §5)."""
 
 import math
 

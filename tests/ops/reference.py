@@ -23,7 +23,8 @@ def cvmm_reference(x, indices, weight, gates=None):
 
 
 def expert_mlp_reference(x, indices, weights, w1, w2, activation):
-    """y_t = Σ_j weights[t, j] · act(x_t W1[e]) W2[e], e = indices[t, j] (seed 001 Eq. 25)."""
+    """y_t = Σ_j weights[t, j] · act(x_t W1[e]) W2[e], e = indices[t, j] (Csordás et al. 2023 Eq.
+    25)."""
     rows = []
     for t in range(x.shape[0]):
         y = x.new_zeros(w2.shape[-1])

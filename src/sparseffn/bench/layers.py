@@ -1,7 +1,7 @@
 """``sparseffn bench layers``: σ-MoE against its parameter-equal and active-equal dense MLPs.
 
 For each config, in one run: forward (no autograd) and forward+backward times of σ-MoE, of
-the dense MLP with the same parameters (seed 001's fair baseline) and of the dense MLP with
+the dense MLP with the same parameters (Csordás et al.'s fair baseline) and of the dense MLP with
 ``d_ff = k · expert_size`` (a perfect dispatch: the realised ideal), and the bytes each saves
 for backward. Also timed: the expert matrix products alone on pre-sorted rows
 (:mod:`.gemm_bound`), which splits the MoE's cost over the active-equal dense into what the

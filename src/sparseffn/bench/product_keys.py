@@ -1,4 +1,5 @@
-"""``sparseffn bench productkeys``: product-key retrieval, PKM and PEER (seed 001 §3.2, seed 002
+"""``sparseffn bench productkeys``: product-key retrieval, PKM and PEER (Csordás et al. 2023 §3.2,
+He 2024
 §3).
 
 1. ``scaling``: forward time per token of product-key retrieval against naive full scoring,
@@ -9,7 +10,7 @@
    memory at N = 2^20; the FLOPs are those of per-head tables) on fewer tokens at large N,
    and reports time per token. The heads' sub-keys are equal copies, so both sides must
    retrieve the same keys; the agreement is printed.
-2. ``peer_1m``: the PEER layer at seed 002's scale, N = 1024² experts, d_model 256, h = 8,
+2. ``peer_1m``: the PEER layer at He 2024's scale, N = 1024² experts, d_model 256, h = 8,
    k = 16, 4096 tokens, fp32: forward and forward+backward time and peak memory, with dense
    gradients and with ``sparse_grad``.
 3. The reference packages at the same sizes in the same run, given the same weights (their
@@ -68,7 +69,7 @@ def _scaling_point(exponent: int, tokens: int, repeats: int) -> tuple[list[dict]
     keys_b = sub_b.expand(HEADS, n_b, half).contiguous()
     query = torch.randn(tokens, HEADS, D_MODEL, generator=g)
     naive_tokens = max(8, min(tokens, NAIVE_TOKEN_ELEMENTS // (HEADS * n_experts)))
-    # Key i + n_a·j = [sub_a[i] | sub_b[j]] (seed 001 Eq. 15), as one [N, d] table.
+    # Key i + n_a·j = [sub_a[i] | sub_b[j]] (Csordás et al. 2023 Eq. 15), as one [N, d] table.
     full_keys = torch.cat([sub_a.repeat(n_b, 1), sub_b.repeat_interleave(n_a, dim=0)], dim=1)
     naive_query = query[:naive_tokens].reshape(-1, D_MODEL)
 
@@ -148,7 +149,7 @@ def _peer_pytorch(ours: PEER) -> nn.Module | None:
         return None
     from PEER_pytorch import PEER as TheirPEER
     cfg = ours.config
-    # non_competing_scores=False: softmax over the k retrieved per head, as seed 002 (with
+    # non_competing_scores=False: softmax over the k retrieved per head, as He 2024 (with
     # True, peer-pytorch 0.2.2 keeps a single expert per head).
     theirs = TheirPEER(dim=cfg.d_model, heads=cfg.heads, num_experts=cfg.num_experts,
                        num_experts_per_head=cfg.k, non_competing_scores=False)

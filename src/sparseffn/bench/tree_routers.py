@@ -1,11 +1,12 @@
-"""``sparseffn bench routers``: seed 003 §4's router speed benchmark (Table 2, Figure 3), and
+"""``sparseffn bench routers``: Chaunin & Mikhailovskiy §4's router speed benchmark (Table 2,
+Figure 3), and
 ours next to it.
 
 The time to compute the routing probabilities ``R [batch, 2^d]`` from ``x [batch, 1024]``,
 depths 1..13, fp32, forward and forward+backward (into x and the router weights). Methods,
 all with ``(2^d - 1)·dim`` node weights (MoE: ``2^d·dim``), no biases:
 
-- ``moe``: ``softmax(W x)``, one GEMM (seed 003: T = S = I, a = identity);
+- ``moe``: ``softmax(W x)``, one GEMM (Chaunin & Mikhailovskiy: T = S = I, a = identity);
 - ``orig``: the original FFF training forward (Belcak & Wattenhofer's code): a GEMM per level
   and the full [batch, 2^d] mixture multiplied by each level's sigmoids;
 - ``logs``: the same in log space, exponentiated at the end (Eq. 7);
@@ -15,7 +16,8 @@ all with ``(2^d - 1)·dim`` node weights (MoE: ``2^d·dim``), no biases:
   with S as an interleave and T in CSR), ``auto`` (the ``TreeRouter`` as layers use it).
 
 Table 2 is the harmonic mean over depths of ``time(orig) / time(method)``, up to depth 8 and
-up to 13 (seed 003 reports CPU: MoE 7.27 / 4.55, T,S 3.55 / 0.88, inference 0.90 / 1.09,
+up to 13 (Chaunin & Mikhailovskiy reports CPU: MoE 7.27 / 4.55, T,S 3.55 / 0.88, inference 0.90 /
+1.09,
 logs 1.27 / 1.07). At each depth all methods run in rotation, so ratios compare runs adjacent
 in time.
 """
@@ -240,7 +242,8 @@ def check_targets(records: list[dict]) -> list[str]:
 
 
 def plot(records: list[dict], path: str) -> None:
-    """Time against depth per method, log scale, one panel per pass (seed 003 Figure 3)."""
+    """Time against depth per method, log scale, one panel per pass (Chaunin & Mikhailovskiy
+    Figure 3)."""
     from .plotting import pyplot
     plt = pyplot()
     passes = [p for p in PASSES if any(r["pass"] == p for r in records)]

@@ -1,4 +1,4 @@
-"""The classic mixtures of seed 004, with every expert evaluated:
+"""The classic mixtures, with every expert evaluated:
 
 - :class:`MixtureOfExperts`: Jacobs et al. (1991), a softmax gate on ``[x, 1]`` over
   experts, for classification (softmax experts) and regression (linear-Gaussian experts);
@@ -104,7 +104,7 @@ class GatedMixture(SparseFFN):
 
 
 class MixtureOfExperts(GatedMixture):
-    """Jacobs et al. (1991) (seed 004): ``P(y|x) = Σ_i g_i(x) P_i(y|x)``, the gate a softmax
+    """Jacobs et al. (1991): ``P(y|x) = Σ_i g_i(x) P_i(y|x)``, the gate a softmax
     on ``[x, 1]``, every expert evaluated.
 
     - ``task="classification"``: expert i predicts ``ŷ_i = softmax(W_i [x, 1])`` over
@@ -151,7 +151,7 @@ class MixtureOfExperts(GatedMixture):
 
 
 class HierarchicalMixtureOfExperts(MixtureOfExperts):
-    """Jordan & Jacobs (1994) (seed 004): ``P(y|x) = Σ_i g_i Σ_j g_(j|i) ... P_ij...(y)``, a tree
+    """Jordan & Jacobs (1994): ``P(y|x) = Σ_i g_i Σ_j g_(j|i) ... P_ij...(y)``, a tree
     of softmax gates with ``branching`` children per node and ``branching ** depth`` leaf
     experts (see :class:`~sparseffn.routers.HierarchicalRouter`)."""
 
@@ -166,7 +166,7 @@ class HierarchicalMixtureOfExperts(MixtureOfExperts):
 
 
 class DeepMixtureOfExperts(nn.Module):
-    """Eigen, Ranzato & Sutskever (2013) (seed 004): stacked mixtures of ReLU experts and a
+    """Eigen, Ranzato & Sutskever (2013): stacked mixtures of ReLU experts and a
     softmax classifier,
 
         z¹ = Σ_i g¹_i(x) f¹_i(x),   z² = Σ_j g²_j(z¹) f²_j(z¹),   F(x) = softmax(f³(z²)),

@@ -1,4 +1,4 @@
-"""The dense two-layer MLP that every sparse layer approximates (seed 001 Eq. 1-2)."""
+"""The dense two-layer MLP that every sparse layer approximates (Csordás et al. 2023 Eq. 1-2)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from ..validation import require_choice, require_positive_int, require_probabili
 
 @dataclass(frozen=True)
 class DenseMLPConfig(LayerConfig):
-    """The two-layer MLP ``y = W2 act(W1 x)`` (seed 001 Eq. 1-2).
+    """The two-layer MLP ``y = W2 act(W1 x)`` (Csordás et al. 2023 Eq. 1-2).
 
     ``n_layers`` only sets the initialisation scale of a pre-LayerNorm Transformer with that
     many blocks: ``W1 ~ N(0, sqrt(2 / (d_model n_layers)))``, ``W2 ~ N(0, sqrt(2 / (d_ff
-    n_layers)))`` (seed 001 §5).
+    n_layers)))`` (Csordás et al. 2023 §5).
     """
 
     type_name: ClassVar[str] = "dense"

@@ -1,5 +1,5 @@
 """The fast feed-forward layer: a tree router over 2^depth leaf MLPs (Belcak & Wattenhofer;
-seeds 003 and 000)."""
+Chaunin & Mikhailovskiy)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ FFF_EVAL_MODES = ("soft", "topk", "hard")
 
 @dataclass(frozen=True)
 class FFFConfig(LayerConfig):
-    """A fast feed-forward tree (Belcak & Wattenhofer; seeds 003 §1.2-2.3 and 000): ``depth``
+    """A fast feed-forward tree (Belcak & Wattenhofer 2023; Chaunin & Mikhailovskiy §1.2-2.3):
+    ``depth``
     levels of router nodes over ``2^depth`` leaf experts, each a two-layer MLP
     ``W2 act(W1 x + b1) + b2`` with ``leaf_width`` hidden units.
 
@@ -41,7 +42,8 @@ class FFFConfig(LayerConfig):
       soft, sparse -> topk).
     - ``k``: leaves per token in the sparse modes.
     - ``init``: ``"fff"`` (uniform ±1/sqrt(fan_in) everywhere, as ``fastfeedforward``) or
-      ``"sigma_moe"`` (leaves like the dense MLP of width 2^depth·leaf_width, seed 001 §5;
+      ``"sigma_moe"`` (leaves like the dense MLP of width 2^depth·leaf_width, Csordás et al. 2023
+      §5;
       nodes by the σ-MoE selection init).
     """
 

@@ -36,9 +36,9 @@ class MoEConfig(LayerConfig):
       (``"sigma"``, ``"softmax"``, ``"noisy_topk"``, ``"switch"``, ``"gshard"``, ``"sbase"``,
       ``"dense_softmax"``, ``"hierarchical"``) for its defaults.
     - ``hidden_dropout``: dropout on the experts' hidden units (Switch's "expert dropout" of
-      0.4 in Fedus et al.; seed 001 Table 4's "standard dropout").
+      0.4 in Fedus et al.; Csordás et al. 2023 Table 4's "standard dropout").
     - ``init``: ``"sigma_moe"`` (experts like the dense MLP of width num_experts·expert_size
-      they replace, selection rows of equal norm; seed 001 §5), ``"standard"`` (each
+      they replace, selection rows of equal norm; Csordás et al. 2023 §5), ``"standard"`` (each
       expert's own fan-in) or ``"switch"`` (Fedus et al.: every matrix
       ``N(0, sqrt(0.1 / fan_in))``, i.e. ``sqrt(0.1/G)`` for the second expert layer).
     """

@@ -1,5 +1,6 @@
-"""Layers over product-key retrieval: the product-key memory (PKM; Lample et al. 2019, seed 001
-§3.2) and PEER (seed 002 §3). Both are a :class:`ProductKeyRouter` in front of a table of
+"""Layers over product-key retrieval: the product-key memory (PKM; Lample et al. 2019, Csordás et
+al. 2023
+§3.2) and PEER (He 2024 §3). Both are a :class:`ProductKeyRouter` in front of a table of
 single rows, read with gathered-row kernels (``ops/rows.py``) that never copy the retrieved
 rows out per token."""
 
@@ -66,21 +67,25 @@ def _largest_fitting(params_of, budget: int, what: str) -> int:
 
 @dataclass(frozen=True)
 class PKMConfig(LayerConfig):
-    """A product-key memory (Lample et al. 2019; seed 001 §3.2 and App. A.3): ``num_subkeys²``
+    """A product-key memory (Lample et al. 2019; Csordás et al. 2023 §3.2 and App. A.3):
+    ``num_subkeys²``
     value rows, of which each of ``heads`` heads retrieves the top ``k`` by product-key score
     and adds them weighted by ``activation`` of their scores (Eq. 14-15).
 
     Fields
-    - ``num_subkeys``: n, the rows of each sub-key table; there are n² values (seed 001's
+    - ``num_subkeys``: n, the rows of each sub-key table; there are n² values (Csordás et al.'s
       small models: 46 for the d_ff-matched, 62 for the parameter-matched case).
     - ``activation``: ``"softmax"`` over each head's k scores (Lample et al.) or ``"relu"``
-      (seed 001's non-competing choice, Table 2).
-    - ``query``: ``"identity"`` splits the input itself into the two half-queries (seed 001
+      (Csordás et al.'s non-competing choice, Table 2).
+    - ``query``: ``"identity"`` splits the input itself into the two half-queries (Csordás et al.
+    2023
       App. A.3, the default); ``"linear"`` adds a query network per head (Lample et al.).
     - ``key_dim``: a head's query width (None: d_model; must be d_model for ``"identity"``).
-    - ``query_norm``: None (seed 001), ``"batchnorm"`` (Lample et al.) or ``"layernorm"``.
+    - ``query_norm``: None (Csordás et al. 2023), ``"batchnorm"`` (Lample et al.) or
+    ``"layernorm"``.
     - ``init``: ``"lample"`` (sub-keys N(0, 1/sqrt(key_dim/2)), values N(0, 1/sqrt(d_model)))
-      or ``"dense"`` (seed 001's unified view: keys like the dense W1, values like W2 of an MLP
+      or ``"dense"`` (Csordás et al.'s unified view: keys like the dense W1, values like W2 of an
+      MLP
       of width n²).
     - ``sparse_grad``: the values' gradient as a sparse tensor of the rows read (train them with
       ``torch.optim.SparseAdam``; see :func:`sparseffn.sparse_grad_parameters`).
@@ -134,7 +139,8 @@ class PKMConfig(LayerConfig):
     @classmethod
     def from_dense(cls, d_model: int, d_ff: int, match: str = "params", dense_bias: bool = False,
                    **fields: Any) -> "PKMConfig":
-        """The PKM that replaces a dense MLP of width ``d_ff`` (seed 001 App. A.3, Table 6).
+        """The PKM that replaces a dense MLP of width ``d_ff`` (Csordás et al. 2023 App. A.3,
+        Table 6).
 
         ``match="values"``: the fewest sub-keys with at least ``d_ff`` values (n = ⌈√d_ff⌉;
         46 for d_ff 2053). ``match="params"``: the most sub-keys whose PKM has at most the
@@ -153,18 +159,18 @@ class PKMConfig(LayerConfig):
 
 @dataclass(frozen=True)
 class PEERConfig(LayerConfig):
-    """PEER, parameter-efficient expert retrieval (seed 002 §3): ``num_experts = n²``
+    """PEER, parameter-efficient expert retrieval (He 2024 §3): ``num_experts = n²``
     single-neuron experts ``e_i(x) = σ(u_iᵀ x) v_i``; each of ``heads`` query networks
     retrieves its top ``k`` experts by product keys, and the layer returns
     ``Σ_heads Σ_{i ∈ I_h} g_i(x) e_i(x)`` with router scores ``g = score(q(x)ᵀ k_i)``.
 
     Fields
-    - ``num_experts``: N, a perfect square (seed 002: 1024² = 1,048,576).
-    - ``heads``, ``k``: h query networks, k experts each (seed 002: h·k = 128, e.g. 8 · 16).
+    - ``num_experts``: N, a perfect square (He 2024: 1024² = 1,048,576).
+    - ``heads``, ``k``: h query networks, k experts each (He 2024: h·k = 128, e.g. 8 · 16).
     - ``activation``: σ of the experts, ``"gelu"`` (default) or ``"relu"``.
-    - ``score``: ``"softmax"`` over each head's k scores (seed 002) or ``"sigmoid"``.
+    - ``score``: ``"softmax"`` over each head's k scores (He 2024) or ``"sigmoid"``.
     - ``key_dim``: a head's query width, split into two halves (None: d_model).
-    - ``query_norm``: None, ``"batchnorm"`` (seed 002's query BatchNorm) or ``"layernorm"``.
+    - ``query_norm``: None, ``"batchnorm"`` (He 2024's query BatchNorm) or ``"layernorm"``.
     - ``dropout``: on the experts' hidden units during training.
     - ``sparse_grad``: the expert tables' gradients as sparse tensors of the rows read (train
       them with ``torch.optim.SparseAdam``; see :func:`sparseffn.sparse_grad_parameters`): a

@@ -1,4 +1,5 @@
-"""σ-MoE (seed 001 §5): a sigmoid-gated top-k mixture of MLP experts computed with CVMM."""
+"""σ-MoE (Csordás et al. 2023 §5): a sigmoid-gated top-k mixture of MLP experts computed with
+CVMM."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ SIGMA_MOE_INITS = ("sigma_moe", "standard")
 
 @dataclass(frozen=True)
 class SigmaMoEConfig(LayerConfig):
-    """σ-MoE (seed 001 §5): ``num_experts`` MLP experts of ``expert_size`` hidden units, ``k``
+    """σ-MoE (Csordás et al. 2023 §5): ``num_experts`` MLP experts of ``expert_size`` hidden
+    units, ``k``
     of them per token, chosen by sigmoid scores.
 
     Fields
@@ -65,7 +67,8 @@ class SigmaMoEConfig(LayerConfig):
 
     @classmethod
     def from_dense(cls, d_model: int, d_ff: int, num_experts: int, k: int, **kwargs: Any):
-        """Split a dense MLP of width ``d_ff`` into ``num_experts`` equal experts (seed 001
+        """Split a dense MLP of width ``d_ff`` into ``num_experts`` equal experts (Csordás et al.
+        2023
         §3.3: ``G · N_E = d_ff``)."""
         if isinstance(num_experts, int) and num_experts > 0 and d_ff % num_experts:
             raise ValueError(
@@ -88,11 +91,12 @@ class SigmaMoEConfig(LayerConfig):
 
 @implements(SigmaMoEConfig)
 class SigmaMoE(MoE):
-    """``y = Σ_{e∈E_x} s[e] · W2^e act(W1^e x)`` (seed 001 Eq. 25) with σ-MoE's selection:
+    """``y = Σ_{e∈E_x} s[e] · W2^e act(W1^e x)`` (Csordás et al. 2023 Eq. 25) with σ-MoE's
+    selection:
     the :class:`MoE` layer with a :class:`~sparseffn.routers.SigmaRouter`, configured by one
     flat :class:`SigmaMoEConfig`.
 
-    Parameters, in seed 001's key-value view (Eq. 20-24): ``router.weight`` [num_experts,
+    Parameters, in Csordás et al.'s key-value view (Eq. 20-24): ``router.weight`` [num_experts,
     d_model] (W_s); ``w1`` [num_experts, expert_size, d_model], whose rows are the keys k_i of
     each expert (W1^e); ``w2`` [num_experts, expert_size, d_model], whose rows are the values
     v_i (W2^e transposed). Expert e computes ``act(x @ w1[e].T) @ w2[e]``.

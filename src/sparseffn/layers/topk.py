@@ -18,7 +18,7 @@ from ..validation import require_choice, require_k, require_positive_int
 @dataclass(frozen=True)
 class TopKMLPConfig(LayerConfig):
     """The MLP with a top-K activation: only the K largest of ``u = act(W1 x)`` reach W2
-    (seed 001 §3.1, Eq. 13-14)."""
+    (Csordás et al. 2023 §3.1, Eq. 13-14)."""
 
     type_name: ClassVar[str] = "topk"
 

@@ -1,9 +1,10 @@
-"""A classifier for vectors and images built around one sparse layer (seed 003 §3.1, seed
-000's setup: a single FFF/MoE layer whose experts are two-layer MLPs of width 8/16/32, dropout
+"""A classifier for vectors and images built around one sparse layer (Chaunin & Mikhailovskiy
+§3.1 and slides' setup: a single FFF/MoE layer whose experts are two-layer MLPs of width 8/16/32, dropout
 0.2).
 
     cfg = ClassifierConfig(in_features=784, num_classes=10,
-                           layer=FFFConfig(d_model=784, depth=3, leaf_width=16, d_out=10, dropout=0.2))
+                           layer=FFFConfig(d_model=784, depth=3, leaf_width=16, d_out=10,
+                           dropout=0.2))
     logits = SparseClassifier(cfg)(images)     # images: [B, *shape] -> [B, num_classes]
 
 The input is flattened. A layer whose output has ``num_classes`` units (an FFF with ``d_out``)

@@ -1,5 +1,5 @@
 """A pre-LayerNorm causal Transformer language model whose FFN in every block is any sparseffn
-layer (seed 001 replaces every MLP block; seed 002's Switch Transformer block and model).
+layer (Csordás et al. 2023 replaces every MLP block; Fedus et al. 2022's Switch Transformer).
 
     cfg = LMConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, context=128,
                    ffn=SigmaMoEConfig(d_model=128, num_experts=8, expert_size=64, k=2))

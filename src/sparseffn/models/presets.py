@@ -1,5 +1,6 @@
 """Named FFN presets sized to a dense MLP's parameters, for comparing layers at equal
-parameters (seed 001 §6: every sparse layer is compared with the dense MLP of the same size).
+parameters (Csordás et al. 2023 §6: every sparse layer is compared with the dense MLP of the same
+size).
 
 ``ffn_preset(name, d_model, d_ff, n_layers)`` returns the block layout of an LM whose FFNs each
 have at most the parameters of ``DenseMLPConfig(d_model, d_ff)`` (as close as the layer's
@@ -7,13 +8,13 @@ granularity allows; :meth:`LMConfig.cost` reports the exact counts):
 
 | name | layer | source |
 |---|---|---|
-| ``dense`` | the dense MLP itself | seed 001 Eq. 1-2 |
-| ``sigma_moe`` | σ-MoE, 8 experts, k = 2, entropy regulariser | seed 001 §5 |
-| ``switch`` | MoE with the Switch router: top-1, capacity 1.25, balance + z-loss | seed 002, Fedus et al. |
-| ``glam`` | GShard top-2 MoE in every other block, dense MLPs between | GLaM (seed 004) |
-| ``fff`` | a fast feed-forward tree of 8 leaves | seeds 003, 000 |
-| ``pkm`` | a product-key memory, 4 heads, k = 32 | seed 001 §3.2 |
-| ``peer`` | PEER, 4 heads × k = 8 single-neuron experts | seed 002 §3 |
+| ``dense`` | the dense MLP itself | Csordás et al. 2023 Eq. 1-2 |
+| ``sigma_moe`` | σ-MoE, 8 experts, k = 2, entropy regulariser | Csordás et al. 2023 §5 |
+| ``switch`` | MoE with the Switch router: top-1, capacity 1.25, balance + z-loss | Fedus et al. 2022 |
+| ``glam`` | GShard top-2 MoE in every other block, dense MLPs between | GLaM (Du et al. 2022) |
+| ``fff`` | a fast feed-forward tree of 8 leaves | Chaunin & Mikhailovskiy |
+| ``pkm`` | a product-key memory, 4 heads, k = 32 | Csordás et al. 2023 §3.2 |
+| ``peer`` | PEER, 4 heads × k = 8 single-neuron experts | He 2024 §3 |
 
 ``overrides`` change the preset's fields (``num_experts``, ``k``, ``depth``, ``heads`` ...);
 the size field (expert_size, leaf_width, num_subkeys, num_experts for PEER) is then fitted

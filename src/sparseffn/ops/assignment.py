@@ -1,4 +1,4 @@
-"""Balanced token-to-expert assignment for BASE / S-BASE (seed 001 §4, Eq. 33).
+"""Balanced token-to-expert assignment for BASE / S-BASE (Csordás et al. 2023 §4, Eq. 33).
 
 - :func:`sinkhorn_log_plan`: Sinkhorn's row/column normalisation (Sinkhorn 1964; Clark et al.
   2022), in log space;

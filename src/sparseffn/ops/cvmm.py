@@ -1,4 +1,4 @@
-"""CVMM: conditional vector-matrix multiplication (seed 001 App. B.1, Eq. 40).
+"""CVMM: conditional vector-matrix multiplication (Csordás et al. 2023 App. B.1, Eq. 40).
 
 ``CVMM(V, S, M)[n] = V[n] @ M[S[n]]``: every row is multiplied by the matrix its index
 selects. A mixture-of-experts layer is two CVMMs with an activation between them::

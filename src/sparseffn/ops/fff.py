@@ -1,5 +1,5 @@
 """Fast feed-forward (FFF) trees: the leaf distribution ``R(i|x)`` in every formulation of
-seeds 003 and 000, and greedy hard inference.
+Chaunin & Mikhailovskiy, and greedy hard inference.
 
 A tree of depth d has N = 2^d - 1 router nodes with logits ``z = W x (+ b)`` and L = 2^d
 leaves. Layout: nodes in heap order, level l holds nodes ``[2^l - 1, 2^(l+1) - 1)``, node n's
@@ -151,11 +151,12 @@ def _normalise(leaf_logits: torch.Tensor, activation: str) -> torch.Tensor:
 
 def tree_matrices(depth: int, dtype: torch.dtype = torch.float32, device=None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense ``T`` [2^d, 2(2^d - 1)] and ``S`` [2(2^d - 1), 2^d - 1] of seed 003 Eq. 9.
+    """Dense ``T`` [2^d, 2(2^d - 1)] and ``S`` [2(2^d - 1), 2^d - 1] of Chaunin & Mikhailovskiy
+    Eq. 9.
 
     Row 2n of S picks ``+z_n`` and row 2n + 1 picks ``-z_n``; ``T[i, 2n + b] = 1`` when node n
     is on leaf i's path and leaf i turns ``b`` (0 left, 1 right) there. For d = 2 these are the
-    matrices printed in seed 003 §2.2.
+    matrices printed in Chaunin & Mikhailovskiy §2.2.
     """
     if not 1 <= depth <= MAX_DENSE_MATRIX_DEPTH:
         raise ValueError(f"dense tree matrices need 1 <= depth <= {MAX_DENSE_MATRIX_DEPTH}, got {depth}")
@@ -194,7 +195,7 @@ def _sparse_T(depth: int) -> torch.Tensor:
 def _build_sparse_T(depth: int) -> torch.Tensor:
     leaves = 1 << depth
     cols = path_columns(depth)
-    with warnings.catch_warnings():   # "CSR support is in beta": it is what seed 003 names
+    with warnings.catch_warnings():   # "CSR support is in beta": it is what Chaunin & Mikhailovskiy names
         warnings.simplefilter("ignore", UserWarning)
         return torch.sparse_csr_tensor(torch.arange(0, leaves * depth + 1, depth),
                                        cols.reshape(-1), torch.ones(leaves * depth),
@@ -407,7 +408,7 @@ def leaf_probs(z: torch.Tensor, formulation: str = "levelwise",
 
 def descend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
-    """Greedy hard inference (seed 003 §1.2): from the root, go left where
+    """Greedy hard inference (Chaunin & Mikhailovskiy §1.2): from the root, go left where
     ``z_n = <x, w_n> + b_n > 0`` and right otherwise; one dot product per level and token,
     batched over tokens.
 

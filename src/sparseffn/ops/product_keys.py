@@ -1,4 +1,4 @@
-"""Product-key retrieval (Lample et al. 2019; seed 001 §3.2 Eq. 15; seed 002 §3.2).
+"""Product-key retrieval (Lample et al. 2019; Csordás et al. 2023 §3.2 Eq. 15; He 2024 §3.2).
 
 N = n_a · n_b keys are never stored: key ``i + n_a · j`` is the concatenation of sub-key ``i``
 of table A and sub-key ``j`` of table B, so its score against a query ``q = [q_a | q_b]`` is

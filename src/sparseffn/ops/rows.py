@@ -1,5 +1,5 @@
 """Products with gathered rows of a table, for layers whose experts are single rows: PKM value
-rows (seed 001 §3.2), PEER's single-neuron experts ``e_i(x) = σ(u_iᵀx) v_i`` (seed 002 §3)
+rows (Csordás et al. 2023 §3.2), PEER's single-neuron experts ``e_i(x) = σ(u_iᵀx) v_i`` (He 2024 §3)
 and product sub-keys.
 
 A *pair* (t, j) names row ``idx[t, j]`` of a table [N, d] for row t of a batch. The pairs are

@@ -32,7 +32,7 @@ def init_selection_(weight: torch.Tensor, init: str, n_layers: int) -> torch.Ten
     """Initialise a selection matrix [E, d_model].
 
     - ``"sigma_moe"``: like the experts' first layer, ``N(0, sqrt(2/(d_model n_layers)))``,
-      with every row of equal norm (seed 001 §5);
+      with every row of equal norm (Csordás et al. 2023 §5);
     - ``"standard"``: the same distribution without the row-norm equalisation;
     - ``"switch"``: truncated ``N(0, sqrt(0.1/d_model))`` (Fedus et al.).
     """

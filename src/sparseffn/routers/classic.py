@@ -1,4 +1,4 @@
-"""The classic gates of seed 004: Jacobs et al.'s softmax gate over every expert, with Eigen
+"""The classic gates: Jacobs et al.'s softmax gate over every expert, with Eigen
 et al.'s running-usage margin rule, and Jordan & Jacobs' hierarchical gate (a gate over
 gates)."""
 
@@ -21,10 +21,11 @@ from .base import Router, fp32_linear, init_selection_
 
 
 class DenseGateRouterConfig(RouterConfig):
-    """The classic gate (Jacobs et al. 1991; seed 004): ``g = softmax(V [x, 1])`` over all
+    """The classic gate (Jacobs et al. 1991): ``g = softmax(V [x, 1])`` over all
     experts, every expert used (the layer's k must equal num_experts).
 
-    margin: Eigen et al.'s deep-MoE rule (seed 004): during training an expert whose running
+    margin: Eigen, Ranzato & Sutskever's deep-MoE rule (2013): during training an expert whose
+    running
       total assignment exceeds the mean of all experts' by more than ``margin`` gets gate 0
       (the other gates are renormalised). None: off.
     """
@@ -48,7 +49,7 @@ class DenseGateRouterConfig(RouterConfig):
 
 
 class HierarchicalRouterConfig(RouterConfig):
-    """The hierarchical mixture's gate (Jordan & Jacobs 1994; seed 004): a tree of softmax
+    """The hierarchical mixture's gate (Jordan & Jacobs 1994): a tree of softmax
     gates on ``[x, 1]``, each with ``branching`` children, over ``branching ** depth`` leaf
     experts; a leaf's weight is the product of the gates on its path
     (``g_i · g_(j|i) · ...``). Every leaf is used (k must equal num_experts)."""
@@ -110,10 +111,11 @@ class _AffineGateRouter(Router):
 
 @implements(DenseGateRouterConfig)
 class DenseGateRouter(_AffineGateRouter):
-    """``g_i(x) = softmax_i(v_iᵀ [x, 1])`` (Jacobs et al. 1991; seed 004): every expert is
+    """``g_i(x) = softmax_i(v_iᵀ [x, 1])`` (Jacobs et al. 1991): every expert is
     used with its gate value; the weights sum to one.
 
-    With ``margin`` m (Eigen et al., deep MoE; seed 004) the router keeps each expert's
+    With ``margin`` m (Eigen, Ranzato & Sutskever 2013, arXiv:1312.4314) the router keeps each
+    expert's
     running total assignment ``G_i(t) = Σ_{t' ≤ t} g_i(x_t')`` in the buffer
     ``assignment_totals`` during training, and sets ``g_i = 0`` for an expert whose total
     exceeds the mean total by more than m; the remaining gates are renormalised. The rule is
@@ -155,7 +157,7 @@ class DenseGateRouter(_AffineGateRouter):
 
 @implements(HierarchicalRouterConfig)
 class HierarchicalRouter(_AffineGateRouter):
-    """A tree of softmax gates on ``[x, 1]`` (Jordan & Jacobs 1994; seed 004): the root
+    """A tree of softmax gates on ``[x, 1]`` (Jordan & Jacobs 1994): the root
     chooses among ``branching`` subtrees, each inner node among its own children, down to
     ``branching ** depth`` leaves. A leaf's weight is the product of the gate values on its
     path, ``g_i(x) · g_(j|i)(x) · ...``, computed as a sum of log-softmaxes level by level;

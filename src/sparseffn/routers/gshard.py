@@ -1,4 +1,4 @@
-"""GShard's group-level top-2 gating (Lepikhin et al. 2021; seed 004 Algorithm 1)."""
+"""GShard's group-level top-2 gating (Lepikhin et al. 2021, arXiv:2006.16668, Algorithm 1)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ GSHARD_SECOND_EXPERT = ("random", "all")
 
 
 class GShardRouterConfig(RouterConfig):
-    """GShard top-2 gating (Lepikhin et al. 2021; seed 004 Algorithm 1).
+    """GShard top-2 gating (Lepikhin et al. 2021, arXiv:2006.16668, Algorithm 1).
 
     Tokens are split into groups of ``group_size`` (None: the whole batch is one group). In
     each group every expert has a buffer of

@@ -1,4 +1,4 @@
-"""Shazeer et al. (2017) noisily gated top-k (seed 001 Eq. 27-28; seed 004)."""
+"""Shazeer et al. (2017) noisily gated top-k (Csordás et al. 2023 Eq. 27-28)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from .base import Router, fp32_linear, init_selection_
 
 
 class NoisyTopKRouterConfig(RouterConfig):
-    """Shazeer et al. (2017) noisy top-k gating (seed 001 Eq. 27-28, seed 004).
+    """Shazeer et al. (2017) noisy top-k gating (Csordás et al. 2023 Eq. 27-28).
 
     ``H(x) = W_g x + N(0,1) · softplus(W_noise x)`` during training,
     ``G(x) = softmax(KeepTopK(H(x), k))``.
@@ -73,7 +73,8 @@ class NoisyTopKRouter(Router):
     """``H(x) = W_g x + N(0,1)·softplus(W_noise x)`` (noise only in training),
     ``G(x) = softmax(KeepTopK(H(x), k))``: the k weights sum to one.
 
-    Auxiliary losses: ``importance`` = CV(Σ_x G(x))² (seed 001 Eq. 28) and ``load`` = CV of
+    Auxiliary losses: ``importance`` = CV(Σ_x G(x))² (Csordás et al. 2023 Eq. 28) and ``load`` =
+    CV of
     the smooth load estimate squared (:func:`noisy_topk_load`; without noise, the plain
     counts, which carry no gradient). ``W_noise`` starts at zero, as in Shazeer et al.
 

@@ -1,4 +1,5 @@
-"""Product-key retrieval as a router (Lample et al. 2019; seed 001 §3.2; seed 002 §3.2): the
+"""Product-key retrieval as a router (Lample et al. 2019; Csordás et al. 2023 §3.2; He 2024 §3.2):
+the
 query network, the optional query norm and the per-head sub-key tables, returning the
 retrieved keys of every head as one :class:`~sparseffn.routing.Routing`.
 
@@ -26,13 +27,13 @@ PEER_SCORES = ("softmax", "sigmoid")
 
 @dataclass(frozen=True)
 class ProductKeySpec:
-    """Product-key retrieval as PKM and PEER use it (seed 001 §3.2, seed 002 §3.2).
+    """Product-key retrieval as PKM and PEER use it (Csordás et al. 2023 §3.2, He 2024 §3.2).
 
     ``heads`` independent retrievals, each of the top ``k`` of ``num_subkeys²`` keys. A head's
     query has ``key_dim`` units, split into two halves scored against its two sub-key tables
     of ``num_subkeys`` rows each. ``query``: ``"identity"`` (the input itself, shared by all
-    heads, as seed 001 App. A.3) or ``"linear"`` (a query network ``d_model -> heads ·
-    key_dim``, without bias). ``query_norm``: None, ``"batchnorm"`` (Lample et al.; seed 002's
+    heads, as Csordás et al. 2023 App. A.3) or ``"linear"`` (a query network ``d_model -> heads ·
+    key_dim``, without bias). ``query_norm``: None, ``"batchnorm"`` (Lample et al.; He 2024's
     query BatchNorm) or ``"layernorm"`` (each half-query, as ``product-key-memory``). ``score``:
     how the k retrieved scores become weights (``"softmax"`` over each head's k, ``"relu"``,
     ``"sigmoid"``).
@@ -67,7 +68,7 @@ class ProductKeySpec:
 
 
 class QueryNorm(nn.Module):
-    """BatchNorm over the query's units (Lample et al.; seed 002's query BatchNorm), or
+    """BatchNorm over the query's units (Lample et al. 2019; He 2024's query BatchNorm), or
     LayerNorm over each half-query (as ``product-key-memory``), with an affine pair per unit.
 
     forward(q: [T, width]) -> [T, width]
@@ -105,7 +106,7 @@ class ProductKeyRouter(nn.Module):
     Parameters: ``query`` (Linear d_model -> heads·key_dim, no bias; None for the identity
     query), ``query_norm`` (optional), ``keys_a`` and ``keys_b`` [heads, num_subkeys,
     key_dim/2]: the sub-keys scored against the first and the second half of each head's query.
-    Key ``i + n·j`` of a head is ``[keys_a[h, i] | keys_b[h, j]]`` (seed 001 Eq. 15).
+    Key ``i + n·j`` of a head is ``[keys_a[h, i] | keys_b[h, j]]`` (Csordás et al. 2023 Eq. 15).
 
     forward(x: [T, d_model]) -> Routing with indices [T, heads·k] (head h's keys in columns
     h·k .. h·k + k - 1, best first) and weights [T, heads·k]: ``score`` of the retrieved

@@ -1,5 +1,5 @@
 """BASE layers (Lewis et al. 2021) and S-BASE (Clark et al. 2022): balanced assignment during
-training, sigmoid weighting, plain top-k at inference (seed 001 §4, Eq. 32-33)."""
+training, sigmoid weighting, plain top-k at inference (Csordás et al. 2023 §4, Eq. 32-33)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ SBASE_ROUNDINGS = ("topk", "capacity")
 
 
 class SBaseRouterConfig(RouterConfig):
-    """BASE / S-BASE (seed 001 §4, Eq. 32-33): during training, a balanced assignment of the
+    """BASE / S-BASE (Csordás et al. 2023 §4, Eq. 32-33): during training, a balanced assignment
+    of the
     batch's tokens to experts; the selected experts are weighted by ``σ(W x)``; at evaluation
-    plain top-k. Extended to k > 1 (seed 001 Table 4 "S-BASE, K=4").
+    plain top-k. Extended to k > 1 (Csordás et al. 2023 Table 4 "S-BASE, K=4").
 
     assignment: ``"sinkhorn"`` (Clark et al. 2022: Sinkhorn iterations on ``exp(W x)``, then
       the top-k of the balanced plan), or ``"exact"`` (the linear assignment of Eq. 33, each
@@ -34,10 +35,11 @@ class SBaseRouterConfig(RouterConfig):
       small batches).
     sinkhorn_iterations: number of row/column normalisations.
     rounding: how the Sinkhorn plan becomes k experts per token: ``"topk"`` (each token's k
-      largest plan entries, as Clark et al. and seed 001; nearly balanced) or ``"capacity"``
+      largest plan entries, as Clark et al. and Csordás et al. 2023; nearly balanced) or
+      ``"capacity"``
       (deferred acceptance with at most ``ceil(T·k/E)`` pairs per expert: exactly balanced
       for k = 1, within a few % for k > 1; slower, see ``ops.assignment.capacity_rounding``).
-    entropy_weight: γ of Eq. 35 (seed 001 regularises S-BASE with it, App. B Table 9).
+    entropy_weight: γ of Eq. 35 (Csordás et al. 2023 regularises S-BASE with it, App. B Table 9).
     """
 
     type_name: ClassVar[str] = "sbase"
@@ -66,7 +68,7 @@ class SBaseRouter(LinearRouter):
     ``Σ sel(x)[e_x]`` (Eq. 33, ``"exact"``). At evaluation, no balancing: the top-k of
     ``sel(x)``. The selected experts are weighted by ``sel(x)[e]``.
 
-    Auxiliary loss ``entropy`` (Eq. 35, as seed 001 uses for S-BASE). Stats:
+    Auxiliary loss ``entropy`` (Eq. 35, as Csordás et al. 2023 uses for S-BASE). Stats:
     ``max_load`` (the busiest expert's pairs over the balanced share).
 
     forward(x: [tokens, d_model]) -> Routing(indices [tokens, k], weights [tokens, k])

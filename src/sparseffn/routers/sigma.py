@@ -1,4 +1,5 @@
-"""σ-MoE expert selection (seed 001 §5), its softmax ablations (Table 4) and softmax top-k."""
+"""σ-MoE expert selection (Csordás et al. 2023 §5), its softmax ablations (Table 4) and softmax
+top-k."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm")
 
 
 class SigmaRouterConfig(RouterConfig):
-    """σ-MoE's selection (seed 001 §5): ``s = σ(W_s x)``, top-k, unnormalised.
+    """σ-MoE's selection (Csordás et al. 2023 §5): ``s = σ(W_s x)``, top-k, unnormalised.
 
     gate: ``"sigmoid"``, or Table 4's ablations ``"softmax"`` (softmax over all experts, then
       top-k) and ``"softmax_renorm"`` (softmax over the k selected, App. A.1 Eq. 37-39).
@@ -47,10 +48,12 @@ class SigmaRouterConfig(RouterConfig):
 
 
 class SoftmaxRouterConfig(RouterConfig):
-    """Softmax top-k (seed 001 §3.3, Table 4): ``s = softmax(W x)`` over all experts, then
+    """Softmax top-k (Csordás et al. 2023 §3.3, Table 4): ``s = softmax(W x)`` over all experts,
+    then
     top-k; with ``renormalize`` the k kept scores are renormalised to sum to one
     (``normtopk``, App. A.1 Eq. 37-39, the same as a softmax over the k selected logits).
-    Regularised with the batch entropy of Eq. 35, as seed 001 does for its softmax variants."""
+    Regularised with the batch entropy of Eq. 35, as Csordás et al. 2023 does for its softmax
+    variants."""
 
     type_name: ClassVar[str] = "softmax"
 
@@ -71,7 +74,7 @@ def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, 
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of ``act(logits)`` with expert dropout; returns (indices [T, k], weights [T, k]).
 
-    - ``gate="sigmoid"``: weights ``σ(logit)`` (seed 001 Eq. 25 with σ-MoE's sel);
+    - ``gate="sigmoid"``: weights ``σ(logit)`` (Csordás et al. 2023 Eq. 25 with σ-MoE's sel);
     - ``gate="softmax"``: weights ``softmax(logits)`` over all experts, gathered, not
       renormalised (Table 4 "softmax (before top-k)");
     - ``gate="softmax_renorm"``: ``normtopk(softmax(logits))`` (App. A.1 Eq. 37-39), i.e. a
@@ -122,7 +125,8 @@ class SigmaRouter(LinearRouter):
 
 @implements(SoftmaxRouterConfig)
 class SoftmaxRouter(SigmaRouter):
-    """Softmax top-k (seed 001 §3.3): ``softmax(W x)``, top-k, renormalised over the k or not.
+    """Softmax top-k (Csordás et al. 2023 §3.3): ``softmax(W x)``, top-k, renormalised over the k
+    or not.
     Regularised like σ-MoE with the batch entropy (Eq. 35)."""
 
     @property

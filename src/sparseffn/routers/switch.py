@@ -1,4 +1,4 @@
-"""Switch Transformer routing (Fedus et al. 2022; seeds 001 §4, 002, 004): top-1 with a hard
+"""Switch Transformer routing (Fedus et al. 2022; Csordás et al. 2023 §4): top-1 with a hard
 expert capacity."""
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from .base import LinearRouter, capacity_of, drop_experts
 
 
 class SwitchRouterConfig(RouterConfig):
-    """Switch Transformer routing (Fedus et al. 2022; seeds 001 §4, 002, 004).
+    """Switch Transformer routing (Fedus et al. 2022; Csordás et al. 2023 §4).
 
     Top-1 after the softmax, not renormalised; each expert takes at most
     ``capacity = ceil(capacity_factor · tokens / num_experts)`` tokens, in token order; the
     rest are dropped (their expert output is zero, the residual carries them).
     ``capacity_factor`` 0 or None: dropless.
 
-    balance_weight: weight of ``N_E · f·p`` (seed 001 Eq. 29-31); Switch uses 0.01.
+    balance_weight: weight of ``N_E · f·p`` (Csordás et al. 2023 Eq. 29-31); Switch uses 0.01.
     z_loss_weight: weight of the router z-loss ``mean(logsumexp(logits)²)`` (ST-MoE); 0: off.
-    expert_dropout: seed 001's expert dropout (Eq. 36) applied to the selection; the other
+    expert_dropout: Csordás et al.'s expert dropout (Eq. 36) applied to the selection; the other
       choice, Switch's high dropout inside the experts, is the layer's ``hidden_dropout``.
     jitter: multiply the router input by U(1-jitter, 1+jitter) during training (Switch's
       "input jitter"); 0: off.
@@ -64,7 +64,8 @@ class SwitchRouter(LinearRouter):
     tokens, first come first served in token order; the others are dropped: not dispatched,
     weight 0, so the layer's output for them is zero and the residual carries them.
 
-    Auxiliary losses: ``balance`` = ``N_E f·p`` (seed 001 Eq. 29-31, f from the top-1 choices
+    Auxiliary losses: ``balance`` = ``N_E f·p`` (Csordás et al. 2023 Eq. 29-31, f from the top-1
+    choices
     before dropping) and ``z_loss`` (ST-MoE). Stats: ``dropped_fraction``, ``capacity``.
 
     forward(x: [tokens, d_model]) -> Routing(indices [tokens, 1], weights [tokens, 1],

@@ -1,4 +1,4 @@
-"""The fast feed-forward tree as a router (seeds 003 §1.2-2.3 and 000): node logits, the leaf
+"""The fast feed-forward tree as a router (Chaunin & Mikhailovskiy §1.2-2.3): node logits, the leaf
 distribution in any formulation, top-k leaves, and greedy hard descent."""
 
 from __future__ import annotations
@@ -35,19 +35,21 @@ def tree_depth(num_leaves: int, owner: str) -> int:
 
 
 class TreeRouterConfig(RouterConfig):
-    """A fast feed-forward tree (Belcak & Wattenhofer; seeds 003 and 000) over
+    """A fast feed-forward tree (Belcak & Wattenhofer 2023; Chaunin & Mikhailovskiy) over
     ``num_experts = 2^depth`` leaf experts: ``2^depth - 1`` nodes with logits ``z = W x + b``,
-    leaf probabilities ``R = softmax(T a(S z))`` (seed 003 Eq. 9), then top-k.
+    leaf probabilities ``R = softmax(T a(S z))`` (Chaunin & Mikhailovskiy Eq. 9), then top-k.
 
     activation: ``a``: ``"logsigmoid"`` (the original FFF, Eq. 8: R is the product of the
-      sigmoids on the path), ``"softplus"`` (seed 003's default), ``"linear"``, ``"relu"``,
-      ``"gelu"`` (seed 003 §2.3).
+      sigmoids on the path), ``"softplus"`` (Chaunin & Mikhailovskiy's default), ``"linear"``,
+      ``"relu"``,
+      ``"gelu"`` (Chaunin & Mikhailovskiy §2.3).
     formulation: how R is computed (all give the same R; see :mod:`sparseffn.ops.fff`):
       ``"orig"``, ``"logs"``, ``"matrix"``, ``"matrix_sparse"``, ``"levelwise"`` or
       ``"auto"`` (levelwise).
     node_width: 1: each node is one neuron, ``z_n = w_n·x + b_n`` (as in the
-      ``fastfeedforward`` package and seed 003's router benchmark); h > 1: each node is a small
-      MLP with h hidden ReLU units and one output (seed 003 §3.1 uses 8 or 16).
+      ``fastfeedforward`` package and Chaunin & Mikhailovskiy's router benchmark); h > 1: each
+      node is a small
+      MLP with h hidden ReLU units and one output (Chaunin & Mikhailovskiy §3.1 uses 8 or 16).
     bias: node biases.
     renormalize: rescale the k selected leaf probabilities to sum to one.
     t_matrix, s_matrix: explicit T [E, m] and S [m, n] of Eq. 9 instead of the tree's (the
@@ -125,7 +127,8 @@ _PADDED_DEPTHS = range(6, 11)
 
 @implements(TreeRouterConfig)
 class TreeRouter(Router):
-    """``R = softmax(T a(S z))`` over ``num_experts = 2^depth`` leaves (seed 003 Eq. 9), then
+    """``R = softmax(T a(S z))`` over ``num_experts = 2^depth`` leaves (Chaunin & Mikhailovskiy
+    Eq. 9), then
     the top-k leaves with their probabilities as weights.
 
     Parameters: ``weight`` [N, d_model] and ``bias`` [N] (node_width 1: one neuron per node);
@@ -204,7 +207,8 @@ class TreeRouter(Router):
 
     @torch.no_grad()
     def hard_leaves(self, x: torch.Tensor) -> torch.Tensor:
-        """Greedy descent (seed 003 §1.2): int64 [T], one node per level per token, going left
+        """Greedy descent (Chaunin & Mikhailovskiy §1.2): int64 [T], one node per level per token,
+        going left
         where the node's logit is positive."""
         if self.depth is None:
             raise ValueError("hard inference needs the tree (this router has explicit T and S)")

@@ -4,7 +4,8 @@ The config is a run config (see :mod:`sparseffn.train.config`) with a ``[compare
 
 ```toml
 [compare]
-variants = ["dense", "sigma_moe", "switch", "fff", "pkm", "peer"]   # FFN presets, sized to model.d_ff
+variants = ["dense", "sigma_moe", "switch", "fff", "pkm", "peer"]   # FFN presets, sized to
+model.d_ff
 [compare.options.sigma_moe]       # preset fields per variant
 k = 4
 ```
@@ -12,7 +13,7 @@ k = 4
 A variant may also be a table: ``{name = "moe-top4", ffn = "sigma_moe", ffn_options = {k = 4}}``,
 ``{name = "mine", ffn = {type = "moe", num_experts = 16, expert_size = 32, k = 4}}``, or
 ``{name = "dense-matched", match = "sigma_moe"}``: the dense model with the same total
-parameters as that variant (seed 001's evaluation rule).
+parameters as that variant (Csordás et al.'s evaluation rule).
 
 Each variant trains in its own process (so its peak memory is its own) in ``OUT/<variant>``.
 A variant that already finished with the same config is not trained again, and one that was

@@ -14,7 +14,8 @@ d_model = 128
 n_layers = 4
 n_heads = 4
 context = 128
-ffn = "sigma_moe"           # a preset (dense, sigma_moe, switch, glam, fff, pkm, peer) sized to d_ff,
+ffn = "sigma_moe"           # a preset (dense, sigma_moe, switch, glam, fff, pkm, peer) sized to
+d_ff,
 d_ff = 512                  # or a full layer table: [model.ffn] type = "moe" ...
 [model.ffn_options]         # preset fields to change (num_experts, k, depth, heads, ...)
 k = 4
@@ -113,7 +114,7 @@ class TrainSpec:
     schedule: str = "cosine"
     warmup_steps: int = 0
     final_lr_ratio: float = 0.0
-    clip: float | None = 0.25       # max gradient norm (seed 001); 0 or None: off
+    clip: float | None = 0.25       # max gradient norm (Csordás et al. 2023); 0 or None: off
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     bf16: bool = False              # bfloat16 autocast for the forward
@@ -269,7 +270,7 @@ def total_steps(run: RunConfig, steps_per_epoch: int | None) -> int:
 
 
 def dense_baseline(run: RunConfig) -> RunConfig:
-    """The run with every FFN replaced by its parameter-equal dense MLP (seed 001's rule: the
+    """The run with every FFN replaced by its parameter-equal dense MLP (Csordás et al.'s rule: the
     dense baseline has the sparse model's total parameters, to within d_model per block)."""
     _check(run.model.kind == "lm", "the dense baseline is defined for language models")
     lm = lm_config(run, 256).dense_baseline()   # FFN sizes do not depend on the vocabulary

@@ -1,9 +1,10 @@
 """Learning-rate schedules as pure functions of the step, so that a resumed run needs only
 the step to continue them exactly.
 
-- ``cosine`` (seed 001 App. A.4): linear warm-up over ``warmup_steps``, then cosine decay from
+- ``cosine`` (Csordás et al. 2023 App. A.4): linear warm-up over ``warmup_steps``, then cosine
+decay from
   the peak to ``final_lr_ratio · lr`` (0 in the paper) at the last step.
-- ``one_cycle`` (seed 003 §3.1, seed 000; Smith & Topin's one-cycle policy as PyTorch's
+- ``one_cycle`` (Chaunin & Mikhailovskiy §3.1; Smith & Topin's one-cycle policy as PyTorch's
   ``OneCycleLR`` defines it): cosine rise from ``lr / 25`` to ``lr`` over the first 30% of the
   steps, then cosine fall to ``lr / (25 · 10⁴)``. Momentum is not cycled.
 - ``constant``: linear warm-up, then ``lr``.

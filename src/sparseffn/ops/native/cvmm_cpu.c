@@ -1,4 +1,4 @@
-/* Fused CPU kernels for CVMM (seed 001 App. B.1): gather -> GEMM -> scatter without ever
+/* Fused CPU kernels for CVMM (Csordás et al. 2023 App. B.1): gather -> GEMM -> scatter without ever
  * materialising the [pairs, d_model] copies of the input or the output.
  *
  * Rows are sorted by expert: rows [off_e, off_e + count_e) belong to expert e. Work is split
@@ -100,7 +100,7 @@ static void unlock_row(volatile char *locks, int64_t i) {
 #define THREAD_SETUP() int blas_prev = g_blas_threads_local ? g_blas_threads_local(1) : 0
 #define THREAD_DONE() do { if (g_blas_threads_local) g_blas_threads_local(blas_prev); } while (0)
 
-/* One CVMM over expert-sorted rows r (seed 001 Eq. 40):
+/* One CVMM over expert-sorted rows r (Csordás et al. 2023 Eq. 40):
  *
  *   z_r = src[in_idx[r], :] @ W[e(r)],   y_r = scale[r] * z_r      src: [*, m], W[e]: [m, n]
  *

@@ -1,4 +1,4 @@
-/* CPU kernels for fast feed-forward (FFF) trees (seed 003 §1.2-2.3, seed 000).
+/* CPU kernels for fast feed-forward (FFF) trees (Chaunin & Mikhailovskiy §1.2-2.3).
  *
  * Tree layout (sparseffn/ops/fff.py): nodes in heap order, level l holds nodes
  * [2^l - 1, 2^(l+1) - 1), node n's children are 2n + 1 (left) and 2n + 2 (right); leaves are
@@ -159,7 +159,7 @@ int sf_fff_expand_backward(const float *grad_leaf, int64_t ldg, const float *lea
     return failed;
 }
 
-/* Greedy hard inference (seed 003 §1.2): from the root, go left where z_n = <x, w_n> + b_n > 0
+/* Greedy hard inference (Chaunin & Mikhailovskiy §1.2): from the root, go left where z_n = <x, w_n> + b_n > 0
  * and right otherwise, one node per level. x: [rows, dim] (row stride ldx); w: [N, dim] (row
  * stride ldw); bias: [N] or NULL; leaf_out: [rows] int64. */
 int sf_fff_descend(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias,

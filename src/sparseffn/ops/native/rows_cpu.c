@@ -1,5 +1,5 @@
-/* CPU kernels for tables of single rows: product-key retrieval (PKM, Lample et al. 2019; seed
- * 001 §3.2) and single-neuron experts (PEER, seed 002 §3), see sparseffn/ops/rows.py and
+/* CPU kernels for tables of single rows: product-key retrieval (PKM, Lample et al. 2019;
+ * Csordás et al. 2023 §3.2) and single-neuron experts (PEER, He 2024 §3), see sparseffn/ops/rows.py and
  * sparseffn/ops/product_keys.py.
  *
  * A "pair" (t, j) names row idx[t, j] of a table [N, d] for row t of a batch; pairs are never
@@ -14,7 +14,7 @@
  *                  the number of threads.
  * sf_topk_rows     the k largest entries of each row, ordered by (value desc, index asc): ties
  *                  go to the lower index, deterministically.
- * sf_pk_topk       product-key top-k (seed 001 Eq. 15): the top ka of row a, the top kb of row
+ * sf_pk_topk       product-key top-k (Csordás et al. 2023 Eq. 15): the top ka of row a, the top kb of row
  *                  b, and the top k of the ka * kb sums, with full index ia + na * ib, ordered
  *                  by (sum desc, index asc).
  *
