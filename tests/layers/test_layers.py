@@ -139,3 +139,25 @@ def test_build_layer_from_config():
                      (SigmaMoEConfig(d_model=4, num_experts=2, expert_size=4, k=1), SigmaMoE)]:
         layer = sparseffn.build_layer(cfg)
         assert isinstance(layer, cls) and layer.config == cfg
+
+
+@pytest.mark.parametrize("config,renames", [
+    (SigmaMoEConfig(d_model=8, num_experts=4, expert_size=3, k=2),
+     {"store.w1": "w1", "store.w2": "w2"}),
+    (TopKMLPConfig(d_model=8, d_ff=12, k=3), {"router.keys": "keys", "store.values": "values"}),
+    (sparseffn.FFFConfig(d_model=8, depth=2, leaf_width=3),
+     {"store.w1": "w1", "store.b1": "b1", "store.w2": "w2", "store.b2": "b2"}),
+    (sparseffn.PKMConfig(d_model=8, num_subkeys=3, heads=1, k=2), {"store.values": "values"}),
+    (sparseffn.PEERConfig(d_model=8, num_experts=9, heads=1, k=2, key_dim=4),
+     {"store.w_in": "w_in", "store.w_out": "w_out"}),
+])
+def test_state_dicts_from_before_the_stores_still_load(config, renames):
+    """Expert parameters moved from the layer into its store (and the top-K keys into its
+    router); a state dict saved with the old names loads into today's layer."""
+    layer = sparseffn.build_layer(config).eval()
+    old = {renames.get(key, key): value for key, value in layer.state_dict().items()}
+    assert set(renames.values()) <= set(old)
+    fresh = sparseffn.build_layer(config).eval()
+    fresh.load_state_dict(old)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(fresh(x), layer(x))
