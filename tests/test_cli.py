@@ -229,3 +229,16 @@ def test_bad_exponents_are_rejected(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "productkeys", "--exponents", "1-30"])
     assert "exponents must lie in 2..24" in capsys.readouterr().err
+
+
+def test_bench_sparse_grad_twin_shares_parameters_and_gives_sparse_gradients():
+    from sparseffn import PEER, PEERConfig
+    from sparseffn.bench.product_keys import with_sparse_grad
+    layer = PEER(PEERConfig(d_model=8, num_experts=16, heads=2, k=3, key_dim=4))
+    twin = with_sparse_grad(layer)
+    assert twin.store.w_in is layer.store.w_in and not layer.store.sparse_grad
+    twin(torch.randn(5, 8)).sum().backward()
+    assert layer.store.w_in.grad.is_sparse                  # the shared table, sparse gradient
+    layer.zero_grad(set_to_none=True)
+    layer(torch.randn(5, 8)).sum().backward()
+    assert not layer.store.w_in.grad.is_sparse              # the original is unchanged

@@ -204,13 +204,25 @@ def _side_by_side(case: str, their_case: str, their_name: str, ours: nn.Module,
     return records, notes
 
 
+def with_sparse_grad(layer: nn.Module) -> nn.Module:
+    """A twin of a PKM/PEER layer that shares its parameters (no second copy of the tables)
+    but gives the tables sparse gradients: its own module table and a shallow copy of the
+    store with ``sparse_grad`` on."""
+    twin = copy.copy(layer)
+    twin._modules = dict(layer._modules)
+    store = copy.copy(layer.store)
+    store.sparse_grad = True
+    twin._modules["store"] = store
+    twin.config = layer.config.replace(sparse_grad=True)
+    return twin
+
+
 def peer_1m(tokens: int, repeats: int, peers: bool) -> tuple[list[dict], list[str]]:
     torch.manual_seed(0)
     cfg = PEERConfig(d_model=D_MODEL, num_experts=1024 ** 2, heads=HEADS, k=K)
     ours = PEER(cfg)
     theirs = _peer_pytorch(ours) if peers else None
-    sparse = copy.copy(ours)          # the same parameters (no second million rows) ...
-    sparse.config = cfg.replace(sparse_grad=True)     # ... with sparse table gradients
+    sparse = with_sparse_grad(ours)   # the same parameters (no second million rows)
     x = torch.randn(tokens, D_MODEL)
     records, notes = _side_by_side("peer_1m", "peer_peer_pytorch", "peer_pytorch", ours, theirs,
                                    {"sparseffn_sparse_grad": sparse}, cfg.num_experts, x,
