@@ -16,8 +16,8 @@ def dense_init_std(fan_in: int, n_layers: int) -> float:
 @torch.no_grad()
 def equal_norm_rows_(weight: torch.Tensor, std: float) -> torch.Tensor:
     """σ-MoE's selection init (Csordás et al. 2023 §5): draw N(0, 1), rescale every row to norm 1,
-    then
-    rescale the whole matrix so that its entries have RMS ``std``. All rows keep equal norm, so at
+    then rescale the whole matrix so that its entries have RMS ``std``. All rows keep equal norm,
+    so at
     initialisation only the angle between x and a row decides its score."""
     weight.normal_()
     # Unit rows have an RMS entry of 1/sqrt(fan_in); scale it to ``std``.

@@ -1,6 +1,5 @@
 """``sparseffn bench productkeys``: product-key retrieval, PKM and PEER (Csordás et al. 2023 §3.2,
-He 2024
-§3).
+He 2024 §3).
 
 1. ``scaling``: forward time per token of product-key retrieval against naive full scoring,
    N = 2^10 … 2^20 keys, d_model 256, h = 8 heads, k = 16. Product keys cost

@@ -1,6 +1,5 @@
 """``sparseffn bench routers``: Chaunin & Mikhailovskiy §4's router speed benchmark (Table 2,
-Figure 3), and
-ours next to it.
+Figure 3), and ours next to it.
 
 The time to compute the routing probabilities ``R [batch, 2^d]`` from ``x [batch, 1024]``,
 depths 1..13, fp32, forward and forward+backward (into x and the router weights). Methods,
@@ -17,8 +16,7 @@ all with ``(2^d - 1)·dim`` node weights (MoE: ``2^d·dim``), no biases:
 
 Table 2 is the harmonic mean over depths of ``time(orig) / time(method)``, up to depth 8 and
 up to 13 (Chaunin & Mikhailovskiy reports CPU: MoE 7.27 / 4.55, T,S 3.55 / 0.88, inference 0.90 /
-1.09,
-logs 1.27 / 1.07). At each depth all methods run in rotation, so ratios compare runs adjacent
+1.09, logs 1.27 / 1.07). At each depth all methods run in rotation, so ratios compare runs adjacent
 in time.
 """
 

@@ -1,6 +1,6 @@
 """Classification data as tensors: synthetic clusters of Gaussians (as in Chaunin &
-Mikhailovskiy's slides), Fashion-MNIST,
-MNIST-5k, sklearn's digits and CIFAR-10, each split into disjoint train / val / test sets by a
+Mikhailovskiy's slides), Fashion-MNIST, MNIST-5k, sklearn's digits and CIFAR-10, each split into
+disjoint train / val / test sets by a
 fixed rule (below), so that every run sees the same splits.
 
 | name | source | splits |

@@ -43,8 +43,7 @@ class FFFConfig(LayerConfig):
     - ``k``: leaves per token in the sparse modes.
     - ``init``: ``"fff"`` (uniform ±1/sqrt(fan_in) everywhere, as ``fastfeedforward``) or
       ``"sigma_moe"`` (leaves like the dense MLP of width 2^depth·leaf_width, Csordás et al. 2023
-      §5;
-      nodes by the σ-MoE selection init).
+      §5; nodes by the σ-MoE selection init).
     """
 
     type_name: ClassVar[str] = "fff"

@@ -1,6 +1,5 @@
 """Layers over product-key retrieval: the product-key memory (PKM; Lample et al. 2019, Csordás et
-al. 2023
-§3.2) and PEER (He 2024 §3). Both are a :class:`ProductKeyRouter` in front of a table of
+al. 2023 §3.2) and PEER (He 2024 §3). Both are a :class:`ProductKeyRouter` in front of a table of
 single rows, read with gathered-row kernels (``ops/rows.py``) that never copy the retrieved
 rows out per token."""
 
@@ -85,8 +84,7 @@ class PKMConfig(LayerConfig):
     ``"layernorm"``.
     - ``init``: ``"lample"`` (sub-keys N(0, 1/sqrt(key_dim/2)), values N(0, 1/sqrt(d_model)))
       or ``"dense"`` (Csordás et al.'s unified view: keys like the dense W1, values like W2 of an
-      MLP
-      of width n²).
+      MLP of width n²).
     - ``sparse_grad``: the values' gradient as a sparse tensor of the rows read (train them with
       ``torch.optim.SparseAdam``; see :func:`sparseffn.sparse_grad_parameters`).
 

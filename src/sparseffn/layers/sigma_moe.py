@@ -19,8 +19,7 @@ SIGMA_MOE_INITS = ("sigma_moe", "standard")
 @dataclass(frozen=True)
 class SigmaMoEConfig(LayerConfig):
     """σ-MoE (Csordás et al. 2023 §5): ``num_experts`` MLP experts of ``expert_size`` hidden
-    units, ``k``
-    of them per token, chosen by sigmoid scores.
+    units, ``k`` of them per token, chosen by sigmoid scores.
 
     Fields
     - ``gate``: ``"sigmoid"`` (σ-MoE), or the Table 4 ablations ``"softmax"`` (softmax over all

@@ -1,8 +1,7 @@
 """A mixture of two-layer MLP experts: two CVMMs with an activation between them.
 
 ``y_t = Σ_j g_tj · act(x_t W1[e_tj]ᵀ) W2[e_tj]`` (Csordás et al. 2023 Eq. 25), with the hidden
-units kept
-in the plan's expert-sorted order between the two CVMMs.
+units kept in the plan's expert-sorted order between the two CVMMs.
 
 With ReLU experts (and no dropout, biases or autocast), one autograd function runs both
 layers on the ``sparseffn::cvmm_rows`` operator, with the ReLU and its derivative, the gate

@@ -115,8 +115,7 @@ class DenseGateRouter(_AffineGateRouter):
     used with its gate value; the weights sum to one.
 
     With ``margin`` m (Eigen, Ranzato & Sutskever 2013, arXiv:1312.4314) the router keeps each
-    expert's
-    running total assignment ``G_i(t) = Σ_{t' ≤ t} g_i(x_t')`` in the buffer
+    expert's running total assignment ``G_i(t) = Σ_{t' ≤ t} g_i(x_t')`` in the buffer
     ``assignment_totals`` during training, and sets ``g_i = 0`` for an expert whose total
     exceeds the mean total by more than m; the remaining gates are renormalised. The rule is
     applied per batch (the totals including the batch's gates decide which experts are

@@ -23,8 +23,8 @@ class GShardRouterConfig(RouterConfig):
     """GShard top-2 gating (Lepikhin et al. 2021, arXiv:2006.16668, Algorithm 1).
 
     Tokens are split into groups of ``group_size`` (None: the whole batch is one group). In
-    each group every expert has a buffer of
-    ``capacity = ceil(capacity_factor · 2 · group_size / num_experts)`` positions; the first
+    each group every expert has a buffer of ``capacity = ceil(capacity_factor · 2 · group_size /
+    num_experts)`` positions; the first
     choices fill it in token order, then the second choices, each dispatched only with
     probability ``min(1, 2 · g2)`` (``second_expert="random"``, during training; at
     evaluation and with ``"all"`` every second choice is dispatched). ``capacity_factor`` 0 or

@@ -74,8 +74,7 @@ class NoisyTopKRouter(Router):
     ``G(x) = softmax(KeepTopK(H(x), k))``: the k weights sum to one.
 
     Auxiliary losses: ``importance`` = CV(Σ_x G(x))² (Csordás et al. 2023 Eq. 28) and ``load`` =
-    CV of
-    the smooth load estimate squared (:func:`noisy_topk_load`; without noise, the plain
+    CV of the smooth load estimate squared (:func:`noisy_topk_load`; without noise, the plain
     counts, which carry no gradient). ``W_noise`` starts at zero, as in Shazeer et al.
 
     forward(x: [tokens, d_model]) -> Routing(indices [tokens, k], weights [tokens, k])

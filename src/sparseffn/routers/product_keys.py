@@ -1,6 +1,5 @@
 """Product-key retrieval as a router (Lample et al. 2019; Csordás et al. 2023 §3.2; He 2024 §3.2):
-the
-query network, the optional query norm and the per-head sub-key tables, returning the
+the query network, the optional query norm and the per-head sub-key tables, returning the
 retrieved keys of every head as one :class:`~sparseffn.routing.Routing`.
 
 Used by :class:`~sparseffn.layers.ProductKeyMemory` (the keys index value rows) and

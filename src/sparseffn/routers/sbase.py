@@ -25,8 +25,8 @@ SBASE_ROUNDINGS = ("topk", "capacity")
 
 class SBaseRouterConfig(RouterConfig):
     """BASE / S-BASE (Csordás et al. 2023 §4, Eq. 32-33): during training, a balanced assignment
-    of the
-    batch's tokens to experts; the selected experts are weighted by ``σ(W x)``; at evaluation
+    of the batch's tokens to experts; the selected experts are weighted by ``σ(W x)``; at
+    evaluation
     plain top-k. Extended to k > 1 (Csordás et al. 2023 Table 4 "S-BASE, K=4").
 
     assignment: ``"sinkhorn"`` (Clark et al. 2022: Sinkhorn iterations on ``exp(W x)``, then

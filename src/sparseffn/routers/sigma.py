@@ -49,8 +49,7 @@ class SigmaRouterConfig(RouterConfig):
 
 class SoftmaxRouterConfig(RouterConfig):
     """Softmax top-k (Csordás et al. 2023 §3.3, Table 4): ``s = softmax(W x)`` over all experts,
-    then
-    top-k; with ``renormalize`` the k kept scores are renormalised to sum to one
+    then top-k; with ``renormalize`` the k kept scores are renormalised to sum to one
     (``normtopk``, App. A.1 Eq. 37-39, the same as a softmax over the k selected logits).
     Regularised with the batch entropy of Eq. 35, as Csordás et al. 2023 does for its softmax
     variants."""

@@ -65,8 +65,7 @@ class SwitchRouter(LinearRouter):
     weight 0, so the layer's output for them is zero and the residual carries them.
 
     Auxiliary losses: ``balance`` = ``N_E f·p`` (Csordás et al. 2023 Eq. 29-31, f from the top-1
-    choices
-    before dropping) and ``z_loss`` (ST-MoE). Stats: ``dropped_fraction``, ``capacity``.
+    choices before dropping) and ``z_loss`` (ST-MoE). Stats: ``dropped_fraction``, ``capacity``.
 
     forward(x: [tokens, d_model]) -> Routing(indices [tokens, 1], weights [tokens, 1],
     dispatched [tokens, 1])

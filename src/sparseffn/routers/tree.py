@@ -48,8 +48,8 @@ class TreeRouterConfig(RouterConfig):
       ``"auto"`` (levelwise).
     node_width: 1: each node is one neuron, ``z_n = w_n·x + b_n`` (as in the
       ``fastfeedforward`` package and Chaunin & Mikhailovskiy's router benchmark); h > 1: each
-      node is a small
-      MLP with h hidden ReLU units and one output (Chaunin & Mikhailovskiy §3.1 uses 8 or 16).
+      node is a small MLP with h hidden ReLU units and one output (Chaunin & Mikhailovskiy §3.1
+      uses 8 or 16).
     bias: node biases.
     renormalize: rescale the k selected leaf probabilities to sum to one.
     t_matrix, s_matrix: explicit T [E, m] and S [m, n] of Eq. 9 instead of the tree's (the
@@ -128,8 +128,7 @@ _PADDED_DEPTHS = range(6, 11)
 @implements(TreeRouterConfig)
 class TreeRouter(Router):
     """``R = softmax(T a(S z))`` over ``num_experts = 2^depth`` leaves (Chaunin & Mikhailovskiy
-    Eq. 9), then
-    the top-k leaves with their probabilities as weights.
+    Eq. 9), then the top-k leaves with their probabilities as weights.
 
     Parameters: ``weight`` [N, d_model] and ``bias`` [N] (node_width 1: one neuron per node);
     with node_width h > 1, ``weight`` [N·h, d_model] and ``hidden_bias`` [N·h] are the nodes'

@@ -4,8 +4,8 @@ The config is a run config (see :mod:`sparseffn.train.config`) with a ``[compare
 
 ```toml
 [compare]
-variants = ["dense", "sigma_moe", "switch", "fff", "pkm", "peer"]   # FFN presets, sized to
-model.d_ff
+# FFN presets, sized to model.d_ff
+variants = ["dense", "sigma_moe", "switch", "fff", "pkm", "peer"]
 [compare.options.sigma_moe]       # preset fields per variant
 k = 4
 ```

@@ -14,9 +14,10 @@ d_model = 128
 n_layers = 4
 n_heads = 4
 context = 128
-ffn = "sigma_moe"           # a preset (dense, sigma_moe, switch, glam, fff, pkm, peer) sized to
-d_ff,
-d_ff = 512                  # or a full layer table: [model.ffn] type = "moe" ...
+# a preset (dense, sigma_moe, switch, glam, fff, pkm, peer) sized to d_ff,
+# or a full layer table: [model.ffn] type = "moe" ...
+ffn = "sigma_moe"
+d_ff = 512
 [model.ffn_options]         # preset fields to change (num_experts, k, depth, heads, ...)
 k = 4
 
