@@ -5,7 +5,8 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 :func:`aux_loss`.
 """
 
-from .auxiliary import aux_loss, aux_loss_terms, reset_usage, routing_stats, sparse_grad_parameters
+from .auxiliary import (all_reduce_usage, aux_loss, aux_loss_terms, reset_usage, routing_stats,
+                        sparse_grad_parameters)
 from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, PEERConfig,
                      PKMConfig, ProductKeySpec, SigmaMoEConfig, TopKMLPConfig, config_from_dict)
 from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
@@ -22,13 +23,15 @@ from .runtime import tune_cpu_allocator
 __version__ = "0.1.0"
 
 __all__ = [
-    "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig", "DispatchPlan",
-    "FFFConfig", "FastFeedForward", "GShardRouterConfig", "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig",
-    "LayerConfig", "LayerCost", "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig", "PEER",
-    "PEERConfig", "PKMConfig", "ProductKeyMemory", "ProductKeySpec",
-    "RouterConfig", "Routing", "SBaseRouterConfig", "SigmaMoE", "SigmaMoEConfig",
-    "SigmaRouterConfig", "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP",
-    "TopKMLPConfig", "TreeRouterConfig", "active_equal_dense", "aux_loss", "aux_loss_terms", "build_layer", "build_router",
-    "compare_with_dense", "config_from_dict", "cvmm", "param_equal_dense", "reset_usage",
-    "routing_stats", "sparse_grad_parameters", "tune_cpu_allocator",
+    "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig",
+    "DispatchPlan", "FFFConfig", "FastFeedForward", "GShardRouterConfig",
+    "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig", "LayerConfig", "LayerCost",
+    "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig", "PEER", "PEERConfig",
+    "PKMConfig", "ProductKeyMemory", "ProductKeySpec", "RouterConfig", "Routing",
+    "SBaseRouterConfig", "SigmaMoE", "SigmaMoEConfig", "SigmaRouterConfig",
+    "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP", "TopKMLPConfig",
+    "TreeRouterConfig", "active_equal_dense", "all_reduce_usage", "aux_loss", "aux_loss_terms",
+    "build_layer", "build_router", "compare_with_dense", "config_from_dict", "cvmm",
+    "param_equal_dense", "reset_usage", "routing_stats", "sparse_grad_parameters",
+    "tune_cpu_allocator",
 ]

@@ -63,6 +63,29 @@ def routing_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def all_reduce_usage(model: nn.Module, group=None) -> None:
+    """Sum every sparse layer's accumulated ``usage_counts`` / ``usage_mass`` over the
+    processes of ``group`` (default: the world), so that each data-parallel replica holds the
+    usage of the global batch. One collective for the whole model; a no-op when
+    ``torch.distributed`` is not initialised. Call it once before reading the usage (and
+    ``reset_usage`` after): calling it twice would count the other replicas twice."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    buffers = [buffer for _, layer in _layers(model)
+               for buffer in (getattr(layer, "usage_counts", None), getattr(layer, "usage_mass", None))
+               if buffer is not None]
+    if not buffers:
+        return
+    flat = torch.cat([b.reshape(-1).to(torch.float64) for b in buffers])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    with torch.no_grad():
+        for b in buffers:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+
 def reset_usage(model: nn.Module) -> None:
     """Zero the accumulated expert usage of every sparse layer."""
     for _, layer in _layers(model):
