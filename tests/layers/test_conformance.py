@@ -33,6 +33,7 @@ from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
                                      HierarchicalRouterConfig, NoisyTopKRouterConfig,
                                      RouterConfig, SBaseRouterConfig, SigmaRouterConfig,
                                      SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
+from sparseffn.routers import ProductKeyRouterConfig
 from sparseffn.routing import RoutedFFN
 from sparseffn.stores import MLPExperts, NeuronExperts, ValueRows
 
@@ -65,6 +66,7 @@ ROUTER_EXAMPLES = {
     "dense_softmax": _moe(DenseGateRouterConfig(), k=4, num_experts=4),
     "hierarchical": _moe(HierarchicalRouterConfig(), k=4, num_experts=4),
     "tree": _moe(TreeRouterConfig(), num_experts=4),
+    "product_keys": _moe(ProductKeyRouterConfig(heads=2, key_dim=6), k=4, num_experts=16),
 }
 # Variants whose code paths differ: sparse FFF training, biased leaves off, product keys
 # without a query network, PEER with sparse gradients and dropout.

@@ -545,3 +545,23 @@ def test_a_moe_with_its_router_is_one_toml_table():
     layer = sparseffn.build_layer(cfg)
     assert isinstance(layer.router, sparseffn.routers.GShardRouter)
     assert layer(torch.randn(3, 16)).shape == (3, 16)
+
+
+def test_product_key_router_in_a_moe_checks_its_layer():
+    from sparseffn.routers import ProductKeyRouterConfig
+    with pytest.raises(ValueError, match="square"):
+        MoE(MoEConfig(d_model=8, num_experts=10, expert_size=4, k=2,
+                      router=ProductKeyRouterConfig(heads=1, key_dim=4)))
+    with pytest.raises(ValueError, match="multiple of heads"):
+        MoE(MoEConfig(d_model=8, num_experts=16, expert_size=4, k=3,
+                      router=ProductKeyRouterConfig(heads=2, key_dim=4)))
+    with pytest.raises(ValueError, match="key_dim must be even"):
+        ProductKeyRouterConfig(key_dim=5)
+    with pytest.raises(ValueError, match="key_dim must equal d_model"):
+        MoE(MoEConfig(d_model=8, num_experts=16, expert_size=4, k=2,
+                      router=ProductKeyRouterConfig(query="identity", key_dim=4)))
+    layer = MoE(MoEConfig(d_model=8, num_experts=16, expert_size=4, k=4,
+                          router={"type": "product_keys", "heads": 2, "key_dim": 4}))
+    routing = layer.router(torch.randn(6, 8))
+    assert routing.indices.shape == (6, 4) and int(routing.indices.max()) < 16
+    assert layer.config.cost().total_params == sum(p.numel() for p in layer.parameters())

@@ -10,6 +10,7 @@ from .base import Router
 from .classic import DenseGateRouter, DenseGateRouterConfig, HierarchicalRouter, HierarchicalRouterConfig
 from .gshard import GShardRouter, GShardRouterConfig, gshard_top2
 from .noisy import NoisyTopKRouter, NoisyTopKRouterConfig
+from .product_keys import ProductKeyRouter, ProductKeyRouterConfig, ProductKeyTopK
 from .sbase import SBaseRouter, SBaseRouterConfig
 from .sigma import SigmaRouter, SigmaRouterConfig, SoftmaxRouter, SoftmaxRouterConfig
 from .switch import SwitchRouter, SwitchRouterConfig
@@ -17,7 +18,8 @@ from .tree import TreeRouter, TreeRouterConfig
 
 __all__ = ["DenseGateRouter", "DenseGateRouterConfig", "GShardRouter", "GShardRouterConfig",
            "HierarchicalRouter", "HierarchicalRouterConfig", "NoisyTopKRouter",
-           "NoisyTopKRouterConfig", "ROUTERS", "Router", "RouterConfig", "SBaseRouter",
+           "NoisyTopKRouterConfig", "ProductKeyRouter", "ProductKeyRouterConfig", "ProductKeyTopK",
+           "ROUTERS", "Router", "RouterConfig", "SBaseRouter",
            "SBaseRouterConfig", "SigmaRouter", "SigmaRouterConfig", "SoftmaxRouter",
            "SoftmaxRouterConfig", "SwitchRouter", "SwitchRouterConfig", "TreeRouter",
            "TreeRouterConfig", "build_router", "gshard_top2"]

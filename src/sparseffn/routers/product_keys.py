@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..ops.product_keys import retrieve
+from ..registry import RouterConfig, implements
 from ..routing import Routing
+from ..validation import require_choice, require_positive_int
 
 
 PK_QUERIES = ("identity", "linear")
@@ -176,3 +179,73 @@ class ProductKeyRouter(nn.Module):
         s = self.spec
         return (f"heads={s.heads}, k={s.k}, num_subkeys={s.num_subkeys}, key_dim={s.key_dim}, "
                 f"query={s.query}, score={s.score}")
+
+
+@dataclass(frozen=True)
+class ProductKeyRouterConfig(RouterConfig):
+    """Product-key retrieval as the router of any :class:`~sparseffn.layers.MoE` (Lample et al.
+    2019; He 2024 §3.2): the layer's ``num_experts`` must be a square n², and its ``k`` is split
+    over ``heads`` retrievals of ``k / heads`` keys each (a token may get one expert from two
+    heads: both pairs are computed). Scores cost O(√N · d) per token instead of O(N · d).
+
+    heads: independent retrievals (query networks).
+    key_dim: units of each head's query, split into two halves (even).
+    query: ``"linear"`` (a query network per head, no bias) or ``"identity"`` (the input itself,
+      shared by the heads; needs ``key_dim = d_model``).
+    query_norm: None, ``"batchnorm"`` or ``"layernorm"``.
+    score: ``"softmax"`` over each head's k scores, ``"relu"`` or ``"sigmoid"``.
+    """
+
+    type_name: ClassVar[str] = "product_keys"
+
+    heads: int = 1
+    key_dim: int = 32
+    query: str = "linear"
+    query_norm: str | None = None
+    score: str = "softmax"
+
+    def __post_init__(self) -> None:
+        require_positive_int(self, "heads")
+        require_positive_int(self, "key_dim")
+        if self.key_dim % 2:
+            raise ValueError(f"ProductKeyRouterConfig.key_dim must be even (two half-queries), "
+                             f"got {self.key_dim}")
+        require_choice(self, "query", PK_QUERIES)
+        if self.query_norm is not None:
+            require_choice(self, "query_norm", PK_QUERY_NORMS)
+        require_choice(self, "score", ("softmax", "relu", "sigmoid"))
+
+    def check_layer(self, num_experts: int, k: int) -> None:
+        n = math.isqrt(num_experts)
+        if n * n != num_experts or n < 1:
+            raise ValueError(f"ProductKeyRouterConfig: num_experts must be a square n² (the keys "
+                             f"are pairs of n sub-keys), got {num_experts}")
+        if k % self.heads:
+            raise ValueError(f"ProductKeyRouterConfig: the layer's k={k} must be a multiple of "
+                             f"heads={self.heads} (each head retrieves k / heads experts)")
+
+    def spec(self, d_model: int, num_experts: int, k: int) -> ProductKeySpec:
+        return ProductKeySpec(d_model=d_model, num_subkeys=math.isqrt(num_experts),
+                              heads=self.heads, k=k // self.heads, key_dim=self.key_dim,
+                              query=self.query, query_norm=self.query_norm, score=self.score)
+
+    def num_params(self, d_model: int, num_experts: int) -> int:
+        return self.spec(d_model, num_experts, self.heads).num_params()
+
+
+@implements(ProductKeyRouterConfig)
+class ProductKeyTopK(ProductKeyRouter):
+    """:class:`ProductKeyRouter` built from a :class:`ProductKeyRouterConfig` and a layer's
+    ``num_experts`` and ``k``, as every registered router is; ``init`` scales the sub-keys like
+    the layer's expert keys (``"sigma_moe"``/``"standard"``: N(0, sqrt(2/(d_model n_layers)))
+    per entry of a full key) or as Lample et al. (``"switch"``: their default)."""
+
+    def __init__(self, config: ProductKeyRouterConfig, d_model: int, num_experts: int, k: int,
+                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+        config.check_layer(num_experts, k)
+        if config.query == "identity" and config.key_dim != d_model:
+            raise ValueError(f"ProductKeyRouterConfig: query='identity' splits the input itself, "
+                             f"so key_dim must equal d_model={d_model}, got {config.key_dim}")
+        key_std = None if init == "switch" else math.sqrt(2.0 / (d_model * n_layers))
+        super().__init__(config.spec(d_model, num_experts, k), key_std=key_std)
+        self.config = config
