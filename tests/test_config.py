@@ -62,3 +62,26 @@ def test_configs_are_frozen_and_replace_validates():
     assert cfg.replace(d_ff=16).d_ff == 16
     with pytest.raises(ValueError):
         cfg.replace(d_ff=-1)
+
+
+def test_renamed_fields_still_work_with_a_deprecation_warning():
+    """``n_layers`` of a layer config only scaled the init (now ``init_depth``); PKM's
+    ``activation`` was its score function (now ``score``). Old names keep working."""
+    import warnings
+    from sparseffn import PKMConfig, SigmaMoEConfig
+    with pytest.warns(DeprecationWarning, match="init_depth"):
+        cfg = SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=2, n_layers=3)
+    assert cfg.init_depth == 3
+    with pytest.warns(DeprecationWarning, match="init_depth"):
+        assert cfg.n_layers == 3
+    with pytest.warns(DeprecationWarning, match="score"):
+        pkm = PKMConfig(d_model=8, num_subkeys=4, k=2, activation="relu")
+    assert pkm.score == "relu" and "activation" not in pkm.to_dict()
+    with pytest.warns(DeprecationWarning):       # a dict or TOML file written before
+        old = config_from_dict({"type": "dense", "d_model": 8, "d_ff": 16, "n_layers": 2})
+    assert old == DenseMLPConfig(d_model=8, d_ff=16, init_depth=2)
+    with pytest.raises(TypeError, match="not both"):
+        DenseMLPConfig(d_model=8, d_ff=16, n_layers=2, init_depth=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # the new names warn about nothing
+        DenseMLPConfig(d_model=8, d_ff=16, init_depth=2).replace(d_ff=32)

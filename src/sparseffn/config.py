@@ -16,7 +16,9 @@ from .activations import ACTIVATIONS
 from .layers.dense import DenseMLPConfig
 from .layers.fff import FFF_EVAL_MODES, FFF_TRAIN_MODES, FFFConfig
 from .layers.moe import MOE_INITS, MoEConfig
-from .layers.product_keys import PKM_ACTIVATIONS, PKM_INITS, PEERConfig, PKMConfig
+from .layers.product_keys import PKM_INITS, PKM_SCORES, PEERConfig, PKMConfig
+
+PKM_ACTIVATIONS = PKM_SCORES   # the old name of PKMConfig.score's choices
 from .layers.sigma_moe import SIGMA_MOE_GATES, SIGMA_MOE_INITS, SigmaMoEConfig
 from .layers.topk import TopKMLPConfig
 from .registry import LayerConfig, LayerCost, config_from_dict
@@ -24,6 +26,6 @@ from .routers.product_keys import PEER_SCORES, PK_QUERIES, PK_QUERY_NORMS, Produ
 
 __all__ = ["ACTIVATIONS", "DenseMLPConfig", "FFFConfig", "FFF_EVAL_MODES", "FFF_TRAIN_MODES",
            "LayerConfig", "LayerCost", "MOE_INITS", "MoEConfig", "PEERConfig", "PEER_SCORES",
-           "PKMConfig", "PKM_ACTIVATIONS", "PKM_INITS", "PK_QUERIES", "PK_QUERY_NORMS",
+           "PKMConfig", "PKM_ACTIVATIONS", "PKM_INITS", "PKM_SCORES", "PK_QUERIES", "PK_QUERY_NORMS",
            "ProductKeySpec", "SIGMA_MOE_GATES", "SIGMA_MOE_INITS", "SigmaMoEConfig",
            "TopKMLPConfig", "config_from_dict"]

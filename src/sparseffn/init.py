@@ -7,10 +7,10 @@ import math
 import torch
 
 
-def dense_init_std(fan_in: int, n_layers: int) -> float:
-    """``sqrt(2 / (fan_in · n_layers))``: Csordás et al.'s pre-LayerNorm init of an MLP matrix whose
-    input has ``fan_in`` units, for a stack of ``n_layers`` blocks."""
-    return math.sqrt(2.0 / (fan_in * n_layers))
+def dense_init_std(fan_in: int, init_depth: int) -> float:
+    """``sqrt(2 / (fan_in · init_depth))``: Csordás et al.'s pre-LayerNorm init of an MLP matrix whose
+    input has ``fan_in`` units, for a stack of ``init_depth`` blocks."""
+    return math.sqrt(2.0 / (fan_in * init_depth))
 
 
 @torch.no_grad()

@@ -8,6 +8,8 @@ would cost: the speed a sparse layer could reach at best.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from .config import ACTIVATIONS, DenseMLPConfig, LayerConfig, LayerCost, SigmaMoEConfig
@@ -20,16 +22,17 @@ def param_equal_dense(config: LayerConfig, **dense_kwargs) -> DenseMLPConfig:
     total = config.cost().total_params
     d_model = config.d_model  # type: ignore[attr-defined]
     d_ff = max(1, (total + d_model) // (2 * d_model))   # nearest, half up
-    activation = getattr(config, "activation", "relu")   # PKM's "softmax" is no MLP's
+    fields = {f.name for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    activation = config.activation if "activation" in fields else "relu"  # type: ignore[attr-defined]
     return DenseMLPConfig(d_model=d_model, d_ff=d_ff,
                           activation=activation if activation in ACTIVATIONS else "relu",
-                          n_layers=getattr(config, "n_layers", 1), **dense_kwargs)
+                          init_depth=getattr(config, "init_depth", 1), **dense_kwargs)
 
 
 def active_equal_dense(config: SigmaMoEConfig, **dense_kwargs) -> DenseMLPConfig:
     """The dense MLP of width ``k · expert_size``: the same expert FLOPs per token."""
     return DenseMLPConfig(d_model=config.d_model, d_ff=config.k * config.expert_size,
-                          activation=config.activation, n_layers=config.n_layers, **dense_kwargs)
+                          activation=config.activation, init_depth=config.init_depth, **dense_kwargs)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ so :func:`build_router` and :func:`build_layer` need no second table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -81,12 +83,12 @@ def router_config_from(value: Any) -> RouterConfig:
 
 
 def build_router(config: RouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1):
+                 init: str = "sigma_moe", init_depth: int = 1):
     """The router ``config`` describes, selecting ``k`` of ``num_experts`` experts."""
     cls = getattr(type(config), "module_class", None)
     if cls is None:
         raise TypeError(f"no router is registered for {type(config).__name__}")
-    return cls(config, d_model, num_experts, k, init=init, n_layers=n_layers)
+    return cls(config, d_model, num_experts, k, init=init, init_depth=init_depth)
 
 
 def require_router_k(config: RouterConfig, k: int, allowed: int, why: str) -> None:
@@ -102,6 +104,37 @@ def require_capacity_factor(config: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"{type(config).__name__}.capacity_factor must be a non-negative number "
                          f"(0 or None: dropless), got {value!r}")
+
+
+def renamed_fields(**old_to_new: str) -> Callable[[type], type]:
+    """Class decorator for a config dataclass (applied above ``@dataclass``): the old field
+    names still work, with a ``DeprecationWarning``, as constructor keywords, in dicts read by
+    ``config_from_dict`` and as read-only attributes."""
+    def decorate(cls: type) -> type:
+        generated = cls.__init__
+
+        @functools.wraps(generated)
+        def __init__(self, *args, **kwargs):
+            for old, new in old_to_new.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{cls.__name__}: give {new!r}, not both {new!r} and "
+                                        f"its old name {old!r}")
+                    warnings.warn(f"{cls.__name__}.{old} is now called {new!r}",
+                                  DeprecationWarning, stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            generated(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        cls.renamed_fields = dict(getattr(cls, "renamed_fields", {}), **old_to_new)
+        for old, new in old_to_new.items():
+            def read(self, _old=old, _new=new):
+                warnings.warn(f"{type(self).__name__}.{_old} is now called {_new!r}",
+                              DeprecationWarning, stacklevel=2)
+                return getattr(self, _new)
+            setattr(cls, old, property(read))
+        return cls
+    return decorate
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ def from_typed_dict(registry: dict[str, type], data: dict[str, Any], kind: str) 
                          f"got {type_name!r}")
     cls = registry[type_name]
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names - set(getattr(cls, "renamed_fields", {})))
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {unknown}; fields are {sorted(names)}")
     return cls(**data)

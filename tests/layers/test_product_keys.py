@@ -20,7 +20,7 @@ def rows_path(request):
 
 
 
-PKM_CASES = [dict(), dict(activation="relu"), dict(query="linear", key_dim=6),
+PKM_CASES = [dict(), dict(score="relu"), dict(query="linear", key_dim=6),
              dict(query="linear", key_dim=8, query_norm="layernorm"),
              dict(query_norm="batchnorm"), dict(init="dense", heads=1)]
 PEER_CASES = [dict(), dict(score="sigmoid", activation="relu"), dict(query_norm="batchnorm"),
@@ -188,8 +188,8 @@ def test_configs_round_trip_and_validate():
         PKMConfig(d_model=8, num_subkeys=4, k=17)
     with pytest.raises(ValueError, match="key_dim must be d_model"):
         PKMConfig(d_model=8, num_subkeys=8, key_dim=4)
-    with pytest.raises(ValueError, match="activation"):
-        PKMConfig(d_model=8, num_subkeys=8, activation="gelu")
+    with pytest.raises(ValueError, match="score"):
+        PKMConfig(d_model=8, num_subkeys=8, score="gelu")
     with pytest.raises(ValueError, match="query_norm"):
         PEERConfig(d_model=8, num_experts=16, query_norm="rmsnorm")
     with pytest.raises(ValueError, match="match must be"):

@@ -86,7 +86,7 @@ def test_expert_dropout_is_off_in_eval():
 
 
 def test_sigma_moe_init_matches_the_dense_layer_it_replaces():
-    layer = SigmaMoE(d_model=256, num_experts=16, expert_size=64, k=4, n_layers=4)
+    layer = SigmaMoE(d_model=256, num_experts=16, expert_size=64, k=4, init_depth=4)
     d_ff = 16 * 64
     assert abs(layer.store.w1.std().item() - math.sqrt(2 / (256 * 4))) < 0.02 * math.sqrt(2 / (256 * 4))
     assert abs(layer.store.w2.std().item() - math.sqrt(2 / (d_ff * 4))) < 0.02 * math.sqrt(2 / (d_ff * 4))

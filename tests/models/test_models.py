@@ -119,5 +119,5 @@ def test_classifier_fff_gives_logits_directly_and_moe_gets_a_read_out():
 
 def test_dense_preset_is_the_dense_mlp():
     layout = ffn_preset("dense", 32, 100, 3)
-    assert layout.ffn == DenseMLPConfig(d_model=32, d_ff=100, n_layers=3)
+    assert layout.ffn == DenseMLPConfig(d_model=32, d_ff=100, init_depth=3)
     assert isinstance(sparseffn.build_layer(layout.ffn), DenseMLP)

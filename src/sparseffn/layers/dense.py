@@ -10,18 +10,19 @@ from torch import nn
 
 from ..activations import ACTIVATIONS, activation_fn
 from ..init import dense_init_std
-from ..registry import LayerConfig, LayerCost, implements
+from ..registry import LayerConfig, LayerCost, implements, renamed_fields
 from ..routing import SparseFFN
 from ..validation import require_choice, require_positive_int, require_probability
 
 
+@renamed_fields(n_layers="init_depth")
 @dataclass(frozen=True)
 class DenseMLPConfig(LayerConfig):
     """The two-layer MLP ``y = W2 act(W1 x)`` (Csordás et al. 2023 Eq. 1-2).
 
-    ``n_layers`` only sets the initialisation scale of a pre-LayerNorm Transformer with that
-    many blocks: ``W1 ~ N(0, sqrt(2 / (d_model n_layers)))``, ``W2 ~ N(0, sqrt(2 / (d_ff
-    n_layers)))`` (Csordás et al. 2023 §5).
+    ``init_depth`` only sets the initialisation scale of a pre-LayerNorm Transformer with that
+    many blocks: ``W1 ~ N(0, sqrt(2 / (d_model init_depth)))``, ``W2 ~ N(0, sqrt(2 / (d_ff
+    init_depth)))`` (Csordás et al. 2023 §5).
     """
 
     type_name: ClassVar[str] = "dense"
@@ -31,12 +32,12 @@ class DenseMLPConfig(LayerConfig):
     activation: str = "relu"
     bias: bool = False
     dropout: float = 0.0
-    n_layers: int = 1
+    init_depth: int = 1
 
     def __post_init__(self) -> None:
         require_positive_int(self, "d_model")
         require_positive_int(self, "d_ff")
-        require_positive_int(self, "n_layers")
+        require_positive_int(self, "init_depth")
         require_choice(self, "activation", ACTIVATIONS)
         require_probability(self, "dropout")
 
@@ -67,8 +68,8 @@ class DenseMLP(SparseFFN):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         cfg = self.config
-        nn.init.normal_(self.up.weight, 0.0, dense_init_std(cfg.d_model, cfg.n_layers))
-        nn.init.normal_(self.down.weight, 0.0, dense_init_std(cfg.d_ff, cfg.n_layers))
+        nn.init.normal_(self.up.weight, 0.0, dense_init_std(cfg.d_model, cfg.init_depth))
+        nn.init.normal_(self.down.weight, 0.0, dense_init_std(cfg.d_ff, cfg.init_depth))
         for linear in (self.up, self.down):
             if linear.bias is not None:
                 linear.bias.zero_()

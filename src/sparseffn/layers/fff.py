@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..activations import ACTIVATIONS
-from ..registry import LayerConfig, LayerCost, implements
+from ..registry import LayerConfig, LayerCost, implements, renamed_fields
 from ..routers.tree import TreeRouter, TreeRouterConfig
 from ..routing import RoutedFFN, Routing
 from ..stores import MLPExperts
@@ -21,6 +21,7 @@ FFF_TRAIN_MODES = ("soft", "sparse")
 FFF_EVAL_MODES = ("soft", "topk", "hard")
 
 
+@renamed_fields(n_layers="init_depth")
 @dataclass(frozen=True)
 class FFFConfig(LayerConfig):
     """A fast feed-forward tree (Belcak & Wattenhofer 2023; Chaunin & Mikhailovskiy §1.2-2.3):
@@ -63,12 +64,12 @@ class FFFConfig(LayerConfig):
     k: int = 1
     renormalize: bool = False
     init: str = "fff"
-    n_layers: int = 1
+    init_depth: int = 1
     t_matrix: Any = None
     s_matrix: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "depth", "leaf_width", "node_width", "n_layers"):
+        for name in ("d_model", "depth", "leaf_width", "node_width", "init_depth"):
             require_positive_int(self, name)
         if self.depth > 24:
             raise ValueError(f"FFFConfig.depth must be at most 24 (2^24 leaves), got {self.depth}")
@@ -172,11 +173,11 @@ class FastFeedForward(RoutedFFN):
     def __init__(self, config: FFFConfig | None = None, **kwargs) -> None:
         config = config if config is not None else FFFConfig(**kwargs)
         router = TreeRouter(config.router_config(), config.d_model, config.num_leaves,
-                            config.k, init="sigma_moe", n_layers=config.n_layers)
+                            config.k, init="sigma_moe", init_depth=config.init_depth)
         store = MLPExperts(config.num_leaves, config.d_model, config.leaf_width,
                            config.output_width, activation=config.leaf_activation,
                            bias=config.bias, dropout=config.dropout, init=config.init,
-                           init_layers=config.n_layers)
+                           init_depth=config.init_depth)
         super().__init__(router, store)
         self.config = config
         self.depth = config.depth

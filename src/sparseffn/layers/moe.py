@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..activations import ACTIVATIONS
-from ..registry import (LayerConfig, LayerCost, build_router, implements,
+from ..registry import (LayerConfig, LayerCost, build_router, implements, renamed_fields,
                         router_config_from)
 from ..routers.sigma import SigmaRouterConfig
 from ..routing import RoutedFFN
@@ -20,12 +20,13 @@ MOE_INITS = ("sigma_moe", "standard", "switch")
 
 def _check_experts(config: object) -> None:
     """The fields every mixture of MLP experts has."""
-    for name in ("d_model", "num_experts", "expert_size", "n_layers"):
+    for name in ("d_model", "num_experts", "expert_size", "init_depth"):
         require_positive_int(config, name)
     require_k(config, "num_experts")
     require_choice(config, "activation", ACTIVATIONS)
 
 
+@renamed_fields(n_layers="init_depth")
 @dataclass(frozen=True)
 class MoEConfig(LayerConfig):
     """A mixture of ``num_experts`` two-layer MLP experts of ``expert_size`` hidden units, ``k``
@@ -53,7 +54,7 @@ class MoEConfig(LayerConfig):
     activation: str = "relu"
     hidden_dropout: float = 0.0
     init: str = "sigma_moe"
-    n_layers: int = 1
+    init_depth: int = 1
 
     def __post_init__(self) -> None:
         _check_experts(self)
@@ -109,10 +110,10 @@ class MoE(RoutedFFN):
     def __init__(self, config: MoEConfig | None = None, **kwargs) -> None:
         config = config if config is not None else MoEConfig(**kwargs)
         router = build_router(config.router, config.d_model, config.num_experts, config.k,
-                              init=config.init, n_layers=config.n_layers)
+                              init=config.init, init_depth=config.init_depth)
         store = MLPExperts(config.num_experts, config.d_model, config.expert_size,
                            activation=config.activation, dropout=config.hidden_dropout,
-                           init=config.init, init_layers=config.n_layers)
+                           init=config.init, init_depth=config.init_depth)
         super().__init__(router, store)
         self.config = self.moe_config = config
         # Drawn again after the experts, as in earlier releases: a seed gives the same weights.

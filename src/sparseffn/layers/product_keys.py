@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from ..activations import ACTIVATIONS
 from ..init import dense_init_std
-from ..registry import LayerConfig, LayerCost, implements
+from ..registry import LayerConfig, LayerCost, implements, renamed_fields
 from ..routers.product_keys import (PEER_SCORES, PK_QUERIES, PK_QUERY_NORMS, ProductKeyRouter,
                                     ProductKeySpec)
 from ..routing import RoutedFFN
@@ -22,14 +22,14 @@ from ..validation import (require_bool, require_choice, require_k, require_posit
 from .dense import DenseMLPConfig
 
 
-PKM_ACTIVATIONS = ("softmax", "relu")
+PKM_SCORES = ("softmax", "relu")
 PKM_INITS = ("lample", "dense")
 
 
 def _check_product_keys(config: Any, num_keys_name: str) -> None:
     """Fields PKM and PEER share; ``key_dim`` None resolves to d_model; k is at most the
     field or property ``num_keys_name`` (n² keys)."""
-    for name in ("d_model", "heads", "n_layers"):
+    for name in ("d_model", "heads", "init_depth"):
         require_positive_int(config, name)
     if config.key_dim is not None:
         require_positive_int(config, "key_dim")
@@ -64,17 +64,18 @@ def _largest_fitting(params_of, budget: int, what: str) -> int:
     return low
 
 
+@renamed_fields(n_layers="init_depth", activation="score")
 @dataclass(frozen=True)
 class PKMConfig(LayerConfig):
     """A product-key memory (Lample et al. 2019; Csordás et al. 2023 §3.2 and App. A.3):
     ``num_subkeys²``
     value rows, of which each of ``heads`` heads retrieves the top ``k`` by product-key score
-    and adds them weighted by ``activation`` of their scores (Eq. 14-15).
+    and adds them weighted by ``score`` of their scores (Eq. 14-15).
 
     Fields
     - ``num_subkeys``: n, the rows of each sub-key table; there are n² values (Csordás et al.'s
       small models: 46 for the d_ff-matched, 62 for the parameter-matched case).
-    - ``activation``: ``"softmax"`` over each head's k scores (Lample et al.) or ``"relu"``
+    - ``score``: ``"softmax"`` over each head's k scores (Lample et al.) or ``"relu"``
       (Csordás et al.'s non-competing choice, Table 2).
     - ``query``: ``"identity"`` splits the input itself into the two half-queries (Csordás et al.
     2023
@@ -97,18 +98,18 @@ class PKMConfig(LayerConfig):
     num_subkeys: int
     heads: int = 4
     k: int = 32
-    activation: str = "softmax"
+    score: str = "softmax"
     query: str = "identity"
     key_dim: int | None = None
     query_norm: str | None = None
     init: str = "lample"
     sparse_grad: bool = False
-    n_layers: int = 1
+    init_depth: int = 1
 
     def __post_init__(self) -> None:
         require_positive_int(self, "num_subkeys")
         require_bool(self, "sparse_grad")
-        require_choice(self, "activation", PKM_ACTIVATIONS)
+        require_choice(self, "score", PKM_SCORES)
         require_choice(self, "query", PK_QUERIES)
         require_choice(self, "init", PKM_INITS)
         _check_product_keys(self, "num_values")
@@ -124,7 +125,7 @@ class PKMConfig(LayerConfig):
     def retrieval(self) -> ProductKeySpec:
         return ProductKeySpec(self.d_model, self.num_subkeys, self.heads, self.k,
                               self.d_model if self.key_dim is None else self.key_dim,
-                              self.query, self.query_norm, self.activation)
+                              self.query, self.query_norm, self.score)
 
     def cost(self) -> LayerCost:
         """Every sub-key is read (scored); ``heads · k`` value rows are."""
@@ -155,6 +156,7 @@ class PKMConfig(LayerConfig):
         return probe.replace(num_subkeys=n)
 
 
+@renamed_fields(n_layers="init_depth")
 @dataclass(frozen=True)
 class PEERConfig(LayerConfig):
     """PEER, parameter-efficient expert retrieval (He 2024 §3): ``num_experts = n²``
@@ -190,7 +192,7 @@ class PEERConfig(LayerConfig):
     query_norm: str | None = None
     dropout: float = 0.0
     sparse_grad: bool = False
-    n_layers: int = 1
+    init_depth: int = 1
 
     def __post_init__(self) -> None:
         require_positive_int(self, "num_experts")
@@ -248,7 +250,7 @@ class ProductKeyMemory(RoutedFFN):
     retrievals read it) and ``mass`` (their summed weights), over ``num_values`` rows.
 
     Initialisation (``init``): ``"lample"``: sub-keys N(0, 1/sqrt(key_dim/2)), values
-    N(0, 1/sqrt(d_model)); ``"dense"``: each full key N(0, sqrt(2/(d_model n_layers))) per
+    N(0, 1/sqrt(d_model)); ``"dense"``: each full key N(0, sqrt(2/(d_model init_depth))) per
     entry like the dense W1 rows, values like W2 of an MLP of width num_values (Csordás et al.
     2023, §5).
 
@@ -262,8 +264,8 @@ class ProductKeyMemory(RoutedFFN):
         if config.init == "lample":
             key_std, value_std = None, 1 / math.sqrt(config.d_model)
         else:
-            key_std = dense_init_std(config.d_model, config.n_layers)
-            value_std = dense_init_std(config.num_values, config.n_layers)
+            key_std = dense_init_std(config.d_model, config.init_depth)
+            value_std = dense_init_std(config.num_values, config.init_depth)
         super().__init__(ProductKeyRouter(config.retrieval(), key_std=key_std),
                          ValueRows(config.num_values, config.d_model, std=value_std,
                                    sparse_grad=config.sparse_grad))
@@ -271,7 +273,7 @@ class ProductKeyMemory(RoutedFFN):
 
     def extra_repr(self) -> str:
         cfg = self.config
-        return f"d_model={cfg.d_model}, num_values={cfg.num_values}, activation={cfg.activation}"
+        return f"d_model={cfg.d_model}, num_values={cfg.num_values}, score={cfg.score}"
 
 
 @implements(PEERConfig)
@@ -285,7 +287,7 @@ class PEER(RoutedFFN):
     Parameters: ``router.*`` (query networks, optional query norm, sub-keys) and the experts as
     two embedding tables ``store.w_in`` [N, d_model] (rows u_i) and ``store.w_out``
     [N, d_model] (rows v_i), shared by the heads, initialised ``N(0, sqrt(2/(d_model
-    n_layers)))`` and ``N(0, sqrt(2/(heads·k n_layers)))``: Csordás et al.'s dense init for an
+    init_depth)))`` and ``N(0, sqrt(2/(heads·k init_depth)))``: Csordás et al.'s dense init for an
     MLP whose hidden layer is the heads·k retrieved neurons.
 
     After each forward, ``routing_stats``: ``counts`` (per expert, how many (token, head)
@@ -300,8 +302,8 @@ class PEER(RoutedFFN):
         config = config if config is not None else PEERConfig(**kwargs)
         store = NeuronExperts(config.num_experts, config.d_model, activation=config.activation,
                               dropout=config.dropout,
-                              in_std=dense_init_std(config.d_model, config.n_layers),
-                              out_std=dense_init_std(config.heads * config.k, config.n_layers),
+                              in_std=dense_init_std(config.d_model, config.init_depth),
+                              out_std=dense_init_std(config.heads * config.k, config.init_depth),
                               sparse_grad=config.sparse_grad)
         super().__init__(ProductKeyRouter(config.retrieval()), store)
         self.config = config

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..registry import LayerConfig, LayerCost, implements
+from ..registry import LayerConfig, LayerCost, implements, renamed_fields
 from ..routers.sigma import SIGMA_GATES, SigmaRouterConfig
 from ..validation import require_choice, require_non_negative, require_probability
 from .moe import MoE, MoEConfig, _check_experts
@@ -16,6 +16,7 @@ SIGMA_MOE_GATES = SIGMA_GATES
 SIGMA_MOE_INITS = ("sigma_moe", "standard")
 
 
+@renamed_fields(n_layers="init_depth")
 @dataclass(frozen=True)
 class SigmaMoEConfig(LayerConfig):
     """σ-MoE (Csordás et al. 2023 §5): ``num_experts`` MLP experts of ``expert_size`` hidden
@@ -46,7 +47,7 @@ class SigmaMoEConfig(LayerConfig):
     expert_dropout: float = 0.0
     hidden_dropout: float = 0.0
     init: str = "sigma_moe"
-    n_layers: int = 1
+    init_depth: int = 1
 
     def __post_init__(self) -> None:
         _check_experts(self)
@@ -85,7 +86,7 @@ class SigmaMoEConfig(LayerConfig):
                                                   entropy_weight=self.entropy_weight,
                                                   expert_dropout=self.expert_dropout),
                          hidden_dropout=self.hidden_dropout, init=self.init,
-                         n_layers=self.n_layers)
+                         init_depth=self.init_depth)
 
 
 @implements(SigmaMoEConfig)
@@ -102,7 +103,7 @@ class SigmaMoE(MoE):
 
     Initialisation (``init="sigma_moe"``): experts like the dense MLP of width
     ``d_ff = num_experts · expert_size`` they replace, ``W1^e ~ N(0, sqrt(2/(d_model
-    n_layers)))`` and ``W2^e ~ N(0, sqrt(2/(d_ff n_layers)))``; ``init="standard"`` uses the
+    init_depth)))`` and ``W2^e ~ N(0, sqrt(2/(d_ff init_depth)))``; ``init="standard"`` uses the
     expert's own width ``expert_size`` for W2.
 
     After each forward: ``aux_losses["entropy"]`` (Eq. 35, weight ``entropy_weight``) and the

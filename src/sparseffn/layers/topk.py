@@ -8,13 +8,14 @@ from typing import ClassVar
 
 from ..activations import ACTIVATIONS
 from ..init import dense_init_std
-from ..registry import LayerConfig, LayerCost, implements
+from ..registry import LayerConfig, LayerCost, implements, renamed_fields
 from ..routers.activation import TopKActivationRouter
 from ..routing import RoutedFFN
 from ..stores import ValueRows
 from ..validation import require_choice, require_k, require_positive_int
 
 
+@renamed_fields(n_layers="init_depth")
 @dataclass(frozen=True)
 class TopKMLPConfig(LayerConfig):
     """The MLP with a top-K activation: only the K largest of ``u = act(W1 x)`` reach W2
@@ -26,12 +27,12 @@ class TopKMLPConfig(LayerConfig):
     d_ff: int
     k: int
     activation: str = "relu"
-    n_layers: int = 1
+    init_depth: int = 1
 
     def __post_init__(self) -> None:
         require_positive_int(self, "d_model")
         require_positive_int(self, "d_ff")
-        require_positive_int(self, "n_layers")
+        require_positive_int(self, "init_depth")
         require_k(self, "d_ff")
         require_choice(self, "activation", ACTIVATIONS)
 
@@ -64,8 +65,8 @@ class TopKMLP(RoutedFFN):
     def __init__(self, config: TopKMLPConfig | None = None, **kwargs) -> None:
         config = config if config is not None else TopKMLPConfig(**kwargs)
         router = TopKActivationRouter(config.d_model, config.d_ff, config.k, config.activation,
-                                      std=dense_init_std(config.d_model, config.n_layers))
+                                      std=dense_init_std(config.d_model, config.init_depth))
         store = ValueRows(config.d_ff, config.d_model,
-                          std=dense_init_std(config.d_ff, config.n_layers))
+                          std=dense_init_std(config.d_ff, config.init_depth))
         super().__init__(router, store)
         self.config = config

@@ -60,11 +60,11 @@ def _fitted(cls, size_field: str, d_model: int, d_ff: int, fields: dict) -> Laye
 
 def _moe(d_model: int, d_ff: int, n_layers: int, defaults: dict, overrides: dict,
          cls=MoEConfig) -> LayerConfig:
-    return _fitted(cls, "expert_size", d_model, d_ff, {"n_layers": n_layers, **defaults, **overrides})
+    return _fitted(cls, "expert_size", d_model, d_ff, {"init_depth": n_layers, **defaults, **overrides})
 
 
 def _dense(d_model, d_ff, n_layers, overrides) -> FFNLayout:
-    return FFNLayout(DenseMLPConfig(d_model=d_model, d_ff=d_ff, n_layers=n_layers, **overrides))
+    return FFNLayout(DenseMLPConfig(d_model=d_model, d_ff=d_ff, init_depth=n_layers, **overrides))
 
 
 def _sigma_moe(d_model, d_ff, n_layers, overrides) -> FFNLayout:
@@ -81,24 +81,24 @@ def _switch(d_model, d_ff, n_layers, overrides) -> FFNLayout:
 def _glam(d_model, d_ff, n_layers, overrides) -> FFNLayout:
     router = GShardRouterConfig(capacity_factor=2.0)
     defaults = {"num_experts": 8, "k": 2, "router": router}
-    dense = DenseMLPConfig(d_model=d_model, d_ff=d_ff, n_layers=n_layers)
+    dense = DenseMLPConfig(d_model=d_model, d_ff=d_ff, init_depth=n_layers)
     return FFNLayout(_moe(d_model, d_ff, n_layers, defaults, overrides), 2, dense)
 
 
 def _fff(d_model, d_ff, n_layers, overrides) -> FFNLayout:
-    fields = {"depth": 3, "n_layers": n_layers, "init": "sigma_moe", **overrides}
+    fields = {"depth": 3, "init_depth": n_layers, "init": "sigma_moe", **overrides}
     return FFNLayout(_fitted(FFFConfig, "leaf_width", d_model, d_ff, fields))
 
 
 def _pkm(d_model, d_ff, n_layers, overrides) -> FFNLayout:
-    fields = {"n_layers": n_layers, **overrides}
+    fields = {"init_depth": n_layers, **overrides}
     if "num_subkeys" in fields:
         return FFNLayout(PKMConfig(d_model=d_model, **fields))
     return FFNLayout(PKMConfig.from_dense(d_model, d_ff, **fields))
 
 
 def _peer(d_model, d_ff, n_layers, overrides) -> FFNLayout:
-    fields = {"heads": 4, "k": 8, "n_layers": n_layers, **overrides}
+    fields = {"heads": 4, "k": 8, "init_depth": n_layers, **overrides}
     if "num_experts" in fields:
         return FFNLayout(PEERConfig(d_model=d_model, **fields))
     return FFNLayout(PEERConfig.from_dense(d_model, d_ff, **fields))

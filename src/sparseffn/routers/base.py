@@ -28,10 +28,10 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @torch.no_grad()
-def init_selection_(weight: torch.Tensor, init: str, n_layers: int) -> torch.Tensor:
+def init_selection_(weight: torch.Tensor, init: str, init_depth: int) -> torch.Tensor:
     """Initialise a selection matrix [E, d_model].
 
-    - ``"sigma_moe"``: like the experts' first layer, ``N(0, sqrt(2/(d_model n_layers)))``,
+    - ``"sigma_moe"``: like the experts' first layer, ``N(0, sqrt(2/(d_model init_depth)))``,
       with every row of equal norm (Csordás et al. 2023 §5);
     - ``"standard"``: the same distribution without the row-norm equalisation;
     - ``"switch"``: truncated ``N(0, sqrt(0.1/d_model))`` (Fedus et al.).
@@ -40,7 +40,7 @@ def init_selection_(weight: torch.Tensor, init: str, n_layers: int) -> torch.Ten
     if init == "switch":
         std = math.sqrt(0.1 / d_model)
         return nn.init.trunc_normal_(weight, 0.0, std, -2 * std, 2 * std)
-    std = dense_init_std(d_model, n_layers)
+    std = dense_init_std(d_model, init_depth)
     if init == "sigma_moe":
         return equal_norm_rows_(weight, std)
     return weight.normal_(0.0, std)
@@ -76,12 +76,12 @@ class Router(nn.Module):
     """
 
     def __init__(self, config: RouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+                 init: str = "sigma_moe", init_depth: int = 1) -> None:
         super().__init__()
         config.check_layer(num_experts, k)
         self.config = config
         self.d_model, self.num_experts, self.k = d_model, num_experts, k
-        self.init, self.n_layers = init, n_layers
+        self.init, self.init_depth = init, init_depth
 
     def reset_parameters(self) -> None:
         raise NotImplementedError
@@ -102,13 +102,13 @@ class LinearRouter(Router):
     (W_s / W_3 / wg in the papers), initialised by :func:`init_selection_`."""
 
     def __init__(self, config: RouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers)
+                 init: str = "sigma_moe", init_depth: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, init_depth)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
+        init_selection_(self.weight, self.init, self.init_depth)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``W x`` in float32: [T, E]."""

@@ -93,14 +93,14 @@ class _AffineGateRouter(Router):
     (zero at initialisation), routing to every expert (k defaults to num_experts)."""
 
     def __init__(self, config, d_model: int, num_experts: int, k: int | None, init: str,
-                 n_layers: int, rows: int) -> None:
+                 init_depth: int, rows: int) -> None:
         super().__init__(config, d_model, num_experts, num_experts if k is None else k, init,
-                         n_layers)
+                         init_depth)
         self.weight = nn.Parameter(torch.empty(rows, d_model))
         self.bias = nn.Parameter(torch.empty(rows))          # the "1" of [x, 1]
 
     def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
+        init_selection_(self.weight, self.init, self.init_depth)
         with torch.no_grad():
             self.bias.zero_()
 
@@ -127,8 +127,8 @@ class DenseGateRouter(_AffineGateRouter):
     """
 
     def __init__(self, config: DenseGateRouterConfig, d_model: int, num_experts: int,
-                 k: int | None = None, init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers, rows=num_experts)
+                 k: int | None = None, init: str = "sigma_moe", init_depth: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, init_depth, rows=num_experts)
         self.register_buffer("assignment_totals", torch.zeros(num_experts))
         self.reset_parameters()
 
@@ -168,8 +168,8 @@ class HierarchicalRouter(_AffineGateRouter):
     """
 
     def __init__(self, config: HierarchicalRouterConfig, d_model: int, num_experts: int,
-                 k: int | None = None, init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers,
+                 k: int | None = None, init: str = "sigma_moe", init_depth: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, init_depth,
                          rows=config.num_gates(num_experts) * config.branching)
         self.branching = config.branching
         self.depth = config.depth(num_experts)

@@ -81,14 +81,14 @@ class NoisyTopKRouter(Router):
     """
 
     def __init__(self, config: NoisyTopKRouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers)
+                 init: str = "sigma_moe", init_depth: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, init_depth)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))         # W_g
         self.noise_weight = nn.Parameter(torch.empty(num_experts, d_model))   # W_noise
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_selection_(self.weight, self.init, self.n_layers)
+        init_selection_(self.weight, self.init, self.init_depth)
         with torch.no_grad():
             self.noise_weight.zero_()
 

@@ -237,15 +237,15 @@ class ProductKeyRouterConfig(RouterConfig):
 class ProductKeyTopK(ProductKeyRouter):
     """:class:`ProductKeyRouter` built from a :class:`ProductKeyRouterConfig` and a layer's
     ``num_experts`` and ``k``, as every registered router is; ``init`` scales the sub-keys like
-    the layer's expert keys (``"sigma_moe"``/``"standard"``: N(0, sqrt(2/(d_model n_layers)))
+    the layer's expert keys (``"sigma_moe"``/``"standard"``: N(0, sqrt(2/(d_model init_depth)))
     per entry of a full key) or as Lample et al. (``"switch"``: their default)."""
 
     def __init__(self, config: ProductKeyRouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
+                 init: str = "sigma_moe", init_depth: int = 1) -> None:
         config.check_layer(num_experts, k)
         if config.query == "identity" and config.key_dim != d_model:
             raise ValueError(f"ProductKeyRouterConfig: query='identity' splits the input itself, "
                              f"so key_dim must equal d_model={d_model}, got {config.key_dim}")
-        key_std = None if init == "switch" else math.sqrt(2.0 / (d_model * n_layers))
+        key_std = None if init == "switch" else math.sqrt(2.0 / (d_model * init_depth))
         super().__init__(config.spec(d_model, num_experts, k), key_std=key_std)
         self.config = config

@@ -140,8 +140,8 @@ class TreeRouter(Router):
     """
 
     def __init__(self, config: TreeRouterConfig, d_model: int, num_experts: int, k: int,
-                 init: str = "sigma_moe", n_layers: int = 1) -> None:
-        super().__init__(config, d_model, num_experts, k, init, n_layers)
+                 init: str = "sigma_moe", init_depth: int = 1) -> None:
+        super().__init__(config, d_model, num_experts, k, init, init_depth)
         self.depth = None if config.explicit else tree_depth(num_experts, "TreeRouter")
         self.num_nodes = config.num_nodes(num_experts)
         h = config.node_width
@@ -165,7 +165,7 @@ class TreeRouter(Router):
         if cfg.init == "fff":
             self.weight.uniform_(-bound, bound)
         else:
-            init_selection_(self.weight, self.init, self.n_layers)
+            init_selection_(self.weight, self.init, self.init_depth)
         biases = [self.bias] + ([self.hidden_bias] if cfg.node_width > 1 else [])
         for bias in biases:
             if bias is None:

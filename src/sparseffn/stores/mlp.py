@@ -32,7 +32,7 @@ class MLPExperts(ExpertStore):
     expert, the soft mode of a fast feed-forward tree) runs as one GEMM into all experts'
     hidden units, each expert's block scaled by its weight, and one GEMM back.
 
-    init (with ``init_layers``, the number of blocks the init is scaled for):
+    init (with ``init_depth``, the number of blocks the init is scaled for):
       ``"sigma_moe"``: like the dense MLP of width ``E · expert_size`` it replaces,
         ``W1 ~ N(0, sqrt(2/(d_model L)))``, ``W2 ~ N(0, sqrt(2/(E·expert_size·L)))`` (Csordás
         et al. 2023, §5); zero biases;
@@ -47,13 +47,13 @@ class MLPExperts(ExpertStore):
 
     def __init__(self, num_experts: int, d_model: int, expert_size: int, d_out: int | None = None,
                  *, activation: str = "relu", bias: bool = False, dropout: float = 0.0,
-                 init: str = "sigma_moe", init_layers: int = 1) -> None:
+                 init: str = "sigma_moe", init_depth: int = 1) -> None:
         super().__init__()
         if init not in MLP_EXPERT_INITS:
             raise ValueError(f"MLPExperts init must be one of {MLP_EXPERT_INITS}, got {init!r}")
         self.num_experts, self.d_model, self.expert_size = num_experts, d_model, expert_size
         self.d_out = d_model if d_out is None else d_out
-        self.activation, self.init, self.init_layers = activation, init, init_layers
+        self.activation, self.init, self.init_depth = activation, init, init_depth
         self.w1 = nn.Parameter(torch.empty(num_experts, expert_size, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, expert_size, self.d_out))
         self.b1 = nn.Parameter(torch.empty(num_experts, expert_size)) if bias else None
@@ -78,8 +78,8 @@ class MLPExperts(ExpertStore):
         else:
             w2_fan_in = (self.num_experts * self.expert_size if self.init == "sigma_moe"
                          else self.expert_size)
-            self.w1.normal_(0.0, dense_init_std(self.d_model, self.init_layers))
-            self.w2.normal_(0.0, dense_init_std(w2_fan_in, self.init_layers))
+            self.w1.normal_(0.0, dense_init_std(self.d_model, self.init_depth))
+            self.w2.normal_(0.0, dense_init_std(w2_fan_in, self.init_depth))
         for p in (self.b1, self.b2):
             if p is not None:
                 p.zero_()
