@@ -78,11 +78,12 @@ int sf_fff_expand(const float *a, int64_t lda, const float *z, int64_t ldz, int6
     #pragma omp parallel num_threads(nthreads) reduction(|:failed)
     {
         float *scratch = (float *)malloc(sizeof(float) * L);
-        if (!scratch) failed = 1;
-        else {
+        /* every thread reaches the worksharing loop; one without scratch skips its rows */
+        failed = !scratch;
+        {
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < rows; t++)
-                expand_row(a + t * lda, z ? z + t * ldz : NULL, depth, mode, out + t * L,
+                if (!failed) expand_row(a + t * lda, z ? z + t * ldz : NULL, depth, mode, out + t * L,
                            scratch);
         }
         free(scratch);
@@ -113,10 +114,11 @@ int sf_fff_expand_backward(const float *grad_leaf, int64_t ldg, const float *lea
     {
         float *buf0 = (float *)malloc(sizeof(float) * L);
         float *buf1 = (float *)malloc(sizeof(float) * L);
-        if (!buf0 || !buf1) failed = 1;
-        else {
+        failed = !buf0 || !buf1;   /* every thread reaches the loop; one without buffers skips */
+        {
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < rows; t++) {
+                if (failed) continue;
                 const float *gt = grad_leaf + t * ldg;
                 const float *dt = d ? d + t * ldd : NULL;
                 float *gz = grad_z + t * N;

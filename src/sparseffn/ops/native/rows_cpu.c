@@ -186,13 +186,13 @@ int sf_pk_topk(const float *sa, int64_t lda, const float *sb, int64_t ldb, int64
     {
         float *va = malloc((size_t)(ka + kb) * sizeof(float));
         int64_t *ia = malloc((size_t)(ka + kb) * sizeof(int64_t));
-        if (!va || !ia) {
-            failed = 1;
-        } else {
-            float *vb = va + ka;
-            int64_t *ib = ia + ka;
+        failed = !va || !ia;   /* every thread reaches the loop; one without buffers skips */
+        {
+            float *vb = va ? va + ka : NULL;
+            int64_t *ib = ia ? ia + ka : NULL;
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
+                if (failed) continue;
                 topk_row(sa + r * lda, na, ka, va, ia);
                 topk_row(sb + r * ldb, nb, kb, vb, ib);
                 float *vals = out_vals + r * k;
