@@ -35,19 +35,8 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     n = scores.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"topk_lowest_index: k must lie in [1, {n}], got {k}")
-    if scores.dim() == 2:
-        return kernels.topk_rows(scores, k)
-    if torch.isnan(scores).any():
-        raise ValueError("topk_lowest_index: scores contain NaN")
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    above = scores > kth
-    tied = scores == kth
-    room = k - above.sum(-1, keepdim=True)
-    keep = above | (tied & (tied.cumsum(-1) <= room))     # the lowest-index ties fill the room
-    idx = keep.nonzero()[:, -1].view(*scores.shape[:-1], k)   # ascending index per row
-    values = scores.gather(-1, idx)
-    order = values.sort(dim=-1, descending=True, stable=True).indices
-    return values.gather(-1, order), idx.gather(-1, order)
+    values, indices = kernels.topk_rows(scores.reshape(-1, n), k)
+    return values.view(*scores.shape[:-1], k), indices.view(*scores.shape[:-1], k)
 
 
 def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
