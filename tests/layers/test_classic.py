@@ -144,6 +144,7 @@ def _fit(model, loss_fn, steps=300, lr=0.03):
     lambda: HierarchicalMixtureOfExperts(2, 3, branching=2, depth=3),
     lambda: DeepMixtureOfExperts(2, 3, hidden=(16, 16), num_experts=4, margin=50.0),
 ], ids=["jacobs", "hierarchical", "deep"])
+@pytest.mark.slow
 def test_classic_mixtures_learn_a_clustered_classification(build):
     torch.manual_seed(0)
     x, y = _clusters()
@@ -155,6 +156,7 @@ def test_classic_mixtures_learn_a_clustered_classification(build):
     assert accuracy > 0.9 > majority + 0.4
 
 
+@pytest.mark.slow
 def test_mixture_of_linear_experts_fits_a_piecewise_linear_regression():
     torch.manual_seed(0)
     x = torch.rand(400, 1) * 4 - 2

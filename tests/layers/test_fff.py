@@ -95,6 +95,7 @@ def test_modes_follow_train_and_eval():
     assert "entropy" in layer.routing_stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train_mode", ["soft", "sparse"])
 def test_fff_layer_learns_a_piecewise_task(train_mode):
     torch.manual_seed(0)

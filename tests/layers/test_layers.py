@@ -114,6 +114,7 @@ def test_wrong_input_shape_is_a_clear_error(layer):
         layer(torch.ones(3, 8, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_layers_replace_the_mlp_of_a_model_and_train():
     """A sparse layer drops into a small network and reduces a regression loss."""
     torch.manual_seed(0)

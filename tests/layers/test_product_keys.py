@@ -106,6 +106,7 @@ def test_usage_accumulates_over_forwards():
     assert layer.routing_stats["counts"].sum() == 7 * 2 * 3
 
 
+@pytest.mark.slow
 def test_peer_learns_a_small_regression():
     torch.manual_seed(1)
     teacher = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
@@ -204,6 +205,7 @@ def test_peer_cost_counts_heads_times_k_experts():
     assert math.isclose(cost.active_params / cost.total_params, 0.0049, abs_tol=0.0005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pkm", "peer"])
 def test_sparse_grad_equals_dense_grad_and_trains_with_sparse_adam(rows_path, kind):
     if kind == "pkm":

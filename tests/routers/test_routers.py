@@ -504,6 +504,7 @@ def test_switch_offers_expert_dropout_or_high_dropout_inside_experts():
 
 # --- every router trains ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ROUTERS))
 def test_every_router_fits_a_regression_task(name):
     torch.manual_seed(0)

@@ -58,6 +58,7 @@ def test_tiny_lm_runs_end_to_end(corpus, tmp_path, ffn):
     assert (tmp_path / ffn / "checkpoint.pt").is_file()
 
 
+@pytest.mark.slow
 def test_an_lm_learns_the_corpus(corpus, tmp_path):
     run = lm_run(corpus, "sigma_moe", steps=80, warmup_steps=5)
     run = run.replace(train=run.train.__class__(**{**run.train.__dict__, "batch_size": 16, "lr": 1e-2}))
@@ -72,6 +73,7 @@ def test_an_lm_learns_the_corpus(corpus, tmp_path):
     {"type": "moe", "num_experts": 4, "expert_size": 8, "k": 1, "router": "softmax"},
     {"type": "pkm", "num_subkeys": 4, "heads": 2, "k": 4, "query": "linear", "key_dim": 8},
 ])
+@pytest.mark.slow
 def test_tiny_classifier_runs_end_to_end_and_learns(tmp_path, layer):
     run = classifier_run(layer, epochs=6)
     summary = Trainer(run, tmp_path, progress=False).train()
@@ -210,6 +212,7 @@ def test_dense_baseline_run_matches_the_sparse_parameters(corpus, tmp_path):
     assert abs(dense["total_params"] - sparse["total_params"]) <= 2 * 32
 
 
+@pytest.mark.slow
 def test_bf16_autocast_trains(corpus, tmp_path):
     summary = Trainer(lm_run(corpus, "sigma_moe", steps=3, bf16=True, deterministic=False),
                       tmp_path, progress=False).train()
@@ -260,6 +263,7 @@ eval_every = 2
     assert main(["eval", str(tmp_path / "none.pt")]) == 2
 
 
+@pytest.mark.slow
 def test_cli_compare_writes_the_report(corpus, tmp_path, capsys):
     config = write_toml(tmp_path / "cmp.toml", f"""
 name = "cmp"
