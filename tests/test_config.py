@@ -13,11 +13,11 @@ from sparseffn import DenseMLPConfig, SigmaMoEConfig, TopKMLPConfig, config_from
     (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=2.5, k=1), "expert_size", "positive integer"),
     (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, activation="tanh"),
      "activation", "'relu', 'gelu'"),
-    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, gate="hardmax"),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, router={"gate": "hardmax"}),
      "gate", "'sigmoid', 'softmax', 'softmax_renorm'"),
-    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, expert_dropout=1.0),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, router={"expert_dropout": 1.0}),
      "expert_dropout", r"\[0, 1\)"),
-    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, entropy_weight=-1),
+    (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, router={"entropy_weight": -1}),
      "entropy_weight", "non-negative"),
     (lambda: SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=1, init="xavier"),
      "init", "'sigma_moe', 'standard'"),
@@ -41,8 +41,8 @@ def test_width_not_divisible_into_experts():
 @pytest.mark.parametrize("cfg", [
     DenseMLPConfig(d_model=8, d_ff=32, activation="gelu", bias=True),
     TopKMLPConfig(d_model=8, d_ff=32, k=4),
-    SigmaMoEConfig(d_model=8, num_experts=4, expert_size=8, k=2, gate="softmax",
-                   expert_dropout=0.1, entropy_weight=0.01),
+    SigmaMoEConfig(d_model=8, num_experts=4, expert_size=8, k=2,
+                   router={"gate": "softmax", "expert_dropout": 0.1, "entropy_weight": 0.01}),
 ])
 def test_configs_round_trip_through_json(cfg):
     assert config_from_dict(json.loads(cfg.to_json())) == cfg
@@ -85,3 +85,25 @@ def test_renamed_fields_still_work_with_a_deprecation_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")           # the new names warn about nothing
         DenseMLPConfig(d_model=8, d_ff=16, init_depth=2).replace(d_ff=32)
+
+
+def test_sigma_moe_embeds_its_router_config():
+    """SigmaMoEConfig holds a SigmaRouterConfig instead of restating its fields; a TOML
+    sub-table without ``type`` changes only the fields it names; the flat fields of earlier
+    releases map into it with a warning."""
+    from sparseffn import SigmaRouterConfig, SoftmaxRouterConfig
+    cfg = SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=2,
+                         router={"entropy_weight": 0.01})
+    assert cfg.router == SigmaRouterConfig(entropy_weight=0.01)
+    assert cfg.to_dict()["router"] == {"type": "sigma", **SigmaRouterConfig(entropy_weight=0.01).__dict__}
+    assert cfg.to_moe_config().router is cfg.router
+    with pytest.warns(DeprecationWarning, match=r"router\.(gate|expert_dropout)"):
+        old = SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=2, gate="softmax",
+                             expert_dropout=0.1)
+    assert old.router == SigmaRouterConfig(gate="softmax", expert_dropout=0.1)
+    with pytest.warns(DeprecationWarning):
+        assert old.gate == "softmax"
+    with pytest.raises(ValueError, match="must be a SigmaRouterConfig"):
+        SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=2, router=SoftmaxRouterConfig())
+    with pytest.raises(ValueError, match="no field"):
+        SigmaMoEConfig(d_model=8, num_experts=4, expert_size=4, k=2, router={"capacity": 2})

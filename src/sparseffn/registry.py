@@ -107,22 +107,36 @@ def require_capacity_factor(config: object) -> None:
 
 
 def renamed_fields(**old_to_new: str) -> Callable[[type], type]:
-    """Class decorator for a config dataclass (applied above ``@dataclass``): the old field
-    names still work, with a ``DeprecationWarning``, as constructor keywords, in dicts read by
-    ``config_from_dict`` and as read-only attributes."""
+    """Class decorator for a config dataclass (applied above ``@dataclass``): old field names
+    still work, with a ``DeprecationWarning``, as constructor keywords, in dicts read by
+    ``config_from_dict`` and as read-only attributes.
+
+    A new name ``"router.gate"`` moves a flat field into the embedded router config: the old
+    values are collected into the ``router`` argument (a config, a dict with ``type``, or a
+    partial dict of fields that the config's ``__post_init__`` applies to its default router).
+    """
     def decorate(cls: type) -> type:
         generated = cls.__init__
 
         @functools.wraps(generated)
         def __init__(self, *args, **kwargs):
+            nested: dict[str, dict[str, Any]] = {}
             for old, new in old_to_new.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{cls.__name__}: give {new!r}, not both {new!r} and "
-                                        f"its old name {old!r}")
-                    warnings.warn(f"{cls.__name__}.{old} is now called {new!r}",
-                                  DeprecationWarning, stacklevel=2)
-                    kwargs[new] = kwargs.pop(old)
+                if old not in kwargs:
+                    continue
+                warnings.warn(f"{cls.__name__}.{old} is now called {new!r}", DeprecationWarning,
+                              stacklevel=2)
+                value = kwargs.pop(old)
+                if "." in new:
+                    field, name = new.split(".", 1)
+                    nested.setdefault(field, {})[name] = value
+                elif new in kwargs:
+                    raise TypeError(f"{cls.__name__}: give {new!r}, not both {new!r} and its "
+                                    f"old name {old!r}")
+                else:
+                    kwargs[new] = value
+            for field, values in nested.items():
+                kwargs[field] = _with_fields(kwargs.get(field), values)
             generated(self, *args, **kwargs)
 
         cls.__init__ = __init__
@@ -131,10 +145,43 @@ def renamed_fields(**old_to_new: str) -> Callable[[type], type]:
             def read(self, _old=old, _new=new):
                 warnings.warn(f"{type(self).__name__}.{_old} is now called {_new!r}",
                               DeprecationWarning, stacklevel=2)
-                return getattr(self, _new)
+                value = self
+                for part in _new.split("."):
+                    value = getattr(value, part)
+                return value
             setattr(cls, old, property(read))
         return cls
     return decorate
+
+
+def _with_fields(config: Any, values: dict[str, Any]) -> Any:
+    """``config`` (None, a partial dict, a dict with ``type``, or a config) with ``values`` set."""
+    if config is None:
+        return dict(values)
+    if isinstance(config, dict):
+        return {**config, **values}
+    return dataclasses.replace(config, **values)
+
+
+def resolve_router(config: Any, default: RouterConfig, expected: type, owner: str) -> RouterConfig:
+    """The router of a layer config that embeds one: ``default`` when None, ``default`` with
+    some fields changed for a dict without ``type`` (as a TOML sub-table), else any router
+    config form :func:`router_config_from` takes; it must be an ``expected``."""
+    if config is None:
+        router = default
+    elif isinstance(config, dict) and "type" not in config:
+        names = {f.name for f in dataclasses.fields(default)}
+        unknown = sorted(set(config) - names)
+        if unknown:
+            raise ValueError(f"{owner}.router has no field(s) {unknown}; fields of "
+                             f"{type(default).__name__} are {sorted(names)}")
+        router = dataclasses.replace(default, **config)
+    else:
+        router = router_config_from(config)
+    if not isinstance(router, expected):
+        raise ValueError(f"{owner}.router must be a {expected.__name__}, got "
+                         f"{type(router).__name__} (a MoEConfig takes any router)")
+    return router
 
 
 # ---------------------------------------------------------------------------------------------

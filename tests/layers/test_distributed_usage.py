@@ -24,6 +24,7 @@ def _replica(rank: int, world: int, init_file: str, out_dir: str) -> None:
         sparseffn.all_reduce_usage(layer)
         torch.save({"counts": layer.usage_counts.clone(), "mass": layer.usage_mass.clone()},
                    f"{out_dir}/global{rank}.pt")
+        dist.barrier()      # neither replica tears gloo down while the other still talks
     finally:
         dist.destroy_process_group()
 

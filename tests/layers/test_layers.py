@@ -23,9 +23,9 @@ def sigma_moe_reference(layer: SigmaMoE, x):
     logits = x @ layer.router.weight.t()
     indices = torch.topk(logits, cfg.k, dim=-1).indices
     chosen = logits.gather(1, indices)
-    if cfg.gate == "sigmoid":
+    if cfg.router.gate == "sigmoid":
         weights = torch.sigmoid(chosen)
-    elif cfg.gate == "softmax":
+    elif cfg.router.gate == "softmax":
         weights = torch.softmax(logits, -1).gather(1, indices)
     else:
         weights = torch.softmax(chosen, -1)
@@ -37,7 +37,7 @@ def sigma_moe_reference(layer: SigmaMoE, x):
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_sigma_moe_matches_per_token_reference(matmul_path, gate, activation, k):
-    layer = SigmaMoE(d_model=12, num_experts=7, expert_size=5, k=k, gate=gate,
+    layer = SigmaMoE(d_model=12, num_experts=7, expert_size=5, k=k, router={"gate": gate},
                      activation=activation)
     x = torch.randn(19, 12, requires_grad=True)
     out = layer(x)

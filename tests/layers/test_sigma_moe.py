@@ -27,7 +27,7 @@ def test_entropy_regulariser_is_lowest_for_uniform_usage():
 
 
 def test_entropy_loss_is_recorded_and_weighted():
-    layer = SigmaMoE(d_model=8, num_experts=4, expert_size=4, k=2, entropy_weight=0.5)
+    layer = SigmaMoE(d_model=8, num_experts=4, expert_size=4, k=2, router={"entropy_weight": 0.5})
     x = torch.randn(6, 8)
     layer(x)
     expected = batch_entropy_loss(x @ layer.router.weight.t())
@@ -50,7 +50,7 @@ def test_aux_loss_collects_from_nested_layers():
 
 
 def test_expert_dropout_never_selects_dropped_experts_and_does_not_rescale(monkeypatch):
-    layer = SigmaMoE(d_model=8, num_experts=6, expert_size=4, k=2, expert_dropout=0.5).train()
+    layer = SigmaMoE(d_model=8, num_experts=6, expert_size=4, k=2, router={"expert_dropout": 0.5}).train()
     x = torch.randn(200, 8)
     drawn = {}
     real_rand_like = torch.rand_like
@@ -77,7 +77,7 @@ def test_expert_dropout_never_selects_dropped_experts_and_does_not_rescale(monke
 
 
 def test_expert_dropout_is_off_in_eval():
-    layer = SigmaMoE(d_model=8, num_experts=6, expert_size=4, k=2, expert_dropout=0.9).eval()
+    layer = SigmaMoE(d_model=8, num_experts=6, expert_size=4, k=2, router={"expert_dropout": 0.9}).eval()
     x = torch.randn(50, 8)
     routing = layer.router(x)
     logits = x @ layer.router.weight.t()
@@ -142,7 +142,7 @@ def test_hidden_dropout_only_in_training():
 
 @pytest.mark.parametrize("gate", ["softmax", "softmax_renorm"])
 def test_softmax_gates_sum_as_the_rule_says(gate):
-    layer = SigmaMoE(d_model=8, num_experts=6, expert_size=4, k=3, gate=gate)
+    layer = SigmaMoE(d_model=8, num_experts=6, expert_size=4, k=3, router={"gate": gate})
     weights = layer.router(torch.randn(20, 8)).weights
     assert torch.all(weights >= 0)
     if gate == "softmax_renorm":

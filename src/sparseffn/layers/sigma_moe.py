@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..registry import LayerConfig, LayerCost, implements, renamed_fields
+from ..registry import LayerConfig, LayerCost, implements, renamed_fields, resolve_router
 from ..routers.sigma import SIGMA_GATES, SigmaRouterConfig
-from ..validation import require_choice, require_non_negative, require_probability
+from ..validation import require_choice, require_probability
 from .moe import MoE, MoEConfig, _check_experts
 
 
@@ -16,19 +16,20 @@ SIGMA_MOE_GATES = SIGMA_GATES
 SIGMA_MOE_INITS = ("sigma_moe", "standard")
 
 
-@renamed_fields(n_layers="init_depth")
+@renamed_fields(n_layers="init_depth", gate="router.gate", entropy_weight="router.entropy_weight",
+                expert_dropout="router.expert_dropout")
 @dataclass(frozen=True)
 class SigmaMoEConfig(LayerConfig):
     """σ-MoE (Csordás et al. 2023 §5): ``num_experts`` MLP experts of ``expert_size`` hidden
     units, ``k`` of them per token, chosen by sigmoid scores.
 
     Fields
-    - ``gate``: ``"sigmoid"`` (σ-MoE), or the Table 4 ablations ``"softmax"`` (softmax over all
-      experts, then top-k, no renormalisation) and ``"softmax_renorm"`` (softmax renormalised
-      over the k selected experts, App. A.1 Eq. 37-39).
-    - ``entropy_weight``: γ, the weight of the batch-entropy regulariser (Eq. 34-35).
-    - ``expert_dropout``: δ, the probability of dropping an expert for a token during
-      training, without rescaling the others (Eq. 36).
+    - ``router``: the :class:`~sparseffn.routers.SigmaRouterConfig`: ``gate`` (``"sigmoid"``
+      for σ-MoE, or the Table 4 ablations ``"softmax"`` and ``"softmax_renorm"``),
+      ``entropy_weight`` (γ of the batch-entropy regulariser, Eq. 34-35) and
+      ``expert_dropout`` (δ, Eq. 36). A dict without ``type`` (a TOML ``[ffn.router]``
+      table) changes only the fields it names. The flat ``gate``, ``entropy_weight`` and
+      ``expert_dropout`` of earlier releases still work, with a ``DeprecationWarning``.
     - ``hidden_dropout``: ordinary dropout on the experts' hidden units (the "standard
       dropout" ablation of Table 4).
     - ``init``: ``"sigma_moe"`` initialises experts like the dense layer they replace and
@@ -42,20 +43,22 @@ class SigmaMoEConfig(LayerConfig):
     expert_size: int
     k: int
     activation: str = "relu"
-    gate: str = "sigmoid"
-    entropy_weight: float = 0.001
-    expert_dropout: float = 0.0
+    router: Any = None
     hidden_dropout: float = 0.0
     init: str = "sigma_moe"
     init_depth: int = 1
 
     def __post_init__(self) -> None:
         _check_experts(self)
-        require_choice(self, "gate", SIGMA_MOE_GATES)
+        object.__setattr__(self, "router", resolve_router(
+            self.router, SigmaRouterConfig(), SigmaRouterConfig, "SigmaMoEConfig"))
         require_choice(self, "init", SIGMA_MOE_INITS)
-        require_non_negative(self, "entropy_weight")
-        require_probability(self, "expert_dropout")
         require_probability(self, "hidden_dropout")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["router"] = self.router.to_dict()
+        return data
 
     def cost(self) -> LayerCost:
         return self.to_moe_config().cost()
@@ -82,9 +85,7 @@ class SigmaMoEConfig(LayerConfig):
         """The same layer as a :class:`MoEConfig` with a σ-MoE router."""
         return MoEConfig(d_model=self.d_model, num_experts=self.num_experts,
                          expert_size=self.expert_size, k=self.k, activation=self.activation,
-                         router=SigmaRouterConfig(gate=self.gate,
-                                                  entropy_weight=self.entropy_weight,
-                                                  expert_dropout=self.expert_dropout),
+                         router=self.router,
                          hidden_dropout=self.hidden_dropout, init=self.init,
                          init_depth=self.init_depth)
 

@@ -68,7 +68,7 @@ def _dense(d_model, d_ff, n_layers, overrides) -> FFNLayout:
 
 
 def _sigma_moe(d_model, d_ff, n_layers, overrides) -> FFNLayout:
-    defaults = {"num_experts": 8, "k": 2, "entropy_weight": 0.001}
+    defaults = {"num_experts": 8, "k": 2}
     return FFNLayout(_moe(d_model, d_ff, n_layers, defaults, overrides, SigmaMoEConfig))
 
 
