@@ -124,15 +124,15 @@ def renamed_fields(**old_to_new: str) -> Callable[[type], type]:
             for old, new in old_to_new.items():
                 if old not in kwargs:
                     continue
+                if "." not in new and new in kwargs:
+                    raise TypeError(f"{cls.__name__}: give {new!r}, not both {new!r} and its "
+                                    f"old name {old!r}")
                 warnings.warn(f"{cls.__name__}.{old} is now called {new!r}", DeprecationWarning,
                               stacklevel=2)
                 value = kwargs.pop(old)
                 if "." in new:
                     field, name = new.split(".", 1)
                     nested.setdefault(field, {})[name] = value
-                elif new in kwargs:
-                    raise TypeError(f"{cls.__name__}: give {new!r}, not both {new!r} and its "
-                                    f"old name {old!r}")
                 else:
                     kwargs[new] = value
             for field, values in nested.items():
