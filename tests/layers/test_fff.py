@@ -37,7 +37,8 @@ def _leaf_loop(layer, x, leaf_weights):
 
 @pytest.mark.parametrize("activation", ["logsigmoid", "softplus", "linear"])
 def test_soft_layer_matches_the_leaf_loop(activation):
-    layer = FastFeedForward(d_model=10, depth=3, leaf_width=4, d_out=6, activation=activation)
+    layer = FastFeedForward(d_model=10, depth=3, leaf_width=4, d_out=6,
+                            router={"activation": activation})
     x = torch.randn(9, 10, requires_grad=True)
     y = layer(x)
     probs = layer.router.leaf_probs(x)
@@ -69,7 +70,7 @@ def test_sparse_layer_matches_the_leaf_loop(matmul_path):
 
 @pytest.mark.parametrize("node_width", [1, 4])
 def test_hard_inference_equals_soft_output_with_the_path_weight_one(node_width):
-    layer = FastFeedForward(d_model=12, depth=4, leaf_width=5, node_width=node_width,
+    layer = FastFeedForward(d_model=12, depth=4, leaf_width=5, router={"node_width": node_width},
                             eval_mode="hard").eval()
     x = torch.randn(50, 12)
     y = layer(x)
@@ -114,7 +115,7 @@ def test_fff_layer_learns_a_piecewise_task(train_mode):
 
 
 def test_config_round_trip_cost_and_errors():
-    cfg = FFFConfig(d_model=16, depth=3, leaf_width=4, eval_mode="hard", node_width=2)
+    cfg = FFFConfig(d_model=16, depth=3, leaf_width=4, eval_mode="hard", router={"node_width": 2})
     assert config_from_dict(cfg.to_dict()) == cfg
     layer = sparseffn.build_layer(cfg)
     assert cfg.cost().total_params == sum(p.numel() for p in layer.parameters())
@@ -128,11 +129,11 @@ def test_config_round_trip_cost_and_errors():
     with pytest.raises(ValueError, match="eval_mode"):
         FFFConfig(d_model=4, depth=3, leaf_width=2, eval_mode="greedy")
     with pytest.raises(ValueError, match="use 'levelwise'"):
-        FFFConfig(d_model=4, depth=15, leaf_width=2, formulation="matrix")
+        FFFConfig(d_model=4, depth=15, leaf_width=2, router={"formulation": "matrix"})
     eye = torch.eye(8).tolist()
     with pytest.raises(ValueError, match="not defined for explicit"):
-        FFFConfig(d_model=4, depth=3, leaf_width=2, eval_mode="hard", activation="linear",
-                  t_matrix=eye, s_matrix=eye)
+        FFFConfig(d_model=4, depth=3, leaf_width=2, eval_mode="hard",
+                  router={"activation": "linear", "t_matrix": eye, "s_matrix": eye})
     with pytest.raises(ValueError, match="power of two"):
         sparseffn.MoEConfig(d_model=4, num_experts=6, expert_size=2, k=1, router="tree")
     with pytest.raises(ValueError, match="t_matrix has 3 rows"):
@@ -166,3 +167,24 @@ def test_matches_fastfeedforward_given_the_same_weights():
     # their eval_forward leaves out the leaf output bias b2; ours keeps it
     torch.testing.assert_close(y_hard, theirs(x) + ours.store.b2[leaves], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(y_hard, theirs(x))
+
+
+def test_fff_config_embeds_its_tree_router():
+    """The tree's fields live in the embedded TreeRouterConfig; by default its node biases
+    follow ``bias`` and its init follows ``init``; flat fields of earlier releases still work."""
+    from sparseffn import TreeRouterConfig
+    cfg = FFFConfig(d_model=8, depth=2, leaf_width=4, bias=False, init="sigma_moe",
+                    router={"activation": "softplus"})
+    assert cfg.router == TreeRouterConfig(activation="softplus", bias=False, init="layer")
+    assert config_from_dict(cfg.to_dict()) == cfg
+    with pytest.warns(DeprecationWarning, match=r"router\.(activation|formulation)"):
+        old = FFFConfig(d_model=8, depth=2, leaf_width=4, activation="softplus",
+                        formulation="levelwise")
+    assert old.router == TreeRouterConfig(activation="softplus", formulation="levelwise")
+    explicit = FFFConfig(d_model=8, depth=2, leaf_width=4,
+                         router=TreeRouterConfig(bias=False))
+    assert explicit.bias and not explicit.router.bias        # leaves biased, nodes not
+    layer = FastFeedForward(explicit)
+    assert layer.router.bias is None and layer.store.b1 is not None
+    with pytest.raises(ValueError, match="must be a TreeRouterConfig"):
+        FFFConfig(d_model=8, depth=2, leaf_width=4, router="sigma")

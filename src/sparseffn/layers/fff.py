@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..activations import ACTIVATIONS
-from ..registry import LayerConfig, LayerCost, implements, renamed_fields
+from ..registry import LayerConfig, LayerCost, implements, renamed_fields, resolve_router
 from ..routers.tree import TreeRouter, TreeRouterConfig
 from ..routing import RoutedFFN, Routing
 from ..stores import MLPExperts
@@ -21,7 +21,10 @@ FFF_TRAIN_MODES = ("soft", "sparse")
 FFF_EVAL_MODES = ("soft", "topk", "hard")
 
 
-@renamed_fields(n_layers="init_depth")
+@renamed_fields(n_layers="init_depth", node_width="router.node_width",
+                activation="router.activation", formulation="router.formulation",
+                renormalize="router.renormalize", t_matrix="router.t_matrix",
+                s_matrix="router.s_matrix")
 @dataclass(frozen=True)
 class FFFConfig(LayerConfig):
     """A fast feed-forward tree (Belcak & Wattenhofer 2023; Chaunin & Mikhailovskiy §1.2-2.3):
@@ -31,9 +34,13 @@ class FFFConfig(LayerConfig):
 
     Fields
     - ``d_out``: output width (None: d_model, the drop-in case; a classifier sets its classes).
-    - ``node_width``, ``activation`` (the tree's ``a``), ``formulation``, explicit T/S: see
-      :class:`~sparseffn.router_config.TreeRouterConfig`; ``bias`` applies to the nodes and
-      the leaves.
+    - ``router``: the :class:`~sparseffn.routers.TreeRouterConfig` (the tree's activation
+      ``a``, formulation, node width, renormalisation, explicit T/S). None, or a dict without
+      ``type`` (a TOML ``[ffn.router]`` table) changing only the fields it names: the tree
+      whose node biases follow ``bias`` and whose init follows ``init``. The flat
+      ``activation``, ``formulation``, ``node_width``, ``renormalize``, ``t_matrix`` and
+      ``s_matrix`` of earlier releases still work, with a ``DeprecationWarning``.
+    - ``bias``: biases in the leaves (and, unless ``router`` says otherwise, the nodes).
     - ``leaf_activation``: ``"relu"`` or ``"gelu"`` inside the leaves.
     - ``dropout``: on the leaves' hidden units during training (as ``fastfeedforward``).
     - ``train_mode``: ``"soft"`` (every leaf weighted by R, as in the papers) or ``"sparse"``
@@ -53,23 +60,18 @@ class FFFConfig(LayerConfig):
     depth: int
     leaf_width: int
     d_out: int | None = None
-    node_width: int = 1
-    activation: str = "logsigmoid"
-    formulation: str = "auto"
+    router: Any = None
     leaf_activation: str = "relu"
     bias: bool = True
     dropout: float = 0.0
     train_mode: str = "soft"
     eval_mode: str | None = None
     k: int = 1
-    renormalize: bool = False
     init: str = "fff"
     init_depth: int = 1
-    t_matrix: Any = None
-    s_matrix: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "depth", "leaf_width", "node_width", "init_depth"):
+        for name in ("d_model", "depth", "leaf_width", "init_depth"):
             require_positive_int(self, name)
         if self.depth > 24:
             raise ValueError(f"FFFConfig.depth must be at most 24 (2^24 leaves), got {self.depth}")
@@ -83,12 +85,15 @@ class FFFConfig(LayerConfig):
         require_probability(self, "dropout")
         require_bool(self, "bias")
         require_k(self, "num_leaves")
-        if self.formulation == "matrix" and self.depth > 14:
+        default = TreeRouterConfig(bias=self.bias, init="fff" if self.init == "fff" else "layer")
+        object.__setattr__(self, "router", resolve_router(self.router, default, TreeRouterConfig,
+                                                          "FFFConfig"))
+        if self.router.formulation == "matrix" and self.depth > 14:
             raise ValueError(f"FFFConfig: formulation 'matrix' stores a dense T of 2^depth x "
                              f"2^(depth+1) floats; use 'levelwise' or 'auto' for depth "
                              f"{self.depth} > 14")
-        router = self.router_config()   # validates activation, formulation, node_width, matrices
-        if self.resolved_eval_mode == "hard" and router.explicit:
+        self.router.check_layer(self.num_leaves, self.k)
+        if self.resolved_eval_mode == "hard" and self.router.explicit:
             raise ValueError("FFFConfig: eval_mode 'hard' descends the tree; it is not defined "
                              "for explicit t_matrix/s_matrix")
 
@@ -111,12 +116,13 @@ class FFFConfig(LayerConfig):
         return "soft" if self.train_mode == "soft" else "topk"
 
     def router_config(self) -> TreeRouterConfig:
-        """The tree router this layer's fields describe."""
-        return TreeRouterConfig(activation=self.activation, formulation=self.formulation,
-                                node_width=self.node_width, bias=self.bias,
-                                renormalize=self.renormalize, t_matrix=self.t_matrix,
-                                s_matrix=self.s_matrix,
-                                init="fff" if self.init == "fff" else "layer")
+        """The tree router (``router``)."""
+        return self.router
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["router"] = self.router.to_dict()
+        return data
 
     def cost(self) -> LayerCost:
         """Counted for the evaluation forward (``resolved_eval_mode``): soft reads every node
@@ -129,7 +135,8 @@ class FFFConfig(LayerConfig):
         router = tree.num_params(self.d_model, self.num_leaves)
         per_node = router // num_nodes
         leaf_flops = 2 * (self.d_model + self.output_width) * self.leaf_width
-        node_flops = 2 * self.d_model * self.node_width + (2 * self.node_width if self.node_width > 1 else 0)
+        width = self.router.node_width
+        node_flops = 2 * self.d_model * width + (2 * width if width > 1 else 0)
         mode = self.resolved_eval_mode
         nodes_read = self.depth if mode == "hard" else num_nodes
         leaves_read = {"soft": self.num_leaves, "topk": self.k, "hard": 1}[mode]
@@ -217,5 +224,5 @@ class FastFeedForward(RoutedFFN):
     def extra_repr(self) -> str:
         cfg = self.config
         return (f"d_model={cfg.d_model}, depth={cfg.depth}, leaf_width={cfg.leaf_width}, "
-                f"d_out={cfg.output_width}, activation={cfg.activation}, "
+                f"d_out={cfg.output_width}, activation={cfg.router.activation}, "
                 f"train_mode={cfg.train_mode}, eval_mode={cfg.resolved_eval_mode}")
