@@ -165,6 +165,16 @@ class SparseFFN(nn.Module):
         self.register_buffer("usage_counts", torch.zeros(num_experts), persistent=False)
         self.register_buffer("usage_mass", torch.zeros(num_experts), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.cuda()``, ``.half()`` ... move the usage buffers but keep them float32:
+        counts summed in bfloat16 stop growing at 256."""
+        result = super()._apply(fn, recurse)
+        for name in ("usage_counts", "usage_mass"):
+            buffer = self._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return result
+
     def _record_routing(self, routing: Routing, num_experts: int,
                         y: torch.Tensor | None = None) -> torch.Tensor | None:
         """Keep the routing's aux losses and usage from this forward; returns ``y`` (with the

@@ -162,3 +162,12 @@ def test_state_dicts_from_before_the_stores_still_load(config, renames):
     fresh.load_state_dict(old)
     x = torch.randn(5, 8)
     torch.testing.assert_close(fresh(x), layer(x))
+
+
+def test_usage_statistics_stay_float32_when_the_layer_is_cast():
+    layer = SigmaMoE(d_model=8, num_experts=4, expert_size=4, k=2).to(torch.bfloat16)
+    assert layer.store.w1.dtype == torch.bfloat16
+    assert layer.usage_counts.dtype == layer.usage_mass.dtype == torch.float32
+    for _ in range(3):
+        layer(torch.randn(200, 8, dtype=torch.bfloat16))
+    assert layer.usage_counts.sum().item() == 3 * 200 * 2       # exact beyond bf16's 256
