@@ -80,7 +80,7 @@ def _loop_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> tor
     return out
 
 
-def _tail_zeroed(out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def zero_rows_after(out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``out`` with its rows >= Σ counts set to exactly zero (no host read)."""
     done = torch.arange(out.shape[0], device=out.device) < counts.sum()
     return torch.where(done.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -97,7 +97,7 @@ def grouped_mm_rows(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tens
     if rows.shape[0] and _grouped_mm_usable(rows.device, rows.dtype) and \
             _aligned(weight.shape[-1], rows, weight):
         offsets = counts.cumsum(0).to(torch.int32)
-        return _tail_zeroed(torch._grouped_mm(rows, weight, offs=offsets), counts)
+        return zero_rows_after(torch._grouped_mm(rows, weight, offs=offsets), counts)
     sizes = counts.tolist()
     done = sum(sizes)
     out = _loop_mm(rows[:done], weight, sizes)
@@ -116,7 +116,7 @@ def grouped_weight_grad_rows(rows: torch.Tensor, grads: torch.Tensor,
     if rows.shape[0] and _grouped_mm_usable(rows.device, rows.dtype) and \
             _aligned(grads.shape[-1], rows, grads):
         offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(_tail_zeroed(rows, counts).t(), grads, offs=offsets)
+        return torch._grouped_mm(zero_rows_after(rows, counts).t(), grads, offs=offsets)
     sizes = counts.tolist()
     done = sum(sizes)
     return _loop_weight_grad(rows[:done], grads[:done], sizes)

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows
+from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, zero_rows_after
 
 _LIB = "sparseffn"
 
@@ -129,24 +129,20 @@ def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, relu
     dtype = torch.promote_types(src.dtype, weight.dtype)
     rows = src if in_idx is None else src.index_select(0, in_idx)                # [P, m]
     z = grouped_mm_rows(rows.to(dtype), weight.to(dtype), counts)               # [P, n]
-    dots = ((z * dot_with.to(dtype)).sum(1) if dot_with is not None
-            else src.new_empty(0, dtype=dtype))
+    if dot_with is not None:   # rows of dropped pairs: exactly zero, even against NaN
+        dots = zero_rows_after((z * dot_with.to(dtype)).sum(1, keepdim=True), counts).squeeze(1)
+    else:
+        dots = src.new_empty(0, dtype=dtype)
     y = z if scale is None else z * scale.to(dtype).unsqueeze(1)
     if relu:
         y = torch.relu(y)
     if mask_with is not None:
         y = torch.where(mask_with > 0, y, torch.zeros((), dtype=dtype, device=y.device))
     if scale is not None:   # a dropped row's scale may be anything: its rows stay exactly zero
-        y = torch.where(_computed(counts, y.shape[0]).unsqueeze(1), y,
-                        torch.zeros((), dtype=dtype, device=y.device))
+        y = zero_rows_after(y, counts)
     if out_idx is None:
         return y, dots
     return y.new_zeros(out_rows, y.shape[1]).index_add_(0, out_idx, y), dots
-
-
-def _computed(counts: Tensor, rows: int) -> Tensor:
-    """bool [rows]: True for the rows r < Σ counts (no host read)."""
-    return torch.arange(rows, device=counts.device) < counts.sum()
 
 
 @cvmm_rows.register_fake
