@@ -59,3 +59,32 @@ def test_hidden_dropout_is_applied_to_the_hidden_units():
     kept = expert_mlp(x, plan, w1, w2, gates, hidden_dropout=lambda h: h)
     torch.testing.assert_close(kept, expert_mlp(x, plan, w1, w2, gates))
 
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_a_nan_token_stays_in_its_own_rows_and_dropped_nan_pairs_get_zero_gate_gradient(
+        matmul_path, activation):
+    """NaN in one token's input: every other token's output and input gradient are what the
+    loop gives; the NaN reaches only that token's output and the weight gradients of the
+    experts it was dispatched to; a NaN token whose pairs were all dropped contributes nothing."""
+    indices, (x, w1, w2, gates) = _problem(T=17)
+    dispatched = torch.ones(indices.shape, dtype=torch.bool)
+    dispatched[5] = False                                 # token 5: every pair dropped
+    with torch.no_grad():
+        x[3, 2] = float("nan")                           # token 3: dispatched, NaN
+        x[5, 0] = float("nan")
+    act = F.relu if activation == "relu" else F.gelu
+    plan = DispatchPlan.build(indices, 5, dispatched=dispatched)
+    y = expert_mlp(x, plan, w1, w2, gates, activation=activation)
+    want = expert_mlp_reference(x, indices, gates * dispatched, w1.transpose(1, 2), w2, act)
+    clean = torch.ones(17, dtype=torch.bool)
+    clean[3] = False
+    keep = clean.clone()
+    keep[5] = False                  # the loop multiplies token 5's NaN output by its gate 0
+    torch.testing.assert_close(y[keep], want[keep], atol=1e-4, rtol=1e-4)
+    assert torch.isnan(y[3]).all() and torch.equal(y[5], torch.zeros_like(y[5]))
+    grad = torch.randn_like(y)
+    grad_x, grad_g = torch.autograd.grad(y, [x, gates], grad)
+    assert torch.all(grad_g[5] == 0) and torch.isfinite(grad_g[clean]).all()
+    want_x = torch.autograd.grad(want[keep], x, grad[keep])[0]
+    torch.testing.assert_close(grad_x[keep], want_x[keep], atol=1e-3, rtol=1e-3)

@@ -68,7 +68,7 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
 
     Returns ``(out, dots)``. ``out`` is the rows ``y`` [out_rows = P, n] (rows >= D zero), or
     with ``out_idx`` the sums ``out[i] = Σ_{r<D: out_idx[r] = i} y_r`` [out_rows, n]. Without
-    ``out_idx``: ``relu`` applies max(y, 0) and ``mask_with`` [P, n] zeroes y where
+    ``out_idx``: ``relu`` applies max(y, 0) (NaN stays NaN) and ``mask_with`` [P, n] zeroes y where
     ``mask_with <= 0`` (backward through a ReLU whose output it is). ``dots`` is
     ``<z_r, dot_with[r]>`` [P] (the gate gradient; zero for rows >= D), or an empty tensor
     when ``dot_with`` is None.

@@ -160,7 +160,8 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
                 }
                 if (!out_idx) {
                     if (scale) for (int j = 0; j < n; j++) c[j] *= s;
-                    if (relu) for (int j = 0; j < n; j++) c[j] = c[j] > 0.0f ? c[j] : 0.0f;
+                    /* max(y, 0) that keeps NaN, as torch.relu does */
+                    if (relu) for (int j = 0; j < n; j++) c[j] = c[j] <= 0.0f ? 0.0f : c[j];
                     if (mask_with) {
                         const float *mk = mask_with + p * n;
                         for (int j = 0; j < n; j++) c[j] = mk[j] > 0.0f ? c[j] : 0.0f;
