@@ -153,3 +153,16 @@ def test_gathered_rows_reject_bad_indices():
 
 
 # --- the layers against loops ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_in_a_product_key_layer_is_a_clear_error_on_every_path(rows_path, bad):
+    """The C top-k cannot rank NaN; it must not return indices it never wrote. Both paths
+    raise a ValueError naming the problem (an infinity becomes NaN in the scores)."""
+    import sparseffn
+    layer = sparseffn.PEER(d_model=16, num_experts=64 * 64, heads=2, k=8, key_dim=16)
+    x = torch.randn(5, 16)
+    layer(x)                                    # a clean batch first
+    x[2, 3] = bad
+    with pytest.raises(ValueError, match="NaN"):
+        layer(x)

@@ -251,14 +251,20 @@ def _(idx, weights, src, num_rows):
 # ---------------------------------------------------------------------------------------------
 # Deterministic top-k (product-key retrieval)
 
+def _reject_nan(scores: Tensor, what: str) -> None:
+    if bool(torch.isnan(scores).any()):   # inside the operator: no graph break
+        raise ValueError(f"{what}: scores contain NaN (a NaN or an infinity in the layer's "
+                         f"input or weights?)")
+
+
 @torch.library.custom_op(f"{_LIB}::topk_rows", mutates_args=())
 def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of ``scores`` [R, n], ordered by (value desc, index
-    asc): (values [R, k], int64 indices [R, k]). A row holding NaN raises a ValueError."""
+    asc): (values [R, k], int64 indices [R, k]). A row holding NaN raises a ValueError on
+    every path (NaN has no rank, and the C kernel would rank nothing)."""
+    _reject_nan(scores, "topk_rows")
     if _fused(scores):
         return native.topk_rows(scores, k)
-    if torch.isnan(scores).any():
-        raise ValueError("topk_lowest_index: scores contain NaN")
     kth = scores.topk(k, dim=-1).values[..., -1:]
     above = scores > kth
     tied = scores == kth
@@ -281,6 +287,8 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
     """The top k of ``scores_a[r, i] + scores_b[r, j]`` over all (i, j), index ``i + n_a·j``,
     ordered by (sum desc, index asc) (Lample et al. 2019, Eq. 15 of Csordás et al. 2023).
     scores_a: [R, n_a]; scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k])."""
+    _reject_nan(scores_a, "product_key_topk")
+    _reject_nan(scores_b, "product_key_topk")
     if _fused(scores_a, scores_b):
         return native.product_key_topk(scores_a, scores_b, k)
     rows, n_a = scores_a.shape
