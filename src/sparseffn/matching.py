@@ -1,6 +1,6 @@
 """Equal-parameter and equal-compute dense baselines for any sparse layer (Csordás et al. 2023 §6).
 
-Seed 001 compares every sparse layer with the dense MLP that has the *same number of
+Csordás et al. 2023 compare every sparse layer with the dense MLP that has the *same number of
 parameters* (the fair baseline), compensating for the selection network by widening the dense
 layer. The *active-equal* dense MLP (``d_ff = k · expert_size``) is what a perfect dispatch
 would cost: the speed a sparse layer could reach at best.

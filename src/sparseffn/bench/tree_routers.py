@@ -37,7 +37,7 @@ from .measure import interleaved_times, paired_ratio, write_json
 METHODS = ("moe", "matrix", "hard", "logs", "orig", "levelwise", "matrix_sparse", "auto")
 PAPER_NAMES = {"moe": "MoE", "matrix": "FFF T,S", "hard": "FFF Inference", "logs": "FFF Logs",
                "orig": "FFF Orig"}
-# Seed 003 Table 2, CPU: harmonic mean of time(orig)/time(method), depths up to 8 / up to 13.
+# Chaunin & Mikhailovskiy Table 2, CPU: harmonic mean of time(orig)/time(method), depths up to 8 / up to 13.
 PAPER_CPU = {"moe": (7.27, 4.55), "matrix": (3.55, 0.88), "hard": (0.90, 1.09),
              "logs": (1.27, 1.07), "orig": (1.0, 1.0)}
 PASSES = ("forward", "forward_backward")
@@ -153,7 +153,7 @@ def _ratio(records: list[dict], method: str, baseline: str, depth: int, pass_nam
 
 
 def harmonic_speedups(records: list[dict], pass_name: str, up_to: int) -> dict[str, float | None]:
-    """Seed 003 Table 2: the harmonic mean over depths 1..up_to of ``time(orig)/time(method)``
+    """Chaunin & Mikhailovskiy Table 2: the harmonic mean over depths 1..up_to of ``time(orig)/time(method)``
     (None when a method lacks a depth in range)."""
     ms = _ms(records)
     depths = sorted({r["depth"] for r in records if r["depth"] <= up_to})

@@ -88,7 +88,7 @@ def _shuffled_split(name: str, x: np.ndarray, y: np.ndarray, num_classes: int,
 
 def clusters(num_classes: int = 10, dim: int = 32, per_class: int = 600, spread: float = 1.5,
              seed: int = 0) -> ArrayData:
-    """Seed 000's clusters of Gaussians: ``num_classes`` classes, each a mixture of two
+    """The clusters of Gaussians of Chaunin & Mikhailovskiy's slides: ``num_classes`` classes, each a mixture of two
     Gaussian clusters (unit covariance) whose centres are drawn from ``N(0, spread² I)``; a
     linear model cannot separate them all. Generated from ``seed`` (the data seed, not the
     run's)."""

@@ -136,8 +136,8 @@ class LMConfig:
         }
 
     def dense_baseline(self) -> "LMConfig":
-        """The same model with every FFN replaced by its parameter-equal dense MLP (seed
-        001's evaluation rule): total parameters equal to within d_model per block."""
+        """The same model with every FFN replaced by its parameter-equal dense MLP (the
+        evaluation rule of Csordás et al. 2023): total parameters equal to within d_model per block."""
         def dense(layer: LayerConfig) -> DenseMLPConfig:
             return layer if isinstance(layer, DenseMLPConfig) else param_equal_dense(layer)
         return self.replace(ffn=dense(self.ffn),

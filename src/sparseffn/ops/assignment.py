@@ -157,7 +157,7 @@ def _exact_balanced_assignment(scores: torch.Tensor, k: int, capacity: int | Non
                                ) -> torch.Tensor:
     """Maximise ``Σ_x Σ_{e ∈ E_x} scores[x, e]`` over sets E_x of k distinct experts per token,
     with every expert in at most ``capacity`` sets (default: the balanced
-    ``ceil(T·k/E)``). Seed 001 Eq. 33 for k = 1.
+    ``ceil(T·k/E)``). Csordás et al. 2023 Eq. 33 for k = 1.
 
     scores: [T, E]; returns int64 [T, k] expert ids (ascending per token)."""
     try:

@@ -4,7 +4,7 @@ Chaunin & Mikhailovskiy, and greedy hard inference.
 A tree of depth d has N = 2^d - 1 router nodes with logits ``z = W x (+ b)`` and L = 2^d
 leaves. Layout: nodes in heap order, level l holds nodes ``[2^l - 1, 2^(l+1) - 1)``, node n's
 children are 2n + 1 (left) and 2n + 2 (right); leaves are numbered left to right, so the bits
-of leaf i, most significant first, are its turns (0 = left). Seed 003 numbers nodes from 1
+of leaf i, most significant first, are its turns (0 = left). Chaunin & Mikhailovskiy number nodes from 1
 with children 2i and 2i + 1; the left child is reached with ``σ(z_n)`` (Eq. 3), the right
 with ``σ(-z_n)`` (Eq. 4). (The ``fastfeedforward`` package sends ``σ(z)`` to the right child:
 its model with weights w is ours with -w.)

@@ -48,7 +48,7 @@ def init_selection_(weight: torch.Tensor, init: str, init_depth: int) -> torch.T
 
 def drop_experts(scores: torch.Tensor, rate: float, training: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Seed 001's expert dropout (Eq. 36): during training each (token, expert) pair is
+    """Csordás et al. 2023's expert dropout (Eq. 36): during training each (token, expert) pair is
     dropped with probability ``rate``; a dropped expert cannot be selected (its score becomes
     -inf for the selection), and the kept scores are not rescaled.
 
