@@ -86,6 +86,14 @@ def zero_rows_after(out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.where(done.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def pad_rows(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``rows`` [D, ...] followed by zero rows up to ``num_rows`` (the rows of pairs dropped at
+    capacity, written as zeros)."""
+    if rows.shape[0] == num_rows:
+        return rows
+    return torch.cat((rows, rows.new_zeros(num_rows - rows.shape[0], *rows.shape[1:])))
+
+
 def grouped_mm_rows(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``out[r] = rows[r] @ weight[e(r)]`` for the expert-sorted rows r < Σ counts; the rows
     after them (pairs dropped at capacity) are zero.
@@ -99,11 +107,7 @@ def grouped_mm_rows(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tens
         offsets = counts.cumsum(0).to(torch.int32)
         return zero_rows_after(torch._grouped_mm(rows, weight, offs=offsets), counts)
     sizes = counts.tolist()
-    done = sum(sizes)
-    out = _loop_mm(rows[:done], weight, sizes)
-    if done == rows.shape[0]:
-        return out
-    return torch.cat((out, out.new_zeros(rows.shape[0] - done, out.shape[1])))
+    return pad_rows(_loop_mm(rows[:sum(sizes)], weight, sizes), rows.shape[0])
 
 
 def grouped_weight_grad_rows(rows: torch.Tensor, grads: torch.Tensor,

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, zero_rows_after
+from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zero_rows_after
 
 _LIB = "sparseffn"
 
@@ -88,26 +88,31 @@ def _num_sorted_rows(src: Tensor, in_idx: Optional[Tensor], out_idx: Optional[Te
     return src.shape[0]
 
 
+def _dispatched(counts: Tensor, *per_row: Optional[Tensor]) -> list[Optional[Tensor]]:
+    """The per-sorted-row tensors cut to the D = Σ counts rows the C kernels compute (a CPU
+    tensor: the host read costs no synchronisation)."""
+    done = int(counts.sum())
+    return [None if t is None else t[:done] for t in per_row]
+
+
 def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, relu, mask_with,
                       dot_with):
     rows = _num_sorted_rows(src, in_idx, out_idx)
-    done = int(counts.sum())               # a CPU tensor: no synchronisation
-    cut = (lambda t: t if t is None else t[:done]) if done != rows else (lambda t: t)
     if out_idx is not None and out_rows < rows and torch.are_deterministic_algorithms_enabled():
         # Several rows land on one output row, and the kernel adds them in thread order. Under
         # deterministic algorithms: the sorted rows from the kernel, then summed in row order.
         ys, dots = _cvmm_rows_native(src, weight, counts, in_idx, None, scale, rows, False, None,
                                      dot_with)
         return _sum_rows_in_order(ys, out_idx, out_rows), dots
-    result = native.cvmm_rows(src, weight, counts, in_idx=cut(in_idx), out_idx=cut(out_idx),
-                              scale=cut(scale), out_rows=out_rows if out_idx is not None else None,
-                              dot_with=cut(dot_with), relu=relu, mask_with=cut(mask_with))
+    in_idx, out_idx, scale, dot_with, mask_with = _dispatched(
+        counts, in_idx, out_idx, scale, dot_with, mask_with)
+    result = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx, scale=scale,
+                              out_rows=out_rows if out_idx is not None else None,
+                              dot_with=dot_with, relu=relu, mask_with=mask_with)
     out, dots = result if dot_with is not None else (result, src.new_empty(0))
-    if out_idx is None and done != rows:   # the rows of dropped pairs: written, as zeros
-        out = torch.cat((out, out.new_zeros(rows - done, out.shape[1])))
-    if dot_with is not None and done != rows:
-        dots = torch.cat((dots, dots.new_zeros(rows - done)))
-    return out, dots
+    if out_idx is None:                     # the rows of dropped pairs: written, as zeros
+        out = pad_rows(out, rows)
+    return out, (dots if dot_with is None else pad_rows(dots, rows))
 
 
 def _sum_rows_in_order(rows: Tensor, out_idx: Tensor, out_rows: int) -> Tensor:
@@ -161,11 +166,8 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
 
     Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix."""
     if _fused(a_src, b_src, scale):   # summed in a fixed order
-        rows = _num_sorted_rows(a_src, a_idx, b_idx)
-        done = int(counts.sum())
-        cut = (lambda t: t if t is None else t[:done]) if done != rows else (lambda t: t)
-        return native.weight_grad(a_src, b_src, counts, a_idx=cut(a_idx), b_idx=cut(b_idx),
-                                  scale=cut(scale))
+        a_idx, b_idx, scale = _dispatched(counts, a_idx, b_idx, scale)
+        return native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale)
     dtype = torch.promote_types(a_src.dtype, b_src.dtype)
     a = (a_src if a_idx is None else a_src.index_select(0, a_idx)).to(dtype)
     b = (b_src if b_idx is None else b_src.index_select(0, b_idx)).to(dtype)
