@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -68,31 +69,34 @@ def sinkhorn_log_plan(logits: torch.Tensor, iterations: int) -> torch.Tensor:
     return log_plan
 
 
+def _assignment_operator(name: str):
+    """Decorator: an assignment ``fn(scores [T, E], k, capacity | None) -> int64 [T, k]`` run
+    as the operator ``sparseffn::<name>``. Its loop or solver cannot be traced, so under
+    ``torch.compile`` it is one opaque node; no gradient flows through an assignment."""
+    def wrap(fn):
+        @torch.library.custom_op(f"sparseffn::{name}", mutates_args=())
+        def op(scores: torch.Tensor, k: int, capacity: int) -> torch.Tensor:
+            return fn(scores, k, None if capacity < 0 else capacity)
+
+        @op.register_fake
+        def _(scores, k, capacity):
+            return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
+
+        @functools.wraps(fn)
+        def call(scores: torch.Tensor, k: int, capacity: int | None = None) -> torch.Tensor:
+            return op(scores.detach(), k, -1 if capacity is None else capacity)
+        return call
+    return wrap
+
+
 def balanced_capacity(tokens: int, k: int, num_experts: int) -> int:
     """Pairs per expert in a balanced assignment: ``ceil(tokens · k / num_experts)``."""
     return math.ceil(tokens * k / num_experts)
 
 
+@_assignment_operator("capacity_rounding")
 def capacity_rounding(scores: torch.Tensor, k: int, capacity: int | None = None
                       ) -> torch.Tensor:
-    """:func:`_capacity_rounding` as the operator ``sparseffn::capacity_rounding``: its loop
-    runs until no token is turned down, which a compiler cannot trace; as an operator it is
-    one opaque node (no gradient flows through an assignment)."""
-    return _capacity_rounding_op(scores.detach(), k, -1 if capacity is None else capacity)
-
-
-@torch.library.custom_op("sparseffn::capacity_rounding", mutates_args=())
-def _capacity_rounding_op(scores: torch.Tensor, k: int, capacity: int) -> torch.Tensor:
-    return _capacity_rounding(scores, k, None if capacity < 0 else capacity)
-
-
-@_capacity_rounding_op.register_fake
-def _(scores, k, capacity):
-    return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
-
-
-def _capacity_rounding(scores: torch.Tensor, k: int, capacity: int | None = None
-                       ) -> torch.Tensor:
     """k distinct experts per token, each expert taking at most ``capacity`` (default
     ``ceil(T·k/E)``) pairs, by deferred acceptance: every token short of k experts proposes to
     its best experts that have not turned it down; each expert keeps the highest-scoring
@@ -136,25 +140,9 @@ def _capacity_rounding(scores: torch.Tensor, k: int, capacity: int | None = None
     return torch.topk(ordered, k, dim=1).indices
 
 
+@_assignment_operator("exact_balanced_assignment")
 def exact_balanced_assignment(scores: torch.Tensor, k: int, capacity: int | None = None
                               ) -> torch.Tensor:
-    """:func:`_exact_balanced_assignment` as the operator
-    ``sparseffn::exact_balanced_assignment`` (SciPy's solver is opaque to a compiler)."""
-    return _exact_assignment_op(scores.detach(), k, -1 if capacity is None else capacity)
-
-
-@torch.library.custom_op("sparseffn::exact_balanced_assignment", mutates_args=())
-def _exact_assignment_op(scores: torch.Tensor, k: int, capacity: int) -> torch.Tensor:
-    return _exact_balanced_assignment(scores, k, None if capacity < 0 else capacity)
-
-
-@_exact_assignment_op.register_fake
-def _(scores, k, capacity):
-    return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
-
-
-def _exact_balanced_assignment(scores: torch.Tensor, k: int, capacity: int | None = None
-                               ) -> torch.Tensor:
     """Maximise ``Σ_x Σ_{e ∈ E_x} scores[x, e]`` over sets E_x of k distinct experts per token,
     with every expert in at most ``capacity`` sets (default: the balanced
     ``ceil(T·k/E)``). Csordás et al. 2023 Eq. 33 for k = 1.
