@@ -37,22 +37,37 @@ def implements(config_cls: type) -> Callable[[type], type]:
     return register
 
 
-# ---------------------------------------------------------------------------------------------
-# Routers
-
-class RouterConfig:
-    """Mixin for router configs: dict round trip under a registered ``type`` name."""
+class RegisteredConfig:
+    """Base of the router and layer config families: defining a config registers it in its
+    family's registry under its ``type_name``; ``to_dict`` writes that name as ``type``."""
 
     type_name: ClassVar[str]
     module_class: ClassVar[type]
-    _registry: ClassVar[dict[str, type]] = {}
+    _registry: ClassVar[dict[str, type]]      # one per family, set on the family's base
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        RouterConfig._registry[cls.type_name] = cls
+        if "_registry" not in cls.__dict__:   # a config, not a family's base
+            cls._registry[cls.type_name] = cls
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type_name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+
+def _module_class(config: RegisteredConfig, kind: str) -> type:
+    cls = getattr(type(config), "module_class", None)
+    if cls is None:
+        raise TypeError(f"no {kind} is registered for {type(config).__name__}")
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------
+# Routers
+
+class RouterConfig(RegisteredConfig):
+    """Base of router configs."""
+
+    _registry: ClassVar[dict[str, type]] = {}
 
     def check_layer(self, num_experts: int, k: int) -> None:
         """Raise ValueError if this router cannot select ``k`` of ``num_experts`` experts."""
@@ -85,10 +100,8 @@ def router_config_from(value: Any) -> RouterConfig:
 def build_router(config: RouterConfig, d_model: int, num_experts: int, k: int,
                  init: str = "sigma_moe", init_depth: int = 1):
     """The router ``config`` describes, selecting ``k`` of ``num_experts`` experts."""
-    cls = getattr(type(config), "module_class", None)
-    if cls is None:
-        raise TypeError(f"no router is registered for {type(config).__name__}")
-    return cls(config, d_model, num_experts, k, init=init, init_depth=init_depth)
+    return _module_class(config, "router")(config, d_model, num_experts, k, init=init,
+                                           init_depth=init_depth)
 
 
 def require_router_k(config: RouterConfig, k: int, allowed: int, why: str) -> None:
@@ -206,19 +219,10 @@ class LayerCost:
     expert_flops: int
 
 
-class LayerConfig:
-    """Mixin for layer configs: dict/JSON round trip under a registered ``type`` name."""
+class LayerConfig(RegisteredConfig):
+    """Base of layer configs (with a JSON round trip and a cost)."""
 
-    type_name: ClassVar[str]
-    module_class: ClassVar[type]
     _registry: ClassVar[dict[str, type]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        LayerConfig._registry[cls.type_name] = cls
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type_name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -242,7 +246,4 @@ def config_from_dict(data: dict[str, Any]) -> LayerConfig:
 
 def build_layer(config: LayerConfig):
     """The layer a config describes."""
-    cls = getattr(type(config), "module_class", None)
-    if cls is None:
-        raise TypeError(f"no layer is registered for {type(config).__name__}")
-    return cls(config)
+    return _module_class(config, "layer")(config)
