@@ -25,10 +25,7 @@ import torch
 
 from . import kernels
 from .debug import checks_enabled
-
-_gather_dot = kernels.gather_dot
-_gather_sum = kernels.gather_sum
-scatter_rows = kernels.scatter_rows
+from .kernels import scatter_rows
 
 
 def scatter_rows_sparse(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
@@ -50,7 +47,7 @@ class _GatherDot(torch.autograd.Function):
     def forward(ctx, x, table, idx, sparse):
         ctx.sparse = sparse
         ctx.save_for_backward(x, table, idx)
-        return _gather_dot(x, table, idx)
+        return kernels.gather_dot(x, table, idx)
 
     @staticmethod
     def backward(ctx, grad):
@@ -58,7 +55,7 @@ class _GatherDot(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = grad_table = None
         if ctx.needs_input_grad[0]:
-            grad_x = _gather_sum(idx, grad, table).to(x.dtype)
+            grad_x = kernels.gather_sum(idx, grad, table).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_table = _table_grad(idx, grad, x.to(table.dtype), table.shape[0], ctx.sparse)
         return grad_x, grad_table, None, None
@@ -69,7 +66,7 @@ class _GatherSum(torch.autograd.Function):
     def forward(ctx, idx, weights, table, sparse):
         ctx.sparse = sparse
         ctx.save_for_backward(idx, weights, table)
-        return _gather_sum(idx, weights, table)
+        return kernels.gather_sum(idx, weights, table)
 
     @staticmethod
     def backward(ctx, grad):
@@ -77,7 +74,7 @@ class _GatherSum(torch.autograd.Function):
         grad = grad.contiguous()
         grad_weights = grad_table = None
         if ctx.needs_input_grad[1]:
-            grad_weights = _gather_dot(grad, table, idx).to(weights.dtype)
+            grad_weights = kernels.gather_dot(grad, table, idx).to(weights.dtype)
         if ctx.needs_input_grad[2]:
             grad_table = _table_grad(idx, weights, grad.to(table.dtype), table.shape[0],
                                      ctx.sparse)
