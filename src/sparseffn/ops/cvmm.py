@@ -132,10 +132,19 @@ _GATED = "gated"    # one row per token: the gate-weighted sum over its k slots 
 
 
 def _index_of(layout: str, order: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor | None:
-    """Which row of a tensor in ``layout`` each expert-sorted row reads or writes."""
+    """Which row of a tensor in ``layout`` each expert-sorted row reads."""
     if layout == _SORTED:
         return None
     return order if layout == _SLOT else token_of_row
+
+
+def _scatter_of(layout: str, order: torch.Tensor, k: int) -> tuple[torch.Tensor | None, int]:
+    """How sorted rows go back to ``layout`` for ``sparseffn::cvmm_rows``: the slot of each
+    row (the plan's order, a permutation) and how many consecutive slots sum into one output
+    row (k for one row per token, 1 for one row per slot)."""
+    if layout == _SORTED:
+        return None, 1
+    return order, (1 if layout == _SLOT else k)
 
 
 def _rows_from(source: torch.Tensor, layout: str, order: torch.Tensor,
@@ -165,15 +174,15 @@ class _CVMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, gates, order, token_of_row, counts, in_layout: str,
-                out_layout: str, num_tokens: int):
+                out_layout: str, num_tokens: int, k: int):
         ctx.save_for_backward(x2, weight, gates, order, token_of_row, counts)
-        ctx.in_layout, ctx.out_layout = in_layout, out_layout
+        ctx.in_layout, ctx.out_layout, ctx.k = in_layout, out_layout, k
         gate_rows = gates.index_select(0, order) if gates is not None else None
         in_idx = _index_of(in_layout, order, token_of_row)
-        out_idx = _index_of(out_layout, order, token_of_row)
+        out_idx, group = _scatter_of(out_layout, order, k)
         out_rows = num_tokens if out_layout == _GATED else order.shape[0]
         out, _ = kernels.cvmm_rows(x2, weight, counts, in_idx, out_idx, gate_rows, out_rows,
-                                   False, None, None)
+                                   group, False, None, None)
         return out
 
     @staticmethod
@@ -183,19 +192,20 @@ class _CVMM(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         in_idx = _index_of(ctx.in_layout, order, token_of_row)
         out_idx = _index_of(ctx.out_layout, order, token_of_row)
+        back_idx, back_group = _scatter_of(ctx.in_layout, order, ctx.k)
         gate_rows = gates.index_select(0, order) if gates is not None else None
         weight_t = weight.transpose(1, 2)
         grad_x = grad_w = grad_g = None
         if need_g:   # d/dg <dy, g · x W> = <dy Wᵀ, x>, dotted inside the kernel
             rows = _rows_from(x2, ctx.in_layout, order, token_of_row)               # [S, m]
             scaled, dots = kernels.cvmm_rows(grad_out, weight_t, counts, out_idx, None,
-                                             gate_rows, order.shape[0], False, None, rows)
+                                             gate_rows, order.shape[0], 1, False, None, rows)
             grad_g = _pairs_to_slots(order, dots)
             if need_x:
-                grad_x = _scatter_to(scaled, ctx.in_layout, x2.shape[0], order, token_of_row)
-        elif need_x:   # dx = Σ g · dy Wᵀ, scattered straight back to the input's layout
-            grad_x, _ = kernels.cvmm_rows(grad_out, weight_t, counts, out_idx, in_idx, gate_rows,
-                                          x2.shape[0], False, None, None)
+                grad_x = _scatter_to(scaled, back_idx, back_group, x2.shape[0])
+        elif need_x:   # dx = Σ g · dy Wᵀ, summed straight back into the input's layout
+            grad_x, _ = kernels.cvmm_rows(grad_out, weight_t, counts, out_idx, back_idx,
+                                          gate_rows, x2.shape[0], back_group, False, None, None)
         if need_w:   # dW_e = Σ_r g_r x_rᵀ dy_r; the gate scales the narrower side
             if weight.shape[1] <= weight.shape[2]:
                 grad_w = kernels.expert_weight_grad(x2, grad_out, counts, in_idx, out_idx,
@@ -203,17 +213,17 @@ class _CVMM(torch.autograd.Function):
             else:   # computed as [E, n, m] (wide output rows) and returned transposed
                 grad_w = kernels.expert_weight_grad(grad_out, x2, counts, out_idx, in_idx,
                                                     gate_rows).transpose(1, 2)
-        return grad_x, grad_w, grad_g, None, None, None, None, None, None
+        return grad_x, grad_w, grad_g, None, None, None, None, None, None, None
 
 
-def _scatter_to(rows: torch.Tensor, layout: str, num_rows: int, order: torch.Tensor,
-                token_of_row: torch.Tensor) -> torch.Tensor:
-    """Sorted rows [S, m] into ``layout`` [num_rows, m] (summed over slots per token)."""
-    if layout == _SORTED:
+def _scatter_to(rows: torch.Tensor, slots: torch.Tensor | None, group: int,
+                num_rows: int) -> torch.Tensor:
+    """Sorted rows [S, m] back to slot order, each token's ``group`` slots summed in slot
+    order ([num_rows, m]; a permutation and a sum, no atomics)."""
+    if slots is None:
         return rows
-    if layout == _SLOT:
-        return torch.empty_like(rows).index_copy_(0, order, rows)
-    return rows.new_zeros(num_rows, rows.shape[1]).index_add_(0, token_of_row, rows)
+    out = torch.empty_like(rows).index_copy_(0, slots, rows)
+    return out if group == 1 else out.view(num_rows, group, rows.shape[1]).sum(1)
 
 
 def cvmm(x: torch.Tensor, plan: DispatchPlan, weight: torch.Tensor,
@@ -269,7 +279,7 @@ def cvmm(x: torch.Tensor, plan: DispatchPlan, weight: torch.Tensor,
         gates = gates.reshape(-1).to(x.dtype)
     out_layout = _GATED if gates is not None else (_SORTED if sorted_output else _SLOT)
     out = _CVMM.apply(x2, weight, gates, plan.order, plan.token_of_row, plan.counts, in_layout,
-                      out_layout, plan.num_tokens)
+                      out_layout, plan.num_tokens, k)
     if out_layout == _GATED:
         return out.reshape(*batch, n)
     return out if out_layout == _SORTED else out.reshape(*batch, k, n)

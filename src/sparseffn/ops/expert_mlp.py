@@ -3,9 +3,9 @@
 ``y_t = Σ_j g_tj · act(x_t W1[e_tj]ᵀ) W2[e_tj]`` (Csordás et al. 2023 Eq. 25), with the hidden
 units kept in the plan's expert-sorted order between the two CVMMs.
 
-With ReLU experts (and no dropout, biases or autocast), one autograd function runs both
-layers on the ``sparseffn::cvmm_rows`` operator, with the ReLU and its derivative, the gate
-scaling and the gate gradient folded into the kernel's epilogues (no separate passes over the
+With ReLU experts (and no dropout or biases; under autocast in the autocast dtype), one
+autograd function runs both layers on the ``sparseffn::cvmm_rows`` operator, with the ReLU and
+its derivative, the gate scaling and the gate gradient folded into the kernel's epilogues (no separate passes over the
 ``[pairs, expert_size]`` hidden units). Otherwise it is two :func:`cvmm` calls and the
 activation, which compute the same thing.
 """
@@ -49,11 +49,13 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
     biased = b1 is not None or b2 is not None
     if biased and indices is None:
         raise ValueError("expert_mlp: biases need the expert indices the plan was built from")
+    if torch.is_autocast_enabled(x.device.type):   # both CVMMs in the autocast dtype
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
     if activation in _FUSED_ACTIVATIONS and hidden_dropout is None and not biased \
-            and x.dim() == 2 and not torch.is_autocast_enabled(x.device.type) \
-            and x.dtype == w1.dtype == w2.dtype:
+            and x.dim() == 2 and x.dtype == w1.dtype == w2.dtype:
         return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
-                                    plan.token_of_row, plan.counts)
+                                    plan.token_of_row, plan.counts, plan.k)
     hidden = cvmm(x, plan, w1.transpose(1, 2), sorted_output=True)                  # [S, G]
     if b1 is not None:   # each sorted row's expert: the plan's order over the flat indices
         hidden = hidden + b1.index_select(0, indices.reshape(-1).index_select(0, plan.order)
@@ -78,13 +80,14 @@ class _ReluExpertMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w1, w2, gates, order, tokens, counts):
+    def forward(ctx, x, w1, w2, gates, order, tokens, counts, k):
         gate_rows = gates.index_select(0, order)
         hidden, _ = kernels.cvmm_rows(x, w1.transpose(1, 2), counts, tokens, None, None,
-                                      order.shape[0], True, None, None)
-        y, _ = kernels.cvmm_rows(hidden, w2, counts, None, tokens, gate_rows, x.shape[0], False,
-                                 None, None)
+                                      order.shape[0], 1, True, None, None)
+        y, _ = kernels.cvmm_rows(hidden, w2, counts, None, order, gate_rows, x.shape[0], k,
+                                 False, None, None)
         ctx.save_for_backward(x, w1, w2, gates, hidden, order, tokens, counts)
+        ctx.k = k
         return y
 
     @staticmethod
@@ -96,14 +99,14 @@ class _ReluExpertMLP(torch.autograd.Function):
         grad_x = grad_w1 = grad_w2 = grad_g = None
         # dh = g · dy W2ᵀ masked by relu'; the gate gradient is <dy W2ᵀ, h> (unscaled rows)
         grad_pre, dots = kernels.cvmm_rows(grad_y, w2.transpose(1, 2), counts, tokens, None,
-                                           gate_rows, order.shape[0], False, hidden, hidden)
+                                           gate_rows, order.shape[0], 1, False, hidden, hidden)
         if need_g:
             grad_g = _pairs_to_slots(order, dots)
         if need_w2:   # dW2_e = Σ_r g_r h_rᵀ dy_r
             grad_w2 = kernels.expert_weight_grad(hidden, grad_y, counts, None, tokens, gate_rows)
         if need_x:    # dx_t = Σ_{r of t} dpre_r W1[e_r]
-            grad_x, _ = kernels.cvmm_rows(grad_pre, w1, counts, None, tokens, None, x.shape[0],
-                                          False, None, None)
+            grad_x, _ = kernels.cvmm_rows(grad_pre, w1, counts, None, order, None, x.shape[0],
+                                          ctx.k, False, None, None)
         if need_w1:   # dW1_e = Σ_r dpre_rᵀ x_r
             grad_w1 = kernels.expert_weight_grad(grad_pre, x, counts, None, tokens, None)
-        return grad_x, grad_w1, grad_w2, grad_g, None, None, None
+        return grad_x, grad_w1, grad_w2, grad_g, None, None, None, None

@@ -57,7 +57,7 @@ def _fused(*tensors: Optional[Tensor]) -> bool:
 
 @torch.library.custom_op(f"{_LIB}::cvmm_rows", mutates_args=())
 def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tensor],
-              out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int,
+              out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int, group: int,
               relu: bool, mask_with: Optional[Tensor], dot_with: Optional[Tensor]
               ) -> tuple[Tensor, Tensor]:
     """``y_r = scale[r] · z_r`` with ``z_r = src[in_idx[r]] @ weight[e(r)]`` for the
@@ -66,17 +66,20 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
     src: [R, m]; weight: [E, m, n] (any strides); counts: int64 [E]; in_idx: int64 [P] or None
     (row r of src); out_idx: int64 [P] or None; scale: [P] or None; P >= D sorted rows.
 
-    Returns ``(out, dots)``. ``out`` is the rows ``y`` [out_rows = P, n] (rows >= D zero), or
-    with ``out_idx`` the sums ``out[i] = Σ_{r<D: out_idx[r] = i} y_r`` [out_rows, n]. Without
-    ``out_idx``: ``relu`` applies max(y, 0) (NaN stays NaN) and ``mask_with`` [P, n] zeroes y where
+    Returns ``(out, dots)``. ``out`` is the rows ``y`` [out_rows = P, n] (rows >= D zero), or,
+    with ``out_idx`` (a permutation of the P slots ``out_rows · group``: the plan's order),
+    ``out[i] = Σ_{j < group} y_{r(i·group + j)}`` [out_rows, n], where r(s) is the row whose
+    ``out_idx`` is s and rows >= D count as zero: each token's k slots summed in slot order,
+    with no atomics (the same sum on every device and thread count). Without ``out_idx``:
+    ``relu`` applies max(y, 0) (NaN stays NaN) and ``mask_with`` [P, n] zeroes y where
     ``mask_with <= 0`` (backward through a ReLU whose output it is). ``dots`` is
     ``<z_r, dot_with[r]>`` [P] (the gate gradient; zero for rows >= D), or an empty tensor
     when ``dot_with`` is None.
     """
     if _fused(src, weight, scale, mask_with, dot_with):
-        return _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, relu,
-                                 mask_with, dot_with)
-    return _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, relu,
+        return _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, group,
+                                 relu, mask_with, dot_with)
+    return _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu,
                             mask_with, dot_with)
 
 
@@ -95,15 +98,17 @@ def _dispatched(counts: Tensor, *per_row: Optional[Tensor]) -> list[Optional[Ten
     return [None if t is None else t[:done] for t in per_row]
 
 
-def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, relu, mask_with,
-                      dot_with):
+def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu,
+                      mask_with, dot_with):
     rows = _num_sorted_rows(src, in_idx, out_idx)
-    if out_idx is not None and out_rows < rows and torch.are_deterministic_algorithms_enabled():
+    if out_idx is not None and group > 1 and torch.are_deterministic_algorithms_enabled():
         # Several rows land on one output row, and the kernel adds them in thread order. Under
-        # deterministic algorithms: the sorted rows from the kernel, then summed in row order.
-        ys, dots = _cvmm_rows_native(src, weight, counts, in_idx, None, scale, rows, False, None,
-                                     dot_with)
-        return _sum_rows_in_order(ys, out_idx, out_rows), dots
+        # deterministic algorithms: the sorted rows from the kernel, then summed in slot order.
+        ys, dots = _cvmm_rows_native(src, weight, counts, in_idx, None, scale, rows, 1, False,
+                                     None, dot_with)
+        return _sum_slots(ys, out_idx, out_rows, group), dots
+    if out_idx is not None and group > 1:   # the C kernel scatters onto output (token) rows
+        out_idx = torch.div(out_idx, group, rounding_mode="floor")
     in_idx, out_idx, scale, dot_with, mask_with = _dispatched(
         counts, in_idx, out_idx, scale, dot_with, mask_with)
     result = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx, scale=scale,
@@ -115,22 +120,18 @@ def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, rel
     return out, (dots if dot_with is None else pad_rows(dots, rows))
 
 
-def _sum_rows_in_order(rows: Tensor, out_idx: Tensor, out_rows: int) -> Tensor:
-    """``out[i] = Σ_{r: out_idx[r] = i} rows[r]``, each sum taken in row order (deterministic).
-
-    When every output row receives the same number of rows (a token's k slots: rows of
-    dropped pairs are zero and still listed), the rows are grouped by a stable sort and summed
-    by the gathered-row kernel, in parallel over output rows; otherwise ``index_add_``."""
-    per = rows.shape[0] // out_rows if out_rows else 0
-    if per and per * out_rows == rows.shape[0] and bool(
-            (torch.bincount(out_idx, minlength=out_rows) == per).all()):
-        groups = torch.sort(out_idx, stable=True).indices.view(out_rows, per)
-        return native.gather_sum(groups, rows.new_ones(out_rows, per), rows)
-    return rows.new_zeros(out_rows, rows.shape[1]).index_add_(0, out_idx, rows)
+def _sum_slots(rows: Tensor, out_idx: Tensor, out_rows: int, group: int) -> Tensor:
+    """``out[i] = Σ_{j < group} slots[i·group + j]`` where ``slots[out_idx[r]] = rows[r]``: the
+    sorted rows [P, n] put back in slot order (a permutation: no atomics) and each group of
+    ``group`` consecutive slots summed in slot order (deterministic on every device)."""
+    slots = torch.empty_like(rows).index_copy_(0, out_idx, rows)
+    if group == 1:
+        return slots
+    return slots.view(out_rows, group, rows.shape[1]).sum(1)
 
 
-def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, relu, mask_with,
-                     dot_with):
+def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu,
+                     mask_with, dot_with):
     dtype = torch.promote_types(src.dtype, weight.dtype)
     rows = src if in_idx is None else src.index_select(0, in_idx)                # [P, m]
     z = grouped_mm_rows(rows.to(dtype), weight.to(dtype), counts)               # [P, n]
@@ -147,11 +148,11 @@ def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, relu
         y = zero_rows_after(y, counts)
     if out_idx is None:
         return y, dots
-    return y.new_zeros(out_rows, y.shape[1]).index_add_(0, out_idx, y), dots
+    return _sum_slots(y, out_idx, out_rows, group), dots
 
 
 @cvmm_rows.register_fake
-def _(src, weight, counts, in_idx, out_idx, scale, out_rows, relu, mask_with, dot_with):
+def _(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu, mask_with, dot_with):
     rows = _num_sorted_rows(src, in_idx, out_idx)
     dtype = torch.promote_types(src.dtype, weight.dtype)
     out = src.new_empty(out_rows if out_idx is not None else rows, weight.shape[2], dtype=dtype)
