@@ -37,6 +37,18 @@ _depths = _int_list("depths", 1, 20, "1-13 or 2,4,8")
 _exponents = _int_list("exponents", 2, 24, "10-20 or 10,14,20")
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _bench_fig2(args: argparse.Namespace) -> int:
+    from .bench import fig2
+    fig2.run(args.d_models, tokens=args.tokens, repeats=args.repeats, device=args.device,
+             dtype=args.dtype, peers=args.peers, peers_dir=args.peers_dir, json_path=args.json)
+    return 0
+
+
 def _bench_routers(args: argparse.Namespace) -> int:
     from .bench import tree_routers
     tree_routers.run(args.depths, batch=args.batch, dim=args.dim, repeats=args.repeats,
@@ -91,6 +103,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip the rows timing every router at config a")
     layers.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     layers.set_defaults(func=_bench_layers)
+
+    fig2 = benches.add_parser(
+        "fig2", help="one σ-MoE layer at the shapes of Csordás et al. Fig. 2 beside dense MLPs "
+                     "and other MoE kernels (GPU or CPU)")
+    fig2.add_argument("--d-models", type=_int_list("d-models", 16, 65536, "512,1024,2048"),
+                      default=[512, 1024, 2048], help="widths (512,1024,2048)")
+    fig2.add_argument("--tokens", type=int, default=32768, help="tokens per batch (32768)")
+    fig2.add_argument("--repeats", type=int, default=20, help="timed rounds (20)")
+    fig2.add_argument("--device", default="cuda" if _cuda() else "cpu",
+                      help="cuda (default when there is one) or cpu")
+    fig2.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                      help="autocast dtype (bfloat16), or float32 for no autocast")
+    fig2.add_argument("--peers", action="store_true",
+                      help="also time ScatterMoE and the authors' Triton CVMM (CUDA)")
+    fig2.add_argument("--peers-dir", metavar="DIR",
+                      help="folder holding scattermoe/ and moe_layer/ (default: "
+                           "$SPARSEFFN_PEERS_DIR or ../shared/peers)")
+    fig2.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    fig2.set_defaults(func=_bench_fig2)
 
     routers = benches.add_parser(
         "routers", help="FFF tree routers vs MoE: Chaunin & Mikhailovskiy's Table 2 and Figure 3, and ours")

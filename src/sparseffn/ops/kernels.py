@@ -1,11 +1,12 @@
 """The arithmetic under every expert store, registered as PyTorch operators (``torch.library``).
 
 Each operator has one schema and several implementations chosen by the device of the
-tensors that arrive: the fused C kernels of :mod:`~sparseffn.ops.native` on CPU in float32
-(when they are built), and a PyTorch implementation everywhere else (other devices, other
-dtypes, no C compiler). Each has a *fake* implementation that gives the output's shape and
-dtype without computing it, so ``torch.compile`` traces a layer through them in one graph;
-the GPU kernels register CUDA implementations of the same operators.
+tensors that arrive: the Triton kernels of :mod:`~sparseffn.ops.triton_cvmm` on CUDA (the
+CVMM operators, when Triton is installed), the fused C kernels of
+:mod:`~sparseffn.ops.native` on CPU in float32 (when they are built), and a PyTorch
+implementation everywhere else (other devices, other dtypes, no C compiler, no Triton). Each
+has a *fake* implementation that gives the output's shape and dtype without computing it, so
+``torch.compile`` traces a layer through them in one graph.
 
 None of them reads a tensor on the host on its way in: counts and offsets arrive as tensors.
 (The PyTorch implementation of the grouped products reads the per-expert counts inside the
@@ -41,7 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import native
+from . import native, triton_cvmm
 from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zero_rows_after
 
 _LIB = "sparseffn"
@@ -76,6 +77,9 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
     ``<z_r, dot_with[r]>`` [P] (the gate gradient; zero for rows >= D), or an empty tensor
     when ``dot_with`` is None.
     """
+    if triton_cvmm.usable(weight.shape[0], src, weight, scale, mask_with, dot_with):
+        return triton_cvmm.cvmm_rows(src, weight, counts, in_idx, out_idx, scale, out_rows,
+                                     group, relu, mask_with, dot_with)
     if _fused(src, weight, scale, mask_with, dot_with):
         return _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, group,
                                  relu, mask_with, dot_with)
@@ -166,6 +170,8 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
     ``A_r = scale[r] · a_src[a_idx[r]]`` [ma] and ``B_r = b_src[b_idx[r]]`` [nb].
 
     Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix."""
+    if triton_cvmm.usable(counts.shape[0], a_src, b_src, scale):
+        return triton_cvmm.expert_weight_grad(a_src, b_src, counts, a_idx, b_idx, scale)
     if _fused(a_src, b_src, scale):   # summed in a fixed order
         a_idx, b_idx, scale = _dispatched(counts, a_idx, b_idx, scale)
         return native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale)

@@ -1,0 +1,231 @@
+"""``sparseffn bench fig2``: one σ-MoE layer at the shapes of Fig. 2 of Csordás et al. 2023
+(arXiv:2310.10837), beside its dense baselines and other MoE kernels, on any device.
+
+Shapes: ``tokens`` tokens (32,768 by default), expert size 128, k = 4, d_ff = 4·d_model
+split into d_ff / 128 experts. Contenders, timed forward+backward in rotation:
+
+- ``sparseffn``: :class:`~sparseffn.layers.SigmaMoE` (its default kernels: Triton on CUDA);
+- ``sparseffn_torch`` (CUDA only): the same layer on the PyTorch implementation of the
+  operators (``torch._grouped_mm``, no Triton), to show what the kernels add;
+- ``dense_param``: the dense MLP with the σ-MoE's parameters (d_ff = 4·d_model);
+- ``dense_active``: the dense MLP of the active width (d_ff = k · 128), what a perfect
+  dispatch would cost;
+- with ``--peers`` on CUDA: the σ-MoE of the authors' Triton CVMM (``moe_layer``) and
+  ScatterMoE (Tan et al. 2024, arXiv:2403.08245) behind the same sigmoid top-k router, from
+  a folder holding their sources (``--peers-dir``; neither is on PyPI).
+
+Times are medians over rounds (CUDA events on a GPU); ratios are medians of per-round ratios
+(runs adjacent in time). Peak MiB is the allocator's peak during one forward+backward above
+what was allocated before it (CUDA only).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..auxiliary import aux_loss
+from ..layers import DenseMLP, SigmaMoE
+from ..layers.dense import DenseMLPConfig
+from ..layers.sigma_moe import SigmaMoEConfig
+from ..ops import triton_cvmm
+from .measure import paired_ratio, write_json
+
+EXPERT_SIZE = 128
+K = 4
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Milliseconds of one call: CUDA events on a GPU, the wall clock elsewhere."""
+    if device.type == "cuda":
+        def timed(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        return timed
+    import time
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return timed
+
+
+def _peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def _step(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype | None,
+          loss_of: Callable[[nn.Module], torch.Tensor] | None = None) -> Callable[[], None]:
+    """One forward+backward under autocast (``dtype``) or in the layer's own dtype."""
+    x = x.detach().requires_grad_(True)
+    grad = torch.randn_like(x)
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with (torch.autocast(x.device.type, dtype=dtype) if dtype is not None else nullcontext()):
+            out = layer(x)
+            if isinstance(out, tuple):   # the authors' layer returns (output, reg loss)
+                out = out[0]
+            loss = (out.float() * grad).sum()
+            if loss_of is not None:
+                loss = loss + loss_of(layer)
+        loss.backward()
+    return run
+
+
+class _ScatterMoE(nn.Module):
+    """ScatterMoE's MLP behind the σ-MoE's sigmoid top-k router (same parameters)."""
+
+    def __init__(self, mlp_cls, d_model: int, num_experts: int):
+        super().__init__()
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.mlp = mlp_cls(input_size=d_model, hidden_size=EXPERT_SIZE, num_experts=num_experts,
+                           top_k=K, activation=F.relu)
+
+    def forward(self, x):
+        gates, experts = torch.sigmoid(self.router(x)).topk(K, dim=-1)
+        return self.mlp(x, gates, experts)
+
+
+def peer_builders(peers_dir: str) -> dict[str, Callable[[int, int], nn.Module]]:
+    """Builders ``(d_model, num_experts) -> module`` for the peers found under ``peers_dir``."""
+    builders = {}
+    authors = os.path.join(peers_dir, "moe_layer", "triton_src")
+    if os.path.isdir(authors):
+        sys.path.insert(0, authors)
+        try:
+            from moe_layer.moe_layer_simple import MoE as AuthorsMoE
+            builders["csordas_cvmm"] = lambda d, e: AuthorsMoE(d, e, EXPERT_SIZE, K,
+                                                               selection_mode="sigmoid")
+        except Exception as error:   # a peer that does not import is reported, not fatal
+            print(f"  peer csordas_cvmm: skipped ({type(error).__name__}: {error})")
+    scatter = os.path.join(peers_dir, "scattermoe")
+    if os.path.isdir(scatter):
+        sys.path.insert(0, scatter)
+        try:
+            from scattermoe.mlp import MLP as ScatterMLP
+            builders["scattermoe"] = lambda d, e: _ScatterMoE(ScatterMLP, d, e)
+        except Exception as error:
+            print(f"  peer scattermoe: skipped ({type(error).__name__}: {error})")
+    return builders
+
+
+def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
+                dtype: torch.dtype | None, peers: dict[str, Callable[[int, int], nn.Module]]
+                ) -> dict:
+    """One d_model: every contender's forward+backward ms and peak MiB."""
+    torch.manual_seed(0)
+    num_experts = 4 * d_model // EXPERT_SIZE
+    x = torch.randn(tokens, d_model, device=device)
+    moe = SigmaMoE(SigmaMoEConfig(d_model=d_model, num_experts=num_experts,
+                                  expert_size=EXPERT_SIZE, k=K)).to(device).train()
+    contenders: dict[str, Callable[[], None]] = {"sparseffn": _step(moe, x, dtype, aux_loss)}
+    if device.type == "cuda" and triton_cvmm.triton_enabled():
+        def torch_path(run=_step(moe, x, dtype, aux_loss)):
+            triton_cvmm.set_triton_enabled(False)
+            try:
+                run()
+            finally:
+                triton_cvmm.set_triton_enabled(True)
+        contenders["sparseffn_torch"] = torch_path
+    for name, d_ff in (("dense_param", 4 * d_model), ("dense_active", K * EXPERT_SIZE)):
+        dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
+        contenders[name] = _step(dense, x, dtype)
+    for name, build in peers.items():
+        try:
+            contenders[name] = _step(build(d_model, num_experts).to(device).train(), x, dtype)
+            contenders[name]()
+        except Exception as error:
+            contenders.pop(name, None)
+            print(f"  peer {name}: skipped at d_model {d_model} ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:200]})")
+    timed = _timer(device)
+    for _ in range(3):                       # warm-up: compilation, autotuning, allocator
+        for run in contenders.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, run in contenders.items():
+            times[name].append(timed(run))
+    record = {"d_model": d_model, "tokens": tokens, "num_experts": num_experts,
+              "expert_size": EXPERT_SIZE, "k": K, "device": str(device),
+              "dtype": str(dtype).replace("torch.", "") if dtype else "float32",
+              "ms": {name: statistics.median(ts) for name, ts in times.items()},
+              "peak_mib": {name: _peak_mib(run, device) for name, run in contenders.items()},
+              "over_dense_param": {name: paired_ratio(ts, times["dense_param"])
+                                   for name, ts in times.items()}}
+    others = [n for n in peers if n in times]
+    if others:
+        best = min(others, key=lambda n: record["ms"][n])
+        record["best_peer"] = best
+        record["best_peer_over_sparseffn"] = paired_ratio(times[best], times["sparseffn"])
+    return record
+
+
+def format_table(records: list[dict]) -> str:
+    names = list(records[0]["ms"]) if records else []
+    header = f"{'d_model':>8}" + "".join(f"{n:>22}" for n in names)
+    lines = [header, "-" * len(header)]
+    for r in records:
+        cells = []
+        for n in names:
+            ms = r["ms"].get(n)
+            peak = r["peak_mib"].get(n)
+            cell = "-" if ms is None else f"{ms:.2f}" + (f" ({peak:.0f})" if peak is not None else "")
+            cells.append(f"{cell:>22}")
+        lines.append(f"{r['d_model']:>8}" + "".join(cells))
+    lines.append("ms forward+backward (peak extra MiB); ratios to the parameter-equal dense:")
+    for r in records:
+        ratios = ", ".join(f"{n} {v:.2f}" for n, v in r["over_dense_param"].items())
+        extra = ""
+        if "best_peer" in r:
+            extra = (f"; best peer {r['best_peer']} / sparseffn = "
+                     f"{r['best_peer_over_sparseffn']:.2f}")
+        lines.append(f"  d_model {r['d_model']}: {ratios}{extra}")
+    return "\n".join(lines)
+
+
+def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str = "cuda",
+        dtype: str = "bfloat16", peers: bool = False, peers_dir: str | None = None,
+        json_path: str | None = None) -> list[dict]:
+    dev = torch.device(device)
+    autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
+    builders = {}
+    if peers:
+        if dev.type != "cuda":
+            print("  peers: skipped (they are CUDA kernels)")
+        else:
+            builders = peer_builders(peers_dir or os.environ.get("SPARSEFFN_PEERS_DIR",
+                                                                 "../shared/peers"))
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"sparseffn bench fig2: {where}, {dtype}, {tokens} tokens, expert size {EXPERT_SIZE}, "
+          f"k={K}, torch {torch.__version__}", flush=True)
+    records = []
+    for d_model in d_models:
+        print(f"d_model {d_model} ...", flush=True)
+        records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype, builders))
+    print(format_table(records))
+    if json_path:
+        write_json(records, json_path)
+        print(f"wrote {json_path}")
+    return records

@@ -1,0 +1,347 @@
+"""Triton kernels for the CVMM operators (``sparseffn::cvmm_rows``,
+``sparseffn::expert_weight_grad``) on GPUs.
+
+Both are grouped matrix products over expert-sorted rows (Csordás et al. 2023,
+arXiv:2310.10837, App. B.1) with the gather of the input rows fused into the loads, in the
+dataflow of ScatterMoE (Tan et al. 2024, arXiv:2403.08245) and SonicMoE (arXiv:2512.14080):
+
+- ``cvmm_rows``: one program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows. The
+  rows are gathered from the source as they load (no ``[tokens·k, d]`` copy), the product is
+  accumulated in fp32, and the epilogue applies the gate scale, a ReLU or a ReLU-derivative
+  mask, computes the gate gradient's dot products, and stores each row at its slot (a
+  permutation, so no atomics). Each token's k slots are then summed in slot order.
+- ``expert_weight_grad``: one program computes a [BLOCK_M, BLOCK_N] tile of one expert's
+  weight gradient ``Σ_r a_rᵀ b_r`` over that expert's rows, gathering both sides as they
+  load, in a fixed order: no atomics, the same result on every run.
+
+Which tile of which expert a program computes is read off the per-expert counts inside the
+kernel (a cumulative sum over at most ``MAX_EXPERTS`` experts), so nothing is read on the
+host: the grid is ``ceil(P / BLOCK_M) + E + 1`` row tiles, enough for every expert's last
+partial tile; the programs past the last expert write the zero rows of pairs dropped at
+capacity, and any left over return at once.
+
+Without a GPU, the kernels run on CPU tensors in Triton's interpreter
+(``TRITON_INTERPRET=1`` set before ``triton`` is imported; fp32 and fp16), which is how the
+tests check them against the PyTorch implementations.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # the package works without Triton: the PyTorch paths take over
+    triton = None
+    tl = None
+
+# The in-kernel tile map holds the per-expert counts in registers: above this many experts the
+# PyTorch implementation (``torch._grouped_mm``) runs instead.
+MAX_EXPERTS = 2048
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_enabled = os.environ.get("SPARSEFFN_TRITON", "1") != "0"
+# SPARSEFFN_TRITON_AUTOTUNE=0: one fixed tile shape per kernel instead of timing several at the
+# first call of each problem shape (quicker start, e.g. for tests).
+_AUTOTUNE = os.environ.get("SPARSEFFN_TRITON_AUTOTUNE", "1") != "0"
+
+
+def available() -> bool:
+    """True when Triton is importable."""
+    return triton is not None
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def set_triton_enabled(enabled: bool) -> None:
+    """Use the Triton kernels on GPUs (``True``, the default unless the environment sets
+    ``SPARSEFFN_TRITON=0``) or the PyTorch implementation of every operator (``False``)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def triton_enabled() -> bool:
+    return _enabled and triton is not None
+
+
+_on_cpu = False
+
+
+def set_interpreter_for_cpu(enabled: bool) -> None:
+    """Run the operators' CPU calls through these kernels in Triton's interpreter (for the
+    tests: whole layers then train through the Triton code without a GPU). Needs
+    ``TRITON_INTERPRET=1`` set before ``triton`` was imported."""
+    global _on_cpu
+    if enabled and not interpreting():
+        raise RuntimeError("set_interpreter_for_cpu needs TRITON_INTERPRET=1 set before triton "
+                           "is imported")
+    _on_cpu = bool(enabled)
+
+
+def usable(num_experts: int, *tensors: Optional[Tensor]) -> bool:
+    """True when the Triton kernels take these tensors: Triton present and enabled, every
+    tensor on a CUDA device (or on the CPU under :func:`set_interpreter_for_cpu`) in fp32,
+    fp16 or bf16 (the index tensors aside), at most ``MAX_EXPERTS`` experts."""
+    if not triton_enabled() or num_experts > MAX_EXPERTS:
+        return False
+    present = [t for t in tensors if t is not None]
+    return all((t.is_cuda or (_on_cpu and t.device.type == "cpu")) and t.dtype in _DTYPES
+               for t in present)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_of(counts_ptr, num_experts, pid, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        """The expert of row tile ``pid`` and its rows ``[start, end)``; expert E for the
+        tiles past the last expert, whose rows start at ``Σ counts + (pid - tiles)·BLOCK_M``
+        (the rows of dropped pairs)."""
+        e = tl.arange(0, BLOCK_E)
+        real = e < num_experts
+        count = tl.load(counts_ptr + e, mask=real, other=0).to(tl.int32)
+        tiles = (count + BLOCK_M - 1) // BLOCK_M
+        tiles_end = tl.cumsum(tiles, 0)
+        rows_end = tl.cumsum(count, 0)
+        expert = tl.sum((real & (tiles_end <= pid)).to(tl.int32), 0)
+        mine = e == expert
+        first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
+        first_row = tl.sum(tl.where(mine, rows_end - count, 0), 0)
+        end = tl.sum(tl.where(mine, rows_end, 0), 0)
+        past = expert >= num_experts
+        total_tiles = tl.sum(tiles, 0)
+        total_rows = tl.sum(count, 0)
+        start = tl.where(past, total_rows + (pid - total_tiles) * BLOCK_M,
+                         first_row + (pid - first_tile) * BLOCK_M)
+        return expert, start, end, past
+
+    def _cvmm_configs():
+        if interpreting():
+            return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})]
+        if not _AUTOTUNE:
+            return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
+                                  num_stages=3)]
+        return [
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8,
+                          num_stages=3),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
+                          num_stages=4),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4,
+                          num_stages=4),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
+                          num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8,
+                          num_stages=3),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 32}, num_warps=4,
+                          num_stages=4),
+        ]
+
+    # Every config writes its own column tiles' partial dots: zeroed between tuning runs.
+    @triton.autotune(configs=_cvmm_configs(), reset_to_zero=["dots_ptr"],
+                     key=["m", "n", "HAS_IN_IDX", "HAS_OUT_IDX", "HAS_DOT", "HAS_MASK"])
+    @triton.jit
+    def _cvmm_kernel(src_ptr, stride_src, in_idx_ptr,
+                     w_ptr, stride_we, stride_wk, stride_wn,
+                     counts_ptr, num_experts, num_rows, m, n,
+                     out_ptr, stride_out, out_idx_ptr, scale_ptr,
+                     mask_ptr, stride_mask, dot_ptr, stride_dot, dots_ptr,
+                     HAS_IN_IDX: tl.constexpr, HAS_OUT_IDX: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, RELU: tl.constexpr, HAS_MASK: tl.constexpr,
+                     HAS_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert, start, end, past = _tile_of(counts_ptr, num_experts, pid_m, BLOCK_M, BLOCK_E)
+        rows = start + tl.arange(0, BLOCK_M)
+        live = rows < tl.where(past, num_rows, end)      # rows this program writes
+        computed = rows < tl.where(past, start, end)     # rows it computes (none if past)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        if HAS_IN_IDX:
+            src_rows = tl.load(in_idx_ptr + rows, mask=computed, other=0)
+        else:
+            src_rows = rows
+        src_rows = src_rows.to(tl.int64)
+        w_expert = w_ptr + tl.where(past, 0, expert).to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_end = tl.where(past, 0, m)
+        for k0 in range(0, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < m
+            a = tl.load(src_ptr + src_rows[:, None] * stride_src + ks[None, :],
+                        mask=computed[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_expert + ks[:, None].to(tl.int64) * stride_wk
+                        + cols[None, :].to(tl.int64) * stride_wn,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        tile_ok = computed[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        if HAS_DOT:   # <z_r, dot_with[r]> over this column tile; summed over tiles outside
+            other = tl.load(dot_ptr + rows64[:, None] * stride_dot + cols[None, :],
+                            mask=tile_ok, other=0.0)
+            partial = tl.sum(acc * other.to(tl.float32), 1)
+            tl.store(dots_ptr + pid_n * num_rows + rows64, partial, mask=computed)
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + rows, mask=computed, other=0.0).to(tl.float32)[:, None]
+        if RELU:   # max(y, 0) with NaN kept
+            acc = tl.where(acc < 0, 0.0, acc)
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + rows64[:, None] * stride_mask + cols[None, :],
+                           mask=tile_ok, other=0.0)
+            acc = tl.where(keep > 0, acc, 0.0)
+        acc = tl.where(tile_ok, acc, 0.0)   # dropped rows: exact zeros
+        if HAS_OUT_IDX:
+            dest = tl.load(out_idx_ptr + rows, mask=live, other=0).to(tl.int64)
+        else:
+            dest = rows64
+        tl.store(out_ptr + dest[:, None] * stride_out + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+    def _weight_grad_configs():
+        if interpreting():
+            return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})]
+        if not _AUTOTUNE:
+            return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
+                                  num_stages=3)]
+        return [
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8,
+                          num_stages=3),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4,
+                          num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
+                          num_stages=4),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
+                          num_stages=4),
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8,
+                          num_stages=4),
+        ]
+
+    @triton.autotune(configs=_weight_grad_configs(),
+                     key=["ma", "nb", "HAS_A_IDX", "HAS_B_IDX", "HAS_SCALE"])
+    @triton.jit
+    def _weight_grad_kernel(a_ptr, stride_a, a_idx_ptr, b_ptr, stride_b, b_idx_ptr, scale_ptr,
+                            counts_ptr, num_experts, ma, nb,
+                            out_ptr, stride_oe, stride_om,
+                            HAS_A_IDX: tl.constexpr, HAS_B_IDX: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        expert = tl.program_id(1)
+        tiles_n = tl.cdiv(nb, BLOCK_N)
+        pid_m = tl.program_id(0) // tiles_n
+        pid_n = tl.program_id(0) % tiles_n
+        e = tl.arange(0, BLOCK_E)
+        count = tl.load(counts_ptr + e, mask=e < num_experts, other=0).to(tl.int32)
+        start = tl.sum(tl.where(e < expert, count, 0), 0)
+        end = start + tl.sum(tl.where(e == expert, count, 0), 0)
+        cols_a = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols_b = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        a_ok = cols_a < ma
+        b_ok = cols_b < nb
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_K):
+            rs = r0 + tl.arange(0, BLOCK_K)
+            r_ok = rs < end
+            if HAS_A_IDX:
+                a_rows = tl.load(a_idx_ptr + rs, mask=r_ok, other=0).to(tl.int64)
+            else:
+                a_rows = rs.to(tl.int64)
+            if HAS_B_IDX:
+                b_rows = tl.load(b_idx_ptr + rs, mask=r_ok, other=0).to(tl.int64)
+            else:
+                b_rows = rs.to(tl.int64)
+            a_t = tl.load(a_ptr + a_rows[None, :] * stride_a + cols_a[:, None],
+                          mask=a_ok[:, None] & r_ok[None, :], other=0.0)        # [BM, BK]
+            if HAS_SCALE:
+                gate = tl.load(scale_ptr + rs, mask=r_ok, other=0.0).to(tl.float32)
+                a_t = (a_t.to(tl.float32) * gate[None, :]).to(a_ptr.dtype.element_ty)
+            b = tl.load(b_ptr + b_rows[:, None] * stride_b + cols_b[None, :],
+                        mask=r_ok[:, None] & b_ok[None, :], other=0.0)          # [BK, BN]
+            acc = tl.dot(a_t, b, acc, input_precision=PRECISION)
+        tl.store(out_ptr + expert.to(tl.int64) * stride_oe + cols_a[:, None].to(tl.int64) * stride_om
+                 + cols_b[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=a_ok[:, None] & b_ok[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 products in full precision unless PyTorch's own matmuls may use TF32."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _block_e(num_experts: int) -> int:
+    return max(16, triton.next_power_of_2(max(1, num_experts)))
+
+
+def _rowwise(t: Tensor) -> Tensor:
+    """``t`` with unit column stride (the kernels index rows by one stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tensor],
+              out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int, group: int,
+              relu: bool, mask_with: Optional[Tensor], dot_with: Optional[Tensor]
+              ) -> tuple[Tensor, Tensor]:
+    """``sparseffn::cvmm_rows`` in Triton (same arguments and results as the operator)."""
+    dtype = torch.promote_types(src.dtype, weight.dtype)
+    src, weight = _rowwise(src.to(dtype)), weight.to(dtype)
+    num_experts, m, n = weight.shape
+    rows = (in_idx if in_idx is not None else out_idx if out_idx is not None else src).shape[0]
+    out = src.new_empty(rows, n)
+    num_tiles_n = triton.cdiv(n, 16) if n else 0
+    # Partial dots per column tile (at most one per 16 columns), summed below; a 0-size
+    # buffer when there are none.
+    dots = torch.zeros(num_tiles_n if dot_with is not None else 0, rows, device=src.device,
+                       dtype=torch.float32)
+    if rows and n:
+        mask_with = None if mask_with is None else _rowwise(mask_with)
+        dot_with = None if dot_with is None else _rowwise(dot_with)
+        counts = counts.contiguous()
+        grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]) + num_experts + 1,  # noqa: E731
+                             triton.cdiv(n, meta["BLOCK_N"]))
+        _cvmm_kernel[grid](
+            src, src.stride(0), in_idx,
+            weight, weight.stride(0), weight.stride(1), weight.stride(2),
+            counts, num_experts, rows, m, n,
+            out, out.stride(0), out_idx, scale,
+            mask_with, 0 if mask_with is None else mask_with.stride(0),
+            dot_with, 0 if dot_with is None else dot_with.stride(0), dots,
+            HAS_IN_IDX=in_idx is not None, HAS_OUT_IDX=out_idx is not None,
+            HAS_SCALE=scale is not None, RELU=bool(relu), HAS_MASK=mask_with is not None,
+            HAS_DOT=dot_with is not None, PRECISION=_precision(dtype),
+            BLOCK_E=_block_e(num_experts))
+    elif rows:
+        out.zero_()
+    dots = src.new_empty(0) if dot_with is None else dots.sum(0).to(dtype)
+    if out_idx is not None and group > 1:    # each token's slots, summed in slot order
+        out = out.view(out_rows, group, n).sum(1)
+    elif out_idx is not None and rows == 0:
+        out = src.new_zeros(out_rows, n)
+    return out, dots
+
+
+def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Optional[Tensor],
+                       b_idx: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+    """``sparseffn::expert_weight_grad`` in Triton (same arguments and result)."""
+    dtype = torch.promote_types(a_src.dtype, b_src.dtype)
+    a_src, b_src = _rowwise(a_src.to(dtype)), _rowwise(b_src.to(dtype))
+    num_experts = counts.shape[0]
+    ma, nb = a_src.shape[1], b_src.shape[1]
+    out = a_src.new_empty(num_experts, ma, nb)
+    if not (num_experts and ma and nb):
+        return out
+    grid = lambda meta: (triton.cdiv(ma, meta["BLOCK_M"]) * triton.cdiv(nb, meta["BLOCK_N"]),  # noqa: E731
+                         num_experts)
+    _weight_grad_kernel[grid](
+        a_src, a_src.stride(0), a_idx, b_src, b_src.stride(0), b_idx, scale,
+        counts.contiguous(), num_experts, ma, nb, out, out.stride(0), out.stride(1),
+        HAS_A_IDX=a_idx is not None, HAS_B_IDX=b_idx is not None, HAS_SCALE=scale is not None,
+        PRECISION=_precision(dtype), BLOCK_E=_block_e(num_experts))
+    return out

@@ -1,0 +1,204 @@
+"""The Triton CVMM kernels (ops/triton_cvmm) against the PyTorch implementation of the operators
+and the loop references: on the GPU when there is one, else in Triton's CPU interpreter
+(fp32 and fp16; the interpreter has no bf16)."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
+
+from tests.layers.test_conformance import EXAMPLES   # noqa: E402
+from tests.ops.reference import expert_mlp_reference   # noqa: E402
+import sparseffn   # noqa: E402
+from sparseffn.ops import DispatchPlan, expert_mlp, kernels, native, triton_cvmm   # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _triton_on_cpu():
+    """Route the operators' CPU calls through the kernels (in the interpreter)."""
+    if DEVICE == "cpu":
+        triton_cvmm.set_interpreter_for_cpu(True)
+    yield
+    if DEVICE == "cpu":
+        triton_cvmm.set_interpreter_for_cpu(False)
+
+
+def _close(got, want, dtype):
+    """Equal to a tolerance scaled to the output's magnitude."""
+    assert got.shape == want.shape
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale,
+                               rtol=TOL[dtype], equal_nan=True)
+
+
+def _problem(counts, m, n, dropped=0, sources=40, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.tensor(counts, dtype=torch.int64)
+    rows = int(counts.sum()) + dropped
+    src = torch.randn(sources, m, generator=gen)
+    weight = torch.randn(len(counts), m, n, generator=gen) / m ** 0.5
+    in_idx = torch.randint(0, sources, (rows,), generator=gen)
+    scale = torch.rand(rows, generator=gen)
+    scale[int(counts.sum()):] = float("nan")     # a dropped pair's gate is never read
+    to = lambda t: t.to(DEVICE)                  # noqa: E731
+    return (to(src.to(dtype)), to(weight.to(dtype)), to(counts), to(in_idx),
+            to(scale.to(dtype)), rows)
+
+
+def _torch_rows(*args):
+    """The operator's PyTorch implementation, in fp32."""
+    args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args]
+    return kernels._cvmm_rows_torch(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("epilogue", ["plain", "scale", "relu", "mask_and_dots"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_sorted_rows_match_the_torch_implementation(dtype, epilogue, transposed):
+    # odd sizes, an expert with no rows, 5 pairs dropped at capacity (rows that must be zero)
+    src, weight, counts, in_idx, scale, rows = _problem([7, 0, 19, 1, 33], 37, 29, dropped=5,
+                                                       dtype=dtype)
+    if transposed:
+        weight = weight.transpose(1, 2).contiguous().transpose(1, 2)
+    use_scale = scale if epilogue != "plain" else None
+    relu = epilogue == "relu"
+    mask = dot = None
+    if epilogue == "mask_and_dots":
+        mask = torch.randn(rows, 29, device=DEVICE).to(dtype)
+        dot = torch.randn(rows, 29, device=DEVICE).to(dtype)
+    got, dots = kernels.cvmm_rows(src, weight, counts, in_idx, None, use_scale, rows, 1, relu,
+                                  mask, dot)
+    want, want_dots = _torch_rows(src, weight, counts, in_idx, None, use_scale, rows, 1, relu,
+                                  mask, dot)
+    assert got.dtype == dtype
+    _close(got, want, dtype)
+    assert bool((got[rows - 5:] == 0).all()), "rows of dropped pairs must be written as zeros"
+    if dot is not None:
+        _close(dots, want_dots, dtype)
+        assert bool((dots[rows - 5:] == 0).all())
+    else:
+        assert dots.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3])
+def test_slot_sums_match_the_torch_implementation(dtype, group):
+    src, weight, counts, in_idx, scale, rows = _problem([5, 9, 0, 13], 21, 70, dropped=3,
+                                                       dtype=dtype)
+    slots = torch.randperm(rows).to(DEVICE)
+    got, _ = kernels.cvmm_rows(src, weight, counts, in_idx, slots, scale, rows // group, group,
+                               False, None, None)
+    want, _ = _torch_rows(src, weight, counts, in_idx, slots, scale, rows // group, group,
+                          False, None, None)
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_weight_gradient_matches_the_loop(dtype, gathered, scaled):
+    src, _, counts, in_idx, scale, rows = _problem([6, 0, 17, 2], 19, 1, dropped=4, dtype=dtype)
+    b = torch.randn(30, 45, device=DEVICE).to(dtype)
+    b_idx = torch.randint(0, 30, (rows,), device=DEVICE)
+    a_rows = src[in_idx] if not gathered else src
+    got = kernels.expert_weight_grad(a_rows, b[b_idx] if not gathered else b, counts,
+                                     in_idx if gathered else None,
+                                     b_idx if gathered else None, scale if scaled else None)
+    a, bb = src[in_idx].float(), b[b_idx].float()
+    if scaled:
+        a = a * scale.float()[:, None]
+    want = torch.stack([a[s:e].t() @ bb[s:e] for s, e in
+                        zip((counts.cumsum(0) - counts).tolist(), counts.cumsum(0).tolist())])
+    _close(got, want, dtype)
+    assert bool((got[1] == 0).all()), "an expert without rows gets an exact zero gradient"
+
+
+def test_empty_batch_and_nan_rows():
+    src, weight, counts, in_idx, scale, rows = _problem([0, 0, 0], 8, 16, dropped=0)
+    out, dots = kernels.cvmm_rows(src, weight, counts, in_idx, None, None, 0, 1, False, None,
+                                  torch.empty(0, 16, device=DEVICE))
+    assert out.shape == (0, 16) and dots.shape == (0,)
+    slots_out, _ = kernels.cvmm_rows(src, weight, counts, in_idx, torch.empty(0, dtype=torch.long,
+                                     device=DEVICE), None, 0, 2, False, None, None)
+    assert slots_out.shape == (0, 16)
+    grad = kernels.expert_weight_grad(src[:0], src[:0], counts, None, None, None)
+    assert grad.shape == (3, 8, 8) and bool((grad == 0).all())
+    # a NaN in one source row reaches only the rows that read it
+    src, weight, counts, in_idx, scale, rows = _problem([4, 6], 8, 16)
+    src[in_idx[3]] = float("nan")
+    out, _ = kernels.cvmm_rows(src, weight, counts, in_idx, None, scale, rows, 1, True, None,
+                               None)
+    reads_nan = in_idx == in_idx[3]
+    assert bool(out[reads_nan].isnan().all()), "ReLU keeps NaN"
+    assert bool(out[~reads_nan].isfinite().all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu_expert_mlp_matches_the_loop_reference(dtype):
+    torch.manual_seed(0)
+    T, k, E, d, G = 23, 3, 6, 20, 16
+    indices = torch.randint(0, E - 1, (T, k), device=DEVICE)          # expert E-1 gets nothing
+    x = torch.randn(T, d, device=DEVICE).to(dtype).requires_grad_()
+    w1 = (torch.randn(E, G, d, device=DEVICE) / d ** 0.5).to(dtype).requires_grad_()
+    w2 = (torch.randn(E, G, d, device=DEVICE) / G ** 0.5).to(dtype).requires_grad_()
+    gates = torch.rand(T, k, device=DEVICE).to(dtype).requires_grad_()
+    y = expert_mlp(x, DispatchPlan.build(indices, E), w1, w2, gates)
+    ref_in = [t.detach().float().requires_grad_() for t in (x, w1, w2, gates)]
+    want = expert_mlp_reference(ref_in[0], indices, ref_in[3], ref_in[1].transpose(1, 2),
+                                ref_in[2], torch.relu)
+    _close(y, want, dtype)
+    grad = torch.randn_like(want)
+    y.backward(grad.to(dtype))
+    want.backward(grad)
+    for got, ref in zip((x, w1, w2, gates), ref_in):
+        _close(got.grad, ref.grad, dtype)
+
+
+CVMM_LAYERS = ["layer:sigma_moe", "layer:moe", "router:switch", "router:sbase",
+               "router:product_keys", "variant:fff_sparse"]
+
+
+@pytest.mark.parametrize("name", CVMM_LAYERS)
+def test_layers_train_the_same_through_the_kernels(name, monkeypatch):
+    """A training forward+backward of each layer that runs on the CVMM operators gives the
+    output and every gradient of the PyTorch/C path."""
+    calls = []
+    for fn in ("cvmm_rows", "expert_weight_grad"):
+        original = getattr(triton_cvmm, fn)
+        monkeypatch.setattr(triton_cvmm, fn,
+                            lambda *a, _f=original, _n=fn: calls.append(_n) or _f(*a))
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(EXAMPLES[name]).to(DEVICE).train()
+    x = torch.randn(2, 9, layer.config.d_model, device=DEVICE)
+
+    def step(module, through_triton):
+        triton_cvmm.set_triton_enabled(through_triton)
+        try:
+            torch.manual_seed(1)
+            module.zero_grad(set_to_none=True)
+            xx = x.clone().requires_grad_()
+            y = module(xx)
+            (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
+            return [y, xx.grad] + [p.grad for _, p in sorted(module.named_parameters())
+                                   if p.grad is not None]
+        finally:
+            triton_cvmm.set_triton_enabled(True)
+
+    native.set_native_enabled(False)
+    try:
+        want = step(copy.deepcopy(layer), False)
+    finally:
+        native.set_native_enabled(True)
+    assert not calls
+    got = step(layer, True)
+    assert {"cvmm_rows", "expert_weight_grad"} <= set(calls), "the kernels were not used"
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        _close(a, b, torch.float32)
