@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_cpu_allocator()
     from .bench.plotting import MissingDependency
     from .data.errors import MissingDataset
+    from .train.checkpoint import CheckpointError
     from .train.config import ConfigError
     try:
         return args.func(args)
@@ -209,9 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"sparseffn: config error: {err}", file=sys.stderr)
         return 2
-    except FileNotFoundError as err:
+    except (FileNotFoundError, CheckpointError) as err:
         print(f"sparseffn: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:   # a diverging run: the message names step and fix
+        print(f"sparseffn: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -41,9 +41,26 @@ def save_atomic(state: dict, path: str | Path) -> Path:
     return path
 
 
+class CheckpointError(ValueError):
+    """A file that is not a readable sparseffn checkpoint (truncated, empty, another format)."""
+
+
+_KEYS = ("config", "model", "step")
+
+
 def load(path: str | Path) -> dict:
+    """The state saved by :func:`save_atomic`; a missing file is a FileNotFoundError, and
+    anything else that is not a whole checkpoint of ours a :class:`CheckpointError`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    # our own files: they hold numpy RNG state and plain dicts besides tensors
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        # our own files: they hold numpy RNG state and plain dicts besides tensors
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:   # truncated, empty, not a torch file, unpickling failure
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path} is not a readable checkpoint ({reason[:200]})") from None
+    if not isinstance(state, dict) or any(key not in state for key in _KEYS):
+        raise CheckpointError(f"{path} is not a sparseffn checkpoint (no "
+                              f"{'/'.join(_KEYS)} in it)")
+    return state

@@ -36,9 +36,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 try:
     import tomllib
@@ -61,6 +63,32 @@ def _check(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _typed(spec: Any, section: str) -> None:
+    """Check every field of ``spec`` against its annotation (``bool``, ``int``, ``float``,
+    ``str``, or one of them ``| None``): a bool must be true/false (not the string "False"),
+    an int an integer (not 2.5 or a bool), a float a finite number (ints are converted).
+    Tables and ``Any`` fields are checked by their own rules."""
+    hints = typing.get_type_hints(type(spec))
+    for f in dataclasses.fields(spec):
+        value, kind = getattr(spec, f.name), hints[f.name]
+        where = f"{section}.{f.name}" if section else f.name
+        if typing.get_origin(kind) in (Union, types.UnionType):
+            if value is None and type(None) in typing.get_args(kind):
+                continue
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if kind is bool:
+            _check(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+        elif kind is int:
+            _check(isinstance(value, int) and not isinstance(value, bool),
+                   f"{where} must be an integer, got {value!r}")
+        elif kind is float:
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                   and math.isfinite(value), f"{where} must be a finite number, got {value!r}")
+            object.__setattr__(spec, f.name, float(value))
+        elif kind is str:
+            _check(isinstance(value, str), f"{where} must be a string, got {value!r}")
+
+
 @dataclass(frozen=True)
 class DataSpec:
     corpus: str | None = None
@@ -72,6 +100,9 @@ class DataSpec:
     options: dict = field(default_factory=dict)   # clusters: num_classes, dim, per_class, spread, seed
 
     def __post_init__(self) -> None:
+        _typed(self, "data")
+        _check(self.vocab_size > 0, f"data.vocab_size must be positive, got {self.vocab_size}")
+        _check(isinstance(self.options, dict), "data.options must be a table")
         _check((self.corpus is None) != (self.dataset is None),
                "data: set exactly one of corpus (language modelling) or dataset (classification)")
         _check(self.tokenizer in ("byte", "bpe"), f"data.tokenizer must be 'byte' or 'bpe', got "
@@ -98,8 +129,17 @@ class ModelSpec:
     dense_ffn: dict | None = None
 
     def __post_init__(self) -> None:
+        _typed(self, "model")
         _check(self.kind in ("lm", "classifier"), f"model.kind must be 'lm' or 'classifier', "
                                                   f"got {self.kind!r}")
+        for name in ("d_model", "n_layers", "n_heads", "context", "sparse_every"):
+            _check(getattr(self, name) > 0,
+                   f"model.{name} must be positive, got {getattr(self, name)}")
+        _check(self.d_ff is None or self.d_ff > 0, f"model.d_ff must be positive, got {self.d_ff}")
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout must lie in [0, 1), got {self.dropout}")
+        _check(isinstance(self.ffn_options, dict), "model.ffn_options must be a table")
+        _check(self.dense_ffn is None or isinstance(self.dense_ffn, dict),
+               "model.dense_ffn must be a layer table")
         _check(isinstance(self.ffn, (str, dict)), "model.ffn must be a preset name or a table")
         if isinstance(self.ffn, str):
             _check(self.ffn in PRESETS, f"model.ffn: unknown preset {self.ffn!r}; presets are "
@@ -126,20 +166,37 @@ class TrainSpec:
     checkpoint_every: int = 0       # 0: only at the end and on Ctrl-C
 
     def __post_init__(self) -> None:
+        _typed(self, "train")
         _check(self.schedule in SCHEDULES, f"train.schedule must be one of "
                                            f"{', '.join(SCHEDULES)}, got {self.schedule!r}")
         _check(self.steps is None or self.epochs is None,
                "train: set steps or epochs, not both")
         if self.steps is None and self.epochs is None:
             object.__setattr__(self, "steps", 1000)
-        _check(self.steps is None or (isinstance(self.steps, int) and self.steps > 0),
+        _check(self.steps is None or self.steps > 0,
                f"train.steps must be a positive integer, got {self.steps!r}")
         _check(self.epochs is None or self.epochs > 0, "train.epochs must be positive")
-        _check(self.batch_size > 0, "train.batch_size must be positive")
-        _check(self.lr > 0, "train.lr must be positive")
+        _check(self.batch_size > 0, f"train.batch_size must be positive, got {self.batch_size}")
+        _check(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        # a negative max-norm would flip the gradient's sign in clip_grad_norm_
+        _check(self.clip is None or self.clip >= 0,
+               f"train.clip must be a non-negative max gradient norm (0 or none: off), got "
+               f"{self.clip}")
+        _check(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(0.0 <= self.final_lr_ratio <= 1.0,
+               f"train.final_lr_ratio must lie in [0, 1], got {self.final_lr_ratio}")
+        _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         _check(self.eval_every > 0 and self.log_every > 0, "train.eval_every and train.log_every "
                                                            "must be positive")
-        _check(len(self.betas) == 2, "train.betas must be two numbers")
+        _check(self.eval_windows is None or self.eval_windows > 0,
+               f"train.eval_windows must be positive (or none: the whole split), got "
+               f"{self.eval_windows}")
+        _check(self.checkpoint_every >= 0,
+               f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        _check(isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
+               and all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                       and 0.0 <= b < 1.0 for b in self.betas),
+               f"train.betas must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
 
 
@@ -150,6 +207,9 @@ class RunConfig:
     data: DataSpec = field(default_factory=lambda: DataSpec(corpus="pydoc"))
     model: ModelSpec = field(default_factory=ModelSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
+
+    def __post_init__(self) -> None:
+        _typed(self, "")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,7 +242,6 @@ def run_config_from_dict(data: dict[str, Any], allow: tuple[str, ...] = ()) -> R
     for key in ("name", "seed"):
         if key in data:
             fields[key] = data[key]
-    _check(isinstance(fields.get("seed", 0), int), "seed must be an integer")
     return RunConfig(**fields)
 
 
@@ -197,16 +256,30 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {err}") from None
 
 
+_WORDS = {"true": True, "false": False, "none": None, "null": None}
+
+
+def parse_override_value(raw: str) -> Any:
+    """The value of ``--set KEY=VALUE``: TOML (``100``, ``1e-3``, ``true``, ``"pkm"``,
+    ``[0.9, 0.98]``), the words true/false/none/null in any case (``none``: unset an optional
+    field), and otherwise the bare word as a string (``model.ffn=pkm``)."""
+    text = raw.strip()
+    if text.lower() in _WORDS:
+        return _WORDS[text.lower()]
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``["train.steps=100", "model.ffn=\"pkm\""]``: values are TOML (bare words are strings)."""
+    """``["train.steps=100", "model.ffn=pkm", "train.clip=none"]``: each value as
+    :func:`parse_override_value` reads it."""
     data = json.loads(json.dumps(data))
     for item in overrides:
         key, sep, raw = item.partition("=")
-        _check(bool(sep) and bool(key), f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
+        _check(bool(sep) and bool(key.strip()), f"--set expects KEY=VALUE, got {item!r}")
+        value = parse_override_value(raw)
         node = data
         *parents, leaf = key.strip().split(".")
         for part in parents:

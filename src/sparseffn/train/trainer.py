@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import resource
+import shutil
 import signal
 import sys
 import threading
@@ -42,6 +44,8 @@ from .schedule import lr_factor
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+CONFIG = "config.json"
+PREVIOUS = "previous"    # where a fresh run moves the files of the run it replaces
 
 
 def load_data(run: RunConfig, tokenizer_state: dict | None = None) -> TextData | ArrayData:
@@ -134,8 +138,18 @@ class Trainer:
         torch.manual_seed(run.seed)
         np.random.seed(run.seed % 2**32)
         tokenizer = state.get("tokenizer") if state else None
-        self.data = load_data(run, tokenizer)
-        self.model = build_model(run, self.data)
+        try:
+            self.data = load_data(run, tokenizer)
+        except ConfigError:
+            raise
+        except ValueError as error:   # an unknown corpus, a context longer than the data, ...
+            raise ConfigError(f"data: {error}") from None
+        try:
+            self.model = build_model(run, self.data)
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(f"model: {error}") from None
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
         sparse = sparse_grad_parameters(self.model)
@@ -197,7 +211,8 @@ class Trainer:
         """Run to the last step (or continue from the checkpoint with ``resume``); returns the
         summary. Ctrl-C stops the run at the end of the step in progress and writes a
         checkpoint before KeyboardInterrupt propagates."""
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError(f"--out {self.out} is a file, not a folder")
         state = None
         if resume:
             path = self.out / CHECKPOINT
@@ -210,19 +225,38 @@ class Trainer:
                 raise ConfigError(f"--resume: the checkpoint in {self.out} was written by a "
                                   f"different config; resume with the same config or use a new "
                                   f"--out")
-        else:
-            for name in (CHECKPOINT, METRICS, SUMMARY):
-                (self.out / name).unlink(missing_ok=True)
-        (self.out / "config.json").write_text(json.dumps(self.run.to_dict(), indent=2))
         previous_deterministic = torch.are_deterministic_algorithms_enabled()
         try:
-            self._setup(state)
+            self._setup(state)   # data and model first: a run that cannot start touches no file
+            self._prepare_folder(fresh=state is None)
             if state is not None:
                 self._trim_metrics(self.step)
             with self._interrupts_at_step_boundaries():
                 return self._loop()
         finally:
             torch.use_deterministic_algorithms(previous_deterministic)
+
+    def _prepare_folder(self, fresh: bool) -> None:
+        """Create the run folder and write config.json. A fresh run in a folder that holds
+        another run's files moves them into ``previous/`` (replacing what an earlier fresh run
+        moved there) instead of deleting them."""
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            old = [name for name in (CHECKPOINT, METRICS, SUMMARY, CONFIG)
+                   if (self.out / name).exists()]
+            if fresh and old:
+                keep = self.out / PREVIOUS
+                if keep.is_dir():
+                    shutil.rmtree(keep)
+                keep.mkdir()
+                for name in old:
+                    os.replace(self.out / name, keep / name)
+                print(f"{self.out}: the files of the run there before are now in {keep}",
+                      file=sys.stderr)
+            (self.out / CONFIG).write_text(json.dumps(self.run.to_dict(), indent=2))
+        except OSError as error:
+            raise ConfigError(f"cannot write the run folder {self.out}: "
+                              f"{error.strerror or error}") from None
 
     @contextlib.contextmanager
     def _interrupts_at_step_boundaries(self):
@@ -267,6 +301,13 @@ class Trainer:
                 with _autocast(t.bf16):
                     loss = self.model.loss(inputs, targets)
                     aux = aux_loss(self.model)
+                loss_value = float(loss.detach())
+                if not math.isfinite(loss_value):   # before any parameter changes
+                    last = (f"the last checkpoint in {self.out} stands"
+                            if (self.out / CHECKPOINT).exists() else "no checkpoint was written")
+                    raise FloatingPointError(
+                        f"loss is {loss_value} at step {step + 1}; stopped before updating the "
+                        f"parameters ({last}); lower train.lr or enable train.clip")
                 (loss + aux).backward()
                 if t.clip:
                     torch.nn.utils.clip_grad_norm_(
@@ -277,10 +318,6 @@ class Trainer:
                 elapsed = time.perf_counter() - started
                 self.train_time += elapsed
                 self.step = step + 1
-                loss_value = float(loss.detach())
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"loss is {loss_value} at step {step}; lower "
-                                             f"train.lr or enable train.clip")
                 window_loss += loss_value
                 window_aux += float(aux.detach())
                 window_n += 1
