@@ -154,13 +154,13 @@ def test_resume_refuses_another_config_or_no_checkpoint(corpus, tmp_path):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "c.pt"
-    ckpt.save_atomic({"step": 1}, path)
+    ckpt.save_atomic({"step": 1, "config": {}, "model": {}}, path)
     def broken_save(obj, file):
         file.write(b"partial")
         raise OSError("disk full")
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        ckpt.save_atomic({"step": 2}, path)
+        ckpt.save_atomic({"step": 2, "config": {}, "model": {}}, path)
     monkeypatch.undo()
     assert ckpt.load(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]     # no temp file left
