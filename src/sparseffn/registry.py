@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -49,9 +50,60 @@ class RegisteredConfig:
         super().__init_subclass__(**kwargs)
         if "_registry" not in cls.__dict__:   # a config, not a family's base
             cls._registry[cls.type_name] = cls
+        own = cls.__dict__.get("__post_init__")
+        if own is not None and not getattr(own, "checks_numbers", False):
+            @functools.wraps(own)
+            def __post_init__(self, _own=own):
+                check_finite_numbers(self)
+                _own(self)
+            __post_init__.checks_numbers = True
+            cls.__post_init__ = __post_init__
+
+    def __post_init__(self) -> None:
+        check_finite_numbers(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type_name, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+
+_FLOAT_ANNOTATIONS = {"float", "float | None", "Optional[float]", float}
+
+
+def check_finite_numbers(config: Any) -> None:
+    """Every field annotated ``float`` (or ``float | None``) of a config holds a finite real
+    number (or None): a weight, rate or capacity of NaN, ±inf, a bool or a string is a
+    ValueError naming the field (every registered config runs this before its own checks)."""
+    for f in dataclasses.fields(config):
+        if f.type not in _FLOAT_ANNOTATIONS:
+            continue
+        value = getattr(config, f.name)
+        if value is None and f.type != "float" and f.type is not float:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise ValueError(f"{type(config).__name__}.{f.name} must be a finite number, got "
+                             f"{value!r}")
+
+
+def config_argument(config_cls: type, config: Any, fields: dict[str, Any], owner: str) -> Any:
+    """The config a layer's ``__init__`` was given: an instance of ``config_cls``, a dict of
+    its fields (with or without its ``type``), or, with ``config=None``, keyword fields.
+    Anything else is a TypeError naming what the layer takes."""
+    if config is None:
+        return config_cls(**fields)
+    if fields:
+        raise TypeError(f"{owner}: give a config or keyword fields, not both")
+    if isinstance(config, dict):
+        data = dict(config)
+        type_name = data.pop("type", config_cls.type_name)
+        if type_name != config_cls.type_name:
+            raise TypeError(f"{owner} builds {config_cls.type_name!r} layers, got a dict of type "
+                            f"{type_name!r} (sparseffn.build_layer builds any type)")
+        return config_cls(**data)
+    if not isinstance(config, config_cls):
+        raise TypeError(f"{owner} takes a {config_cls.__name__} (or a dict of its fields), got "
+                        f"{type(config).__name__}")
+    return config
 
 
 def _module_class(config: RegisteredConfig, kind: str) -> type:

@@ -159,6 +159,12 @@ class SparseFFN(nn.Module):
         if x.dim() < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"{type(self).__name__} expects input of shape [..., d_model="
                              f"{self.d_model}], got {tuple(x.shape)}")
+        if not torch.is_autocast_enabled(x.device.type):
+            dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), x.dtype)
+            if x.dtype != dtype:
+                raise TypeError(f"{type(self).__name__} holds {dtype} parameters and got "
+                                f"{x.dtype} input: convert one to the other (layer.to(dtype)) "
+                                f"or run under torch.autocast")
 
     def _init_usage(self, num_experts: int) -> None:
         """Register the usage buffers for ``num_experts`` experts (at construction)."""

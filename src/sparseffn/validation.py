@@ -4,6 +4,7 @@ allowed."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -50,9 +51,9 @@ def require_probability(config: object, name: str) -> None:
 
 def require_non_negative(config: object, name: str) -> None:
     value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise ValueError(
-            f"{type(config).__name__}.{name} must be a non-negative number, got {value!r}"
+            f"{type(config).__name__}.{name} must be a finite non-negative number, got {value!r}"
         )
 
 
@@ -82,6 +83,9 @@ def matrix_tuple(config: object, name: str) -> tuple[tuple[float, ...], ...] | N
     except (TypeError, ValueError):
         raise ValueError(f"{type(config).__name__}.{name} must be a matrix (a list of rows of "
                          f"numbers), got {value!r}") from None
+    if not all(math.isfinite(v) for row in rows for v in row):
+        raise ValueError(f"{type(config).__name__}.{name} must hold finite numbers, got NaN or "
+                         f"an infinity")
     if not rows or not rows[0] or any(len(row) != len(rows[0]) for row in rows):
         raise ValueError(f"{type(config).__name__}.{name} must be a non-empty matrix with rows "
                          f"of equal length")

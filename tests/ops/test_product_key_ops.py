@@ -6,7 +6,7 @@ import torch
 
 from tests.conftest import native_or_torch, require_native
 from tests.ops.reference import product_key_reference
-from sparseffn.ops import native, product_keys, rows
+from sparseffn.ops import kernels, native, product_keys, rows
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -155,14 +155,28 @@ def test_gathered_rows_reject_bad_indices():
 # --- the layers against loops ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nan_or_inf_in_a_product_key_layer_is_a_clear_error_on_every_path(rows_path, bad):
-    """The C top-k cannot rank NaN; it must not return indices it never wrote. Both paths
-    raise a ValueError naming the problem (an infinity becomes NaN in the scores)."""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("layer_type", ["PEER", "PKM"])
+def test_nan_or_inf_in_a_product_key_layer_reaches_only_its_token(rows_path, bad, layer_type):
+    """NaN and ±inf scores are ranked (NaN last) on every path, never left to the C top-k
+    (which must not return indices it never wrote); the selected values are the original
+    scores, so the bad token's output is non-finite and every other token's is unchanged."""
     import sparseffn
-    layer = sparseffn.PEER(d_model=16, num_experts=64 * 64, heads=2, k=8, key_dim=16)
+    torch.manual_seed(0)
+    if layer_type == "PEER":
+        layer = sparseffn.PEER(d_model=16, num_experts=64 * 64, heads=2, k=8, key_dim=16)
+    else:
+        layer = sparseffn.ProductKeyMemory(d_model=16, num_subkeys=64, heads=2, k=8, key_dim=16)
+    layer.eval()                                # batch-statistics norms would mix tokens
     x = torch.randn(5, 16)
-    layer(x)                                    # a clean batch first
+    clean = layer(x)
     x[2, 3] = bad
+    out = layer(x)
+    assert not bool(torch.isfinite(out[2]).all())
+    others = [0, 1, 3, 4]
+    torch.testing.assert_close(out[others], clean[others])
+
+
+def test_the_top_k_operators_still_reject_nan_given_directly(rows_path):
     with pytest.raises(ValueError, match="NaN"):
-        layer(x)
+        kernels.topk_rows(torch.tensor([[1.0, float("nan"), 0.5] * 30]), 4)

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..activations import ACTIVATIONS, activation_fn
 from ..init import dense_init_std
-from ..registry import LayerConfig, LayerCost, implements, renamed_fields
+from ..registry import LayerConfig, LayerCost, config_argument, implements, renamed_fields
 from ..routing import SparseFFN
 from ..validation import require_choice, require_positive_int, require_probability
 
@@ -57,7 +57,7 @@ class DenseMLP(SparseFFN):
 
     def __init__(self, config: DenseMLPConfig | None = None, **kwargs) -> None:
         super().__init__()
-        self.config = config = config if config is not None else DenseMLPConfig(**kwargs)
+        self.config = config = config_argument(DenseMLPConfig, config, kwargs, type(self).__name__)
         self.d_model = config.d_model
         self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.bias)

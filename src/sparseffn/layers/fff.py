@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..activations import ACTIVATIONS
-from ..registry import LayerConfig, LayerCost, implements, renamed_fields, resolve_router
+from ..registry import (LayerConfig, LayerCost, config_argument, implements,
+                        renamed_fields, resolve_router)
 from ..routers.tree import TreeRouter, TreeRouterConfig
 from ..routing import RoutedFFN, Routing
 from ..stores import MLPExperts
@@ -178,7 +179,7 @@ class FastFeedForward(RoutedFFN):
                            "b2": "store.b2"}
 
     def __init__(self, config: FFFConfig | None = None, **kwargs) -> None:
-        config = config if config is not None else FFFConfig(**kwargs)
+        config = config_argument(FFFConfig, config, kwargs, type(self).__name__)
         router = TreeRouter(config.router_config(), config.d_model, config.num_leaves,
                             config.k, init="sigma_moe", init_depth=config.init_depth)
         store = MLPExperts(config.num_leaves, config.d_model, config.leaf_width,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..activations import ACTIVATIONS
-from ..registry import (LayerConfig, LayerCost, build_router, implements, renamed_fields,
-                        router_config_from)
+from ..registry import (LayerConfig, LayerCost, build_router, config_argument, implements,
+                        renamed_fields, router_config_from)
 from ..routers.sigma import SigmaRouterConfig
 from ..routing import RoutedFFN
 from ..stores import MLPExperts
@@ -108,7 +108,7 @@ class MoE(RoutedFFN):
     _renamed_parameters = {"w1": "store.w1", "w2": "store.w2"}
 
     def __init__(self, config: MoEConfig | None = None, **kwargs) -> None:
-        config = config if config is not None else MoEConfig(**kwargs)
+        config = config_argument(MoEConfig, config, kwargs, type(self).__name__)
         router = build_router(config.router, config.d_model, config.num_experts, config.k,
                               init=config.init, init_depth=config.init_depth)
         store = MLPExperts(config.num_experts, config.d_model, config.expert_size,

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from ..activations import ACTIVATIONS
 from ..init import dense_init_std
-from ..registry import LayerConfig, LayerCost, implements, renamed_fields
+from ..registry import LayerConfig, LayerCost, config_argument, implements, renamed_fields
 from ..routers.product_keys import (PEER_SCORES, PK_QUERIES, PK_QUERY_NORMS, ProductKeyRouter,
                                     ProductKeySpec)
 from ..routing import RoutedFFN
@@ -260,7 +260,7 @@ class ProductKeyMemory(RoutedFFN):
     _renamed_parameters = {"values": "store.values"}
 
     def __init__(self, config: PKMConfig | None = None, **kwargs) -> None:
-        config = config if config is not None else PKMConfig(**kwargs)
+        config = config_argument(PKMConfig, config, kwargs, type(self).__name__)
         if config.init == "lample":
             key_std, value_std = None, 1 / math.sqrt(config.d_model)
         else:
@@ -299,7 +299,7 @@ class PEER(RoutedFFN):
     _renamed_parameters = {"w_in": "store.w_in", "w_out": "store.w_out"}
 
     def __init__(self, config: PEERConfig | None = None, **kwargs) -> None:
-        config = config if config is not None else PEERConfig(**kwargs)
+        config = config_argument(PEERConfig, config, kwargs, type(self).__name__)
         store = NeuronExperts(config.num_experts, config.d_model, activation=config.activation,
                               dropout=config.dropout,
                               in_std=dense_init_std(config.d_model, config.init_depth),

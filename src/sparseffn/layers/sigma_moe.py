@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..registry import LayerConfig, LayerCost, implements, renamed_fields, resolve_router
+from ..registry import (LayerConfig, LayerCost, config_argument, implements,
+                        renamed_fields, resolve_router)
 from ..routers.sigma import SIGMA_GATES, SigmaRouterConfig
 from ..validation import require_choice, require_probability
 from .moe import MoE, MoEConfig, _check_experts
@@ -114,6 +115,6 @@ class SigmaMoE(MoE):
     """
 
     def __init__(self, config: SigmaMoEConfig | None = None, **kwargs) -> None:
-        config = config if config is not None else SigmaMoEConfig(**kwargs)
+        config = config_argument(SigmaMoEConfig, config, kwargs, type(self).__name__)
         super().__init__(config.to_moe_config())
         self.config = config

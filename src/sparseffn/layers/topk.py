@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from ..activations import ACTIVATIONS
 from ..init import dense_init_std
-from ..registry import LayerConfig, LayerCost, implements, renamed_fields
+from ..registry import LayerConfig, LayerCost, config_argument, implements, renamed_fields
 from ..routers.activation import TopKActivationRouter
 from ..routing import RoutedFFN
 from ..stores import ValueRows
@@ -63,7 +63,7 @@ class TopKMLP(RoutedFFN):
     _renamed_parameters = {"keys": "router.keys", "values": "store.values"}
 
     def __init__(self, config: TopKMLPConfig | None = None, **kwargs) -> None:
-        config = config if config is not None else TopKMLPConfig(**kwargs)
+        config = config_argument(TopKMLPConfig, config, kwargs, type(self).__name__)
         router = TopKActivationRouter(config.d_model, config.d_ff, config.k, config.activation,
                                       std=dense_init_std(config.d_model, config.init_depth))
         store = ValueRows(config.d_ff, config.d_model,

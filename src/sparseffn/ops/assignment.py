@@ -162,6 +162,11 @@ def exact_balanced_assignment(scores: torch.Tensor, k: int, capacity: int | None
                          f"fits {num_experts} experts of capacity {capacity}")
     from scipy.sparse import csr_matrix
     values = scores.detach().double().cpu().numpy()
+    # A NaN or infinite score (a non-finite input) still gets an assignment: NaN and -inf rank
+    # below every finite score, +inf above; the router's gate carries the NaN to that token.
+    finite = values[np.isfinite(values)]
+    low, high = (finite.min(), finite.max()) if finite.size else (0.0, 0.0)
+    values = np.nan_to_num(values, nan=low - 1.0, neginf=low - 1.0, posinf=high + 1.0)
     n = tokens * num_experts                        # variable x[t, e] at t * E + e
     ones, columns = np.ones(n), np.arange(n)
     token_rows = csr_matrix((ones, (np.repeat(np.arange(tokens), num_experts), columns)),
