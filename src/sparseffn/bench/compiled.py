@@ -15,14 +15,14 @@ import warnings
 from typing import Callable
 
 import torch
-from torch import nn
 
+from ..auxiliary import aux_loss
 from ..config import (DenseMLPConfig, FFFConfig, MoEConfig, PEERConfig, PKMConfig,
                       TopKMLPConfig)
 from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRouterConfig,
                              SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig,
                              TreeRouterConfig)
-from .measure import interleaved_times, paired_ratio, write_json
+from .measure import forward_backward_fn, interleaved_times, paired_ratio, write_json
 
 
 def layer_configs(d_model: int) -> dict[str, object]:
@@ -47,30 +47,6 @@ def layer_configs(d_model: int) -> dict[str, object]:
         "topk_mlp": TopKMLPConfig(d_model=d_model, d_ff=2048, k=128),
         "dense": DenseMLPConfig(d_model=d_model, d_ff=2048),
     }
-
-
-def _synced(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    if device.type != "cuda":
-        return fn
-
-    def run():
-        fn()
-        torch.cuda.synchronize(device)
-    return run
-
-
-def _train_step(layer: nn.Module, x: torch.Tensor, autocast_dtype) -> Callable[[], object]:
-    from ..auxiliary import aux_loss
-    x = x.detach().requires_grad_(True)
-    grad = torch.randn_like(x)
-
-    def run():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss = (layer(x).float() * grad).sum() + aux_loss(layer)
-        loss.backward()
-    return run
 
 
 def _host_syncs(step: Callable[[], object], device: torch.device) -> str:
@@ -107,7 +83,7 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
         torch.manual_seed(0)
         layer = build_layer(configs[name]).to(dev).train()
         x = torch.randn(tokens, d_model, device=dev)
-        eager = _train_step(layer, x, autocast_dtype)
+        eager = forward_backward_fn(layer, x, aux_loss, autocast_dtype)
         syncs = _host_syncs(eager, dev)
         torch._dynamo.reset()
         with warnings.catch_warnings():
@@ -116,15 +92,15 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
         torch._dynamo.reset()
         compiled_layer = torch.compile(layer, fullgraph=True)
         try:
-            compiled = _train_step(compiled_layer, x, autocast_dtype)
+            compiled = forward_backward_fn(compiled_layer, x, aux_loss, autocast_dtype)
             compiled()
             fullgraph = "yes"
         except Exception as error:   # reported, not fatal: the table says which layer failed
             fullgraph = "no"
             print(f"  {name}: fullgraph compile failed: {type(error).__name__}: "
                   f"{str(error).splitlines()[0][:200]}")
-        times = interleaved_times({"eager": _synced(eager, dev)} | (
-            {"compiled": _synced(compiled, dev)} if fullgraph == "yes" else {}), repeats)
+        times = interleaved_times({"eager": eager} | (
+            {"compiled": compiled} if fullgraph == "yes" else {}), repeats, device=dev)
         eager_ms = statistics.median(times["eager"])
         compiled_ms = statistics.median(times["compiled"]) if "compiled" in times else None
         ratio = paired_ratio(times["compiled"], times["eager"]) if compiled_ms else None

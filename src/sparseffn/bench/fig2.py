@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -36,30 +35,10 @@ from ..layers import DenseMLP, SigmaMoE
 from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
 from ..ops import triton_cvmm
-from .measure import paired_ratio, write_json
+from .measure import forward_backward_fn, interleaved_times, paired_ratio, write_json
 
 EXPERT_SIZE = 128
 K = 4
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Milliseconds of one call: CUDA events on a GPU, the wall clock elsewhere."""
-    if device.type == "cuda":
-        def timed(fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        return timed
-    import time
-
-    def timed(fn):
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    return timed
 
 
 def _peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
@@ -71,26 +50,6 @@ def _peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-
-
-def _step(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype | None,
-          loss_of: Callable[[nn.Module], torch.Tensor] | None = None) -> Callable[[], None]:
-    """One forward+backward under autocast (``dtype``) or in the layer's own dtype."""
-    x = x.detach().requires_grad_(True)
-    grad = torch.randn_like(x)
-
-    def run():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        with (torch.autocast(x.device.type, dtype=dtype) if dtype is not None else nullcontext()):
-            out = layer(x)
-            if isinstance(out, tuple):   # the authors' layer returns (output, reg loss)
-                out = out[0]
-            loss = (out.float() * grad).sum()
-            if loss_of is not None:
-                loss = loss + loss_of(layer)
-        loss.backward()
-    return run
 
 
 class _ScatterMoE(nn.Module):
@@ -139,9 +98,10 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
     x = torch.randn(tokens, d_model, device=device)
     moe = SigmaMoE(SigmaMoEConfig(d_model=d_model, num_experts=num_experts,
                                   expert_size=EXPERT_SIZE, k=K)).to(device).train()
-    contenders: dict[str, Callable[[], None]] = {"sparseffn": _step(moe, x, dtype, aux_loss)}
+    contenders: dict[str, Callable[[], None]] = {
+        "sparseffn": forward_backward_fn(moe, x, aux_loss, dtype)}
     if device.type == "cuda" and triton_cvmm.triton_enabled():
-        def torch_path(run=_step(moe, x, dtype, aux_loss)):
+        def torch_path(run=forward_backward_fn(moe, x, aux_loss, dtype)):
             triton_cvmm.set_triton_enabled(False)
             try:
                 run()
@@ -150,23 +110,18 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
         contenders["sparseffn_torch"] = torch_path
     for name, d_ff in (("dense_param", 4 * d_model), ("dense_active", K * EXPERT_SIZE)):
         dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
-        contenders[name] = _step(dense, x, dtype)
+        contenders[name] = forward_backward_fn(dense, x, autocast_dtype=dtype)
     for name, build in peers.items():
         try:
-            contenders[name] = _step(build(d_model, num_experts).to(device).train(), x, dtype)
+            contenders[name] = forward_backward_fn(build(d_model, num_experts).to(device).train(),
+                                                   x, autocast_dtype=dtype)
             contenders[name]()
         except Exception as error:
             contenders.pop(name, None)
             print(f"  peer {name}: skipped at d_model {d_model} ({type(error).__name__}: "
                   f"{str(error).splitlines()[0][:200]})")
-    timed = _timer(device)
-    for _ in range(3):                       # warm-up: compilation, autotuning, allocator
-        for run in contenders.values():
-            run()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, run in contenders.items():
-            times[name].append(timed(run))
+    # three warm-up rounds: compilation, autotuning, the allocator
+    times = interleaved_times(contenders, repeats, warmup=3, device=device)
     record = {"d_model": d_model, "tokens": tokens, "num_experts": num_experts,
               "expert_size": EXPERT_SIZE, "k": K, "device": str(device),
               "dtype": str(dtype).replace("torch.", "") if dtype else "float32",

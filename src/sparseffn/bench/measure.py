@@ -13,20 +13,35 @@ import torch
 from torch import nn
 
 
-def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2
-                      ) -> dict[str, list[float]]:
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2,
+                      device: torch.device | str | None = None) -> dict[str, list[float]]:
     """Milliseconds of each function per round, timed in rotation (one run of each per
-    round) so that a slow spell of a noisy machine hits every contender alike."""
+    round) so that a slow spell of a noisy machine hits every contender alike. On a CUDA
+    ``device`` each run is timed by CUDA events around it (the GPU's own time, synchronised)."""
+    timed = _cuda_ms if device is not None and torch.device(device).type == "cuda" else _wall_ms
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
+            times[name].append(timed(fn))
     return times
+
+
+def _wall_ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _cuda_ms(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
@@ -43,19 +58,26 @@ def forward_fn(layer: nn.Module, x: torch.Tensor) -> Callable[[], object]:
     return run
 
 
-def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None
-                        ) -> Callable[[], object]:
+def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None,
+                        autocast_dtype: torch.dtype | None = None) -> Callable[[], object]:
     """Forward, a loss that touches every output, backward into the input and parameters.
-    ``extra_loss(layer)`` (e.g. the auxiliary losses) is added to the loss."""
+    ``extra_loss(layer)`` (e.g. the auxiliary losses) is added to the loss; with
+    ``autocast_dtype`` the forward runs under autocast (the loss in float32). A layer that
+    returns ``(output, loss)`` (the σ-MoE of Csordás et al.'s own code) is timed on its output."""
     x = x.detach().requires_grad_(True)
     grad = torch.randn_like(x)
 
     def run():
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        loss = (layer(x) * grad).sum()
-        if extra_loss is not None:
-            loss = loss + extra_loss(layer)
+        with torch.autocast(x.device.type, dtype=autocast_dtype,
+                            enabled=autocast_dtype is not None):
+            out = layer(x)
+            if isinstance(out, tuple):
+                out = out[0]
+            loss = (out.float() * grad).sum()
+            if extra_loss is not None:
+                loss = loss + extra_loss(layer)
         loss.backward()
     return run
 
