@@ -218,12 +218,9 @@ class _CVMM(torch.autograd.Function):
 
 def _scatter_to(rows: torch.Tensor, slots: torch.Tensor | None, group: int,
                 num_rows: int) -> torch.Tensor:
-    """Sorted rows [S, m] back to slot order, each token's ``group`` slots summed in slot
-    order ([num_rows, m]; a permutation and a sum, no atomics)."""
-    if slots is None:
-        return rows
-    out = torch.empty_like(rows).index_copy_(0, slots, rows)
-    return out if group == 1 else out.view(num_rows, group, rows.shape[1]).sum(1)
+    """Sorted rows [S, m] back to the input's layout [num_rows, m] (each token's ``group``
+    slots summed in slot order; no atomics)."""
+    return rows if slots is None else kernels.sum_slots(rows, slots, num_rows, group)
 
 
 def cvmm(x: torch.Tensor, plan: DispatchPlan, weight: torch.Tensor,

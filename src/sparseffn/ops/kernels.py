@@ -110,7 +110,7 @@ def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, gro
         # deterministic algorithms: the sorted rows from the kernel, then summed in slot order.
         ys, dots = _cvmm_rows_native(src, weight, counts, in_idx, None, scale, rows, 1, False,
                                      None, dot_with)
-        return _sum_slots(ys, out_idx, out_rows, group), dots
+        return sum_slots(ys, out_idx, out_rows, group), dots
     if out_idx is not None and group > 1:   # the C kernel scatters onto output (token) rows
         out_idx = torch.div(out_idx, group, rounding_mode="floor")
     in_idx, out_idx, scale, dot_with, mask_with = _dispatched(
@@ -124,7 +124,7 @@ def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, gro
     return out, (dots if dot_with is None else pad_rows(dots, rows))
 
 
-def _sum_slots(rows: Tensor, out_idx: Tensor, out_rows: int, group: int) -> Tensor:
+def sum_slots(rows: Tensor, out_idx: Tensor, out_rows: int, group: int) -> Tensor:
     """``out[i] = Σ_{j < group} slots[i·group + j]`` where ``slots[out_idx[r]] = rows[r]``: the
     sorted rows [P, n] put back in slot order (a permutation: no atomics) and each group of
     ``group`` consecutive slots summed in slot order (deterministic on every device)."""
@@ -152,7 +152,7 @@ def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, grou
         y = zero_rows_after(y, counts)
     if out_idx is None:
         return y, dots
-    return _sum_slots(y, out_idx, out_rows, group), dots
+    return sum_slots(y, out_idx, out_rows, group), dots
 
 
 @cvmm_rows.register_fake
