@@ -121,29 +121,24 @@ if triton is not None:
                          first_row + (pid - first_tile) * BLOCK_M)
         return expert, start, end, past
 
-    def _cvmm_configs():
+    def _tile_configs(fixed, tuned):
+        """Autotuning candidates from ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`` tuples:
+        ``tuned``, or only ``fixed`` under SPARSEFFN_TRITON_AUTOTUNE=0, or one 16³ tile in
+        the interpreter (where timing candidates means nothing)."""
         if interpreting():
             return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})]
-        if not _AUTOTUNE:
-            return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
-                                  num_stages=3)]
-        return [
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8,
-                          num_stages=3),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
-                          num_stages=4),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4,
-                          num_stages=4),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
-                          num_stages=4),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8,
-                          num_stages=3),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 32}, num_warps=4,
-                          num_stages=4),
-        ]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps,
+                              num_stages=stages)
+                for m, n, k, warps, stages in (tuned if _AUTOTUNE else [fixed])]
+
+    _CVMM_TILES = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+                   (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 32, 4, 4)]
+    _WEIGHT_GRAD_TILES = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+                          (64, 64, 64, 4, 4), (128, 128, 32, 8, 4)]
 
     # Every config writes its own column tiles' partial dots: zeroed between tuning runs.
-    @triton.autotune(configs=_cvmm_configs(), reset_to_zero=["dots_ptr"],
+    @triton.autotune(configs=_tile_configs((128, 64, 64, 4, 3), _CVMM_TILES),
+                     reset_to_zero=["dots_ptr"],
                      key=["m", "n", "HAS_IN_IDX", "HAS_OUT_IDX", "HAS_DOT", "HAS_MASK"])
     @triton.jit
     def _cvmm_kernel(src_ptr, stride_src, in_idx_ptr,
@@ -203,26 +198,7 @@ if triton is not None:
         tl.store(out_ptr + dest[:, None] * stride_out + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
-    def _weight_grad_configs():
-        if interpreting():
-            return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})]
-        if not _AUTOTUNE:
-            return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
-                                  num_stages=3)]
-        return [
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8,
-                          num_stages=3),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4,
-                          num_stages=4),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
-                          num_stages=4),
-            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
-                          num_stages=4),
-            triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8,
-                          num_stages=4),
-        ]
-
-    @triton.autotune(configs=_weight_grad_configs(),
+    @triton.autotune(configs=_tile_configs((64, 64, 64, 4, 3), _WEIGHT_GRAD_TILES),
                      key=["ma", "nb", "HAS_A_IDX", "HAS_B_IDX", "HAS_SCALE"])
     @triton.jit
     def _weight_grad_kernel(a_ptr, stride_a, a_idx_ptr, b_ptr, stride_b, b_idx_ptr, scale_ptr,
