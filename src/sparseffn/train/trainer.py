@@ -121,6 +121,18 @@ def _autocast(enabled: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _config_errors(section: str):
+    """A ValueError raised inside becomes a :class:`ConfigError` prefixed with ``section``
+    (ConfigErrors pass as they are)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(f"{section}: {error}") from None
+
+
 class Trainer:
     """Trains ``run`` in ``out_dir``. ``train(resume=True)`` continues from the checkpoint."""
 
@@ -138,18 +150,11 @@ class Trainer:
         torch.manual_seed(run.seed)
         np.random.seed(run.seed % 2**32)
         tokenizer = state.get("tokenizer") if state else None
-        try:
+        # an unknown corpus, a context longer than the data, ...: a config error
+        with _config_errors("data"):
             self.data = load_data(run, tokenizer)
-        except ConfigError:
-            raise
-        except ValueError as error:   # an unknown corpus, a context longer than the data, ...
-            raise ConfigError(f"data: {error}") from None
-        try:
+        with _config_errors("model"):
             self.model = build_model(run, self.data)
-        except ConfigError:
-            raise
-        except ValueError as error:
-            raise ConfigError(f"model: {error}") from None
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
         sparse = sparse_grad_parameters(self.model)
