@@ -17,6 +17,8 @@ import math
 import numpy as np
 import torch
 
+from . import kernels
+
 
 def count_keys(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
     """``bincount(keys, minlength=num_keys)`` for keys known to lie in ``[0, num_keys)``:
@@ -74,7 +76,7 @@ def _assignment_operator(name: str):
     as the operator ``sparseffn::<name>``. Its loop or solver cannot be traced, so under
     ``torch.compile`` it is one opaque node; no gradient flows through an assignment."""
     def wrap(fn):
-        @torch.library.custom_op(f"sparseffn::{name}", mutates_args=())
+        @kernels.operator(name)
         def op(scores: torch.Tensor, k: int, capacity: int) -> torch.Tensor:
             return fn(scores, k, None if capacity < 0 else capacity)
 

@@ -37,6 +37,8 @@ capacity) is never computed, and where it appears in an output it is exactly zer
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -48,6 +50,34 @@ from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zer
 _LIB = "sparseffn"
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def operator(name: str, device_types: Optional[str] = None):
+    """Decorator: register ``fn`` as the operator ``sparseffn::<name>`` (no input mutated),
+    its implementation run with autocast turned off.
+
+    Autocast stays on inside a custom operator's implementation, so PyTorch ops there would
+    follow autocast's lists: on CUDA a ``sum`` of bf16 rows comes back in fp32, the operator's
+    output no longer has the dtype its fake implementation declares, and every gradient
+    computed from it runs in fp32. The caller chooses the dtype of what goes in; the operator
+    computes in that dtype."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def without_autocast(*args, **kwargs):
+            on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+            if not on:
+                return fn(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                for device in on:
+                    stack.enter_context(torch.autocast(device, enabled=False))
+                return fn(*args, **kwargs)
+        options = {} if device_types is None else {"device_types": device_types}
+        return torch.library.custom_op(f"{_LIB}::{name}", mutates_args=(), **options)(
+            without_autocast)
+    return wrap
+
+
 def _fused(*tensors: Optional[Tensor]) -> bool:
     """True when the C kernels take these tensors (CPU float32, built, allowed)."""
     return native.usable(*tensors)
@@ -56,7 +86,7 @@ def _fused(*tensors: Optional[Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------
 # CVMM over expert-sorted rows
 
-@torch.library.custom_op(f"{_LIB}::cvmm_rows", mutates_args=())
+@operator("cvmm_rows")
 def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tensor],
               out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int, group: int,
               relu: bool, mask_with: Optional[Tensor], dot_with: Optional[Tensor]
@@ -163,7 +193,7 @@ def _(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu, mask_w
     return out, src.new_empty(rows if dot_with is not None else 0, dtype=dtype)
 
 
-@torch.library.custom_op(f"{_LIB}::expert_weight_grad", mutates_args=())
+@operator("expert_weight_grad")
 def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Optional[Tensor],
                        b_idx: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
     """``out[e] = A_eᵀ B_e`` over expert e's sorted rows r < Σ counts, with
@@ -202,7 +232,7 @@ def _chunks(rows: int, per_row: int):
         yield slice(start, min(rows, start + step))
 
 
-@torch.library.custom_op(f"{_LIB}::gather_dot", mutates_args=())
+@operator("gather_dot")
 def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: int64 [T, m]."""
     if _fused(x, table):
@@ -220,7 +250,7 @@ def _(x, table, idx):
     return x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
 
 
-@torch.library.custom_op(f"{_LIB}::gather_sum", mutates_args=())
+@operator("gather_sum")
 def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``. idx, weights: [T, m]; table: [N, d];
     returns [T, d] in the table's dtype."""
@@ -239,7 +269,7 @@ def _(idx, weights, table):
     return table.new_empty(idx.shape[0], table.shape[1])
 
 
-@torch.library.custom_op(f"{_LIB}::scatter_rows", mutates_args=())
+@operator("scatter_rows")
 def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Tensor:
     """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, a dense [num_rows, d]
     with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]."""
@@ -266,7 +296,7 @@ def _reject_nan(scores: Tensor, what: str) -> None:
                          f"input or weights?)")
 
 
-@torch.library.custom_op(f"{_LIB}::topk_rows", mutates_args=())
+@operator("topk_rows")
 def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of ``scores`` [R, n], ordered by (value desc, index
     asc): (values [R, k], int64 indices [R, k]). A row holding NaN raises a ValueError on
@@ -291,7 +321,7 @@ def _(scores, k):
                                                                    dtype=torch.int64)
 
 
-@torch.library.custom_op(f"{_LIB}::product_key_topk", mutates_args=())
+@operator("product_key_topk")
 def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The top k of ``scores_a[r, i] + scores_b[r, j]`` over all (i, j), index ``i + n_a·j``,
     ordered by (sum desc, index asc) (Lample et al. 2019, Eq. 15 of Csordás et al. 2023).
@@ -320,7 +350,7 @@ def _(scores_a, scores_b, k):
 # ---------------------------------------------------------------------------------------------
 # Fast feed-forward trees (C kernels only: callers take the PyTorch formulation elsewhere)
 
-@torch.library.custom_op(f"{_LIB}::fff_expand", mutates_args=(), device_types="cpu")
+@operator("fff_expand", device_types="cpu")
 def fff_expand(node_values: Tensor, depth: int, mode: int,
                node_logits: Optional[Tensor]) -> Tensor:
     """Leaf values [T, 2^depth] from node values [T, 2^depth - 1] (see ``fff_cpu.c``)."""
@@ -332,7 +362,7 @@ def _(node_values, depth, mode, node_logits):
     return node_values.new_empty(node_values.shape[0], 1 << depth)
 
 
-@torch.library.custom_op(f"{_LIB}::fff_expand_backward", mutates_args=(), device_types="cpu")
+@operator("fff_expand_backward", device_types="cpu")
 def fff_expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Optional[Tensor],
                         depth: int, mode: int) -> Tensor:
     """The gradient [T, 2^depth - 1] of :func:`fff_expand` with respect to the node values."""
