@@ -53,7 +53,10 @@ def _peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
 
 
 class _ScatterMoE(nn.Module):
-    """ScatterMoE's MLP behind the σ-MoE's sigmoid top-k router (same parameters)."""
+    """ScatterMoE's MLP behind the σ-MoE's sigmoid top-k router (same parameters). Its
+    kernels take one dtype throughout (they do not follow autocast), so under a reduced
+    precision the module is built in that dtype and its input cast to it: pure bf16 training,
+    a little cheaper than autocast's fp32 weights."""
 
     def __init__(self, mlp_cls, d_model: int, num_experts: int):
         super().__init__()
@@ -62,12 +65,15 @@ class _ScatterMoE(nn.Module):
                            top_k=K, activation=F.relu)
 
     def forward(self, x):
+        x = x.to(self.router.weight.dtype)
         gates, experts = torch.sigmoid(self.router(x)).topk(K, dim=-1)
-        return self.mlp(x, gates, experts)
+        return self.mlp(x, gates.to(x.dtype), experts)
 
 
-def peer_builders(peers_dir: str) -> dict[str, Callable[[int, int], nn.Module]]:
-    """Builders ``(d_model, num_experts) -> module`` for the peers found under ``peers_dir``."""
+def peer_builders(peers_dir: str, dtype: torch.dtype | None = None
+                  ) -> dict[str, Callable[[int, int], nn.Module]]:
+    """Builders ``(d_model, num_experts) -> module`` for the peers found under ``peers_dir``
+    (ScatterMoE's in ``dtype`` when one is given, see :class:`_ScatterMoE`)."""
     builders = {}
     authors = os.path.join(peers_dir, "moe_layer", "triton_src")
     if os.path.isdir(authors):
@@ -83,7 +89,8 @@ def peer_builders(peers_dir: str) -> dict[str, Callable[[int, int], nn.Module]]:
         sys.path.insert(0, scatter)
         try:
             from scattermoe.mlp import MLP as ScatterMLP
-            builders["scattermoe"] = lambda d, e: _ScatterMoE(ScatterMLP, d, e)
+            builders["scattermoe"] = lambda d, e: _ScatterMoE(ScatterMLP, d, e).to(
+                dtype or torch.float32)
         except Exception as error:
             print(f"  peer scattermoe: skipped ({type(error).__name__}: {error})")
     return builders
@@ -171,7 +178,8 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
             print("  peers: skipped (they are CUDA kernels)")
         else:
             builders = peer_builders(peers_dir or os.environ.get("SPARSEFFN_PEERS_DIR",
-                                                                 "../shared/peers"))
+                                                                 "../shared/peers"),
+                                     autocast_dtype)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"sparseffn bench fig2: {where}, {dtype}, {tokens} tokens, expert size {EXPERT_SIZE}, "
           f"k={K}, torch {torch.__version__}", flush=True)
