@@ -1,6 +1,6 @@
 """Check every layer on a CUDA device against the CPU, and for what the GPU work relies on.
 
-    python scripts/gpu_check.py [--tokens N] [--json PATH] [--device cpu]
+    python scripts/gpu_check.py [--tokens N] [--layers a,b] [--json PATH] [--device cpu]
 
 Per layer (the set of ``sparseffn bench compile``, at a small width):
   - fp32 forward and every gradient on CUDA equal the CPU's given the same weights (routers
@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--layers", help="comma-separated layer names (default: all)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -139,8 +140,9 @@ def main(argv=None) -> int:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"gpu_check: {where}, torch {torch.__version__}")
     results = []
-    for name, config in layer_configs(args.d_model).items():
-        check_layer(name, config, args.tokens, results, args.device)
+    configs = layer_configs(args.d_model)
+    for name in args.layers.split(",") if args.layers else configs:
+        check_layer(name, configs[name], args.tokens, results, args.device)
     failed = [r for r in results if not r["ok"]]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     if args.json:
