@@ -242,3 +242,44 @@ def test_bench_sparse_grad_twin_shares_parameters_and_gives_sparse_gradients():
     layer.zero_grad(set_to_none=True)
     layer(torch.randn(5, 8)).sum().backward()
     assert not layer.store.w_in.grad.is_sparse              # the original is unchanged
+
+
+def test_bench_lm_times_every_preset_beside_the_parameter_equal_dense(tmp_path, capsys):
+    from sparseffn.models import PRESETS
+    path = tmp_path / "lm.json"
+    assert cli.main(["bench", "lm", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
+                     "--context", "8", "--batch", "2", "--d-ff", "256", "--repeats", "1",
+                     "--device", "cpu", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["preset"] for r in records] == list(PRESETS)   # dense first, then the rest
+    dense = records[0]
+    assert dense["over_dense"] == 1.0 and dense["dtype"] == "float32"
+    for r in records:
+        assert r["total_params"] <= dense["total_params"] * 1.01, r["preset"]
+        assert r["active_params"] <= r["total_params"] and r["ms"] > 0
+        assert r["tokens_per_s"] == pytest.approx(2 * 8 / r["ms"] * 1e3)
+        assert r["peak_mib"] is None        # the allocator's peak is CUDA only
+    sigma = next(r for r in records if r["preset"] == "sigma_moe")
+    assert sigma["active_params"] < dense["active_params"]
+    out = capsys.readouterr().out
+    assert "ms/step" in out and "sigma_moe" in out
+
+
+def test_bench_lm_rejects_an_unknown_preset_and_a_bad_size(capsys):
+    assert cli.main(["bench", "lm", "--presets", "dense", "nope", "--device", "cpu",
+                     "--d-model", "32", "--n-heads", "2", "--d-ff", "64"]) == 2
+    assert "unknown FFN preset(s) nope" in capsys.readouterr().err
+    assert cli.main(["bench", "lm", "--context", "0"]) == 2
+    assert "--context must be positive" in capsys.readouterr().err
+
+
+def test_bench_fig2_runs_on_cpu_and_writes_ratios_to_the_dense_mlp(tmp_path, capsys):
+    path = tmp_path / "fig2.json"
+    assert cli.main(["bench", "fig2", "--d-models", "128", "--tokens", "48", "--repeats", "1",
+                     "--device", "cpu", "--dtype", "float32", "--peers", "--json",
+                     str(path)]) == 0
+    (record,) = json.loads(path.read_text())
+    assert record["num_experts"] == 4 and record["k"] == 4 and record["expert_size"] == 128
+    assert set(record["ms"]) == {"sparseffn", "dense_param", "dense_active"}
+    assert record["over_dense_param"]["dense_param"] == 1.0
+    assert "peers: skipped (they are CUDA kernels)" in capsys.readouterr().out

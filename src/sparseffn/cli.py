@@ -49,6 +49,19 @@ def _bench_fig2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_lm(args: argparse.Namespace) -> int:
+    from .bench import lm_step
+    try:
+        lm_step.run(args.presets, d_model=args.d_model, n_layers=args.n_layers,
+                    n_heads=args.n_heads, context=args.context, batch=args.batch, d_ff=args.d_ff,
+                    repeats=args.repeats, device=args.device, dtype=args.dtype,
+                    json_path=args.json)
+    except ValueError as error:   # a preset that does not fit these sizes, an unknown name
+        print(f"sparseffn bench lm: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _bench_routers(args: argparse.Namespace) -> int:
     from .bench import tree_routers
     tree_routers.run(args.depths, batch=args.batch, dim=args.dim, repeats=args.repeats,
@@ -123,6 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
     fig2.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     fig2.set_defaults(func=_bench_fig2)
 
+    lm = benches.add_parser(
+        "lm", help="one training step of a byte-level LM with each FFN preset beside the "
+                   "parameter-equal dense model (GPU or CPU)")
+    lm.add_argument("--presets", nargs="+", metavar="NAME",
+                    help="FFN presets (default: all; dense is always timed)")
+    lm.add_argument("--d-model", type=int, default=256, help="model width (256)")
+    lm.add_argument("--n-layers", type=int, default=6, help="blocks (6)")
+    lm.add_argument("--n-heads", type=int, default=4, help="attention heads (4)")
+    lm.add_argument("--context", type=int, help="tokens per sequence (256 on a GPU, 128 on a CPU)")
+    lm.add_argument("--batch", type=int, help="sequences per step (64 on a GPU, 4 on a CPU)")
+    lm.add_argument("--d-ff", type=int, default=2048,
+                    help="width of the dense MLP every FFN is sized to (2048)")
+    lm.add_argument("--repeats", type=int, default=10, help="timed rounds (10)")
+    lm.add_argument("--device", default="cuda" if _cuda() else "cpu",
+                    help="cuda (default when there is one) or cpu")
+    lm.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                    help="autocast dtype (default bfloat16 on a GPU), or float32 for no autocast "
+                         "(the default on a CPU)")
+    lm.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    lm.set_defaults(func=_bench_lm)
+
     routers = benches.add_parser(
         "routers", help="FFF tree routers vs MoE: Chaunin & Mikhailovskiy's Table 2 and Figure 3, and ours")
     routers.add_argument("--depths", type=_depths, default=list(range(1, 14)),
@@ -192,9 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "bench", None) == "lm" and args.dtype is None:
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     for name in ("tokens", "repeats", "batch", "dim", "d_model", "leaf_width", "scaling_tokens",
-                 "train_batch"):
-        if getattr(args, name, 1) <= 0:
+                 "train_batch", "n_layers", "n_heads", "context", "d_ff"):
+        value = getattr(args, name, None)   # None: not this command's, or its default
+        if value is not None and value <= 0:
             print(f"sparseffn: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
     tune_cpu_allocator()

@@ -35,21 +35,10 @@ from ..layers import DenseMLP, SigmaMoE
 from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
 from ..ops import triton_cvmm
-from .measure import forward_backward_fn, interleaved_times, paired_ratio, write_json
+from .measure import forward_backward_fn, interleaved_times, paired_ratio, peak_mib, write_json
 
 EXPERT_SIZE = 128
 K = 4
-
-
-def _peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 class _ScatterMoE(nn.Module):
@@ -133,7 +122,7 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
               "expert_size": EXPERT_SIZE, "k": K, "device": str(device),
               "dtype": str(dtype).replace("torch.", "") if dtype else "float32",
               "ms": {name: statistics.median(ts) for name, ts in times.items()},
-              "peak_mib": {name: _peak_mib(run, device) for name, run in contenders.items()},
+              "peak_mib": {name: peak_mib(run, device) for name, run in contenders.items()},
               "over_dense_param": {name: paired_ratio(ts, times["dense_param"])
                                    for name, ts in times.items()}}
     others = [n for n in peers if n in times]

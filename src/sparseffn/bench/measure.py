@@ -113,6 +113,19 @@ def write_json(records: list[dict], path: str) -> None:
     os.replace(tmp, path)
 
 
+def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """MiB the CUDA allocator's peak rose during one call of ``fn`` above what was allocated
+    before it; None on other devices (see :func:`peak_bytes` for the CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+
+
 def peak_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes of PyTorch CPU tensor memory allocated during one call of ``fn``, above what
     was allocated when it started (so parameters and inputs are not counted; memory the call

@@ -1,0 +1,126 @@
+"""``sparseffn bench lm``: one training step of a byte-level Transformer LM with each FFN preset,
+beside the dense model of equal parameters, on any device.
+
+The model is :class:`~sparseffn.models.TransformerLM`; each preset of
+:func:`~sparseffn.models.ffn_preset` fills every block's FFN with a layer of at most the
+parameters of a dense MLP of width ``d_ff`` (the comparison rule of Csordás et al. 2023,
+arXiv:2310.10837 §6), so ``dense`` is the parameter-equal baseline of all the others.
+
+A step is what a user's training loop pays: the forward pass and the loss (next-token
+cross-entropy plus the layers' auxiliary losses), under autocast when a reduced ``dtype`` is
+asked for, the backward pass, and an Adam update (SparseAdam for parameters with sparse
+gradients, as the trainer does). The models are timed in rotation, one step of each per round
+(CUDA events on a GPU, the wall clock on a CPU); a model's ratio to ``dense`` is the median of
+the per-round ratios. Peak MiB (CUDA only) is the allocator's peak during one step above what
+was allocated before it. The tokens are random bytes: only the time is measured.
+
+Defaults follow the measurement in the GPU issue (d_model 256, 6 blocks, context 256, batch
+64, d_ff 2048) on a GPU; on a CPU the batch is 4 and the context 128 unless given.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+from ..auxiliary import aux_loss, sparse_grad_parameters
+from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
+from .measure import interleaved_times, paired_ratio, peak_mib, write_json
+
+
+def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,
+              d_ff: int) -> LMConfig:
+    """The byte-level LM whose FFNs are the named preset sized to a dense MLP of ``d_ff``."""
+    layout = ffn_preset(preset, d_model, d_ff, n_layers)
+    return LMConfig(vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                    context=context, ffn=layout.ffn, sparse_every=layout.sparse_every,
+                    dense_ffn=layout.dense_ffn)
+
+
+def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
+                     autocast_dtype: torch.dtype | None) -> Callable[[], float]:
+    """One training step on ``tokens`` [batch, context + 1]: loss, backward, Adam update.
+    Returns a function that runs it (and returns nothing read from the device)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    sparse = sparse_grad_parameters(model)
+    sparse_ids = {id(p) for p in sparse}
+    dense = [p for p in model.parameters() if id(p) not in sparse_ids]
+    optimizers = [torch.optim.Adam(dense, lr=1e-4)]
+    if sparse:
+        optimizers.append(torch.optim.SparseAdam(sparse, lr=1e-4))
+    device_type = tokens.device.type
+
+    def step():
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = model.loss(inputs, targets) + aux_loss(model)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+    return step
+
+
+def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
+        n_heads: int = 4, context: int | None = None, batch: int | None = None,
+        d_ff: int = 2048, repeats: int = 10, device: str = "cpu", dtype: str = "float32",
+        json_path: str | None = None) -> list[dict]:
+    """Time one training step of the LM with each preset (``dense`` always included); print a
+    table and return one record per preset."""
+    dev = torch.device(device)
+    on_gpu = dev.type == "cuda"
+    context = context or (256 if on_gpu else 128)
+    batch = batch or (64 if on_gpu else 4)
+    names = ["dense"] + [p for p in (presets or list(PRESETS)) if p != "dense"]
+    unknown = [p for p in names if p not in PRESETS]
+    if unknown:
+        raise ValueError(f"unknown FFN preset(s) {', '.join(unknown)}; presets are "
+                         f"{', '.join(PRESETS)}")
+    autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
+    where = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
+    print(f"sparseffn bench lm: {where}, {dtype}, d_model {d_model}, {n_layers} blocks, context "
+          f"{context}, batch {batch}, FFNs sized to a dense d_ff {d_ff}, torch "
+          f"{torch.__version__}", flush=True)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (batch, context + 1), generator=generator).to(dev)
+    steps, costs = {}, {}
+    for name in names:
+        torch.manual_seed(0)
+        config = lm_config(name, d_model, n_layers, n_heads, context, d_ff)
+        model = TransformerLM(config).to(dev).train()
+        steps[name] = training_step_fn(model, tokens, autocast_dtype)
+        costs[name] = config.cost()
+    times = interleaved_times(steps, repeats, warmup=2, device=dev)
+    records = []
+    for name in names:
+        ms = statistics.median(times[name])
+        records.append({
+            "preset": name, "device": str(dev), "dtype": dtype, "d_model": d_model,
+            "n_layers": n_layers, "context": context, "batch": batch, "d_ff": d_ff,
+            "total_params": costs[name]["total_params"],
+            "active_params": costs[name]["active_params"],
+            "flops_per_token": costs[name]["flops_per_token"],
+            "ms": ms, "tokens_per_s": batch * context / ms * 1e3,
+            "over_dense": paired_ratio(times[name], times["dense"]),
+            "peak_mib": peak_mib(steps[name], dev)})
+    print(format_table(records))
+    if json_path:
+        write_json(records, json_path)
+        print(f"wrote {json_path}")
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    header = (f"{'preset':10s} {'params':>10s} {'active':>10s} {'MFLOP/tok':>10s} "
+              f"{'ms/step':>9s} {'/ dense':>8s} {'tokens/s':>10s} {'peak MiB':>9s}")
+    lines = [header, "-" * len(header)]
+    for r in records:
+        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        lines.append(f"{r['preset']:10s} {r['total_params']:10,d} {r['active_params']:10,d} "
+                     f"{r['flops_per_token'] / 1e6:10.2f} {r['ms']:9.2f} {r['over_dense']:8.2f} "
+                     f"{r['tokens_per_s']:10,.0f} {peak:>9s}")
+    lines.append("one training step (forward, loss + auxiliary losses, backward, Adam); "
+                 "'/ dense' is the median per-round ratio to the parameter-equal dense model")
+    return "\n".join(lines)
