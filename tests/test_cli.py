@@ -97,6 +97,25 @@ def test_no_routers_leaves_the_router_rows_out(tmp_path):
     assert all("router" not in r for r in json.loads(path.read_text()))
 
 
+def test_bench_layers_under_bf16_autocast_says_so_in_every_record(tmp_path):
+    path = tmp_path / "layers.json"
+    assert cli.main(["bench", "layers", "--tokens", "32", "--repeats", "1", "--configs", "a",
+                     "--no-routers", "--dtype", "bfloat16", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["device"], r["dtype"]) for r in records] == [("cpu", "bfloat16")] * 2
+    assert all("peak_mib" not in r for r in records)    # the allocator's peak: CUDA only
+
+
+def test_expert_gemms_run_in_the_dtype_asked_for():
+    from sparseffn.bench.gemm_bound import ExpertGemms
+    gemms = ExpertGemms([3, 0, 5], d_model=8, expert_size=4, backward=True,
+                        dtype=torch.bfloat16)
+    gemms()
+    assert gemms.y.dtype == gemms.dw1.dtype == torch.bfloat16
+    want = gemms.x[:3].float() @ gemms.w1[0].float().t()
+    torch.testing.assert_close(gemms.h[:3].float(), want, atol=0.1, rtol=0.02)
+
+
 def test_bad_arguments_exit_with_a_message(capsys):
     assert cli.main(["bench", "layers", "--tokens", "0"]) == 2
     assert "--tokens" in capsys.readouterr().err

@@ -11,7 +11,8 @@ from .runtime import tune_cpu_allocator
 def _bench_layers(args: argparse.Namespace) -> int:
     from .bench import layers
     layers.run(tokens=args.tokens, repeats=args.repeats, full=args.full, peers=args.peers,
-               json_path=args.json, configs=args.configs, routers=not args.no_routers)
+               json_path=args.json, configs=args.configs, routers=not args.no_routers,
+               device=args.device, dtype=args.dtype)
     return 0
 
 
@@ -114,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only these configs (default: all)")
     layers.add_argument("--no-routers", action="store_true",
                         help="skip the rows timing every router at config a")
+    layers.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    layers.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="float32",
+                        help="autocast dtype, or float32 (default) for no autocast")
     layers.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     layers.set_defaults(func=_bench_layers)
 

@@ -26,24 +26,32 @@ class ExpertGemms:
     [n_e, G] and ``y[r_e] = h[r_e] w2[e]`` [n_e, d_model]. With ``backward`` also the four
     products of the backward pass: ``dh[r_e] = dy[r_e] w2[e]ᵀ``, ``dw2[e] = h[r_e]ᵀ dy[r_e]``,
     ``dx[r_e] = dh[r_e] w1[e]`` and ``dw1[e] = dh[r_e]ᵀ x[r_e]``. Weights are laid out as in
-    :class:`~sparseffn.layers.SigmaMoE` (``w1``, ``w2``: [E, G, d_model]). Each product is
+    :class:`~sparseffn.layers.SigmaMoE` (``w1``, ``w2``: [E, G, d_model]), on ``device`` in
+    ``dtype`` (bf16 for a bf16-autocast comparison: the products autocast would run). Each product is
     one multi-threaded ``torch.mm`` into a preallocated output, so with many small experts
     the few microseconds of each call are part of the time.
     """
 
     def __init__(self, counts: list[int], d_model: int, expert_size: int, backward: bool,
-                 seed: int = 0) -> None:
+                 seed: int = 0, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         gen = torch.Generator().manual_seed(seed)
         rows, num_experts = sum(counts), len(counts)
         self.backward = backward
-        self.w1 = torch.randn(num_experts, expert_size, d_model, generator=gen)
-        self.w2 = torch.randn(num_experts, expert_size, d_model, generator=gen)
-        self.x = torch.randn(rows, d_model, generator=gen)
-        self.dy = torch.randn(rows, d_model, generator=gen)
-        self.h = torch.empty(rows, expert_size)
-        self.dh = torch.empty(rows, expert_size)
-        self.y = torch.empty(rows, d_model)
-        self.dx = torch.empty(rows, d_model)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+        def empty(*shape):
+            return torch.empty(*shape, device=device, dtype=dtype)
+        self.w1 = randn(num_experts, expert_size, d_model)
+        self.w2 = randn(num_experts, expert_size, d_model)
+        self.x = randn(rows, d_model)
+        self.dy = randn(rows, d_model)
+        self.h = empty(rows, expert_size)
+        self.dh = empty(rows, expert_size)
+        self.y = empty(rows, d_model)
+        self.dx = empty(rows, d_model)
         self.dw1, self.dw2 = torch.empty_like(self.w1), torch.empty_like(self.w2)
         # Each expert's row blocks and matrices as views, made once here so that the timed
         # call does nothing but the products. Experts without rows are skipped.

@@ -1,4 +1,5 @@
-"""``sparseffn bench layers``: σ-MoE against its parameter-equal and active-equal dense MLPs.
+"""``sparseffn bench layers``: σ-MoE against its parameter-equal and active-equal dense MLPs,
+on the CPU (fp32, the default) or a GPU (``--device cuda``, usually with ``--dtype bfloat16``).
 
 For each config, in one run: forward (no autograd) and forward+backward times of σ-MoE, of
 the dense MLP with the same parameters (Csordás et al.'s fair baseline) and of the dense MLP with
@@ -25,7 +26,7 @@ from ..matching import active_equal_dense, param_equal_dense
 from ..ops import DispatchPlan
 from .gemm_bound import ExpertGemms
 from .measure import (forward_backward_fn, forward_fn, interleaved_times, paired_ratio,
-                      saved_bytes, write_json)
+                      peak_mib, saved_bytes, write_json)
 
 
 @dataclass(frozen=True)
@@ -59,19 +60,22 @@ def _saved_ratio(a: int | None, b: int | None) -> float | None:
 
 def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
                  peers: list[tuple[str, Callable[[SigmaMoEConfig], torch.nn.Module]]] = (),
-                 seed: int = 0) -> list[dict]:
+                 seed: int = 0, device: torch.device | str = "cpu",
+                 autocast_dtype: torch.dtype | None = None) -> list[dict]:
     """Time one config; returns one record per pass ("forward", "forward_backward")."""
+    device = torch.device(device)
     torch.manual_seed(seed)
-    x = torch.randn(tokens, cfg.moe.d_model)
-    moe = SigmaMoE(cfg.moe).train()
+    x = torch.randn(tokens, cfg.moe.d_model).to(device)
+    moe = SigmaMoE(cfg.moe).to(device).train()
     dense_param_cfg = param_equal_dense(cfg.moe)
-    dense_active = DenseMLP(active_equal_dense(cfg.moe)).train()
-    dense_param = DenseMLP(dense_param_cfg).train() if (cfg.time_param_dense or full) else None
+    dense_active = DenseMLP(active_equal_dense(cfg.moe)).to(device).train()
+    dense_param = (DenseMLP(dense_param_cfg).to(device).train()
+                   if (cfg.time_param_dense or full) else None)
 
     peer_layers = []
     for peer_name, build in peers:
         try:
-            peer_layers.append((peer_name, build(cfg.moe).train()))
+            peer_layers.append((peer_name, build(cfg.moe).to(device).train()))
         except Exception as error:  # a peer that cannot be built is reported, not fatal
             print(f"  peer {peer_name}: skipped ({type(error).__name__}: {error})")
 
@@ -83,16 +87,19 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
         counts = DispatchPlan.build(moe.router(x).indices, cfg.moe.num_experts).counts.tolist()
     records = []
     for pass_name in ("forward", "forward_backward"):
-        fns = {name: (forward_fn(layer, x) if pass_name == "forward"
-                      else forward_backward_fn(layer, x, extra_loss))
+        fns = {name: (forward_fn(layer, x, autocast_dtype) if pass_name == "forward"
+                      else forward_backward_fn(layer, x, extra_loss, autocast_dtype))
                for name, (layer, extra_loss) in contenders.items() if layer is not None}
         fns["expert_gemms"] = ExpertGemms(counts, cfg.moe.d_model, cfg.moe.expert_size,
-                                          backward=pass_name == "forward_backward")
-        times = interleaved_times(fns, repeats)
+                                          backward=pass_name == "forward_backward",
+                                          device=device, dtype=autocast_dtype or torch.float32)
+        times = interleaved_times(fns, repeats, device=device)
         ms = {name: statistics.median(ts) for name, ts in times.items()}
         record = {
             "config": cfg.name,
             "pass": pass_name,
+            "device": str(device),
+            "dtype": _dtype_name(autocast_dtype),
             "tokens": tokens,
             "d_model": cfg.moe.d_model,
             "num_experts": cfg.moe.num_experts,
@@ -105,6 +112,8 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
             "dense_active_ms": ms["dense_active"],
             "expert_gemms_ms": ms["expert_gemms"],
         }
+        if device.type == "cuda":   # the allocator's peak during one call, above its start
+            record["peak_mib"] = {name: peak_mib(fn, device) for name, fn in fns.items()}
         record["ratio_param"] = _ratio(times, "moe", "dense_param")
         record["ratio_active"] = _ratio(times, "moe", "dense_active")
         record["ratio_expert_gemms"] = _ratio(times, "moe", "expert_gemms")
@@ -123,6 +132,10 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
         record["dense_active_saved_bytes"] = saved_bytes(dense_active, x)
         record["saved_ratio_param"] = _saved_ratio(moe_saved, dense_saved)
     return records
+
+
+def _dtype_name(autocast_dtype: torch.dtype | None) -> str:
+    return "float32" if autocast_dtype is None else str(autocast_dtype).replace("torch.", "")
 
 
 def _fmt(value, spec: str) -> str:
@@ -152,29 +165,36 @@ def format_table(records: list[dict]) -> str:
 
 def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = False,
         json_path: str | None = None, configs: list[str] | None = None,
-        routers: bool = True) -> list[dict]:
+        routers: bool = True, device: str = "cpu", dtype: str = "float32") -> list[dict]:
     """Run the benchmark, print the table, and write the JSON list if asked.
 
     With ``routers`` (and config a selected) the list also holds one forward+backward record
-    per router (``"router"`` field; see :mod:`.moe_routers`)."""
+    per router (``"router"`` field; see :mod:`.moe_routers`). On ``device`` "cuda" the times
+    are CUDA events and each record also has the allocator's ``peak_mib``; ``dtype``
+    "bfloat16"/"float16" runs every layer under autocast (the expert GEMMs in that dtype)."""
+    dev = torch.device(device)
+    autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
     selected = [c for c in default_configs() if configs is None or c.name in configs]
     peer_builders = []
     if peers:
         from .peers import available_peers
         peer_builders = available_peers()
-    print(f"sparseffn bench layers: {tokens} tokens, fp32, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
+    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+             else f"cpu, {torch.get_num_threads()} threads")
+    print(f"sparseffn bench layers: {tokens} tokens, {dtype}, {where}, torch {torch.__version__}")
     records = []
     for cfg in selected:
         m = cfg.moe
         print(f"config {cfg.name}: {m.num_experts} experts x {m.expert_size}, k={m.k}, "
               f"d_model={m.d_model} ...", flush=True)
-        records += bench_config(cfg, tokens, repeats, full, peer_builders)
+        records += bench_config(cfg, tokens, repeats, full, peer_builders, device=dev,
+                                autocast_dtype=autocast_dtype)
     print(format_table(records))
     if routers and any(cfg.name == "a" for cfg in selected):
         from .moe_routers import bench_routers, format_router_table
         print("routers at config a ...", flush=True)
-        router_records = bench_routers(tokens, repeats)
+        router_records = bench_routers(tokens, repeats, device=dev,
+                                       autocast_dtype=autocast_dtype)
         print(format_router_table(router_records))
         records += router_records
     if json_path:

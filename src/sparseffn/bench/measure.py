@@ -50,10 +50,12 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
-def forward_fn(layer: nn.Module, x: torch.Tensor) -> Callable[[], object]:
-    """Inference forward (no autograd graph)."""
+def forward_fn(layer: nn.Module, x: torch.Tensor,
+               autocast_dtype: torch.dtype | None = None) -> Callable[[], object]:
+    """Inference forward (no autograd graph), under autocast with ``autocast_dtype``."""
     def run():
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(x.device.type, dtype=autocast_dtype,
+                                             enabled=autocast_dtype is not None):
             return layer(x)
     return run
 

@@ -33,30 +33,36 @@ ROUTER_ROWS = [
 
 
 def bench_routers(tokens: int, repeats: int, d_model: int = 512, num_experts: int = 16,
-                  expert_size: int = 128, seed: int = 0) -> list[dict]:
-    """One record per router row (see the module docstring)."""
+                  expert_size: int = 128, seed: int = 0, device: torch.device | str = "cpu",
+                  autocast_dtype: torch.dtype | None = None) -> list[dict]:
+    """One record per router row (see the module docstring), on ``device`` (CUDA events
+    there), under autocast with ``autocast_dtype``."""
+    device = torch.device(device)
     torch.manual_seed(seed)
-    x = torch.randn(tokens, d_model)
+    x = torch.randn(tokens, d_model).to(device)
 
     def config(router, k: int) -> MoEConfig:
         return MoEConfig(d_model=d_model, num_experts=num_experts, expert_size=expert_size,
                          k=k, router=router)
 
     sigma_ks = sorted({k for _, _, k in ROUTER_ROWS})
-    layers = {f"sigma_k{k}": MoE(config(SigmaRouterConfig(), k)).train() for k in sigma_ks}
+    layers = {f"sigma_k{k}": MoE(config(SigmaRouterConfig(), k)).to(device).train()
+              for k in sigma_ks}
     dense_of: dict[str, str] = {}
     dense_layers: dict[str, DenseMLP] = {}
     for name, router, k in ROUTER_ROWS:
-        layers[name] = MoE(config(router, k)).train()
+        layers[name] = MoE(config(router, k)).to(device).train()
     for name, layer in layers.items():
         dense = param_equal_dense(layer.config)
         key = f"dense_d_ff{dense.d_ff}"
         dense_of[name] = key
         if key not in dense_layers:
-            dense_layers[key] = DenseMLP(dense).train()
-    fns = {name: forward_backward_fn(layer, x, aux_loss) for name, layer in layers.items()}
-    fns.update({name: forward_backward_fn(layer, x) for name, layer in dense_layers.items()})
-    times = interleaved_times(fns, repeats)
+            dense_layers[key] = DenseMLP(dense).to(device).train()
+    fns = {name: forward_backward_fn(layer, x, aux_loss, autocast_dtype)
+           for name, layer in layers.items()}
+    fns.update({name: forward_backward_fn(layer, x, autocast_dtype=autocast_dtype)
+                for name, layer in dense_layers.items()})
+    times = interleaved_times(fns, repeats, device=device)
     ms = {name: statistics.median(ts) for name, ts in times.items()}
 
     records = []
@@ -67,7 +73,9 @@ def bench_routers(tokens: int, repeats: int, d_model: int = 512, num_experts: in
         stats = layers[key].routing_stats
         dropped = stats.get("dropped_fraction")
         records.append({
-            "config": "a", "pass": "forward_backward", "router": name,
+            "config": "a", "pass": "forward_backward", "router": name, "device": str(device),
+            "dtype": "float32" if autocast_dtype is None
+            else str(autocast_dtype).replace("torch.", ""),
             "router_config": router.to_dict(), "tokens": tokens, "d_model": d_model,
             "num_experts": num_experts, "expert_size": expert_size, "k": k,
             "moe_ms": ms[key],
