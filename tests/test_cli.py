@@ -169,6 +169,14 @@ def test_bench_routers_writes_json_plot_and_table_2(tmp_path, capsys):
     assert "Table 2" in out and "7.27 / 4.55" in out and "target: auto within 1.5x" in out
 
 
+def test_table_2_sets_the_papers_gpu_column_beside_gpu_records():
+    from sparseffn.bench.tree_routers import METHODS, format_table
+    records = [{"method": m, "depth": d, "pass": "forward", "ms": 1.0 + i, "batch": 4, "dim": 8,
+                "device": "cuda:0"} for i, m in enumerate(METHODS) for d in (1, 2)]
+    table = format_table(records)
+    assert "paper GPU" in table and "45.63 / 57.84" in table and "7.27 / 4.55" not in table
+
+
 def test_table_2_is_the_harmonic_mean_of_speedups_over_orig():
     from sparseffn.bench.tree_routers import check_targets, harmonic_speedups
     rows = [("orig", 1, 4.0), ("moe", 1, 1.0), ("orig", 2, 4.0), ("moe", 2, 4.0),

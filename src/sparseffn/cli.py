@@ -67,7 +67,7 @@ def _bench_routers(args: argparse.Namespace) -> int:
     from .bench import tree_routers
     tree_routers.run(args.depths, batch=args.batch, dim=args.dim, repeats=args.repeats,
                      max_matrix_depth=args.max_matrix_depth, json_path=args.json,
-                     plot_path=args.plot, forward_only=args.forward_only)
+                     plot_path=args.plot, forward_only=args.forward_only, device=args.device)
     return 0
 
 
@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     routers.add_argument("--max-matrix-depth", type=int, default=13,
                          help="skip the dense T,S formulation above this depth (13)")
     routers.add_argument("--forward-only", action="store_true", help="skip forward+backward")
+    routers.add_argument("--device", default="cpu",
+                         help="cpu (default) or cuda (Table 2's GPU columns beside)")
     routers.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     routers.add_argument("--plot", metavar="PATH", help="draw time vs depth to this PNG")
     routers.set_defaults(func=_bench_routers)

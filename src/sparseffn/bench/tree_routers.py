@@ -16,8 +16,9 @@ all with ``(2^d - 1)·dim`` node weights (MoE: ``2^d·dim``), no biases:
 
 Table 2 is the harmonic mean over depths of ``time(orig) / time(method)``, up to depth 8 and
 up to 13 (Chaunin & Mikhailovskiy reports CPU: MoE 7.27 / 4.55, T,S 3.55 / 0.88, inference 0.90 /
-1.09, logs 1.27 / 1.07). At each depth all methods run in rotation, so ratios compare runs adjacent
-in time.
+1.09, logs 1.27 / 1.07; GPU: MoE 45.63 / 57.84, T,S 11.89 / 8.93, inference 4.22 / 4.52, logs
+2.58 / 3.22). At each depth all methods run in rotation, so ratios compare runs adjacent in
+time. ``--device cuda`` runs it on a GPU (CUDA events) and sets the paper's GPU column beside.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ PAPER_NAMES = {"moe": "MoE", "matrix": "FFF T,S", "hard": "FFF Inference", "logs
 # Chaunin & Mikhailovskiy Table 2, CPU: harmonic mean of time(orig)/time(method), depths up to 8 / up to 13.
 PAPER_CPU = {"moe": (7.27, 4.55), "matrix": (3.55, 0.88), "hard": (0.90, 1.09),
              "logs": (1.27, 1.07), "orig": (1.0, 1.0)}
+# ... and GPU (the same table's GPU columns)
+PAPER_GPU = {"moe": (45.63, 57.84), "matrix": (11.89, 8.93), "hard": (4.22, 4.52),
+             "logs": (2.58, 3.22), "orig": (1.0, 1.0)}
 PASSES = ("forward", "forward_backward")
 FORWARD_ONLY = {"hard"}
 
@@ -65,9 +69,9 @@ def router_fns(depth: int, x: torch.Tensor, seed: int = 0) -> dict[str, Callable
     gen = torch.Generator().manual_seed(seed + depth)
     dim = x.shape[1]
     nodes = (1 << depth) - 1
-    tree_weight = torch.randn(nodes, dim, generator=gen) / dim ** 0.5
-    moe_weight = torch.randn(nodes + 1, dim, generator=gen) / dim ** 0.5
-    router = TreeRouter(TreeRouterConfig(bias=False), dim, nodes + 1, 1)
+    tree_weight = (torch.randn(nodes, dim, generator=gen) / dim ** 0.5).to(x.device)
+    moe_weight = (torch.randn(nodes + 1, dim, generator=gen) / dim ** 0.5).to(x.device)
+    router = TreeRouter(TreeRouterConfig(bias=False), dim, nodes + 1, 1).to(x.device)
     with torch.no_grad():
         router.weight.copy_(tree_weight)
     return {
@@ -103,11 +107,17 @@ def _timed(fn: Callable, weight: torch.Tensor, x: torch.Tensor, backward: bool) 
 def bench_tree_routers(depths: list[int], batch: int = 2048, dim: int = 1024, repeats: int = 5,
                        max_matrix_depth: int = 13, methods: tuple[str, ...] = METHODS,
                        passes: tuple[str, ...] = PASSES, seed: int = 0,
-                       progress: Callable[[str], None] | None = None) -> list[dict]:
+                       progress: Callable[[str], None] | None = None,
+                       device: torch.device | str = "cpu") -> list[dict]:
     """One record per (method, depth, pass): ``ms`` is the median over ``repeats`` rounds
-    (fewer for a method slower than a second per call)."""
+    (fewer for a method slower than a second per call), on ``device``."""
+    device = torch.device(device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     torch.manual_seed(seed)
-    x = torch.randn(batch, dim)
+    x = torch.randn(batch, dim).to(device)
     records = []
     for depth in depths:
         fns = router_fns(depth, x, seed)
@@ -119,16 +129,18 @@ def bench_tree_routers(depths: list[int], batch: int = 2048, dim: int = 1024, re
             start = time.perf_counter()
             slow = {}
             for name, run in list(runs.items()):     # one untimed call each; find the slow ones
+                sync()
                 t0 = time.perf_counter()
                 run()
+                sync()
                 if time.perf_counter() - t0 > 1.0:
                     slow[name] = runs.pop(name)
-            times = interleaved_times(runs, repeats, warmup=1) if runs else {}
-            times.update(interleaved_times(slow, 2, warmup=0) if slow else {})
+            times = interleaved_times(runs, repeats, warmup=1, device=device) if runs else {}
+            times.update(interleaved_times(slow, 2, warmup=0, device=device) if slow else {})
             for name, ts in times.items():
                 records.append({"method": name, "depth": depth, "pass": pass_name,
                                 "ms": statistics.median(ts), "batch": batch, "dim": dim,
-                                "round_ms": ts})
+                                "device": str(device), "round_ms": ts})
             if progress:
                 progress(f"depth {depth:2d} {pass_name:16s} {time.perf_counter() - start:6.1f} s")
     return records
@@ -185,8 +197,11 @@ def format_table(records: list[dict]) -> str:
     low = min(8, top)
     lines.append(f"\nTable 2: harmonic mean of time(orig)/time(method), depths {min(depths)}..{low} "
                  f"and {min(depths)}..{top}")
+    on_gpu = any(r.get("device", "cpu").startswith("cuda") for r in records)
+    paper_table = PAPER_GPU if on_gpu else PAPER_CPU
     header = f"{'method':16s}{'fwd <=' + str(low):>12s}{'fwd <=' + str(top):>12s}" \
-             f"{'f+b <=' + str(low):>12s}{'f+b <=' + str(top):>12s}   paper CPU <=8 / <=13"
+             f"{'f+b <=' + str(low):>12s}{'f+b <=' + str(top):>12s}   paper " \
+             f"{'GPU' if on_gpu else 'CPU'} <=8 / <=13"
     lines.append(header)
     fwd_low, fwd_top = harmonic_speedups(records, "forward", low), harmonic_speedups(records, "forward", top)
     fb_low = harmonic_speedups(records, "forward_backward", low)
@@ -194,7 +209,7 @@ def format_table(records: list[dict]) -> str:
     for m in methods:
         cells = "".join(f"{v:12.2f}" if v is not None else f"{'-':>12s}"
                         for v in (fwd_low[m], fwd_top[m], fb_low[m], fb_top[m]))
-        paper = PAPER_CPU.get(m)
+        paper = paper_table.get(m)
         name = f"{m} ({PAPER_NAMES[m]})" if m in PAPER_NAMES else m
         lines.append(f"{name:16.16s}{cells}   " + (f"{paper[0]:.2f} / {paper[1]:.2f}" if paper else "(ours)"))
     lines.append("\n" + "\n".join(check_targets(records)))
@@ -267,16 +282,19 @@ def plot(records: list[dict], path: str) -> None:
 
 def run(depths: list[int], batch: int = 2048, dim: int = 1024, repeats: int = 5,
         max_matrix_depth: int = 13, json_path: str | None = None, plot_path: str | None = None,
-        forward_only: bool = False) -> list[dict]:
+        forward_only: bool = False, device: str = "cpu") -> list[dict]:
     """Run, print the per-depth times and Table 2, write JSON / PNG if asked."""
+    dev = torch.device(device)
+    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+             else f"{torch.get_num_threads()} threads")
     if plot_path:
         from .plotting import pyplot
         pyplot()   # fail before the long run if matplotlib is missing
     print(f"sparseffn bench routers: batch {batch}, dim {dim}, depths {depths[0]}..{depths[-1]}, "
-          f"fp32, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
+          f"fp32, {where}, torch {torch.__version__}", flush=True)
     records = bench_tree_routers(depths, batch, dim, repeats, max_matrix_depth,
                                  passes=("forward",) if forward_only else PASSES,
-                                 progress=lambda line: print(line, flush=True))
+                                 progress=lambda line: print(line, flush=True), device=dev)
     print(format_table(records))
     if json_path:
         write_json(records, json_path)
