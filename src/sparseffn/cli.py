@@ -84,7 +84,7 @@ def _bench_productkeys(args: argparse.Namespace) -> int:
     product_keys.run(args.exponents, tokens=args.tokens, scaling_tokens=args.scaling_tokens,
                      repeats=args.repeats, peers=not args.no_peers, train_steps=args.train_steps,
                      train_batch=args.train_batch, cases=tuple(args.cases), json_path=args.json,
-                     plot_path=args.plot)
+                     plot_path=args.plot, device=args.device)
     return 0
 
 
@@ -221,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--train-steps", type=int, default=300,
                     help="steps of the million-expert PEER training run (300; 0 skips it)")
     pk.add_argument("--train-batch", type=int, default=512, help="tokens per training step (512)")
+    pk.add_argument("--device", default="cpu",
+                    help="cpu (default) or cuda (scaling, peer_1m and pkm; train stays on the CPU)")
     pk.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     pk.add_argument("--plot", metavar="PATH", help="draw the scaling series to this PNG")
     pk.set_defaults(func=_bench_productkeys)

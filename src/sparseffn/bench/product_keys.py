@@ -23,7 +23,8 @@ He 2024 §3).
 
 ``peak_bytes`` is the peak of PyTorch's CPU allocations during one call above what was
 allocated before it (parameters and inputs excluded; what the C kernels malloc themselves,
-a few MB of sort offsets, is not seen).
+a few MB of sort offsets, is not seen); on a GPU (``--device cuda``: cases 1-3, timed with
+CUDA events; the training run stays on the CPU) it is the CUDA allocator's peak.
 """
 
 from __future__ import annotations
@@ -42,11 +43,18 @@ from ..config import PEERConfig, PKMConfig
 from ..layers import PEER, ProductKeyMemory
 from ..ops.product_keys import retrieve
 from .measure import (forward_backward_fn, forward_fn, interleaved_times, paired_ratio,
-                      peak_bytes, write_json)
+                      peak_bytes, peak_mib, write_json)
 
 D_MODEL, HEADS, K = 256, 8, 16
 NAIVE_SCORE_ELEMENTS = 1 << 24      # scores per chunk of naive scoring (64 MB)
 NAIVE_TOKEN_ELEMENTS = 1 << 27      # tokens · heads · N scored per naive call
+
+
+def _peak(fn, device: torch.device) -> int:
+    """Peak bytes allocated during one call of ``fn`` (see the module docstring)."""
+    if device.type == "cuda":
+        return int(peak_mib(fn, device) * 2 ** 20)
+    return peak_bytes(fn)
 
 
 def _record(case: str, n_experts: int, method: str, pass_name: str, ms: float,
@@ -57,16 +65,17 @@ def _record(case: str, n_experts: int, method: str, pass_name: str, ms: float,
 
 # --- 1. scaling ----------------------------------------------------------------------------
 
-def _scaling_point(exponent: int, tokens: int, repeats: int) -> tuple[list[dict], str]:
+def _scaling_point(exponent: int, tokens: int, repeats: int,
+                   device: torch.device = torch.device("cpu")) -> tuple[list[dict], str]:
     n_experts = 1 << exponent
     n_a, n_b = 1 << (exponent // 2), 1 << (exponent - exponent // 2)
     half = D_MODEL // 2
     g = torch.Generator().manual_seed(exponent)
-    sub_a = torch.randn(n_a, half, generator=g) / math.sqrt(half)
-    sub_b = torch.randn(n_b, half, generator=g) / math.sqrt(half)
+    sub_a = (torch.randn(n_a, half, generator=g) / math.sqrt(half)).to(device)
+    sub_b = (torch.randn(n_b, half, generator=g) / math.sqrt(half)).to(device)
     keys_a = sub_a.expand(HEADS, n_a, half).contiguous()
     keys_b = sub_b.expand(HEADS, n_b, half).contiguous()
-    query = torch.randn(tokens, HEADS, D_MODEL, generator=g)
+    query = torch.randn(tokens, HEADS, D_MODEL, generator=g).to(device)
     naive_tokens = max(8, min(tokens, NAIVE_TOKEN_ELEMENTS // (HEADS * n_experts)))
     # Key i + n_a·j = [sub_a[i] | sub_b[j]] (Csordás et al. 2023 Eq. 15), as one [N, d] table.
     full_keys = torch.cat([sub_a.repeat(n_b, 1), sub_b.repeat_interleave(n_a, dim=0)], dim=1)
@@ -86,12 +95,13 @@ def _scaling_point(exponent: int, tokens: int, repeats: int) -> tuple[list[dict]
 
     agree = (product_keys()[:naive_tokens].sort(-1).values
              == naive().sort(-1).values).all(-1).float().mean().item()
-    times = interleaved_times({"product_keys": product_keys, "naive": naive}, repeats, warmup=1)
+    times = interleaved_times({"product_keys": product_keys, "naive": naive}, repeats, warmup=1,
+                              device=device)
     records = []
     for method, n_tok in (("product_keys", tokens), ("naive", naive_tokens)):
         ms = statistics.median(times[method])
         fn = product_keys if method == "product_keys" else naive
-        records.append(_record("scaling", n_experts, method, "forward", ms, peak_bytes(fn),
+        records.append(_record("scaling", n_experts, method, "forward", ms, _peak(fn, device),
                                tokens=n_tok, ms_per_token=ms / n_tok,
                                subkeys=[n_a, n_b] if method == "product_keys" else None))
     note = (f"2^{exponent}: product keys and naive scoring retrieve the same {K} keys for "
@@ -99,10 +109,11 @@ def _scaling_point(exponent: int, tokens: int, repeats: int) -> tuple[list[dict]
     return records, note
 
 
-def scaling(exponents: list[int], tokens: int, repeats: int) -> tuple[list[dict], list[str]]:
+def scaling(exponents: list[int], tokens: int, repeats: int,
+            device: torch.device = torch.device("cpu")) -> tuple[list[dict], list[str]]:
     records, notes = [], []
     for e in exponents:
-        recs, note = _scaling_point(e, tokens, repeats)
+        recs, note = _scaling_point(e, tokens, repeats, device)
         records += recs
         notes.append(note)
         pk, nv = recs
@@ -156,7 +167,7 @@ def _peer_pytorch(ours: PEER) -> nn.Module | None:
         _copy_keys_and_query(ours, theirs.keys, theirs.to_queries[0].weight)
         ours.store.w_in.copy_(theirs.weight_down_embed.weight)
         ours.store.w_out.copy_(theirs.weight_up_embed.weight)
-    return _Batched(theirs)
+    return _Batched(theirs).to(ours.store.w_out.device)
 
 
 def _product_key_memory(ours: ProductKeyMemory) -> nn.Module | None:
@@ -169,7 +180,7 @@ def _product_key_memory(ours: ProductKeyMemory) -> nn.Module | None:
     with torch.no_grad():
         _copy_keys_and_query(ours, theirs.keys, theirs.to_queries.weight)
         ours.store.values.copy_(theirs.values.weight)
-    return _Batched(theirs)
+    return _Batched(theirs).to(ours.store.values.device)
 
 
 def _side_by_side(case: str, their_case: str, their_name: str, ours: nn.Module,
@@ -188,14 +199,14 @@ def _side_by_side(case: str, their_case: str, their_name: str, ours: nn.Module,
             diff = (ours(x[:256]) - theirs(x[:256])).abs().max().item()
         notes.append(f"{case}: same weights, max |sparseffn - {their_name}| = {diff:.2e}")
     keyed = {f"{m}|{p}": fn for (m, p), fn in fns.items()}
-    times = interleaved_times(keyed, repeats, warmup=1)
+    times = interleaved_times(keyed, repeats, warmup=1, device=x.device)
     records = []
     for (method, pass_name), fn in fns.items():
         ts = times[f"{method}|{pass_name}"]
         for module in contenders.values():      # no gradients left from an earlier call
             module.zero_grad(set_to_none=True)
         record = _record(their_case if method == their_name else case, n_experts, method,
-                         pass_name, statistics.median(ts), peak_bytes(fn),
+                         pass_name, statistics.median(ts), _peak(fn, x.device),
                          tokens=x.shape[0], rounds_ms=ts)
         if method != "sparseffn":
             record["time_vs_sparseffn"] = paired_ratio(ts, times[f"sparseffn|{pass_name}"])
@@ -216,13 +227,14 @@ def with_sparse_grad(layer: nn.Module) -> nn.Module:
     return twin
 
 
-def peer_1m(tokens: int, repeats: int, peers: bool) -> tuple[list[dict], list[str]]:
+def peer_1m(tokens: int, repeats: int, peers: bool,
+            device: torch.device = torch.device("cpu")) -> tuple[list[dict], list[str]]:
     torch.manual_seed(0)
     cfg = PEERConfig(d_model=D_MODEL, num_experts=1024 ** 2, heads=HEADS, k=K)
-    ours = PEER(cfg)
+    ours = PEER(cfg).to(device)
     theirs = _peer_pytorch(ours) if peers else None
     sparse = with_sparse_grad(ours)   # the same parameters (no second million rows)
-    x = torch.randn(tokens, D_MODEL)
+    x = torch.randn(tokens, D_MODEL).to(device)
     records, notes = _side_by_side("peer_1m", "peer_peer_pytorch", "peer_pytorch", ours, theirs,
                                    {"sparseffn_sparse_grad": sparse}, cfg.num_experts, x,
                                    repeats)
@@ -231,15 +243,16 @@ def peer_1m(tokens: int, repeats: int, peers: bool) -> tuple[list[dict], list[st
     return records, notes
 
 
-def pkm(tokens: int, repeats: int, peers: bool) -> tuple[list[dict], list[str]]:
+def pkm(tokens: int, repeats: int, peers: bool,
+        device: torch.device = torch.device("cpu")) -> tuple[list[dict], list[str]]:
     torch.manual_seed(0)
     # product-key-memory's defaults, scaled to 512² values: 4 heads, top 32, 128-unit
     # half-queries from a linear query network, LayerNorm on each half-query, softmax.
     cfg = PKMConfig(d_model=D_MODEL, num_subkeys=512, heads=4, k=32, query="linear",
                     key_dim=256, query_norm="layernorm")
-    ours = ProductKeyMemory(cfg)
+    ours = ProductKeyMemory(cfg).to(device)
     theirs = _product_key_memory(ours) if peers else None
-    x = torch.randn(tokens, D_MODEL)
+    x = torch.randn(tokens, D_MODEL).to(device)
     records, notes = _side_by_side("pkm", "pkm_product_key_memory", "product_key_memory", ours,
                                    theirs, {}, cfg.num_values, x, repeats)
     if peers and theirs is None:
@@ -360,15 +373,18 @@ def plot(records: list[dict], path: str) -> None:
 def run(exponents: list[int], tokens: int = 4096, scaling_tokens: int = 1024, repeats: int = 3,
         peers: bool = True, train_steps: int = 300, train_batch: int = 512,
         cases: tuple[str, ...] = ("scaling", "peer_1m", "pkm", "train"),
-        json_path: str | None = None, plot_path: str | None = None) -> list[dict]:
-    print(f"sparseffn bench productkeys: d_model {D_MODEL}, fp32, {torch.get_num_threads()} "
-          f"threads", flush=True)
+        json_path: str | None = None, plot_path: str | None = None,
+        device: str = "cpu") -> list[dict]:
+    dev = torch.device(device)
+    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+             else f"{torch.get_num_threads()} threads")
+    print(f"sparseffn bench productkeys: d_model {D_MODEL}, fp32, {where}", flush=True)
     records, notes = [], []
     # Training first, so that the process's peak RSS it reports is its own.
     steps = [("train", lambda: peer_1m_train(train_steps, train_batch)),
-             ("scaling", lambda: scaling(exponents, scaling_tokens, repeats)),
-             ("peer_1m", lambda: peer_1m(tokens, repeats, peers)),
-             ("pkm", lambda: pkm(tokens, repeats, peers))]
+             ("scaling", lambda: scaling(exponents, scaling_tokens, repeats, dev)),
+             ("peer_1m", lambda: peer_1m(tokens, repeats, peers, dev)),
+             ("pkm", lambda: pkm(tokens, repeats, peers, dev))]
     for name, step in steps:
         if name not in cases or (name == "train" and train_steps <= 0):
             continue
