@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of the GPU issue, in stages that each fit one call of a lent
+# GPU machine (at most 10 minutes; the times below were seen on an H100, Triton 3.6, with its
+# compile caches empty). Each stage writes its log and JSON under OUT (default runs/gpu).
+#
+#   bash scripts/gpu_session.sh tests check        # ~1 + ~7 min
+#   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ? min (fig2 with both peers)
+#   bash scripts/gpu_session.sh layers routers productkeys profile
+#
+# fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
+# /.peers/ in .git/info/exclude, so that it travels as an ignored, carried folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-runs/gpu}"
+PEERS_DIR="${PEERS_DIR:-.peers}"
+mkdir -p "$OUT"
+PY="${PY:-python3}"   # the GPU image's python3 holds PyTorch
+
+stage() {   # name, time limit in seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc"
+  grep -v -i -e warn -e "^ *warnings\." -e "^$" "$OUT/$name.log" | tail -n 40 | cut -c1-240
+}
+
+for what in "$@"; do
+  case $what in
+    tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 240 $PY -m pytest -q -p no:cacheprovider \
+             tests/ops/test_triton_cvmm.py tests/ops/test_operator_autocast.py ;;
+    check) stage check 540 $PY scripts/gpu_check.py --json "$OUT/check.json" ;;
+    fig2) stage fig2 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
+            --json "$OUT/fig2.json" ;;
+    lm) stage lm 540 $PY -m sparseffn bench lm --device cuda --json "$OUT/lm.json" ;;
+    layers) stage layers 400 $PY -m sparseffn bench layers --device cuda --dtype bfloat16 \
+              --tokens 32768 --json "$OUT/layers.json" ;;
+    routers) stage routers 300 $PY -m sparseffn bench routers --device cuda --json "$OUT/routers.json" ;;
+    productkeys) stage productkeys 400 $PY -m sparseffn bench productkeys --device cuda \
+                   --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
+    profile) stage profile 300 $PY scripts/gpu_profile.py ;;
+    *) echo "unknown stage $what (tests check fig2 lm layers routers productkeys profile)"; exit 2 ;;
+  esac
+done
