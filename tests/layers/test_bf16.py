@@ -1,0 +1,78 @@
+"""Every layer trains in bf16, as a pure-bf16 module and under bf16 autocast, and computes what
+it computes in fp32 (the GPU issue's "every layer trains in bf16"; here on CPU tensors, where
+the same PyTorch implementations run as on CUDA wherever no Triton kernel takes over).
+
+Closeness is judged per token against the fp32 layer with the same weights. Layers whose hard
+choice is made among many near-equal candidates (a top-k of 2,048 hidden units, product-key
+retrieval among 4,096 keys) pick differently for some tokens once the scores are rounded to
+bf16, and such a token's output differs by a whole row: for them the test asks for the median
+token, not (almost) every token, to be close.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import sparseffn
+from sparseffn.bench.compiled import layer_configs
+
+CONFIGS = layer_configs(64)
+# the median token's relative error allowed for the choice-sensitive layers; every other
+# layer must have 98% of its tokens within 3% of fp32
+_CHOICE_SENSITIVE = {"pkm": 0.02, "peer": 0.02, "topk_mlp": 0.15}
+
+
+def _token_errors(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (y.float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+
+
+def _assert_close_per_token(name: str, y: torch.Tensor, ref: torch.Tensor) -> None:
+    errors = _token_errors(y, ref)
+    if name in _CHOICE_SENSITIVE:
+        assert errors.median().item() <= _CHOICE_SENSITIVE[name], errors.median()
+    else:
+        assert (errors < 0.03).float().mean().item() >= 0.98, errors.max()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_pure_bf16_module_trains_and_matches_fp32(name):
+    torch.manual_seed(0)
+    ref = sparseffn.build_layer(CONFIGS[name]).eval()
+    x = torch.randn(200, 64)
+    with torch.no_grad():
+        want = ref(x)
+    layer = copy.deepcopy(ref).to(torch.bfloat16).train()
+    xb = x.to(torch.bfloat16).requires_grad_(True)
+    y = layer(xb)
+    assert y.dtype == torch.bfloat16
+    (y.float().square().mean() + sparseffn.aux_loss(layer)).backward()
+    assert xb.grad.dtype == torch.bfloat16 and torch.isfinite(xb.grad).all()
+    for pname, p in layer.named_parameters():
+        if p.grad is not None:
+            assert p.grad.dtype == torch.bfloat16, pname
+            assert torch.isfinite(p.grad.to_dense() if p.grad.is_sparse else p.grad).all(), pname
+    with torch.no_grad():
+        _assert_close_per_token(name, layer.eval()(x.to(torch.bfloat16)), want)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bf16_autocast_trains_fp32_weights_and_matches_fp32(name):
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(CONFIGS[name]).eval()
+    x = torch.randn(200, 64)
+    with torch.no_grad():
+        want = layer(x)
+    layer.train()
+    xa = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(xa)
+        loss = y.float().square().mean() + sparseffn.aux_loss(layer)
+    assert y.dtype in (torch.bfloat16, torch.float32)
+    loss.backward()
+    assert xa.grad.dtype == torch.float32 and torch.isfinite(xa.grad).all()
+    grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    assert grads and all(g.dtype == torch.float32 for g in grads.values())
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_close_per_token(name, layer.eval()(x), want)
