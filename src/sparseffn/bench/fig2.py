@@ -35,7 +35,8 @@ from ..layers import DenseMLP, SigmaMoE
 from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
 from ..ops import triton_cvmm
-from .measure import forward_backward_fn, interleaved_times, paired_ratio, peak_mib, write_json
+from .measure import (autocast_dtype_of, describe_device, dtype_name, forward_backward_fn,
+                      interleaved_times, paired_ratio, peak_mib, write_json)
 
 EXPERT_SIZE = 128
 K = 4
@@ -120,7 +121,7 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
     times = interleaved_times(contenders, repeats, warmup=3, device=device)
     record = {"d_model": d_model, "tokens": tokens, "num_experts": num_experts,
               "expert_size": EXPERT_SIZE, "k": K, "device": str(device),
-              "dtype": str(dtype).replace("torch.", "") if dtype else "float32",
+              "dtype": dtype_name(dtype),
               "ms": {name: statistics.median(ts) for name, ts in times.items()},
               "peak_mib": {name: peak_mib(run, device) for name, run in contenders.items()},
               "over_dense_param": {name: paired_ratio(ts, times["dense_param"])
@@ -160,7 +161,7 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
         dtype: str = "bfloat16", peers: bool = False, peers_dir: str | None = None,
         json_path: str | None = None) -> list[dict]:
     dev = torch.device(device)
-    autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
+    autocast_dtype = autocast_dtype_of(dtype)
     builders = {}
     if peers:
         if dev.type != "cuda":
@@ -169,8 +170,7 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
             builders = peer_builders(peers_dir or os.environ.get("SPARSEFFN_PEERS_DIR",
                                                                  "../shared/peers"),
                                      autocast_dtype)
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    print(f"sparseffn bench fig2: {where}, {dtype}, {tokens} tokens, expert size {EXPERT_SIZE}, "
+    print(f"sparseffn bench fig2: {describe_device(dev)}, {dtype}, {tokens} tokens, expert size {EXPERT_SIZE}, "
           f"k={K}, torch {torch.__version__}", flush=True)
     records = []
     for d_model in d_models:

@@ -25,8 +25,9 @@ from ..layers import DenseMLP, SigmaMoE
 from ..matching import active_equal_dense, param_equal_dense
 from ..ops import DispatchPlan
 from .gemm_bound import ExpertGemms
-from .measure import (forward_backward_fn, forward_fn, interleaved_times, paired_ratio,
-                      peak_mib, saved_bytes, write_json)
+from .measure import (autocast_dtype_of, describe_device, dtype_name, forward_backward_fn,
+                      forward_fn, interleaved_times, paired_ratio, peak_mib, saved_bytes,
+                      write_json)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
             "config": cfg.name,
             "pass": pass_name,
             "device": str(device),
-            "dtype": _dtype_name(autocast_dtype),
+            "dtype": dtype_name(autocast_dtype),
             "tokens": tokens,
             "d_model": cfg.moe.d_model,
             "num_experts": cfg.moe.num_experts,
@@ -132,10 +133,6 @@ def bench_config(cfg: BenchConfig, tokens: int, repeats: int, full: bool,
         record["dense_active_saved_bytes"] = saved_bytes(dense_active, x)
         record["saved_ratio_param"] = _saved_ratio(moe_saved, dense_saved)
     return records
-
-
-def _dtype_name(autocast_dtype: torch.dtype | None) -> str:
-    return "float32" if autocast_dtype is None else str(autocast_dtype).replace("torch.", "")
 
 
 def _fmt(value, spec: str) -> str:
@@ -173,15 +170,14 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
     are CUDA events and each record also has the allocator's ``peak_mib``; ``dtype``
     "bfloat16"/"float16" runs every layer under autocast (the expert GEMMs in that dtype)."""
     dev = torch.device(device)
-    autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
+    autocast_dtype = autocast_dtype_of(dtype)
     selected = [c for c in default_configs() if configs is None or c.name in configs]
     peer_builders = []
     if peers:
         from .peers import available_peers
         peer_builders = available_peers()
-    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-             else f"cpu, {torch.get_num_threads()} threads")
-    print(f"sparseffn bench layers: {tokens} tokens, {dtype}, {where}, torch {torch.__version__}")
+    print(f"sparseffn bench layers: {tokens} tokens, {dtype}, {describe_device(dev)}, "
+          f"torch {torch.__version__}")
     records = []
     for cfg in selected:
         m = cfg.moe

@@ -27,7 +27,8 @@ import torch
 
 from ..auxiliary import aux_loss, sparse_grad_parameters
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
-from .measure import interleaved_times, paired_ratio, peak_mib, write_json
+from .measure import (autocast_dtype_of, describe_device, interleaved_times, paired_ratio,
+                      peak_mib, write_json)
 
 
 def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,
@@ -40,7 +41,7 @@ def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: i
 
 
 def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
-                     autocast_dtype: torch.dtype | None) -> Callable[[], float]:
+                     autocast_dtype: torch.dtype | None) -> Callable[[], None]:
     """One training step on ``tokens`` [batch, context + 1]: loss, backward, Adam update.
     Returns a function that runs it (and returns nothing read from the device)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -78,9 +79,8 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     if unknown:
         raise ValueError(f"unknown FFN preset(s) {', '.join(unknown)}; presets are "
                          f"{', '.join(PRESETS)}")
-    autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
-    where = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
-    print(f"sparseffn bench lm: {where}, {dtype}, d_model {d_model}, {n_layers} blocks, context "
+    autocast_dtype = autocast_dtype_of(dtype)
+    print(f"sparseffn bench lm: {describe_device(dev)}, {dtype}, d_model {d_model}, {n_layers} blocks, context "
           f"{context}, batch {batch}, FFNs sized to a dense d_ff {d_ff}, torch "
           f"{torch.__version__}", flush=True)
     generator = torch.Generator().manual_seed(0)

@@ -50,6 +50,23 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
+def autocast_dtype_of(name: str) -> torch.dtype | None:
+    """The autocast dtype a benchmark's ``--dtype`` names: None (no autocast) for "float32"."""
+    return None if name == "float32" else getattr(torch, name)
+
+
+def dtype_name(autocast_dtype: torch.dtype | None) -> str:
+    """The inverse of :func:`autocast_dtype_of`, for records: "float32" without autocast."""
+    return "float32" if autocast_dtype is None else str(autocast_dtype).replace("torch.", "")
+
+
+def describe_device(device: torch.device) -> str:
+    """The GPU's name, or the CPU with its thread count, for a benchmark's header line."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu, {torch.get_num_threads()} threads"
+
+
 def forward_fn(layer: nn.Module, x: torch.Tensor,
                autocast_dtype: torch.dtype | None = None) -> Callable[[], object]:
     """Inference forward (no autograd graph), under autocast with ``autocast_dtype``."""

@@ -18,7 +18,7 @@ from ..layers import DenseMLP, MoE
 from ..matching import param_equal_dense
 from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRouterConfig,
                              SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig)
-from .measure import forward_backward_fn, interleaved_times, paired_ratio
+from .measure import dtype_name, forward_backward_fn, interleaved_times, paired_ratio
 
 # (row name, router config, k). The routing-overhead target compares each with σ-MoE at its k.
 ROUTER_ROWS = [
@@ -74,8 +74,7 @@ def bench_routers(tokens: int, repeats: int, d_model: int = 512, num_experts: in
         dropped = stats.get("dropped_fraction")
         records.append({
             "config": "a", "pass": "forward_backward", "router": name, "device": str(device),
-            "dtype": "float32" if autocast_dtype is None
-            else str(autocast_dtype).replace("torch.", ""),
+            "dtype": dtype_name(autocast_dtype),
             "router_config": router.to_dict(), "tokens": tokens, "d_model": d_model,
             "num_experts": num_experts, "expert_size": expert_size, "k": k,
             "moe_ms": ms[key],

@@ -42,8 +42,8 @@ from torch import nn
 from ..config import PEERConfig, PKMConfig
 from ..layers import PEER, ProductKeyMemory
 from ..ops.product_keys import retrieve
-from .measure import (forward_backward_fn, forward_fn, interleaved_times, paired_ratio,
-                      peak_bytes, peak_mib, write_json)
+from .measure import (describe_device, forward_backward_fn, forward_fn, interleaved_times,
+                      paired_ratio, peak_bytes, peak_mib, write_json)
 
 D_MODEL, HEADS, K = 256, 8, 16
 NAIVE_SCORE_ELEMENTS = 1 << 24      # scores per chunk of naive scoring (64 MB)
@@ -376,9 +376,8 @@ def run(exponents: list[int], tokens: int = 4096, scaling_tokens: int = 1024, re
         json_path: str | None = None, plot_path: str | None = None,
         device: str = "cpu") -> list[dict]:
     dev = torch.device(device)
-    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-             else f"{torch.get_num_threads()} threads")
-    print(f"sparseffn bench productkeys: d_model {D_MODEL}, fp32, {where}", flush=True)
+    print(f"sparseffn bench productkeys: d_model {D_MODEL}, fp32, {describe_device(dev)}",
+          flush=True)
     records, notes = [], []
     # Training first, so that the process's peak RSS it reports is its own.
     steps = [("train", lambda: peer_1m_train(train_steps, train_batch)),

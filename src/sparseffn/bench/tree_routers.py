@@ -33,7 +33,7 @@ import torch
 from ..ops import fff
 from ..router_config import TreeRouterConfig
 from ..routers.tree import TreeRouter
-from .measure import interleaved_times, paired_ratio, write_json
+from .measure import describe_device, interleaved_times, paired_ratio, write_json
 
 METHODS = ("moe", "matrix", "hard", "logs", "orig", "levelwise", "matrix_sparse", "auto")
 PAPER_NAMES = {"moe": "MoE", "matrix": "FFF T,S", "hard": "FFF Inference", "logs": "FFF Logs",
@@ -285,13 +285,11 @@ def run(depths: list[int], batch: int = 2048, dim: int = 1024, repeats: int = 5,
         forward_only: bool = False, device: str = "cpu") -> list[dict]:
     """Run, print the per-depth times and Table 2, write JSON / PNG if asked."""
     dev = torch.device(device)
-    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-             else f"{torch.get_num_threads()} threads")
     if plot_path:
         from .plotting import pyplot
         pyplot()   # fail before the long run if matplotlib is missing
     print(f"sparseffn bench routers: batch {batch}, dim {dim}, depths {depths[0]}..{depths[-1]}, "
-          f"fp32, {where}, torch {torch.__version__}", flush=True)
+          f"fp32, {describe_device(dev)}, torch {torch.__version__}", flush=True)
     records = bench_tree_routers(depths, batch, dim, repeats, max_matrix_depth,
                                  passes=("forward",) if forward_only else PASSES,
                                  progress=lambda line: print(line, flush=True), device=dev)
