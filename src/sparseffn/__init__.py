@@ -5,8 +5,8 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 :func:`aux_loss`.
 """
 
-from .auxiliary import (all_reduce_usage, aux_loss, aux_loss_terms, reset_usage, routing_stats,
-                        sparse_grad_parameters)
+from .auxiliary import (all_reduce_usage, aux_loss, aux_loss_terms, dense_grad_parameters,
+                        reset_usage, routing_stats, sparse_grad_parameters)
 from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, PEERConfig,
                      PKMConfig, ProductKeySpec, SigmaMoEConfig, TopKMLPConfig, config_from_dict)
 from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
@@ -32,6 +32,6 @@ __all__ = [
     "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP", "TopKMLPConfig",
     "TreeRouterConfig", "active_equal_dense", "all_reduce_usage", "aux_loss", "aux_loss_terms",
     "build_layer", "build_router", "compare_with_dense", "config_from_dict", "cvmm",
-    "param_equal_dense", "reset_usage", "routing_stats", "sparse_grad_parameters",
-    "tune_cpu_allocator",
+    "dense_grad_parameters", "param_equal_dense", "reset_usage", "routing_stats",
+    "sparse_grad_parameters", "tune_cpu_allocator",
 ]

@@ -98,8 +98,14 @@ def sparse_grad_parameters(model: nn.Module) -> list[nn.Parameter]:
     sparse gradients (``torch.optim.SparseAdam``, SGD); the other parameters keep theirs::
 
         sparse = sparseffn.sparse_grad_parameters(model)
-        ids = {id(p) for p in sparse}
-        dense = [p for p in model.parameters() if id(p) not in ids]
+        dense = sparseffn.dense_grad_parameters(model)
         optimizers = [torch.optim.Adam(dense), torch.optim.SparseAdam(sparse)]
     """
     return [p for _, layer in _layers(model) for p in layer.sparse_grad_parameters()]
+
+
+def dense_grad_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter of ``model`` not in :func:`sparse_grad_parameters` (in
+    ``model.parameters()`` order): the ones an ordinary optimiser takes."""
+    sparse = {id(p) for p in sparse_grad_parameters(model)}
+    return [p for p in model.parameters() if id(p) not in sparse]

@@ -223,6 +223,9 @@ def test_sparse_grad_equals_dense_grad_and_trains_with_sparse_adam(rows_path, ki
     tables = sparseffn.sparse_grad_parameters(sparse)
     assert len(tables) == (1 if kind == "pkm" else 2)
     assert sparseffn.sparse_grad_parameters(dense) == []
+    assert sparseffn.dense_grad_parameters(dense) == list(dense.parameters())
+    assert {id(p) for p in sparseffn.dense_grad_parameters(sparse)} == \
+        {id(p) for p in sparse.parameters()} - {id(t) for t in tables}
     for (name, p), q in zip(sparse.named_parameters(), dense.parameters()):
         if any(p is t for t in tables):
             assert p.grad.is_sparse

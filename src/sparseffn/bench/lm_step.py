@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..auxiliary import aux_loss, sparse_grad_parameters
+from ..auxiliary import aux_loss, dense_grad_parameters, sparse_grad_parameters
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from .measure import (autocast_dtype_of, describe_device, interleaved_times, paired_ratio,
                       peak_mib, write_json)
@@ -46,9 +46,7 @@ def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
     Returns a function that runs it (and returns nothing read from the device)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     sparse = sparse_grad_parameters(model)
-    sparse_ids = {id(p) for p in sparse}
-    dense = [p for p in model.parameters() if id(p) not in sparse_ids]
-    optimizers = [torch.optim.Adam(dense, lr=1e-4)]
+    optimizers = [torch.optim.Adam(dense_grad_parameters(model), lr=1e-4)]
     if sparse:
         optimizers.append(torch.optim.SparseAdam(sparse, lr=1e-4))
     device_type = tokens.device.type

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..auxiliary import aux_loss, sparse_grad_parameters
+from ..auxiliary import aux_loss, dense_grad_parameters, sparse_grad_parameters
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
 from ..models.lm import TransformerLM
@@ -158,8 +158,7 @@ class Trainer:
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
         sparse = sparse_grad_parameters(self.model)
-        sparse_ids = {id(p) for p in sparse}
-        self.dense_params = [p for p in self.model.parameters() if id(p) not in sparse_ids]
+        self.dense_params = dense_grad_parameters(self.model)
         t = run.train
         self.optimizers = [torch.optim.Adam(self.dense_params, lr=t.lr, betas=t.betas,
                                             weight_decay=t.weight_decay)]
