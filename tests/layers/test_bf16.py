@@ -35,6 +35,16 @@ def _assert_close_per_token(name: str, y: torch.Tensor, ref: torch.Tensor) -> No
         assert (errors < 0.03).float().mean().item() >= 0.98, errors.max()
 
 
+def _assert_gradients(x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The input's and every parameter's gradient exist, are finite and have ``dtype``."""
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+    grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+    assert grads
+    for name, grad in grads.items():
+        assert grad.dtype == dtype, name
+        assert torch.isfinite(grad.to_dense() if grad.is_sparse else grad).all(), name
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_pure_bf16_module_trains_and_matches_fp32(name):
     torch.manual_seed(0)
@@ -47,11 +57,7 @@ def test_a_pure_bf16_module_trains_and_matches_fp32(name):
     y = layer(xb)
     assert y.dtype == torch.bfloat16
     (y.float().square().mean() + sparseffn.aux_loss(layer)).backward()
-    assert xb.grad.dtype == torch.bfloat16 and torch.isfinite(xb.grad).all()
-    for pname, p in layer.named_parameters():
-        if p.grad is not None:
-            assert p.grad.dtype == torch.bfloat16, pname
-            assert torch.isfinite(p.grad.to_dense() if p.grad.is_sparse else p.grad).all(), pname
+    _assert_gradients(xb, layer, torch.bfloat16)
     with torch.no_grad():
         _assert_close_per_token(name, layer.eval()(x.to(torch.bfloat16)), want)
 
@@ -70,9 +76,6 @@ def test_bf16_autocast_trains_fp32_weights_and_matches_fp32(name):
         loss = y.float().square().mean() + sparseffn.aux_loss(layer)
     assert y.dtype in (torch.bfloat16, torch.float32)
     loss.backward()
-    assert xa.grad.dtype == torch.float32 and torch.isfinite(xa.grad).all()
-    grads = {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
-    assert grads and all(g.dtype == torch.float32 for g in grads.values())
-    assert all(torch.isfinite(g).all() for g in grads.values())
+    _assert_gradients(xa, layer, torch.float32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         _assert_close_per_token(name, layer.eval()(x), want)
