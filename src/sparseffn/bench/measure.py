@@ -132,17 +132,20 @@ def write_json(records: list[dict], path: str) -> None:
     os.replace(tmp, path)
 
 
-def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
-    """MiB the CUDA allocator's peak rose during one call of ``fn`` above what was allocated
-    before it; None on other devices (see :func:`peak_bytes` for the CPU)."""
-    if device.type != "cuda":
-        return None
+def cuda_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Bytes the CUDA allocator's peak rose during one call of ``fn`` above what was allocated
+    before it (see :func:`peak_bytes` for the CPU)."""
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """:func:`cuda_peak_bytes` in MiB on a CUDA device; None on other devices."""
+    return cuda_peak_bytes(fn, device) / 2 ** 20 if device.type == "cuda" else None
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:

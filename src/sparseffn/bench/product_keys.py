@@ -42,8 +42,8 @@ from torch import nn
 from ..config import PEERConfig, PKMConfig
 from ..layers import PEER, ProductKeyMemory
 from ..ops.product_keys import retrieve
-from .measure import (describe_device, forward_backward_fn, forward_fn, interleaved_times,
-                      paired_ratio, peak_bytes, peak_mib, write_json)
+from .measure import (cuda_peak_bytes, describe_device, forward_backward_fn, forward_fn,
+                      interleaved_times, paired_ratio, peak_bytes, write_json)
 
 D_MODEL, HEADS, K = 256, 8, 16
 NAIVE_SCORE_ELEMENTS = 1 << 24      # scores per chunk of naive scoring (64 MB)
@@ -52,9 +52,7 @@ NAIVE_TOKEN_ELEMENTS = 1 << 27      # tokens · heads · N scored per naive call
 
 def _peak(fn, device: torch.device) -> int:
     """Peak bytes allocated during one call of ``fn`` (see the module docstring)."""
-    if device.type == "cuda":
-        return int(peak_mib(fn, device) * 2 ** 20)
-    return peak_bytes(fn)
+    return cuda_peak_bytes(fn, device) if device.type == "cuda" else peak_bytes(fn)
 
 
 def _record(case: str, n_experts: int, method: str, pass_name: str, ms: float,
