@@ -1,5 +1,6 @@
 """Every router behind the one interface: invariants, hand-computed losses, references."""
 
+import dataclasses
 import math
 
 import pytest
@@ -179,6 +180,46 @@ def test_scores_are_float32_under_bf16(name):
     assert y.dtype == torch.bfloat16
     want = layer.router(x.bfloat16().float())   # same decisions as fp32 on the rounded input
     torch.testing.assert_close(routing.weights, want.weights)
+
+
+LINEAR_ROUTERS = ("sigma", "softmax", "switch", "gshard", "sbase")
+
+
+@pytest.mark.parametrize("name", LINEAR_ROUTERS)
+def test_autocast_precision_computes_the_selection_product_in_the_autocast_dtype(name):
+    router, k = ROUTERS[name]
+    torch.manual_seed(0)
+    layer = MoE(MoEConfig(d_model=12, num_experts=E, expert_size=6, k=k,
+                          router=dataclasses.replace(router, precision="autocast"))).eval()
+    weight = layer.router.weight
+    x = torch.randn(16, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = layer.router.logits(x)
+        y = layer(x)
+    assert logits.dtype == torch.float32 and y.dtype == torch.bfloat16
+    # the product of the bf16-rounded operands, rounded to bf16, as nn.Linear under autocast
+    want = F.linear(x.bfloat16(), weight.bfloat16()).float()
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    full = F.linear(x, weight)
+    assert not torch.equal(logits, full)    # the default float32 product differs ...
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        default = MoE(dataclasses.replace(layer.config, router=router)).router
+        default.load_state_dict(layer.router.state_dict())
+        torch.testing.assert_close(default.logits(x), full, rtol=1e-6, atol=1e-6)   # ... it is fp32
+    # outside autocast the product runs in the weight's dtype (a pure-bf16 module)
+    layer.bfloat16()
+    out = layer.router.logits(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x.bfloat16(), weight.bfloat16()).float(),
+                               rtol=0, atol=0)
+
+
+def test_router_precision_is_checked_and_round_trips():
+    with pytest.raises(ValueError, match="precision must be one of 'float32', 'autocast'"):
+        SigmaRouterConfig(precision="bf16")
+    config = MoEConfig(d_model=8, num_experts=4, expert_size=2, k=2,
+                       router=SigmaRouterConfig(precision="autocast"))
+    assert config_from_dict(config.to_dict()) == config
 
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))

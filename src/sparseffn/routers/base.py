@@ -27,6 +27,32 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                     None if bias is None else bias.float())
 
 
+ROUTER_PRECISIONS = ("float32", "autocast")
+
+
+def selection_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     precision: str = "float32") -> torch.Tensor:
+    """The selection logits ``x Wᵀ (+ b)`` [T, E] in float32, the product computed as
+    ``precision`` says (one of ``ROUTER_PRECISIONS``):
+
+    - ``"float32"``: in float32 even under autocast (:func:`fp32_linear`; Switch Transformer's
+      "selective precision");
+    - ``"autocast"``: like any ``nn.Linear``: in bf16 under bf16 autocast (as the σ-MoE code of
+      Csordás et al. 2023 does), else in the weight's dtype. On a GPU at large d_model this
+      is several times cheaper (fp32 products do not use the tensor cores).
+
+    The scores, the top-k and the losses computed from the logits are float32 either way.
+
+    x: [T, d]; weight: [E, d]."""
+    if precision == "float32":
+        return fp32_linear(x, weight, bias)
+    if precision != "autocast":
+        raise ValueError(f"router precision must be one of {ROUTER_PRECISIONS}, got {precision!r}")
+    if not torch.is_autocast_enabled(x.device.type):
+        x = x.to(weight.dtype)
+    return nn.functional.linear(x, weight, bias).float()
+
+
 @torch.no_grad()
 def init_selection_(weight: torch.Tensor, init: str, init_depth: int) -> torch.Tensor:
     """Initialise a selection matrix [E, d_model].
@@ -111,5 +137,5 @@ class LinearRouter(Router):
         init_selection_(self.weight, self.init, self.init_depth)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``W x`` in float32: [T, E]."""
-        return fp32_linear(x, self.weight)
+        """``W x`` as float32 [T, E], computed in the config's ``precision``."""
+        return selection_linear(x, self.weight, precision=self.config.precision)

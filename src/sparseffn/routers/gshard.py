@@ -11,7 +11,7 @@ from ..ops.assignment import count_keys, positions_in_expert
 from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
-from .base import LinearRouter, capacity_of
+from .base import LinearRouter, ROUTER_PRECISIONS, capacity_of
 
 GSHARD_SECOND_EXPERT = ("random", "all")
 
@@ -31,6 +31,9 @@ class GShardRouterConfig(RouterConfig):
     None: dropless.
 
     aux_weight: weight of the group auxiliary loss ``(1/E) Σ_e (c_e / S) · m_e`` (line 13).
+    precision: the selection product ``W x`` in ``"float32"`` (the default; Switch's
+      "selective precision") or ``"autocast"`` (see
+      :func:`~sparseffn.routers.base.selection_linear`).
     """
 
     type_name: ClassVar[str] = "gshard"
@@ -39,8 +42,10 @@ class GShardRouterConfig(RouterConfig):
     group_size: int | None = None
     second_expert: str = "random"
     aux_weight: float = 0.01
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
+        require_choice(self, "precision", ROUTER_PRECISIONS)
         require_capacity_factor(self)
         if self.group_size is not None:
             require_positive_int(self, "group_size")

@@ -14,7 +14,7 @@ from ..ops.assignment import (capacity_rounding, count_keys, exact_balanced_assi
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
-from .base import LinearRouter
+from .base import LinearRouter, ROUTER_PRECISIONS
 
 SBASE_ASSIGNMENTS = ("sinkhorn", "exact")
 SBASE_ROUNDINGS = ("topk", "capacity")
@@ -40,6 +40,9 @@ class SBaseRouterConfig(RouterConfig):
       (deferred acceptance with at most ``ceil(T·k/E)`` pairs per expert: exactly balanced
       for k = 1, within a few % for k > 1; slower, see ``ops.assignment.capacity_rounding``).
     entropy_weight: γ of Eq. 35 (Csordás et al. 2023 regularises S-BASE with it, App. B Table 9).
+    precision: the selection product ``W x`` in ``"float32"`` (the default; Switch's
+      "selective precision") or ``"autocast"`` (see
+      :func:`~sparseffn.routers.base.selection_linear`).
     """
 
     type_name: ClassVar[str] = "sbase"
@@ -48,8 +51,10 @@ class SBaseRouterConfig(RouterConfig):
     sinkhorn_iterations: int = 8
     rounding: str = "topk"
     entropy_weight: float = 0.001
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
+        require_choice(self, "precision", ROUTER_PRECISIONS)
         require_choice(self, "assignment", SBASE_ASSIGNMENTS)
         require_choice(self, "rounding", SBASE_ROUNDINGS)
         require_positive_int(self, "sinkhorn_iterations")

@@ -12,7 +12,7 @@ from ..losses import batch_entropy_loss
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import require_bool, require_choice, require_non_negative, require_probability
-from .base import LinearRouter, drop_experts
+from .base import LinearRouter, ROUTER_PRECISIONS, drop_experts
 
 SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm")
 
@@ -27,6 +27,9 @@ class SigmaRouterConfig(RouterConfig):
       top-k) and ``"softmax_renorm"`` (softmax over the k selected, App. A.1 Eq. 37-39).
     entropy_weight: γ of the batch-entropy regulariser (Eq. 34-35).
     expert_dropout: δ of Eq. 36 (per token and expert, during training, no rescaling).
+    precision: the selection product ``W x`` in ``"float32"`` (the default; Switch's
+      "selective precision") or ``"autocast"`` (see
+      :func:`~sparseffn.routers.base.selection_linear`).
     """
 
     type_name: ClassVar[str] = "sigma"
@@ -34,8 +37,10 @@ class SigmaRouterConfig(RouterConfig):
     gate: str = "sigmoid"
     entropy_weight: float = 0.001
     expert_dropout: float = 0.0
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
+        require_choice(self, "precision", ROUTER_PRECISIONS)
         require_choice(self, "gate", SIGMA_GATES)
         require_non_negative(self, "entropy_weight")
         require_probability(self, "expert_dropout")
@@ -52,15 +57,22 @@ class SoftmaxRouterConfig(RouterConfig):
     then top-k; with ``renormalize`` the k kept scores are renormalised to sum to one
     (``normtopk``, App. A.1 Eq. 37-39, the same as a softmax over the k selected logits).
     Regularised with the batch entropy of Eq. 35, as Csordás et al. 2023 does for its softmax
-    variants."""
+    variants.
+
+    precision: the selection product ``W x`` in ``"float32"`` (the default; Switch's
+      "selective precision") or ``"autocast"`` (see
+      :func:`~sparseffn.routers.base.selection_linear`).
+    """
 
     type_name: ClassVar[str] = "softmax"
 
     renormalize: bool = False
     entropy_weight: float = 0.001
     expert_dropout: float = 0.0
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
+        require_choice(self, "precision", ROUTER_PRECISIONS)
         require_bool(self, "renormalize")
         require_non_negative(self, "entropy_weight")
         require_probability(self, "expert_dropout")

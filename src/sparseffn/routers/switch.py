@@ -12,8 +12,8 @@ from ..losses import router_z_loss, switch_balance_loss
 from ..ops.assignment import positions_in_expert
 from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
-from ..validation import require_non_negative, require_probability
-from .base import LinearRouter, capacity_of, drop_experts
+from ..validation import require_choice, require_non_negative, require_probability
+from .base import LinearRouter, ROUTER_PRECISIONS, capacity_of, drop_experts
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class SwitchRouterConfig(RouterConfig):
       choice, Switch's high dropout inside the experts, is the layer's ``hidden_dropout``.
     jitter: multiply the router input by U(1-jitter, 1+jitter) during training (Switch's
       "input jitter"); 0: off.
+    precision: the selection product ``W x`` in ``"float32"`` (the default; Switch's
+      "selective precision") or ``"autocast"`` (see
+      :func:`~sparseffn.routers.base.selection_linear`).
     """
 
     type_name: ClassVar[str] = "switch"
@@ -42,8 +45,10 @@ class SwitchRouterConfig(RouterConfig):
     z_loss_weight: float = 0.0
     expert_dropout: float = 0.0
     jitter: float = 0.0
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
+        require_choice(self, "precision", ROUTER_PRECISIONS)
         require_capacity_factor(self)
         require_non_negative(self, "balance_weight")
         require_non_negative(self, "z_loss_weight")
