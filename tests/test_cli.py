@@ -309,4 +309,8 @@ def test_bench_fig2_runs_on_cpu_and_writes_ratios_to_the_dense_mlp(tmp_path, cap
     assert record["num_experts"] == 4 and record["k"] == 4 and record["expert_size"] == 128
     assert set(record["ms"]) == {"sparseffn", "dense_param", "dense_active"}
     assert record["over_dense_param"]["dense_param"] == 1.0
-    assert "peers: skipped (they are CUDA kernels)" in capsys.readouterr().out
+    assert record["compile"] == "none" and not any(record["compiled"].values())
+    assert record["router_precision"] == "autocast"
+    out = capsys.readouterr().out
+    assert "peers: skipped (they are CUDA kernels)" in out
+    assert "router precision autocast, compile none" in out

@@ -46,7 +46,8 @@ def _cuda() -> bool:
 def _bench_fig2(args: argparse.Namespace) -> int:
     from .bench import fig2
     fig2.run(args.d_models, tokens=args.tokens, repeats=args.repeats, device=args.device,
-             dtype=args.dtype, peers=args.peers, peers_dir=args.peers_dir, json_path=args.json)
+             dtype=args.dtype, peers=args.peers, peers_dir=args.peers_dir, json_path=args.json,
+             compile=args.compile, router_precision=args.router_precision)
     return 0
 
 
@@ -137,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     fig2.add_argument("--peers-dir", metavar="DIR",
                       help="folder holding scattermoe/ and moe_layer/ (default: "
                            "$SPARSEFFN_PEERS_DIR or ../shared/peers)")
+    fig2.add_argument("--compile", choices=["none", "default", "reduce-overhead"], default="none",
+                      help="time every contender eagerly (none), under torch.compile (default) "
+                           "or torch.compile with CUDA graphs (reduce-overhead)")
+    fig2.add_argument("--router-precision", choices=["autocast", "float32"], default="autocast",
+                      help="the σ-MoE router's selection product: in the autocast dtype like the "
+                           "peers' routers (autocast, default here) or float32 (the library's "
+                           "default, Switch's selective precision)")
     fig2.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     fig2.set_defaults(func=_bench_fig2)
 

@@ -14,6 +14,16 @@ split into d_ff / 128 experts. Contenders, timed forward+backward in rotation:
   ScatterMoE (Tan et al. 2024, arXiv:2403.08245) behind the same sigmoid top-k router, from
   a folder holding their sources (``--peers-dir``; neither is on PyPI).
 
+The σ-MoE's router computes its selection product in the router ``precision`` given
+(``"autocast"`` by default here: in bf16 under bf16 autocast, as the peers' routers and
+Csordás et al.'s own code do; the library's default, ``"float32"``, is Switch's selective
+precision and costs a few fp32 GEMMs more).
+
+``compile``: ``"none"`` times every contender eagerly; ``"default"`` wraps every module in
+``torch.compile``; ``"reduce-overhead"`` in ``torch.compile(mode="reduce-overhead")``, whose
+CUDA graphs remove the per-launch host cost (a σ-MoE step launches about a hundred kernels; a
+dense one a handful). A contender that does not compile runs eagerly and is marked so.
+
 Times are medians over rounds (CUDA events on a GPU); ratios are medians of per-round ratios
 (runs adjacent in time). Peak MiB is the allocator's peak during one forward+backward above
 what was allocated before it (CUDA only).
@@ -34,12 +44,37 @@ from ..auxiliary import aux_loss
 from ..layers import DenseMLP, SigmaMoE
 from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
+from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
 from .measure import (autocast_dtype_of, describe_device, dtype_name, forward_backward_fn,
                       interleaved_times, paired_ratio, peak_mib, write_json)
 
 EXPERT_SIZE = 128
 K = 4
+COMPILE_MODES = ("none", "default", "reduce-overhead")
+
+
+def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dtype | None,
+                compile: str) -> tuple[Callable[[], None], bool]:
+    """A forward+backward of ``module`` (compiled as ``compile`` says) and whether it
+    compiled: a module that fails to compile (at the first call) runs eagerly."""
+    eager = forward_backward_fn(module, x, extra_loss, dtype)
+    if compile == "none":
+        return eager, False
+    compiled = torch.compile(module, mode=None if compile == "default" else compile)
+    step = forward_backward_fn(compiled, x, extra_loss, dtype)
+    if compile == "reduce-overhead":   # a new CUDA-graph step per run (outputs are reused)
+        def step(run=step):
+            torch.compiler.cudagraph_mark_step_begin()
+            run()
+    try:
+        step()
+    except Exception as error:   # report, then time it eagerly
+        print(f"  {type(module).__name__}: does not compile ({type(error).__name__}: "
+              f"{str(error).splitlines()[0][:160]}); timed eagerly")
+        torch._dynamo.reset()
+        return eager, False
+    return step, True
 
 
 class _ScatterMoE(nn.Module):
@@ -87,18 +122,30 @@ def peer_builders(peers_dir: str, dtype: torch.dtype | None = None
 
 
 def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
-                dtype: torch.dtype | None, peers: dict[str, Callable[[int, int], nn.Module]]
-                ) -> dict:
+                dtype: torch.dtype | None, peers: dict[str, Callable[[int, int], nn.Module]],
+                compile: str = "none", router_precision: str = "autocast") -> dict:
     """One d_model: every contender's forward+backward ms and peak MiB."""
     torch.manual_seed(0)
     num_experts = 4 * d_model // EXPERT_SIZE
     x = torch.randn(tokens, d_model, device=device)
-    moe = SigmaMoE(SigmaMoEConfig(d_model=d_model, num_experts=num_experts,
-                                  expert_size=EXPERT_SIZE, k=K)).to(device).train()
-    contenders: dict[str, Callable[[], None]] = {
-        "sparseffn": forward_backward_fn(moe, x, aux_loss, dtype)}
+
+    def sigma_moe():
+        return SigmaMoE(SigmaMoEConfig(
+            d_model=d_model, num_experts=num_experts, expert_size=EXPERT_SIZE, k=K,
+            router=SigmaRouterConfig(precision=router_precision))).to(device).train()
+    contenders: dict[str, Callable[[], None]] = {}
+    compiled: dict[str, bool] = {}
+    contenders["sparseffn"], compiled["sparseffn"] = _timed_step(sigma_moe(), x, aux_loss, dtype,
+                                                                 compile)
     if device.type == "cuda" and triton_cvmm.triton_enabled():
-        def torch_path(run=forward_backward_fn(moe, x, aux_loss, dtype)):
+        triton_cvmm.set_triton_enabled(False)   # the choice is made inside the operators
+        try:
+            torch_run, compiled["sparseffn_torch"] = _timed_step(sigma_moe(), x, aux_loss,
+                                                                 dtype, compile)
+        finally:
+            triton_cvmm.set_triton_enabled(True)
+
+        def torch_path(run=torch_run):
             triton_cvmm.set_triton_enabled(False)
             try:
                 run()
@@ -107,21 +154,23 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
         contenders["sparseffn_torch"] = torch_path
     for name, d_ff in (("dense_param", 4 * d_model), ("dense_active", K * EXPERT_SIZE)):
         dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
-        contenders[name] = forward_backward_fn(dense, x, autocast_dtype=dtype)
+        contenders[name], compiled[name] = _timed_step(dense, x, None, dtype, compile)
     for name, build in peers.items():
         try:
-            contenders[name] = forward_backward_fn(build(d_model, num_experts).to(device).train(),
-                                                   x, autocast_dtype=dtype)
+            contenders[name], compiled[name] = _timed_step(
+                build(d_model, num_experts).to(device).train(), x, None, dtype, compile)
             contenders[name]()
         except Exception as error:
             contenders.pop(name, None)
+            compiled.pop(name, None)
             print(f"  peer {name}: skipped at d_model {d_model} ({type(error).__name__}: "
                   f"{str(error).splitlines()[0][:200]})")
     # three warm-up rounds: compilation, autotuning, the allocator
     times = interleaved_times(contenders, repeats, warmup=3, device=device)
     record = {"d_model": d_model, "tokens": tokens, "num_experts": num_experts,
               "expert_size": EXPERT_SIZE, "k": K, "device": str(device),
-              "dtype": dtype_name(dtype),
+              "dtype": dtype_name(dtype), "compile": compile,
+              "router_precision": router_precision, "compiled": compiled,
               "ms": {name: statistics.median(ts) for name, ts in times.items()},
               "peak_mib": {name: peak_mib(run, device) for name, run in contenders.items()},
               "over_dense_param": {name: paired_ratio(ts, times["dense_param"])
@@ -159,7 +208,10 @@ def format_table(records: list[dict]) -> str:
 
 def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str = "cuda",
         dtype: str = "bfloat16", peers: bool = False, peers_dir: str | None = None,
-        json_path: str | None = None) -> list[dict]:
+        json_path: str | None = None, compile: str = "none",
+        router_precision: str = "autocast") -> list[dict]:
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
     dev = torch.device(device)
     autocast_dtype = autocast_dtype_of(dtype)
     builders = {}
@@ -170,12 +222,14 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
             builders = peer_builders(peers_dir or os.environ.get("SPARSEFFN_PEERS_DIR",
                                                                  "../shared/peers"),
                                      autocast_dtype)
-    print(f"sparseffn bench fig2: {describe_device(dev)}, {dtype}, {tokens} tokens, expert size {EXPERT_SIZE}, "
-          f"k={K}, torch {torch.__version__}", flush=True)
+    print(f"sparseffn bench fig2: {describe_device(dev)}, {dtype}, {tokens} tokens, "
+          f"expert size {EXPERT_SIZE}, k={K}, router precision {router_precision}, "
+          f"compile {compile}, torch {torch.__version__}", flush=True)
     records = []
     for d_model in d_models:
         print(f"d_model {d_model} ...", flush=True)
-        records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype, builders))
+        records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype, builders,
+                                   compile, router_precision))
     print(format_table(records))
     if json_path:
         write_json(records, json_path)
