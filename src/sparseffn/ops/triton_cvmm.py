@@ -48,10 +48,6 @@ _enabled = os.environ.get("SPARSEFFN_TRITON", "1") != "0"
 # SPARSEFFN_TRITON_AUTOTUNE=0: one fixed tile shape per kernel instead of timing several at the
 # first call of each problem shape (quicker start, e.g. for tests).
 _AUTOTUNE = os.environ.get("SPARSEFFN_TRITON_AUTOTUNE", "1") != "0"
-# How each token's k expert outputs are summed: "gather" (rows written in expert order, then
-# summed per token through the inverse permutation) or "scatter" (each row stored at its slot,
-# then the slots summed). Being measured on GPUs; one of them will go.
-_GATHER_COMBINE = os.environ.get("SPARSEFFN_TRITON_COMBINE", "gather") == "gather"
 
 
 def available() -> bool:
@@ -248,24 +244,6 @@ if triton is not None:
                  + cols_b[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=a_ok[:, None] & b_ok[None, :])
 
-    @triton.jit
-    def _combine_kernel(rows_ptr, stride_rows, inv_ptr, out_ptr, stride_out, num_tokens, n,
-                        GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-        """``out[t] = Σ_{j < GROUP} rows[inv[t·GROUP + j]]``, summed in slot order in fp32:
-        each token's k expert outputs, read from the expert-sorted rows (no atomics)."""
-        tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        t_ok = tokens < num_tokens
-        ok = t_ok[:, None] & (cols < n)[None, :]
-        tokens64 = tokens.to(tl.int64)
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for j in range(GROUP):
-            r = tl.load(inv_ptr + tokens64 * GROUP + j, mask=t_ok, other=0).to(tl.int64)
-            acc += tl.load(rows_ptr + r[:, None] * stride_rows + cols[None, :], mask=ok,
-                           other=0.0).to(tl.float32)
-        tl.store(out_ptr + tokens64[:, None] * stride_out + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=ok)
-
 
 def _precision(dtype: torch.dtype) -> str:
     """fp32 products in full precision unless PyTorch's own matmuls may use TF32."""
@@ -287,17 +265,11 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
               out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int, group: int,
               relu: bool, mask_with: Optional[Tensor], dot_with: Optional[Tensor]
               ) -> tuple[Tensor, Tensor]:
-    """``sparseffn::cvmm_rows`` in Triton (same arguments and results as the operator).
-
-    With ``out_idx`` and ``group > 1`` (each token's k slots summed), the product kernel
-    writes the expert-sorted rows in order (contiguous tiles) and :func:`_combine_rows` sums
-    each token's rows, found through the inverse of ``out_idx``."""
+    """``sparseffn::cvmm_rows`` in Triton (same arguments and results as the operator)."""
     dtype = torch.promote_types(src.dtype, weight.dtype)
     src, weight = _rowwise(src.to(dtype)), weight.to(dtype)
     num_experts, m, n = weight.shape
     rows = (in_idx if in_idx is not None else out_idx if out_idx is not None else src).shape[0]
-    combine = out_idx is not None and group > 1 and _GATHER_COMBINE
-    scatter_idx = None if combine else out_idx
     out = src.new_empty(rows, n)
     num_tiles_n = triton.cdiv(n, 16) if n else 0
     # Partial dots per column tile (at most one per 16 columns), summed below; a 0-size
@@ -314,40 +286,21 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
             src, src.stride(0), in_idx,
             weight, weight.stride(0), weight.stride(1), weight.stride(2),
             counts, num_experts, rows, m, n,
-            out, out.stride(0), scatter_idx, scale,
+            out, out.stride(0), out_idx, scale,
             mask_with, 0 if mask_with is None else mask_with.stride(0),
             dot_with, 0 if dot_with is None else dot_with.stride(0), dots,
-            HAS_IN_IDX=in_idx is not None, HAS_OUT_IDX=scatter_idx is not None,
+            HAS_IN_IDX=in_idx is not None, HAS_OUT_IDX=out_idx is not None,
             HAS_SCALE=scale is not None, RELU=bool(relu), HAS_MASK=mask_with is not None,
             HAS_DOT=dot_with is not None, PRECISION=_precision(dtype),
             BLOCK_E=_block_e(num_experts))
     elif rows:
         out.zero_()
     dots = src.new_empty(0) if dot_with is None else dots.sum(0).to(dtype)
-    if combine:
-        out = _combine_rows(out, out_idx, out_rows, group)
-    elif out_idx is not None and group > 1:    # each token's slots, summed in slot order
+    if out_idx is not None and group > 1:    # each token's slots, summed in slot order
         out = out.view(out_rows, group, n).sum(1)
     elif out_idx is not None and rows == 0:
         out = src.new_zeros(out_rows, n)
     return out, dots
-
-
-def _combine_rows(sorted_rows: Tensor, order: Tensor, out_rows: int, group: int) -> Tensor:
-    """``out[t] = Σ_{j < group} sorted_rows[r(t·group + j)]`` [out_rows, n], where r(s) is the
-    row whose ``order`` entry is slot s (``order``: a permutation of the ``out_rows·group``
-    slots), summed in slot order in fp32."""
-    n = sorted_rows.shape[1]
-    out = sorted_rows.new_empty(out_rows, n)
-    if out_rows == 0 or n == 0:
-        return out
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
-    block_t, block_n = 32, 128
-    grid = (triton.cdiv(out_rows, block_t), triton.cdiv(n, block_n))
-    _combine_kernel[grid](sorted_rows, sorted_rows.stride(0), inverse, out, out.stride(0),
-                          out_rows, n, GROUP=group, BLOCK_T=block_t, BLOCK_N=block_n)
-    return out
 
 
 def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Optional[Tensor],
