@@ -292,6 +292,21 @@ def test_bench_lm_times_every_preset_beside_the_parameter_equal_dense(tmp_path, 
     assert "ms/step" in out and "sigma_moe" in out
 
 
+def test_bench_lm_compiles_each_model_when_asked(tmp_path, capsys):
+    path = tmp_path / "lm.json"
+    assert cli.main(["bench", "lm", "--presets", "sigma_moe", "--d-model", "32", "--n-layers",
+                     "1", "--n-heads", "2", "--context", "8", "--batch", "2", "--d-ff", "256",
+                     "--repeats", "1", "--device", "cpu", "--compile", "default",
+                     "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["preset"], r["compile"], r["compiled"]) for r in records] == [
+        ("dense", "default", True), ("sigma_moe", "default", True)]
+    assert "does not compile" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "lm", "--compile", "max"])
+    assert "invalid choice: 'max'" in capsys.readouterr().err
+
+
 def test_bench_lm_rejects_an_unknown_preset_and_a_bad_size(capsys):
     assert cli.main(["bench", "lm", "--presets", "dense", "nope", "--device", "cpu",
                      "--d-model", "32", "--n-heads", "2", "--d-ff", "64"]) == 2

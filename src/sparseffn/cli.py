@@ -57,7 +57,7 @@ def _bench_lm(args: argparse.Namespace) -> int:
         lm_step.run(args.presets, d_model=args.d_model, n_layers=args.n_layers,
                     n_heads=args.n_heads, context=args.context, batch=args.batch, d_ff=args.d_ff,
                     repeats=args.repeats, device=args.device, dtype=args.dtype,
-                    json_path=args.json)
+                    json_path=args.json, compile=args.compile)
     except ValueError as error:   # a preset that does not fit these sizes, an unknown name
         print(f"sparseffn bench lm: {error}", file=sys.stderr)
         return 2
@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="autocast dtype (default bfloat16 on a GPU), or float32 for no autocast "
                          "(the default on a CPU)")
+    lm.add_argument("--compile", choices=["none", "default", "reduce-overhead"], default="none",
+                    help="run each model's forward and loss eagerly (none), under torch.compile "
+                         "(default) or torch.compile with CUDA graphs (reduce-overhead)")
     lm.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     lm.set_defaults(func=_bench_lm)
 

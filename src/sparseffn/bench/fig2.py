@@ -46,12 +46,12 @@ from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
-from .measure import (autocast_dtype_of, describe_device, dtype_name, forward_backward_fn,
-                      interleaved_times, paired_ratio, peak_mib, write_json)
+from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device, dtype_name,
+                      first_call_or_eager, forward_backward_fn, interleaved_times,
+                      new_graph_step, paired_ratio, peak_mib, write_json)
 
 EXPERT_SIZE = 128
 K = 4
-COMPILE_MODES = ("none", "default", "reduce-overhead")
 
 
 def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dtype | None,
@@ -61,20 +61,12 @@ def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dty
     eager = forward_backward_fn(module, x, extra_loss, dtype)
     if compile == "none":
         return eager, False
-    compiled = torch.compile(module, mode=None if compile == "default" else compile)
-    step = forward_backward_fn(compiled, x, extra_loss, dtype)
-    if compile == "reduce-overhead":   # a new CUDA-graph step per run (outputs are reused)
-        def step(run=step):
-            torch.compiler.cudagraph_mark_step_begin()
-            run()
-    try:
-        step()
-    except Exception as error:   # report, then time it eagerly
-        print(f"  {type(module).__name__}: does not compile ({type(error).__name__}: "
-              f"{str(error).splitlines()[0][:160]}); timed eagerly")
-        torch._dynamo.reset()
-        return eager, False
-    return step, True
+    run = forward_backward_fn(compiled(module, compile), x, extra_loss, dtype)
+
+    def step():
+        new_graph_step(compile)
+        run()
+    return first_call_or_eager(step, eager, type(module).__name__)
 
 
 class _ScatterMoE(nn.Module):
@@ -210,8 +202,7 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
         dtype: str = "bfloat16", peers: bool = False, peers_dir: str | None = None,
         json_path: str | None = None, compile: str = "none",
         router_precision: str = "autocast") -> list[dict]:
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+    check_compile_mode(compile)
     dev = torch.device(device)
     autocast_dtype = autocast_dtype_of(dtype)
     builders = {}

@@ -27,7 +27,8 @@ import torch
 
 from ..auxiliary import aux_loss, dense_grad_parameters, sparse_grad_parameters
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
-from .measure import (autocast_dtype_of, describe_device, interleaved_times, paired_ratio,
+from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
+                      first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
                       peak_mib, write_json)
 
 
@@ -41,8 +42,10 @@ def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: i
 
 
 def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
-                     autocast_dtype: torch.dtype | None) -> Callable[[], None]:
-    """One training step on ``tokens`` [batch, context + 1]: loss, backward, Adam update.
+                     autocast_dtype: torch.dtype | None, compile: str = "none"
+                     ) -> Callable[[], None]:
+    """One training step on ``tokens`` [batch, context + 1]: loss, backward, Adam update,
+    with the loss's forward compiled as ``compile`` says (see :func:`measure.compiled`).
     Returns a function that runs it (and returns nothing read from the device)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     sparse = sparse_grad_parameters(model)
@@ -50,12 +53,14 @@ def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
     if sparse:
         optimizers.append(torch.optim.SparseAdam(sparse, lr=1e-4))
     device_type = tokens.device.type
+    loss_of = compiled(model.loss, compile)
 
     def step():
+        new_graph_step(compile)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss = model.loss(inputs, targets) + aux_loss(model)
+            loss = loss_of(inputs, targets) + aux_loss(model)
         loss.backward()
         for opt in optimizers:
             opt.step()
@@ -65,9 +70,12 @@ def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
 def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         n_heads: int = 4, context: int | None = None, batch: int | None = None,
         d_ff: int = 2048, repeats: int = 10, device: str = "cpu", dtype: str = "float32",
-        json_path: str | None = None) -> list[dict]:
+        json_path: str | None = None, compile: str = "none") -> list[dict]:
     """Time one training step of the LM with each preset (``dense`` always included); print a
-    table and return one record per preset."""
+    table and return one record per preset. ``compile``: ``"none"``, ``"default"`` or
+    ``"reduce-overhead"`` (CUDA graphs) for every model; one that does not compile is timed
+    eagerly and its record says so."""
+    check_compile_mode(compile)
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
     context = context or (256 if on_gpu else 128)
@@ -80,15 +88,19 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     autocast_dtype = autocast_dtype_of(dtype)
     print(f"sparseffn bench lm: {describe_device(dev)}, {dtype}, d_model {d_model}, {n_layers} blocks, context "
           f"{context}, batch {batch}, FFNs sized to a dense d_ff {d_ff}, torch "
-          f"{torch.__version__}", flush=True)
+          f"{torch.__version__}, compile {compile}", flush=True)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (batch, context + 1), generator=generator).to(dev)
-    steps, costs = {}, {}
+    steps, costs, is_compiled = {}, {}, {}
     for name in names:
         torch.manual_seed(0)
         config = lm_config(name, d_model, n_layers, n_heads, context, d_ff)
         model = TransformerLM(config).to(dev).train()
-        steps[name] = training_step_fn(model, tokens, autocast_dtype)
+        steps[name] = training_step_fn(model, tokens, autocast_dtype, compile)
+        is_compiled[name] = False
+        if compile != "none":
+            steps[name], is_compiled[name] = first_call_or_eager(
+                steps[name], training_step_fn(model, tokens, autocast_dtype), name)
         costs[name] = config.cost()
     times = interleaved_times(steps, repeats, warmup=2, device=dev)
     records = []
@@ -97,6 +109,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         records.append({
             "preset": name, "device": str(dev), "dtype": dtype, "d_model": d_model,
             "n_layers": n_layers, "context": context, "batch": batch, "d_ff": d_ff,
+            "compile": compile, "compiled": is_compiled[name],
             "total_params": costs[name]["total_params"],
             "active_params": costs[name]["active_params"],
             "flops_per_token": costs[name]["flops_per_token"],

@@ -77,6 +77,45 @@ def forward_fn(layer: nn.Module, x: torch.Tensor,
     return run
 
 
+COMPILE_MODES = ("none", "default", "reduce-overhead")
+
+
+def check_compile_mode(mode: str) -> None:
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+
+
+def compiled(fn: Callable, mode: str) -> Callable:
+    """``fn`` (a module or a function) under ``torch.compile`` as ``mode`` says: ``"none"``
+    gives ``fn`` itself, ``"default"`` the default compile, ``"reduce-overhead"`` the compile
+    with CUDA graphs (see :func:`new_graph_step`)."""
+    check_compile_mode(mode)
+    if mode == "none":
+        return fn
+    return torch.compile(fn, mode=None if mode == "default" else mode)
+
+
+def new_graph_step(mode: str) -> None:
+    """Under ``"reduce-overhead"``, start a new CUDA-graph step (the previous step's outputs
+    may be overwritten); call it at the start of each training step."""
+    if mode == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def first_call_or_eager(step: Callable[[], object], eager: Callable[[], object], what: str
+                        ) -> tuple[Callable[[], object], bool]:
+    """Run ``step`` (a compiled step) once; if it fails, report it and return ``eager``.
+    Returns (the step to time, whether it is the compiled one)."""
+    try:
+        step()
+    except Exception as error:
+        print(f"  {what}: does not compile ({type(error).__name__}: "
+              f"{str(error).splitlines()[0][:160]}); timed eagerly")
+        torch._dynamo.reset()
+        return eager, False
+    return step, True
+
+
 def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None,
                         autocast_dtype: torch.dtype | None = None) -> Callable[[], object]:
     """Forward, a loss that touches every output, backward into the input and parameters.
