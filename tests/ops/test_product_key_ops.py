@@ -177,6 +177,26 @@ def test_nan_or_inf_in_a_product_key_layer_reaches_only_its_token(rows_path, bad
     torch.testing.assert_close(out[others], clean[others])
 
 
+def test_unchecked_nan_ranks_first_with_indices_in_range(monkeypatch):
+    """Off the CPU, outside debug mode, the scores are not read on the host: the PyTorch
+    top-k (what CUDA runs) ranks NaN above every number and returns indices in range."""
+    from sparseffn.ops import native
+    monkeypatch.setattr(kernels, "checks_enabled", lambda tensor: False)
+    native.set_native_enabled(False)
+    try:
+        scores = torch.tensor([[1.0, float("nan"), 0.5, 2.0], [0.0, 0.0, -1.0, 0.0]])
+        values, idx = kernels.topk_rows(scores, 3)
+        a, b = scores[:, :2].contiguous(), scores[:, 2:].contiguous()
+        pk_values, pk_idx = kernels.product_key_topk(a, b, 3)
+    finally:
+        native.set_native_enabled(True)
+    assert idx.tolist() == [[1, 3, 0], [0, 1, 3]]      # NaN first, then ties by index
+    assert bool(values[0, 0].isnan()) and values[0, 1:].tolist() == [2.0, 1.0]
+    assert bool(((pk_idx >= 0) & (pk_idx < 4)).all())
+    # sums a[i] + b[j] at index i + 2j: 0 at 2 and 3, then -1 at 0 (ties to the lower index)
+    assert pk_values[1].tolist() == [0.0, 0.0, -1.0] and pk_idx[1].tolist() == [2, 3, 0]
+
+
 def test_the_top_k_operators_still_reject_nan_given_directly(rows_path):
     with pytest.raises(ValueError, match="NaN"):
         kernels.topk_rows(torch.tensor([[1.0, float("nan"), 0.5] * 30]), 4)

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from . import native, triton_cvmm
+from .debug import checks_enabled
 from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zero_rows_after
 
 _LIB = "sparseffn"
@@ -291,7 +292,9 @@ def _(idx, weights, src, num_rows):
 # Deterministic top-k (product-key retrieval)
 
 def _reject_nan(scores: Tensor, what: str) -> None:
-    if bool(torch.isnan(scores).any()):   # inside the operator: no graph break
+    """NaN has no rank: raise on CPU tensors, and on other devices in debug mode (the check
+    reads the tensor on the host, see :mod:`~sparseffn.ops.debug`)."""
+    if checks_enabled(scores) and bool(torch.isnan(scores).any()):
         raise ValueError(f"{what}: scores contain NaN (a NaN or an infinity in the layer's "
                          f"input or weights?)")
 
@@ -299,20 +302,16 @@ def _reject_nan(scores: Tensor, what: str) -> None:
 @operator("topk_rows")
 def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of ``scores`` [R, n], ordered by (value desc, index
-    asc): (values [R, k], int64 indices [R, k]). A row holding NaN raises a ValueError on
-    every path (NaN has no rank, and the C kernel would rank nothing)."""
+    asc): (values [R, k], int64 indices [R, k]). A row holding NaN raises a ValueError on CPU
+    tensors (NaN has no rank, and the C kernel would rank nothing); on other devices outside
+    debug mode it is not checked (that would read the scores on the host) and NaN ranks above
+    every number, the indices staying in range."""
     _reject_nan(scores, "topk_rows")
     if _fused(scores):
         return native.topk_rows(scores, k)
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    above = scores > kth
-    tied = scores == kth
-    room = k - above.sum(-1, keepdim=True)
-    keep = above | (tied & (tied.cumsum(-1) <= room))     # the lowest-index ties fill the room
-    idx = keep.nonzero()[:, -1].view(*scores.shape[:-1], k)   # ascending index per row
-    values = scores.gather(-1, idx)
-    order = values.sort(dim=-1, descending=True, stable=True).indices
-    return values.gather(-1, order), idx.gather(-1, order)
+    # a stable sort keeps equal scores in index order: (value desc, index asc), no host read
+    values, idx = scores.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k].contiguous(), idx[..., :k].contiguous()
 
 
 @topk_rows.register_fake
@@ -325,7 +324,8 @@ def _(scores, k):
 def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The top k of ``scores_a[r, i] + scores_b[r, j]`` over all (i, j), index ``i + n_a·j``,
     ordered by (sum desc, index asc) (Lample et al. 2019, Eq. 15 of Csordás et al. 2023).
-    scores_a: [R, n_a]; scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k])."""
+    scores_a: [R, n_a]; scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k]).
+    NaN: as :func:`topk_rows`."""
     _reject_nan(scores_a, "product_key_topk")
     _reject_nan(scores_b, "product_key_topk")
     if _fused(scores_a, scores_b):
