@@ -4,7 +4,8 @@
 # compile caches empty). Each stage writes its log and JSON under OUT (default runs/gpu).
 #
 #   bash scripts/gpu_session.sh tests check        # ~1 + ~7 min
-#   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ? min (fig2 with both peers)
+#   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ~2 min (fig2 with both peers)
+#   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
 #
 # fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
@@ -33,13 +34,18 @@ for what in "$@"; do
     check) stage check 540 $PY scripts/gpu_check.py --json "$OUT/check.json" ;;
     fig2) stage fig2 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
             --json "$OUT/fig2.json" ;;
+    fig2-graphs) stage fig2-graphs 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
+                   --compile reduce-overhead --json "$OUT/fig2-graphs.json" ;;
     lm) stage lm 540 $PY -m sparseffn bench lm --device cuda --json "$OUT/lm.json" ;;
+    lm-graphs) stage lm-graphs 540 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
+                 --json "$OUT/lm-graphs.json" ;;
     layers) stage layers 400 $PY -m sparseffn bench layers --device cuda --dtype bfloat16 \
               --tokens 32768 --json "$OUT/layers.json" ;;
     routers) stage routers 300 $PY -m sparseffn bench routers --device cuda --json "$OUT/routers.json" ;;
     productkeys) stage productkeys 400 $PY -m sparseffn bench productkeys --device cuda \
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
-    *) echo "unknown stage $what (tests check fig2 lm layers routers productkeys profile)"; exit 2 ;;
+    *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
+            "productkeys profile)"; exit 2 ;;
   esac
 done
