@@ -302,9 +302,29 @@ def test_bench_lm_compiles_each_model_when_asked(tmp_path, capsys):
     assert [(r["preset"], r["compile"], r["compiled"]) for r in records] == [
         ("dense", "default", True), ("sigma_moe", "default", True)]
     assert "does not compile" not in capsys.readouterr().out
+    from sparseffn.bench.measure import COMPILE_MODES
+    assert cli._COMPILE_MODES == COMPILE_MODES      # the parser's copy of the modes
     with pytest.raises(SystemExit):
         cli.main(["bench", "lm", "--compile", "max"])
     assert "invalid choice: 'max'" in capsys.readouterr().err
+
+
+def test_a_step_that_does_not_compile_is_timed_eagerly(capsys):
+    from sparseffn.bench.measure import first_call_or_eager
+    built = []
+
+    def make_eager():
+        built.append(1)
+        return lambda: None
+
+    def broken():
+        raise RuntimeError("no graph for you")
+    step, ok = first_call_or_eager(lambda: None, make_eager, "fine")
+    assert ok and built == []                 # the eager step is built only when needed
+    step, ok = first_call_or_eager(broken, make_eager, "layer")
+    assert not ok and built == [1] and step is not broken
+    assert "layer: does not compile (RuntimeError: no graph for you); timed eagerly" in \
+        capsys.readouterr().out
 
 
 def test_bench_lm_rejects_an_unknown_preset_and_a_bad_size(capsys):

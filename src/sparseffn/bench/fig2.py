@@ -46,8 +46,8 @@ from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
-from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device, dtype_name,
-                      first_call_or_eager, forward_backward_fn, interleaved_times,
+from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
+                      dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
                       new_graph_step, paired_ratio, peak_mib, write_json)
 
 EXPERT_SIZE = 128
@@ -58,9 +58,10 @@ def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dty
                 compile: str) -> tuple[Callable[[], None], bool]:
     """A forward+backward of ``module`` (compiled as ``compile`` says) and whether it
     compiled: a module that fails to compile (at the first call) runs eagerly."""
-    eager = forward_backward_fn(module, x, extra_loss, dtype)
+    def eager():
+        return forward_backward_fn(module, x, extra_loss, dtype)
     if compile == "none":
-        return eager, False
+        return eager(), False
     run = forward_backward_fn(compiled(module, compile), x, extra_loss, dtype)
 
     def step():
@@ -126,14 +127,14 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
             d_model=d_model, num_experts=num_experts, expert_size=EXPERT_SIZE, k=K,
             router=SigmaRouterConfig(precision=router_precision))).to(device).train()
     contenders: dict[str, Callable[[], None]] = {}
-    compiled: dict[str, bool] = {}
-    contenders["sparseffn"], compiled["sparseffn"] = _timed_step(sigma_moe(), x, aux_loss, dtype,
-                                                                 compile)
+    is_compiled: dict[str, bool] = {}
+    contenders["sparseffn"], is_compiled["sparseffn"] = _timed_step(sigma_moe(), x, aux_loss,
+                                                                    dtype, compile)
     if device.type == "cuda" and triton_cvmm.triton_enabled():
         triton_cvmm.set_triton_enabled(False)   # the choice is made inside the operators
         try:
-            torch_run, compiled["sparseffn_torch"] = _timed_step(sigma_moe(), x, aux_loss,
-                                                                 dtype, compile)
+            torch_run, is_compiled["sparseffn_torch"] = _timed_step(sigma_moe(), x, aux_loss,
+                                                                    dtype, compile)
         finally:
             triton_cvmm.set_triton_enabled(True)
 
@@ -146,15 +147,15 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
         contenders["sparseffn_torch"] = torch_path
     for name, d_ff in (("dense_param", 4 * d_model), ("dense_active", K * EXPERT_SIZE)):
         dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
-        contenders[name], compiled[name] = _timed_step(dense, x, None, dtype, compile)
+        contenders[name], is_compiled[name] = _timed_step(dense, x, None, dtype, compile)
     for name, build in peers.items():
         try:
-            contenders[name], compiled[name] = _timed_step(
+            contenders[name], is_compiled[name] = _timed_step(
                 build(d_model, num_experts).to(device).train(), x, None, dtype, compile)
             contenders[name]()
         except Exception as error:
             contenders.pop(name, None)
-            compiled.pop(name, None)
+            is_compiled.pop(name, None)
             print(f"  peer {name}: skipped at d_model {d_model} ({type(error).__name__}: "
                   f"{str(error).splitlines()[0][:200]})")
     # three warm-up rounds: compilation, autotuning, the allocator
@@ -162,7 +163,7 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
     record = {"d_model": d_model, "tokens": tokens, "num_experts": num_experts,
               "expert_size": EXPERT_SIZE, "k": K, "device": str(device),
               "dtype": dtype_name(dtype), "compile": compile,
-              "router_precision": router_precision, "compiled": compiled,
+              "router_precision": router_precision, "compiled": is_compiled,
               "ms": {name: statistics.median(ts) for name, ts in times.items()},
               "peak_mib": {name: peak_mib(run, device) for name, run in contenders.items()},
               "over_dense_param": {name: paired_ratio(ts, times["dense_param"])

@@ -100,7 +100,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         is_compiled[name] = False
         if compile != "none":
             steps[name], is_compiled[name] = first_call_or_eager(
-                steps[name], training_step_fn(model, tokens, autocast_dtype), name)
+                steps[name], lambda: training_step_fn(model, tokens, autocast_dtype), name)
         costs[name] = config.cost()
     times = interleaved_times(steps, repeats, warmup=2, device=dev)
     records = []

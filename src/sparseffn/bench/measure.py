@@ -102,17 +102,18 @@ def new_graph_step(mode: str) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def first_call_or_eager(step: Callable[[], object], eager: Callable[[], object], what: str
-                        ) -> tuple[Callable[[], object], bool]:
-    """Run ``step`` (a compiled step) once; if it fails, report it and return ``eager``.
-    Returns (the step to time, whether it is the compiled one)."""
+def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Callable[[], object]],
+                        what: str) -> tuple[Callable[[], object], bool]:
+    """Run ``step`` (a compiled step) once; if it fails, report it and return the eager step
+    ``make_eager()`` builds (only then). Returns (the step to time, whether it is the
+    compiled one)."""
     try:
         step()
     except Exception as error:
         print(f"  {what}: does not compile ({type(error).__name__}: "
               f"{str(error).splitlines()[0][:160]}); timed eagerly")
         torch._dynamo.reset()
-        return eager, False
+        return make_eager(), False
     return step, True
 
 
