@@ -1,8 +1,9 @@
 """The arithmetic under every expert store, registered as PyTorch operators (``torch.library``).
 
 Each operator has one schema and several implementations chosen by the device of the
-tensors that arrive: the Triton kernels of :mod:`~sparseffn.ops.triton_cvmm` on CUDA (the
-CVMM operators, when Triton is installed), the fused C kernels of
+tensors that arrive: the Triton kernels of :mod:`~sparseffn.ops.triton_cvmm` (the CVMM
+operators) and :mod:`~sparseffn.ops.triton_rows` (gathered rows, product-key top-k) on CUDA
+when Triton is installed, the fused C kernels of
 :mod:`~sparseffn.ops.native` on CPU in float32 (when they are built), and a PyTorch
 implementation everywhere else (other devices, other dtypes, no C compiler, no Triton). Each
 has a *fake* implementation that gives the output's shape and dtype without computing it, so
@@ -29,6 +30,7 @@ capacity) is never computed, and where it appears in an output it is exactly zer
     sparseffn::gather_dot         <x[t], table[idx[t, j]]>
     sparseffn::gather_sum         Σ_j w[t, j] · table[idx[t, j]]
     sparseffn::scatter_rows       the transpose of gather_sum (a table's gradient)
+    sparseffn::dense_rows         each row's pairs as one dense row (small tables' gradients)
     sparseffn::topk_rows          top-k per row, ties to the lower index
     sparseffn::product_key_topk   the top-k of all sums of two score rows (Lample et al. 2019)
     sparseffn::fff_expand         leaf values of a fast feed-forward tree, level by level
@@ -44,7 +46,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import native, triton_cvmm
+from . import native, triton_cvmm, triton_rows
 from .debug import checks_enabled
 from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zero_rows_after
 
@@ -236,6 +238,8 @@ def _chunks(rows: int, per_row: int):
 @operator("gather_dot")
 def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: int64 [T, m]."""
+    if triton_rows.usable(x, table):
+        return triton_rows.gather_dot(x, table, idx)
     if _fused(x, table):
         return native.gather_dot(x, table, idx)
     out = x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
@@ -255,6 +259,8 @@ def _(x, table, idx):
 def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``. idx, weights: [T, m]; table: [N, d];
     returns [T, d] in the table's dtype."""
+    if triton_rows.usable(weights, table):
+        return triton_rows.gather_sum(idx, weights, table)
     if _fused(weights, table):
         return native.gather_sum(idx, weights, table)
     if idx.shape[0] == 0:
@@ -274,6 +280,8 @@ def _(idx, weights, table):
 def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Tensor:
     """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, a dense [num_rows, d]
     with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]."""
+    if triton_rows.usable(weights, src):
+        return triton_rows.scatter_rows(idx, weights, src, num_rows)
     if _fused(weights, src):
         return native.scatter_rows(idx, weights, src, num_rows)
     out = src.new_zeros(num_rows, src.shape[1])
@@ -286,6 +294,22 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Te
 @scatter_rows.register_fake
 def _(idx, weights, src, num_rows):
     return src.new_empty(num_rows, src.shape[1])
+
+
+@operator("dense_rows")
+def dense_rows(idx: Tensor, weights: Tensor, num_rows: int) -> Tensor:
+    """``out[t, i] = Σ_{j: idx[t, j] = i} weights[t, j]``: each row's pairs as a dense
+    [T, num_rows] in the weights' dtype, summed in slot order (the Triton kernel; the PyTorch
+    ``scatter_add_`` elsewhere). For a small table, the gradients of :func:`gather_dot` are
+    then two GEMMs with it (``out @ table`` and ``outᵀ @ x``). idx, weights: [T, m]."""
+    if triton_rows.usable(weights):
+        return triton_rows.dense_rows(idx, weights, num_rows)
+    return weights.new_zeros(idx.shape[0], num_rows).scatter_add_(1, idx, weights)
+
+
+@dense_rows.register_fake
+def _(idx, weights, num_rows):
+    return weights.new_empty(idx.shape[0], num_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +352,8 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
     NaN: as :func:`topk_rows`."""
     _reject_nan(scores_a, "product_key_topk")
     _reject_nan(scores_b, "product_key_topk")
+    if triton_rows.product_key_topk_usable(scores_a, scores_b, k):
+        return triton_rows.product_key_topk(scores_a, scores_b, k)
     if _fused(scores_a, scores_b):
         return native.product_key_topk(scores_a, scores_b, k)
     rows, n_a = scores_a.shape

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import kernels, triton_rows
 from .rows import gather_dot
 
 # Sub-key scores of at most this many floats (per half) exist at once during retrieval.
 _SCORE_CHUNK_ELEMENTS = 1 << 22
+# On GPUs, tables of at most this many sub-keys (heads · n per half) take the dense backward.
+_DENSE_BACKWARD_ROWS = 2048
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,9 +82,12 @@ def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
     Returns scores [T, H, k] (differentiable in the queries and keys) and int64 indices
     [T, H, k] into the head's n_a · n_b keys (``i + n_a · j``).
 
-    The sub-key scores are computed chunk by chunk of tokens and dropped; the backward reads
+    The sub-key scores are computed chunk by chunk of tokens and dropped. The backward reads
     only the selected sub-keys (``gather_dot``: O(k · d) per query, not the O(n · d) of
-    differentiating the full score GEMM).
+    differentiating the full score GEMM), except on GPUs for tables of at most
+    ``_DENSE_BACKWARD_ROWS`` sub-keys (heads · n), where the full GEMMs on tensor cores beat
+    gathering rows: there the selected scores' gradients become dense [T, heads · n] rows
+    (``kernels.dense_rows``) and the gradients two GEMMs each.
     """
     heads, n_a, d_a = keys_a.shape
     n_b = keys_b.shape[1]
@@ -117,10 +122,17 @@ def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
         t.requires_grad for t in (query_a, query_b, keys_a, keys_b))
     if not needs_grad:
         return vals, idx
-    # The same scores again, as gathered dot products that autograd can follow; their values
-    # are discarded (the GEMM's are kept, exactly the ones the selection compared).
     head_a = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_a
     head_b = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_b
+    if heads * max(n_a, n_b) <= _DENSE_BACKWARD_ROWS and \
+            triton_rows.usable(query_a, query_b, keys_a, keys_b):
+        if shared:   # a token's rows over all heads' sub-keys
+            rows_a, rows_b = idx % n_a + head_a, idx // n_a + head_b
+        else:        # a (token, head)'s rows over its head's sub-keys
+            rows_a, rows_b = idx % n_a, idx // n_a
+        return _SelectedScores.apply(vals, query_a, query_b, keys_a, keys_b, rows_a, rows_b), idx
+    # The same scores again, as gathered dot products that autograd can follow; their values
+    # are discarded (the GEMM's are kept, exactly the ones the selection compared).
     rows_a, rows_b = idx % n_a + head_a, idx // n_a + head_b
     if shared:
         again = (gather_dot(query_a, flat_a, rows_a.view(tokens, heads * k))
@@ -131,3 +143,48 @@ def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
                  + gather_dot(query_b.reshape(tokens * heads, query_b.shape[-1]), flat_b,
                               rows_b.view(tokens * heads, k))).view(tokens, heads, k)
     return vals + (again - again.detach()).to(vals.dtype), idx
+
+
+class _SelectedScores(torch.autograd.Function):
+    """The selected scores ``vals`` [T, H, k] (returned unchanged) as a function of the
+    queries and sub-keys, for autograd: the backward differentiates the full score GEMMs
+    ``s = q · keysᵀ`` (Eq. 15 of Csordás et al. 2023) with the gradient of the selected
+    scores scattered into dense rows of each half's scores (zero where nothing was selected).
+
+    rows_a, rows_b: [T, H, k]; with shared queries ([T, d]) a token's row over all heads'
+    ``H · n`` sub-keys (head offsets included), with per-head queries ([T, H, d]) a (token,
+    head)'s row over its head's n sub-keys."""
+
+    @staticmethod
+    def forward(ctx, vals, query_a, query_b, keys_a, keys_b, rows_a, rows_b):
+        ctx.save_for_backward(query_a, query_b, keys_a, keys_b, rows_a, rows_b)
+        return vals.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        query_a, query_b, keys_a, keys_b, rows_a, rows_b = ctx.saved_tensors
+        tokens, heads, k = grad.shape
+        grads = [None] * 7
+        with torch.autocast(grad.device.type, enabled=False):
+            for side, (query, keys, rows) in enumerate(((query_a, keys_a, rows_a),
+                                                         (query_b, keys_b, rows_b))):
+                if not (ctx.needs_input_grad[1 + side] or ctx.needs_input_grad[3 + side]):
+                    continue
+                n = keys.shape[1]
+                q, table = query.to(grad.dtype), keys.to(grad.dtype)
+                if query.dim() == 2:          # shared: [T, H·n] against all heads' keys
+                    g = kernels.dense_rows(rows.reshape(tokens, heads * k),
+                                           grad.reshape(tokens, heads * k), heads * n)
+                    flat = table.reshape(heads * n, -1)
+                    grad_q, grad_keys = g @ flat, (g.t() @ q).view_as(keys)
+                else:                          # per head: [T, H, n] against the head's keys
+                    g = kernels.dense_rows(rows.reshape(tokens * heads, k),
+                                           grad.reshape(tokens * heads, k), n)
+                    g = g.view(tokens, heads, n).transpose(0, 1)               # [H, T, n]
+                    grad_q = torch.bmm(g, table).transpose(0, 1)               # [T, H, d]
+                    grad_keys = torch.bmm(g.transpose(1, 2), q.transpose(0, 1))  # [H, n, d]
+                if ctx.needs_input_grad[1 + side]:
+                    grads[1 + side] = grad_q.to(query.dtype)
+                if ctx.needs_input_grad[3 + side]:
+                    grads[3 + side] = grad_keys.to(keys.dtype)
+        return tuple(grads)

@@ -12,6 +12,16 @@ from ..routing import Routing
 from .base import ExpertStore
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype the gathered products run in, as ``nn.Linear``'s do (fp32
+    accumulation inside the kernels): under autocast off the CPU, else None (the tables'
+    own dtype; on the CPU the fused kernels take fp32)."""
+    device = x.device.type
+    if device != "cpu" and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
 class ValueRows(ExpertStore):
     """``y_t = Σ_j w_tj · v_{i_tj}``: each expert is one value row ``v_i`` (the values of a
     product-key memory, Lample et al. 2019, Eq. 14 of Csordás et al. 2023, arXiv:2310.10837;
@@ -19,6 +29,8 @@ class ValueRows(ExpertStore):
 
     Parameters: ``values`` [num_rows, d_model], initialised ``N(0, std)``. With
     ``sparse_grad`` their gradient is a sparse tensor holding only the rows a batch read.
+    Under autocast on a GPU the rows are read in the autocast dtype (fp32 accumulation), as
+    ``nn.Linear`` reads its weight.
 
     forward(x: [T, d_model], routing) -> [T, d_model]
     """
@@ -36,8 +48,9 @@ class ValueRows(ExpertStore):
         self.values.normal_(0.0, self.std)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        y = gather_sum(routing.indices, routing.weights, self.values,
-                       sparse_grad=self.sparse_grad)
+        dtype = _compute_dtype(x)
+        values = self.values if dtype is None else self.values.to(dtype)
+        y = gather_sum(routing.indices, routing.weights, values, sparse_grad=self.sparse_grad)
         return y.to(x.dtype)
 
     def sparse_grad_parameters(self) -> list[nn.Parameter]:
@@ -55,7 +68,8 @@ class NeuronExperts(ExpertStore):
     Parameters: ``w_in`` [N, d_model] (rows u_i, ``N(0, in_std)``) and ``w_out`` [N, d_model]
     (rows v_i, ``N(0, out_std)``). Per token only the selected rows are read: ``u_iᵀ x`` as
     gathered dot products and the sum as a gathered sum, neither materialising
-    [T, k, d_model] weights.
+    [T, k, d_model] weights. Under autocast on a GPU both run in the autocast dtype (fp32
+    accumulation), as ``nn.Linear`` does.
 
     forward(x: [T, d_model], routing) -> [T, d_model]
     """
@@ -79,10 +93,14 @@ class NeuronExperts(ExpertStore):
         self.w_out.normal_(0.0, self.out_std)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        hidden = self.activation(gather_dot(x, self.w_in, routing.indices,          # act(u_iᵀ x)
+        dtype = _compute_dtype(x)
+        w_in, w_out, inputs = self.w_in, self.w_out, x
+        if dtype is not None:
+            w_in, w_out, inputs = w_in.to(dtype), w_out.to(dtype), x.to(dtype)
+        hidden = self.activation(gather_dot(inputs, w_in, routing.indices,          # act(u_iᵀ x)
                                             sparse_grad=self.sparse_grad))
         hidden = self.hidden_dropout(hidden)
-        y = gather_sum(routing.indices, routing.weights.to(hidden.dtype) * hidden, self.w_out,
+        y = gather_sum(routing.indices, routing.weights.to(hidden.dtype) * hidden, w_out,
                        sparse_grad=self.sparse_grad)
         return y.to(x.dtype)
 

@@ -1,0 +1,318 @@
+"""Triton kernels for the gathered-row operators and the product-key top-k on GPUs
+(``sparseffn::gather_dot``, ``gather_sum``, ``scatter_rows``, ``product_key_topk``).
+
+These are the arithmetic of the product-key memory (Lample et al. 2019; Csordás et al. 2023,
+arXiv:2310.10837 §3.2, Eq. 14-15) and of PEER (He 2024, arXiv:2407.04153 §3.2), whose experts
+are single rows of a table:
+
+- ``gather_sum``: a weighted embedding bag. One program computes a [BLOCK_T, BLOCK_D] tile of
+  the output, reading each of its tokens' m table rows in place (never a ``[T, m, d]`` copy)
+  and accumulating in fp32.
+- ``gather_dot``: one program computes the [BLOCK_T, BLOCK_M] dot products of a block of
+  tokens with their gathered rows, walking d in BLOCK_D chunks.
+- ``scatter_rows`` (the table gradient): a *sorted reverse index*. The T·m pairs are sorted
+  by table row (a stable sort: within a row, pairs stay in (t, j) order) and each row's
+  segment is found by a binary search of the sorted rows, all on the device; then one program
+  per (row, column block) sums its row's pairs in that fixed order. No atomics: the result is
+  the same on every run, and every output row is written (zeros where no pair lands).
+- ``dense_rows``: the pairs of each token as one dense row (``out[t, i] = Σ_{j: idx[t,j]=i}
+  w[t, j]``), summed in slot order; for small tables (product sub-keys) the gradients are then
+  two GEMMs with it.
+- ``product_key_topk``: one program takes BLOCK_R rows, selects the top k of each half's
+  scores by k rounds of (max, lowest index among equals), forms the k_a·k_b candidate sums and
+  selects their top k the same way, by (sum desc, full index asc). This is exactly the result
+  of the sort-based PyTorch implementation (same fp32 sums, same order), without sorting a
+  [R, k²] candidate matrix.
+
+Out-of-range indices (which the operators check on the CPU and in debug mode) read as zero
+rows here and land nowhere: a kernel never reads or writes outside its tensors.
+
+Without a GPU the kernels run on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``
+set before ``triton`` is imported, see :mod:`~sparseffn.ops.triton_cvmm`), which is how the
+tests check them against the PyTorch implementations.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import triton_cvmm
+from .triton_cvmm import tl, triton
+
+# The product-key top-k keeps each half's scores (next power of two of n) and the k_a·k_b
+# candidates of BLOCK_R rows in registers: beyond these sizes the PyTorch implementation runs.
+MAX_SUBKEYS = 4096
+MAX_TOPK = 64
+
+
+def usable(*tensors: Optional[Tensor]) -> bool:
+    """True when these kernels take these tensors (Triton present and enabled, CUDA tensors,
+    or CPU tensors under the interpreter, in fp32, fp16 or bf16)."""
+    return triton_cvmm.usable(0, *tensors)
+
+
+def product_key_topk_usable(scores_a: Tensor, scores_b: Tensor, k: int) -> bool:
+    """The top-k kernel takes fp32 scores of at most ``MAX_SUBKEYS`` per half and k at most
+    ``MAX_TOPK`` (the retrieval of :mod:`~sparseffn.ops.product_keys` scores in fp32)."""
+    return (usable(scores_a, scores_b) and scores_a.dtype == scores_b.dtype == torch.float32
+            and max(scores_a.shape[1], scores_b.shape[1]) <= MAX_SUBKEYS and k <= MAX_TOPK)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_sum_kernel(idx_ptr, w_ptr, table_ptr, out_ptr, T, m, d, num_rows,
+                           stride_idx, stride_w, stride_table, stride_out,
+                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        t_ok = ts < T
+        d_ok = ds < d
+        ts64 = ts.to(tl.int64)
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for j in range(0, m):
+            row = tl.load(idx_ptr + ts64 * stride_idx + j, mask=t_ok, other=0).to(tl.int64)
+            ok = t_ok & (row >= 0) & (row < num_rows)
+            w = tl.load(w_ptr + ts64 * stride_w + j, mask=t_ok, other=0.0).to(tl.float32)
+            v = tl.load(table_ptr + row[:, None] * stride_table + ds[None, :],
+                        mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            acc += w[:, None] * v
+        tl.store(out_ptr + ts64[:, None] * stride_out + ds[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _gather_dot_kernel(x_ptr, table_ptr, idx_ptr, out_ptr, T, m, d, num_rows,
+                           stride_x, stride_table, stride_idx, stride_out,
+                           BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        js = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        t_ok = ts < T
+        pair_ok = t_ok[:, None] & (js < m)[None, :]
+        ts64 = ts.to(tl.int64)
+        rows = tl.load(idx_ptr + ts64[:, None] * stride_idx + js[None, :], mask=pair_ok,
+                       other=0).to(tl.int64)                                  # [BT, BM]
+        ok = pair_ok & (rows >= 0) & (rows < num_rows)
+        acc = tl.zeros((BLOCK_T, BLOCK_M), dtype=tl.float32)
+        for d0 in range(0, d, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            d_ok = ds < d
+            xv = tl.load(x_ptr + ts64[:, None] * stride_x + ds[None, :],
+                         mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            tv = tl.load(table_ptr + rows[:, :, None] * stride_table + ds[None, None, :],
+                         mask=ok[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(tv * xv[:, None, :], axis=2)
+        tl.store(out_ptr + ts64[:, None] * stride_out + js[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=pair_ok)
+
+    @triton.jit
+    def _scatter_rows_kernel(order_ptr, offsets_ptr, w_ptr, src_ptr, out_ptr, m, d, num_rows,
+                             stride_src, stride_out, SPLIT: tl.constexpr,
+                             BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Program (row, column block, part): the sum over part ``part`` of the SPLIT equal
+        pieces of the row's segment of sorted pairs; with SPLIT > 1 into out[part]."""
+        row = tl.program_id(0)
+        ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        part = tl.program_id(2)
+        d_ok = ds < d
+        first = tl.load(offsets_ptr + row)
+        last = tl.load(offsets_ptr + row + 1)
+        piece = tl.cdiv(tl.cdiv(last - first, SPLIT), BLOCK_P) * BLOCK_P
+        start = first + part * piece
+        end = tl.minimum(last, start + piece)
+        acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
+        for p0 in range(start, end, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            p_ok = ps < end
+            pair = tl.load(order_ptr + ps, mask=p_ok, other=0).to(tl.int64)   # t·m + j
+            w = tl.load(w_ptr + pair, mask=p_ok, other=0.0).to(tl.float32)
+            t = pair // m
+            s = tl.load(src_ptr + t[:, None] * stride_src + ds[None, :],
+                        mask=p_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            acc += w[:, None] * s
+        dest = out_ptr + (part.to(tl.int64) * num_rows + row) * stride_out + ds
+        tl.store(dest, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+    @triton.jit
+    def _dense_rows_kernel(idx_ptr, w_ptr, out_ptr, T, m, n, stride_idx, stride_w, stride_out,
+                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+        ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        t_ok = ts < T
+        ts64 = ts.to(tl.int64)
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for j in range(0, m):   # in slot order: the same sum on every run
+            row = tl.load(idx_ptr + ts64 * stride_idx + j, mask=t_ok, other=-1)
+            w = tl.load(w_ptr + ts64 * stride_w + j, mask=t_ok, other=0.0).to(tl.float32)
+            acc += tl.where(row[:, None] == cols[None, :], w[:, None], 0.0)
+        tl.store(out_ptr + ts64[:, None] * stride_out + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (cols < n)[None, :])
+
+    @triton.jit
+    def _rank_key(x, BIG: tl.constexpr):
+        """Scores as finite rank keys: NaN first (as the unchecked PyTorch sort ranks it), ±inf
+        clamped to ±BIG (the callers' ``_rankable`` scores are already in that range)."""
+        x = tl.where(x != x, BIG, x)
+        return tl.minimum(tl.maximum(x, -BIG), BIG)
+
+    @triton.jit
+    def _half_topk(ptr, rows64, r_ok, stride, n, kk, BLOCK_R: tl.constexpr, N: tl.constexpr,
+                   K: tl.constexpr, BIG: tl.constexpr):
+        """Each row's top ``kk`` of its n scores by (value desc, index asc): keys [BR, K]
+        (-inf past kk) and int32 indices [BR, K]."""
+        cols = tl.arange(0, N)
+        slots = tl.arange(0, K)
+        s = tl.load(ptr + rows64[:, None] * stride + cols[None, :],
+                    mask=r_ok[:, None] & (cols < n)[None, :], other=float("-inf"))
+        s = tl.where((cols < n)[None, :], _rank_key(s, BIG), float("-inf"))
+        vals = tl.full((BLOCK_R, K), float("-inf"), tl.float32)
+        ids = tl.zeros((BLOCK_R, K), tl.int32)
+        for r in range(0, kk):
+            best = tl.max(s, 1)
+            at = tl.min(tl.where(s == best[:, None], cols[None, :], N), 1)
+            vals = tl.where(slots[None, :] == r, best[:, None], vals)
+            ids = tl.where(slots[None, :] == r, at[:, None], ids)
+            s = tl.where(cols[None, :] == at[:, None], float("-inf"), s)
+        return vals, ids
+
+    @triton.jit
+    def _product_key_topk_kernel(a_ptr, b_ptr, idx_ptr, R, n_a, n_b, k, ka, kb,
+                                 stride_a, stride_b,
+                                 BLOCK_R: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
+                                 KA: tl.constexpr, KB: tl.constexpr, K: tl.constexpr,
+                                 BIG: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows < R
+        rows64 = rows.to(tl.int64)
+        va, ia = _half_topk(a_ptr, rows64, r_ok, stride_a, n_a, ka, BLOCK_R, NA, KA, BIG)
+        vb, ib = _half_topk(b_ptr, rows64, r_ok, stride_b, n_b, kb, BLOCK_R, NB, KB, BIG)
+        # Eq. 15: the score of key i + n_a·j is s_a[i] + s_b[j]; invalid slots stay -inf
+        sums = tl.reshape(va[:, :, None] + vb[:, None, :], (BLOCK_R, KA * KB))
+        full = tl.reshape(ia[:, :, None] + n_a * ib[:, None, :], (BLOCK_R, KA * KB))
+        no_index = n_a * n_b
+        slots = tl.arange(0, K)
+        out = tl.zeros((BLOCK_R, K), tl.int32)
+        for r in range(0, k):
+            best = tl.max(sums, 1)
+            at = tl.min(tl.where(sums == best[:, None], full, no_index), 1)
+            out = tl.where(slots[None, :] == r, at[:, None], out)
+            sums = tl.where(full == at[:, None], float("-inf"), sums)
+        tl.store(idx_ptr + rows64[:, None] * k + slots[None, :], out.to(tl.int64),
+                 mask=r_ok[:, None] & (slots < k)[None, :])
+
+
+def _rowwise(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _block(n: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(max(1, n))))
+
+
+def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
+    """``sparseffn::gather_sum`` in Triton: [T, d] in the table's dtype."""
+    idx, weights, table = _rowwise(idx), _rowwise(weights), _rowwise(table)
+    tokens, m = idx.shape
+    d = table.shape[1]
+    out = table.new_empty(tokens, d)
+    if tokens and d:
+        block_d = _block(d, 64)   # 16 × 64 tiles: the fastest on an H100 at d 256, m 128
+        grid = (triton.cdiv(tokens, 16), triton.cdiv(d, block_d))
+        _gather_sum_kernel[grid](idx, weights, table, out, tokens, m, d, table.shape[0],
+                                 idx.stride(0), weights.stride(0), table.stride(0),
+                                 out.stride(0), BLOCK_T=16, BLOCK_D=block_d)
+    return out
+
+
+def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
+    """``sparseffn::gather_dot`` in Triton: [T, m] in the promoted dtype."""
+    x, table, idx = _rowwise(x), _rowwise(table), _rowwise(idx)
+    tokens, m = idx.shape
+    out = x.new_empty(tokens, m, dtype=torch.promote_types(x.dtype, table.dtype))
+    if tokens and m:
+        block_m = _block(m, 16)
+        grid = (triton.cdiv(tokens, 16), triton.cdiv(m, block_m))
+        _gather_dot_kernel[grid](x, table, idx, out, tokens, m, x.shape[1], table.shape[0],
+                                 x.stride(0), table.stride(0), idx.stride(0), out.stride(0),
+                                 BLOCK_T=16, BLOCK_M=block_m, BLOCK_D=32)
+    return out
+
+
+def dense_rows(idx: Tensor, weights: Tensor, num_rows: int) -> Tensor:
+    """``sparseffn::dense_rows`` in Triton: [T, num_rows] in the weights' dtype."""
+    idx, weights = _rowwise(idx), _rowwise(weights)
+    tokens, m = idx.shape
+    out = weights.new_empty(tokens, num_rows)
+    if tokens and num_rows:
+        block_n = _block(num_rows, 64)
+        grid = (triton.cdiv(tokens, 32), triton.cdiv(num_rows, block_n))
+        _dense_rows_kernel[grid](idx, weights, out, tokens, m, num_rows, idx.stride(0),
+                                 weights.stride(0), out.stride(0), BLOCK_T=32, BLOCK_N=block_n)
+    return out
+
+
+def sorted_reverse_index(idx: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """The pairs of ``idx`` [T, m] grouped by table row, without reading anything on the host:
+    ``order`` [T·m] (pair numbers t·m + j sorted by row, stable) and ``offsets``
+    [num_rows + 1] (row i's pairs are ``order[offsets[i]:offsets[i+1]]``; pairs whose row is
+    outside [0, num_rows) belong to no row)."""
+    flat = idx.reshape(-1)
+    if num_rows < 2 ** 31 - 1:   # 32-bit keys: half the radix passes of int64 ones
+        flat = flat.clamp(-1, num_rows).to(torch.int32)
+    sorted_rows, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(num_rows + 1, device=idx.device, dtype=sorted_rows.dtype)
+    return order, torch.searchsorted(sorted_rows, bounds)
+
+
+# Aim for at least this many programs in scatter_rows: a table of few rows (product sub-keys)
+# with many pairs each has its rows' segments split into equal pieces, summed afterwards.
+_SCATTER_PROGRAMS = 2048
+
+
+def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Tensor:
+    """``sparseffn::scatter_rows`` in Triton: a dense [num_rows, d] in src's dtype, every row
+    written; the pairs of each row summed in a fixed order (the same result on every run)."""
+    weights, src = weights.contiguous(), _rowwise(src)
+    d = src.shape[1]
+    if not (num_rows and d):
+        return src.new_zeros(num_rows, d)
+    order, offsets = sorted_reverse_index(idx, num_rows)
+    block_d = _block(d, 64)
+    tiles = num_rows * triton.cdiv(d, block_d)
+    per_row = idx.numel() // num_rows
+    split = max(1, min(64, _SCATTER_PROGRAMS // tiles, per_row // 256))
+    out = src.new_empty(num_rows, d) if split == 1 else \
+        torch.empty(split, num_rows, d, device=src.device, dtype=torch.float32)
+    _scatter_rows_kernel[(num_rows, triton.cdiv(d, block_d), split)](
+        order, offsets, weights, src, out, max(1, idx.shape[1]), d, num_rows,
+        src.stride(0), d if split > 1 else out.stride(0), SPLIT=split, BLOCK_P=32,
+        BLOCK_D=block_d)
+    return out if split == 1 else out.sum(0).to(src.dtype)
+
+
+def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``sparseffn::product_key_topk`` in Triton (fp32 scores; see :func:`product_key_topk_usable`):
+    (values [R, k], int64 indices [R, k]), the values being ``s_a[i] + s_b[j]`` of the
+    original scores."""
+    scores_a, scores_b = _rowwise(scores_a), _rowwise(scores_b)
+    rows, n_a = scores_a.shape
+    n_b = scores_b.shape[1]
+    idx = torch.empty(rows, k, dtype=torch.int64, device=scores_a.device)
+    if rows and k:
+        ka, kb = min(k, n_a), min(k, n_b)
+        NA, NB = triton.next_power_of_2(n_a), triton.next_power_of_2(n_b)
+        KA, KB = triton.next_power_of_2(ka), triton.next_power_of_2(kb)
+        # One warp per program, its BLOCK_R rows' candidates [BLOCK_R, KA·KB] and half scores
+        # in its registers (~2K values each): the reductions stay inside the warp. Measured on
+        # an H100 (65,536 rows, n 62, k 32): 0.96 ms with one warp, 1.5 ms with four.
+        held = max(KA * KB, NA, NB)
+        block_r = max(1, min(8, 2048 // held))
+        _product_key_topk_kernel[(triton.cdiv(rows, block_r),)](
+            scores_a, scores_b, idx, rows, n_a, n_b, k, ka, kb,
+            scores_a.stride(0), scores_b.stride(0), num_warps=max(1, held // 2048),
+            BLOCK_R=block_r, NA=NA, NB=NB, KA=KA, KB=KB, K=triton.next_power_of_2(k),
+            BIG=float(torch.finfo(torch.float32).max / 4))
+    values = scores_a.gather(1, idx % n_a) + scores_b.gather(1, idx // n_a)
+    return values, idx

@@ -1,0 +1,256 @@
+"""The Triton kernels of the gathered-row operators and the product-key top-k (ops/triton_rows)
+against the operators' PyTorch implementation and plain indexing: on the GPU when there is
+one, else in Triton's CPU interpreter (fp32 and fp16; the interpreter has no bf16)."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
+
+import sparseffn   # noqa: E402
+from sparseffn.ops import kernels, native, product_keys, rows, triton_cvmm, triton_rows   # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _triton_on_cpu():
+    """Route the operators' CPU calls through the kernels (in the interpreter)."""
+    if DEVICE == "cpu":
+        triton_cvmm.set_interpreter_for_cpu(True)
+    yield
+    if DEVICE == "cpu":
+        triton_cvmm.set_interpreter_for_cpu(False)
+
+
+def _torch_path(fn, *args):
+    """``fn`` through the operators' PyTorch implementation (no Triton, no C kernels)."""
+    triton_cvmm.set_triton_enabled(False)
+    native.set_native_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        triton_cvmm.set_triton_enabled(True)
+        native.set_native_enabled(True)
+
+
+def _close(got, want, dtype):
+    assert got.shape == want.shape
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale,
+                               rtol=TOL[dtype], equal_nan=True)
+
+
+def _pairs(tokens=37, m=5, num_rows=23, d=19, dtype=torch.float32, seed=0):
+    """Odd sizes; table rows 0 and num_rows - 1 are read by no pair, row 3 by many (a token
+    that reads it in every slot)."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(1, num_rows - 1, (tokens, m), generator=gen)
+    if tokens and num_rows > 4:
+        idx[0] = 3
+    to = lambda t: t.to(DEVICE)   # noqa: E731
+    return (to(idx), to(torch.randn(tokens, m, generator=gen).to(dtype)),
+            to(torch.randn(num_rows, d, generator=gen).to(dtype)),
+            to(torch.randn(tokens, d, generator=gen).to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 5, 23, 19), (1, 1, 5, 1), (64, 40, 300, 130)])
+def test_operators_match_the_torch_implementation(dtype, shape):
+    idx, w, table, x = _pairs(*shape, dtype=dtype)
+    num_rows = table.shape[0]
+    got = [kernels.gather_sum(idx, w, table), kernels.gather_dot(x, table, idx),
+           kernels.scatter_rows(idx, w, x, num_rows)]
+    want = _torch_path(lambda: [kernels.gather_sum(idx, w.float(), table.float()),
+                                kernels.gather_dot(x.float(), table.float(), idx),
+                                kernels.scatter_rows(idx, w.float(), x.float(), num_rows)])
+    for g, ref in zip(got, want):
+        assert g.dtype == dtype
+        _close(g, ref, dtype)
+    unread = ~torch.isin(torch.arange(num_rows, device=DEVICE), idx)
+    assert bool(unread.any()) and bool((got[2][unread] == 0).all()), \
+        "rows no pair lands on are written as zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_match_plain_indexing(dtype):
+    idx, w, table, x = _pairs(dtype=dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, table, w)]
+    ref = [t.detach().float().requires_grad_() for t in (x, table, w)]
+    g1 = torch.randn(idx.shape, device=DEVICE)
+    g2 = torch.randn(x.shape, device=DEVICE)
+    got = (rows.gather_dot(leaves[0], leaves[1], idx).float() * g1).sum() \
+        + (rows.gather_sum(idx, leaves[2], leaves[1]).float() * g2).sum()
+    rx, rt, rw = ref
+    want = ((rt[idx] * rx[:, None]).sum(-1) * g1).sum() + ((rw[..., None] * rt[idx]).sum(1) * g2).sum()
+    got.backward()
+    want.backward()
+    for leaf, r in zip(leaves, ref):
+        _close(leaf.grad, r.grad, dtype)
+
+
+def test_scatter_rows_splits_the_long_segments_of_a_small_table():
+    """Few rows with many pairs each (product sub-keys): each row's segment is summed in
+    pieces by several programs; the result is still the PyTorch one, and deterministic."""
+    idx, w, _, x = _pairs(tokens=900, m=4, num_rows=5, d=21)
+    got = kernels.scatter_rows(idx, w, x, 5)
+    _close(got, _torch_path(kernels.scatter_rows, idx, w, x, 5), torch.float32)
+    assert torch.equal(got, kernels.scatter_rows(idx, w, x, 5))
+
+
+def test_scatter_rows_is_deterministic_and_the_reverse_index_is_exact():
+    idx, w, _, x = _pairs(tokens=300, m=16, num_rows=50, d=33)
+    first = kernels.scatter_rows(idx, w, x, 50)
+    assert torch.equal(first, kernels.scatter_rows(idx, w, x, 50))
+    order, offsets = triton_rows.sorted_reverse_index(idx, 50)
+    flat = idx.reshape(-1)
+    for row in (0, 3, 17, 49):
+        mine = order[offsets[row]:offsets[row + 1]]
+        assert torch.equal(mine.cpu(), torch.nonzero(flat == row).flatten().cpu()), \
+            "a row's pairs, in (token, slot) order"
+
+
+def test_empty_batch_and_no_slots():
+    idx, w, table, x = _pairs(tokens=0)
+    assert kernels.gather_sum(idx, w, table).shape == (0, table.shape[1])
+    assert kernels.gather_dot(x, table, idx).shape == (0, idx.shape[1])
+    empty_grad = kernels.scatter_rows(idx, w, x, table.shape[0])
+    assert empty_grad.shape == table.shape and bool((empty_grad == 0).all())
+    idx, w, table, x = _pairs(m=0)
+    assert bool((kernels.gather_sum(idx, w, table) == 0).all())
+    assert kernels.gather_dot(x, table, idx).shape == (x.shape[0], 0)
+    assert bool((kernels.scatter_rows(idx, w, x, table.shape[0]) == 0).all())
+
+
+def test_nan_reaches_only_the_rows_that_read_it():
+    idx, w, table, x = _pairs()
+    x[5, 2] = float("nan")
+    table[idx[9, 1]] = float("nan")
+    out = kernels.gather_sum(idx, w, table)
+    bad_tokens = (idx == idx[9, 1]).any(1)
+    assert bool(out[bad_tokens].isnan().any(1).all()) and bool(out[~bad_tokens].isfinite().all())
+    grad = kernels.scatter_rows(idx, w, x, table.shape[0])
+    bad_rows = torch.zeros(table.shape[0], dtype=torch.bool, device=DEVICE)
+    bad_rows[idx[5]] = True
+    assert bool(grad[bad_rows].isnan().any(1).all()) and bool(grad[~bad_rows].isfinite().all())
+
+
+def test_out_of_range_indices_read_zero_rows_and_land_nowhere():
+    """Unchecked (GPU, outside debug mode) bad indices never read or write outside the
+    tensors: they read as zero rows and their pairs reach no row of the gradient."""
+    idx, w, table, x = _pairs()
+    bad = idx.clone()
+    bad[4, 0], bad[7, 2] = -1, table.shape[0] + 5
+    out = triton_rows.gather_sum(bad, w, table)
+    ok = bad.clamp(0, table.shape[0] - 1)
+    keep = ((bad >= 0) & (bad < table.shape[0])).to(w.dtype)
+    _close(out, kernels.gather_sum(ok, w * keep, table), torch.float32)
+    dots = triton_rows.gather_dot(x, table, bad)
+    assert dots[4, 0] == 0 and dots[7, 2] == 0
+    _close(triton_rows.scatter_rows(bad, w, x, table.shape[0]),
+           kernels.scatter_rows(ok, w * keep, x, table.shape[0]), torch.float32)
+
+
+def _sorted_topk(values, k):
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
+
+
+@pytest.mark.parametrize("n_a,n_b,k", [(8, 8, 4), (16, 8, 16), (5, 7, 9), (3, 3, 9), (62, 62, 32),
+                                       (1, 6, 2), (100, 37, 64)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_product_key_topk_is_exactly_the_top_k_of_all_sums(n_a, n_b, k, ties):
+    gen = torch.Generator().manual_seed(n_a * 100 + k)
+    s_a, s_b = torch.randn(21, n_a, generator=gen), torch.randn(21, n_b, generator=gen)
+    if ties:
+        s_a, s_b = s_a.round(), s_b.round()
+    s_a, s_b = s_a.to(DEVICE), s_b.to(DEVICE)
+    assert triton_rows.product_key_topk_usable(s_a, s_b, k)
+    values, idx = kernels.product_key_topk(s_a, s_b, k)
+    want_values, want_idx = _torch_path(kernels.product_key_topk, s_a, s_b, k)
+    assert torch.equal(idx, want_idx) and torch.equal(values, want_values)
+    full = (s_b[:, :, None] + s_a[:, None, :]).reshape(21, -1).cpu()       # index i + n_a·j
+    for r in range(21):
+        assert idx[r].tolist() == _sorted_topk(full[r].tolist(), k)
+
+
+def test_product_key_topk_unchecked_nan_keeps_indices_in_range(monkeypatch):
+    monkeypatch.setattr(kernels, "checks_enabled", lambda tensor: False)
+    s_a = torch.randn(6, 10, device=DEVICE)
+    s_b = torch.randn(6, 9, device=DEVICE)
+    s_a[2, 4] = float("nan")
+    s_b[3] = float("-inf")
+    values, idx = kernels.product_key_topk(s_a, s_b, 7)
+    assert bool(((idx >= 0) & (idx < 90)).all())
+    assert len(set(idx[3].tolist())) == 7, "distinct keys even when a half is all -inf"
+    assert bool((idx[2] % 10 == 4).any()) and bool(values[2].isnan().any()), \
+        "NaN ranks first and its value stays NaN"
+
+
+@pytest.mark.parametrize("layer", ["pkm", "peer"])
+def test_layers_train_the_same_through_the_kernels(layer, monkeypatch):
+    """A training forward+backward of PKM and PEER through the kernels gives the output and
+    every gradient of the PyTorch path, and every kernel runs."""
+    calls = set()
+    for fn in ("gather_dot", "gather_sum", "scatter_rows", "product_key_topk", "dense_rows"):
+        original = getattr(triton_rows, fn)
+        monkeypatch.setattr(triton_rows, fn, lambda *a, _f=original, _n=fn: calls.add(_n) or _f(*a))
+    torch.manual_seed(0)
+    if layer == "pkm":
+        module = sparseffn.ProductKeyMemory(d_model=24, num_subkeys=9, heads=2, k=5)
+    else:
+        module = sparseffn.PEER(d_model=24, num_experts=100, heads=3, k=4, key_dim=12)
+    module = module.to(DEVICE).train()
+    x = torch.randn(2, 7, 24, device=DEVICE)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = m(xx)
+        (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
+        return [y, xx.grad] + [p.grad for _, p in sorted(m.named_parameters())]
+
+    want = _torch_path(step, copy.deepcopy(module))
+    assert not calls
+    got = step(module)
+    assert calls == {"gather_dot", "gather_sum", "scatter_rows", "product_key_topk", "dense_rows"}
+    for g, w in zip(got, want):
+        _close(g, w, torch.float32)
+
+
+def test_dense_rows_sums_each_tokens_pairs_in_place():
+    idx = torch.tensor([[0, 2, 2, 4], [1, 1, 1, 1], [3, 0, 4, 2]], device=DEVICE)
+    w = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.5, 0.25, 0.125, 1.0], [float("nan"), 1, 1, 1]],
+                     device=DEVICE)
+    got = kernels.dense_rows(idx, w, 6)
+    want = torch.zeros(3, 6, device=DEVICE).scatter_add_(1, idx, w)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert got[2].isnan().tolist() == [False, False, False, True, False, False], \
+        "a NaN weight reaches only its own entry"
+    assert kernels.dense_rows(idx[:0], w[:0], 6).shape == (0, 6)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_retrieval_dense_backward_matches_the_gathered_one(shared):
+    """On GPUs small sub-key tables take the dense backward (two GEMMs per half); it gives
+    the gradients of the gathered-row backward."""
+    gen = torch.Generator().manual_seed(3)
+    heads, n, d, tokens, k = 3, 11, 6, 29, 5
+    qshape = (tokens, d) if shared else (tokens, heads, d)
+    leaves = [torch.randn(*qshape, generator=gen), torch.randn(*qshape, generator=gen),
+              torch.randn(heads, n, d, generator=gen), torch.randn(heads, n, d, generator=gen)]
+    leaves = [t.to(DEVICE).requires_grad_() for t in leaves]
+    grad = torch.randn(tokens, heads, k, device=DEVICE)
+
+    def run():
+        scores, idx = product_keys.retrieve(*leaves, k)
+        return [scores, idx] + list(torch.autograd.grad((scores * grad).sum(), leaves))
+
+    got = run()
+    want = _torch_path(run)
+    assert torch.equal(got[1], want[1])
+    for g, w in zip(got[:1] + got[2:], want[:1] + want[2:]):
+        _close(g, w, torch.float32)
