@@ -30,7 +30,8 @@ stage() {   # name, time limit in seconds, command...
 for what in "$@"; do
   case $what in
     tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 240 $PY -m pytest -q -p no:cacheprovider \
-             tests/ops/test_triton_cvmm.py tests/ops/test_operator_autocast.py ;;
+             tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py \
+             tests/ops/test_operator_autocast.py tests/layers/test_no_host_sync.py ;;
     check) stage check 540 $PY scripts/gpu_check.py --json "$OUT/check.json" ;;
     fig2) stage fig2 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
             --json "$OUT/fig2.json" ;;
