@@ -13,28 +13,9 @@ from tests.layers.test_conformance import EXAMPLES   # noqa: E402
 from tests.ops.reference import expert_mlp_reference   # noqa: E402
 import sparseffn   # noqa: E402
 from sparseffn.ops import DispatchPlan, expert_mlp, kernels, native, triton_cvmm   # noqa: E402
+from tests.ops.triton_cases import DEVICE, DTYPES, close   # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def _triton_on_cpu():
-    """Route the operators' CPU calls through the kernels (in the interpreter)."""
-    if DEVICE == "cpu":
-        triton_cvmm.set_interpreter_for_cpu(True)
-    yield
-    if DEVICE == "cpu":
-        triton_cvmm.set_interpreter_for_cpu(False)
-
-
-def _close(got, want, dtype):
-    """Equal to a tolerance scaled to the output's magnitude."""
-    assert got.shape == want.shape
-    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale,
-                               rtol=TOL[dtype], equal_nan=True)
+pytestmark = pytest.mark.usefixtures("triton_on_cpu")
 
 
 def _problem(counts, m, n, dropped=0, sources=40, dtype=torch.float32, seed=0):
@@ -78,10 +59,10 @@ def test_sorted_rows_match_the_torch_implementation(dtype, epilogue, transposed)
     want, want_dots = _torch_rows(src, weight, counts, in_idx, None, use_scale, rows, 1, relu,
                                   mask, dot)
     assert got.dtype == dtype
-    _close(got, want, dtype)
+    close(got, want, dtype)
     assert bool((got[rows - 5:] == 0).all()), "rows of dropped pairs must be written as zeros"
     if dot is not None:
-        _close(dots, want_dots, dtype)
+        close(dots, want_dots, dtype)
         assert bool((dots[rows - 5:] == 0).all())
     else:
         assert dots.numel() == 0
@@ -97,7 +78,7 @@ def test_slot_sums_match_the_torch_implementation(dtype, group):
                                False, None, None)
     want, _ = _torch_rows(src, weight, counts, in_idx, slots, scale, rows // group, group,
                           False, None, None)
-    _close(got, want, dtype)
+    close(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -116,7 +97,7 @@ def test_weight_gradient_matches_the_loop(dtype, gathered, scaled):
         a = a * scale.float()[:, None]
     want = torch.stack([a[s:e].t() @ bb[s:e] for s, e in
                         zip((counts.cumsum(0) - counts).tolist(), counts.cumsum(0).tolist())])
-    _close(got, want, dtype)
+    close(got, want, dtype)
     assert bool((got[1] == 0).all()), "an expert without rows gets an exact zero gradient"
 
 
@@ -153,12 +134,12 @@ def test_relu_expert_mlp_matches_the_loop_reference(dtype):
     ref_in = [t.detach().float().requires_grad_() for t in (x, w1, w2, gates)]
     want = expert_mlp_reference(ref_in[0], indices, ref_in[3], ref_in[1].transpose(1, 2),
                                 ref_in[2], torch.relu)
-    _close(y, want, dtype)
+    close(y, want, dtype)
     grad = torch.randn_like(want)
     y.backward(grad.to(dtype))
     want.backward(grad)
     for got, ref in zip((x, w1, w2, gates), ref_in):
-        _close(got.grad, ref.grad, dtype)
+        close(got.grad, ref.grad, dtype)
 
 
 CVMM_LAYERS = ["layer:sigma_moe", "layer:moe", "router:switch", "router:sbase",
@@ -201,4 +182,4 @@ def test_layers_train_the_same_through_the_kernels(name, monkeypatch):
     assert {"cvmm_rows", "expert_weight_grad"} <= set(calls), "the kernels were not used"
     assert len(got) == len(want)
     for a, b in zip(got, want):
-        _close(a, b, torch.float32)
+        close(a, b, torch.float32)

@@ -11,20 +11,9 @@ pytest.importorskip("triton", reason="Triton is optional; these cases test its k
 
 import sparseffn   # noqa: E402
 from sparseffn.ops import kernels, native, product_keys, rows, triton_cvmm, triton_rows   # noqa: E402
+from tests.ops.triton_cases import DEVICE, DTYPES, close   # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def _triton_on_cpu():
-    """Route the operators' CPU calls through the kernels (in the interpreter)."""
-    if DEVICE == "cpu":
-        triton_cvmm.set_interpreter_for_cpu(True)
-    yield
-    if DEVICE == "cpu":
-        triton_cvmm.set_interpreter_for_cpu(False)
+pytestmark = pytest.mark.usefixtures("triton_on_cpu")
 
 
 def _torch_path(fn, *args):
@@ -36,13 +25,6 @@ def _torch_path(fn, *args):
     finally:
         triton_cvmm.set_triton_enabled(True)
         native.set_native_enabled(True)
-
-
-def _close(got, want, dtype):
-    assert got.shape == want.shape
-    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale,
-                               rtol=TOL[dtype], equal_nan=True)
 
 
 def _pairs(tokens=37, m=5, num_rows=23, d=19, dtype=torch.float32, seed=0):
@@ -70,7 +52,7 @@ def test_operators_match_the_torch_implementation(dtype, shape):
                                 kernels.scatter_rows(idx, w.float(), x.float(), num_rows)])
     for g, ref in zip(got, want):
         assert g.dtype == dtype
-        _close(g, ref, dtype)
+        close(g, ref, dtype)
     unread = ~torch.isin(torch.arange(num_rows, device=DEVICE), idx)
     assert bool(unread.any()) and bool((got[2][unread] == 0).all()), \
         "rows no pair lands on are written as zeros"
@@ -90,7 +72,7 @@ def test_gradients_match_plain_indexing(dtype):
     got.backward()
     want.backward()
     for leaf, r in zip(leaves, ref):
-        _close(leaf.grad, r.grad, dtype)
+        close(leaf.grad, r.grad, dtype)
 
 
 def test_scatter_rows_splits_the_long_segments_of_a_small_table():
@@ -98,7 +80,7 @@ def test_scatter_rows_splits_the_long_segments_of_a_small_table():
     pieces by several programs; the result is still the PyTorch one, and deterministic."""
     idx, w, _, x = _pairs(tokens=900, m=4, num_rows=5, d=21)
     got = kernels.scatter_rows(idx, w, x, 5)
-    _close(got, _torch_path(kernels.scatter_rows, idx, w, x, 5), torch.float32)
+    close(got, _torch_path(kernels.scatter_rows, idx, w, x, 5), torch.float32)
     assert torch.equal(got, kernels.scatter_rows(idx, w, x, 5))
 
 
@@ -148,10 +130,10 @@ def test_out_of_range_indices_read_zero_rows_and_land_nowhere():
     out = triton_rows.gather_sum(bad, w, table)
     ok = bad.clamp(0, table.shape[0] - 1)
     keep = ((bad >= 0) & (bad < table.shape[0])).to(w.dtype)
-    _close(out, kernels.gather_sum(ok, w * keep, table), torch.float32)
+    close(out, kernels.gather_sum(ok, w * keep, table), torch.float32)
     dots = triton_rows.gather_dot(x, table, bad)
     assert dots[4, 0] == 0 and dots[7, 2] == 0
-    _close(triton_rows.scatter_rows(bad, w, x, table.shape[0]),
+    close(triton_rows.scatter_rows(bad, w, x, table.shape[0]),
            kernels.scatter_rows(ok, w * keep, x, table.shape[0]), torch.float32)
 
 
@@ -218,7 +200,7 @@ def test_layers_train_the_same_through_the_kernels(layer, monkeypatch):
     got = step(module)
     assert calls == {"gather_dot", "gather_sum", "scatter_rows", "product_key_topk", "dense_rows"}
     for g, w in zip(got, want):
-        _close(g, w, torch.float32)
+        close(g, w, torch.float32)
 
 
 def test_dense_rows_sums_each_tokens_pairs_in_place():
@@ -253,4 +235,4 @@ def test_retrieval_dense_backward_matches_the_gathered_one(shared):
     want = _torch_path(run)
     assert torch.equal(got[1], want[1])
     for g, w in zip(got[:1] + got[2:], want[:1] + want[2:]):
-        _close(g, w, torch.float32)
+        close(g, w, torch.float32)

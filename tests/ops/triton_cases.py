@@ -1,0 +1,18 @@
+"""What the Triton kernel tests share: the device they run on (the GPU, else Triton's CPU
+interpreter, which has no bf16), the dtypes and tolerances. Their modules also set
+``pytestmark = pytest.mark.usefixtures("triton_on_cpu")`` (the fixture is in this folder's
+conftest)."""
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def close(got, want, dtype):
+    """Equal to a tolerance scaled to the output's magnitude."""
+    assert got.shape == want.shape
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale,
+                               rtol=TOL[dtype], equal_nan=True)
