@@ -122,13 +122,13 @@ def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
         t.requires_grad for t in (query_a, query_b, keys_a, keys_b))
     if not needs_grad:
         return vals, idx
-    head_a = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_a
-    head_b = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_b
     if heads * max(n_a, n_b) <= _DENSE_BACKWARD_ROWS and \
             triton_rows.usable(query_a, query_b, keys_a, keys_b):
         return _SelectedScores.apply(vals, query_a, query_b, keys_a, keys_b, idx), idx
     # The same scores again, as gathered dot products that autograd can follow; their values
     # are discarded (the GEMM's are kept, exactly the ones the selection compared).
+    head_a = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_a
+    head_b = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_b
     rows_a, rows_b = idx % n_a + head_a, idx // n_a + head_b
     if shared:
         again = (gather_dot(query_a, flat_a, rows_a.view(tokens, heads * k))

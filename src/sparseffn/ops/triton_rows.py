@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import triton_cvmm
-from .triton_cvmm import tl, triton
+from .triton_cvmm import _rowwise, tl, triton
 
 # The product-key top-k keeps each half's scores (next power of two of n) and the k_a·k_b
 # candidates of BLOCK_R rows in registers: beyond these sizes the PyTorch implementation runs.
@@ -201,10 +201,6 @@ if triton is not None:
             sums = tl.where(full == at[:, None], float("-inf"), sums)
         tl.store(idx_ptr + rows64[:, None] * k + slots[None, :], out.to(tl.int64),
                  mask=r_ok[:, None] & (slots < k)[None, :])
-
-
-def _rowwise(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _block(n: int, cap: int) -> int:
