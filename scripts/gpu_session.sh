@@ -3,7 +3,7 @@
 # GPU machine (at most 10 minutes; the times below were seen on an H100, Triton 3.6, with its
 # compile caches empty). Each stage writes its log and JSON under OUT (default runs/gpu).
 #
-#   bash scripts/gpu_session.sh tests check        # ~1 + ~7 min
+#   bash scripts/gpu_session.sh tests check        # ~4-5 + ~7 min
 #   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ~2 min (fig2 with both peers)
 #   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
@@ -29,8 +29,8 @@ stage() {   # name, time limit in seconds, command...
 
 for what in "$@"; do
   case $what in
-    tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 240 $PY -m pytest -q -p no:cacheprovider \
-             tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py \
+    tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 420 $PY -m pytest -q -p no:cacheprovider \
+             tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py tests/ops/test_triton_tree.py \
              tests/ops/test_operator_autocast.py tests/layers/test_no_host_sync.py ;;
     check) stage check 540 $PY scripts/gpu_check.py --json "$OUT/check.json" ;;
     fig2) stage fig2 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \

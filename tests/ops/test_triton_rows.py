@@ -10,21 +10,10 @@ import torch
 pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
 
 import sparseffn   # noqa: E402
-from sparseffn.ops import kernels, native, product_keys, rows, triton_cvmm, triton_rows   # noqa: E402
-from tests.ops.triton_cases import DEVICE, DTYPES, close   # noqa: E402
+from sparseffn.ops import kernels, product_keys, rows, triton_rows   # noqa: E402
+from tests.ops.triton_cases import DEVICE, DTYPES, close, torch_path as _torch_path   # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_on_cpu")
-
-
-def _torch_path(fn, *args):
-    """``fn`` through the operators' PyTorch implementation (no Triton, no C kernels)."""
-    triton_cvmm.set_triton_enabled(False)
-    native.set_native_enabled(False)
-    try:
-        return fn(*args)
-    finally:
-        triton_cvmm.set_triton_enabled(True)
-        native.set_native_enabled(True)
 
 
 def _pairs(tokens=37, m=5, num_rows=23, d=19, dtype=torch.float32, seed=0):

@@ -5,6 +5,8 @@ conftest)."""
 
 import torch
 
+from sparseffn.ops import native, triton_cvmm
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -16,3 +18,14 @@ def close(got, want, dtype):
     scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * scale,
                                rtol=TOL[dtype], equal_nan=True)
+
+
+def torch_path(fn, *args):
+    """``fn`` through the operators' PyTorch implementation (no Triton, no C kernels)."""
+    triton_cvmm.set_triton_enabled(False)
+    native.set_native_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        triton_cvmm.set_triton_enabled(True)
+        native.set_native_enabled(True)

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from . import kernels, native
+from . import kernels, native, triton_tree
 
 TREE_ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
 SOFT_FORMULATIONS = ("orig", "logs", "matrix", "matrix_sparse", "levelwise")
@@ -297,14 +297,21 @@ def leaf_probs_levelwise(z: torch.Tensor, activation: str = "logsigmoid") -> tor
     each node's two branch values (Eq. 7 computed top-down without repeating a level per leaf):
     O(L) per token. Log-sigmoid runs as products of ``σ(±z)`` and needs no normalisation."""
     depth = depth_of(z.shape[-1])
-    if _native_ok(z):
+    if not _native_ok(z):
+        return _levelwise_torch(z, depth, activation)
+    if torch.is_grad_enabled() and z.requires_grad:
         return _LevelwiseTree.apply(z, depth, activation)
-    return _levelwise_torch(z, depth, activation)
+    return _levelwise_probs(z, depth, activation)[0]   # inference: no autograd node
 
 
 def _native_ok(z: torch.Tensor) -> bool:
-    return (z.dim() == 2 and z.device.type == "cpu" and z.dtype == torch.float32
-            and native.available())
+    """True when a fused kernel runs the expansion: the C kernels (CPU float32) or the Triton
+    kernels (CUDA, depth up to ``triton_tree.MAX_DEPTH``)."""
+    if z.dim() != 2:
+        return False
+    if z.device.type == "cpu" and z.dtype == torch.float32 and native.available():
+        return True
+    return triton_tree.usable(depth_of(z.shape[-1]), z)
 
 
 def _levelwise_torch(z: torch.Tensor, depth: int, activation: str) -> torch.Tensor:
@@ -326,7 +333,8 @@ def _levelwise_torch(z: torch.Tensor, depth: int, activation: str) -> torch.Tens
     return torch.softmax(values, dim=-1)
 
 
-_MODE_PRODUCT, _MODE_SUM_SHIFTED, _MODE_SUM_ODD = 0, 1, 2
+_MODE_PRODUCT, _MODE_SUM_SHIFTED, _MODE_SUM_ODD = (kernels.FFF_PRODUCT, kernels.FFF_SUM_SHIFTED,
+                                                  kernels.FFF_SUM_ODD)
 
 
 def _activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -340,27 +348,33 @@ def _activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
     raise AssertionError(activation)
 
 
+def _levelwise_probs(z: torch.Tensor, depth: int, activation: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The leaf probabilities [T, L] on the fused kernels, and what their backward needs:
+    σ(z) for log-sigmoid, else z."""
+    if z.stride(-1) != 1:    # the kernels take any row stride (e.g. a slice of wider logits)
+        z = z.contiguous()
+    if activation == "logsigmoid":
+        p = torch.sigmoid(z)
+        return kernels.fff_expand(p, depth, _MODE_PRODUCT, None), p
+    if activation == "linear":
+        leaf_logits = kernels.fff_expand(z, depth, _MODE_SUM_ODD, None)
+    else:
+        leaf_logits = kernels.fff_expand(tree_activation(activation)(z), depth,
+                                         _MODE_SUM_SHIFTED, z)
+    return torch.softmax(leaf_logits, dim=-1), z
+
+
 class _LevelwiseTree(torch.autograd.Function):
-    """Leaf probabilities from node logits on the C kernels of ``fff_cpu.c``.
+    """Leaf probabilities from node logits on the fused kernels of ``sparseffn::fff_expand``
+    (the C kernels of ``fff_cpu.c`` on CPU, the Triton kernels on CUDA).
 
     Saves the node values (σ(z) for log-sigmoid, else z) and the output probabilities."""
 
     @staticmethod
     def forward(ctx, z, depth: int, activation: str):
-        if z.stride(-1) != 1:    # the kernels take any row stride (e.g. a slice of wider logits)
-            z = z.contiguous()
-        if activation == "logsigmoid":
-            p = torch.sigmoid(z)
-            probs = kernels.fff_expand(p, depth, _MODE_PRODUCT, None)
-            ctx.save_for_backward(p, probs)
-        else:
-            if activation == "linear":
-                leaf_logits = kernels.fff_expand(z, depth, _MODE_SUM_ODD, None)
-            else:
-                leaf_logits = kernels.fff_expand(tree_activation(activation)(z), depth,
-                                                _MODE_SUM_SHIFTED, z)
-            probs = torch.softmax(leaf_logits, dim=-1)
-            ctx.save_for_backward(z, probs)
+        probs, saved = _levelwise_probs(z, depth, activation)
+        ctx.save_for_backward(saved, probs)
         ctx.depth, ctx.activation = depth, activation
         return probs
 
@@ -410,34 +424,25 @@ def leaf_probs(z: torch.Tensor, formulation: str = "levelwise",
 def descend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
     """Greedy hard inference (Chaunin & Mikhailovskiy §1.2): from the root, go left where
-    ``z_n = <x, w_n> + b_n > 0`` and right otherwise; one dot product per level and token,
-    batched over tokens.
+    ``z_n = <x, w_n> + b_n > 0`` and right otherwise (NaN goes right); one dot product per
+    level and token, batched over tokens (the operator ``sparseffn::fff_descend``).
 
     x: [T, dim]; weight: [2^d - 1, dim]; bias: [2^d - 1] or None. Returns int64 [T] leaves.
     """
     depth = depth_of(weight.shape[0])
     if x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [tokens, {weight.shape[1]}], got {tuple(x.shape)}")
-    with torch.no_grad():
-        if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-                and native.available()):
-            return native.fff_descend(x, weight, bias, depth)
-        return descend_from_logits_fn(lambda level, node: _gathered_logits(x, weight, bias, node),
-                                      depth, x.shape[0], x.device)
-
-
-def _gathered_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     node: torch.Tensor) -> torch.Tensor:
-    z = torch.einsum("td,td->t", x, weight.index_select(0, node).to(x.dtype))
-    return z if bias is None else z + bias.index_select(0, node).to(z.dtype)
+    with torch.no_grad():   # the C kernel on CPU, the Triton kernel on CUDA, else PyTorch
+        return kernels.fff_descend(x, weight, bias, depth)
 
 
 def descend_from_logits_fn(node_logit: Callable[[int, torch.Tensor], torch.Tensor], depth: int,
                            tokens: int, device=None) -> torch.Tensor:
-    """Greedy descent given ``node_logit(level, node [T]) -> z [T]`` (any node network)."""
+    """Greedy descent given ``node_logit(level, node [T]) -> z [T]`` (any node network):
+    left (2n + 1) where z > 0, right otherwise, NaN included (as every kernel)."""
     node = torch.zeros(tokens, dtype=torch.long, device=device)
     for level in range(depth):
-        node = 2 * node + 1 + (node_logit(level, node) <= 0).long()
+        node = 2 * node + 2 - (node_logit(level, node) > 0).long()
     return node - ((1 << depth) - 1)
 
 

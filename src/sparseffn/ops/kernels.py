@@ -2,9 +2,10 @@
 
 Each operator has one schema and several implementations chosen by the device of the
 tensors that arrive: the Triton kernels of :mod:`~sparseffn.ops.triton_cvmm` (the CVMM
-operators) and :mod:`~sparseffn.ops.triton_rows` (gathered rows, product-key top-k) on CUDA
-when Triton is installed, the fused C kernels of
-:mod:`~sparseffn.ops.native` on CPU in float32 (when they are built), and a PyTorch
+operators), :mod:`~sparseffn.ops.triton_rows` (gathered rows, product-key top-k) and
+:mod:`~sparseffn.ops.triton_tree` (fast feed-forward trees) on CUDA when Triton is
+installed, the fused C kernels of :mod:`~sparseffn.ops.native` on CPU in float32 (when they
+are built), and a PyTorch
 implementation everywhere else (other devices, other dtypes, no C compiler, no Triton). Each
 has a *fake* implementation that gives the output's shape and dtype without computing it, so
 ``torch.compile`` traces a layer through them in one graph.
@@ -35,6 +36,7 @@ capacity) is never computed, and where it appears in an output it is exactly zer
     sparseffn::product_key_topk   the top-k of all sums of two score rows (Lample et al. 2019)
     sparseffn::fff_expand         leaf values of a fast feed-forward tree, level by level
     sparseffn::fff_expand_backward
+    sparseffn::fff_descend        greedy hard inference down a tree
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import native, triton_cvmm, triton_rows
+from . import native, triton_cvmm, triton_rows, triton_tree
 from .debug import checks_enabled
 from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zero_rows_after
 
@@ -374,13 +376,41 @@ def _(scores_a, scores_b, k):
 
 
 # ---------------------------------------------------------------------------------------------
-# Fast feed-forward trees (C kernels only: callers take the PyTorch formulation elsewhere)
+# Fast feed-forward trees (Chaunin & Mikhailovskiy §1.2-2.3; layout in ``fff.py``)
 
-@operator("fff_expand", device_types="cpu")
+# Modes of the expansion: how a node's two children get their values from the parent's value
+# ``cur`` (see ``fff_cpu.c``): 0 product, p = σ(z): (cur·p, cur - cur·p); 1 sum with
+# a(-z) = a(z) - z: (cur + a, cur + a - z); 2 sum with a(-z) = -a(z): (cur + a, cur - a).
+FFF_PRODUCT, FFF_SUM_SHIFTED, FFF_SUM_ODD = 0, 1, 2
+
+
+@operator("fff_expand")
 def fff_expand(node_values: Tensor, depth: int, mode: int,
                node_logits: Optional[Tensor]) -> Tensor:
-    """Leaf values [T, 2^depth] from node values [T, 2^depth - 1] (see ``fff_cpu.c``)."""
-    return native.fff_expand(node_values, depth, mode, node_logits=node_logits)
+    """Leaf values [T, 2^depth] from node values [T, 2^depth - 1], level by level (mode 1
+    also reads the node logits [T, 2^depth - 1]); in the node values' dtype."""
+    if triton_tree.usable(depth, node_values, node_logits):
+        return triton_tree.expand(node_values, depth, mode, node_logits)
+    if _fused(node_values, node_logits):
+        return native.fff_expand(node_values, depth, mode, node_logits=node_logits)
+    return _fff_expand_torch(node_values, depth, mode, node_logits)
+
+
+def _fff_expand_torch(a: Tensor, depth: int, mode: int, z: Optional[Tensor]) -> Tensor:
+    tokens = a.shape[0]
+    values = (a.new_ones if mode == FFF_PRODUCT else a.new_zeros)(tokens, 1)
+    for level in range(depth):
+        nodes = slice((1 << level) - 1, (1 << (level + 1)) - 1)
+        if mode == FFF_PRODUCT:
+            left = values * a[:, nodes]
+            right = values - left
+        elif mode == FFF_SUM_SHIFTED:
+            left = values + a[:, nodes]
+            right = left - z[:, nodes].to(a.dtype)
+        else:
+            left, right = values + a[:, nodes], values - a[:, nodes]
+        values = torch.stack((left, right), dim=-1).reshape(tokens, 2 << level)
+    return values
 
 
 @fff_expand.register_fake
@@ -388,13 +418,61 @@ def _(node_values, depth, mode, node_logits):
     return node_values.new_empty(node_values.shape[0], 1 << depth)
 
 
-@operator("fff_expand_backward", device_types="cpu")
+@operator("fff_expand_backward")
 def fff_expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Optional[Tensor],
                         depth: int, mode: int) -> Tensor:
-    """The gradient [T, 2^depth - 1] of :func:`fff_expand` with respect to the node values."""
-    return native.fff_expand_backward(grad_leaf, leaf, node_data, depth, mode)
+    """The gradient [T, 2^depth - 1] of :func:`fff_expand` with respect to the node values
+    (bottom-up; ``leaf`` the leaf values in mode 0, ``node_data`` σ(z) in mode 0 and a'(z) in
+    mode 1, see ``fff_cpu.c``); in the gradient's dtype."""
+    if triton_tree.usable(depth, grad_leaf, leaf, node_data):
+        return triton_tree.expand_backward(grad_leaf, leaf, node_data, depth, mode)
+    if _fused(grad_leaf, leaf, node_data):
+        return native.fff_expand_backward(grad_leaf, leaf, node_data, depth, mode)
+    return _fff_expand_backward_torch(grad_leaf, leaf, node_data, depth, mode)
+
+
+def _fff_expand_backward_torch(grad_leaf, leaf, node_data, depth, mode):
+    g = grad_leaf * leaf.to(grad_leaf.dtype) if mode == FFF_PRODUCT else grad_leaf
+    out = grad_leaf.new_empty(grad_leaf.shape[0], (1 << depth) - 1)
+    for level in reversed(range(depth)):
+        nodes = slice((1 << level) - 1, (1 << (level + 1)) - 1)
+        g0, g1 = g[:, 0::2], g[:, 1::2]
+        s = g0 + g1
+        if mode == FFF_SUM_ODD:
+            out[:, nodes] = g0 - g1
+        elif mode == FFF_PRODUCT:    # a'(z) = 1 - σ(z) for log-sigmoid
+            out[:, nodes] = s * (1 - node_data[:, nodes].to(s.dtype)) - g1
+        else:
+            out[:, nodes] = s * node_data[:, nodes].to(s.dtype) - g1
+        g = s
+    return out
 
 
 @fff_expand_backward.register_fake
 def _(grad_leaf, leaf, node_data, depth, mode):
     return grad_leaf.new_empty(grad_leaf.shape[0], (1 << depth) - 1)
+
+
+@operator("fff_descend")
+def fff_descend(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int) -> Tensor:
+    """Greedy hard inference: the leaf (int64 [T]) each token of x [T, dim] reaches, going
+    left (2n + 1) where ``z_n = <x, weight[n]> + bias[n] > 0`` and right otherwise (NaN goes
+    right). weight: [2^depth - 1, dim]; bias: [2^depth - 1] or None. The Triton kernel
+    accumulates z in fp32; the PyTorch path computes it in x's dtype."""
+    if triton_tree.descend_usable(x, weight, bias):
+        return triton_tree.descend(x, weight, bias, depth)
+    if _fused(x, weight, bias):
+        return native.fff_descend(x, weight, bias, depth)
+    node = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+    weight = weight.to(x.dtype)
+    for _ in range(depth):
+        z = torch.einsum("td,td->t", x, weight.index_select(0, node))
+        if bias is not None:
+            z = z + bias.index_select(0, node).to(z.dtype)
+        node = 2 * node + 2 - (z > 0).long()
+    return node - ((1 << depth) - 1)
+
+
+@fff_descend.register_fake
+def _(x, weight, bias, depth):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
