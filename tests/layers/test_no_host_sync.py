@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import sparseffn
 from sparseffn.bench.compiled import layer_configs
 from sparseffn.ops import native
-from torch._library.custom_ops import CustomOpDef
+from sparseffn.ops.kernels import Operator
 
 # the modules (the package exports functions of the same names)
 _CHECKING_MODULES = [importlib.import_module(f"sparseffn.ops.{m}")
@@ -48,10 +48,9 @@ def _open_operators(monkeypatch) -> list[str]:
         if not name.startswith("sparseffn"):
             continue
         for attr, value in list(vars(module).items()):
-            if isinstance(value, CustomOpDef) and value._namespace == "sparseffn" \
-                    and value._name not in _OPAQUE_OPERATORS:
-                monkeypatch.setattr(module, attr, value._init_fn)
-                opened.add(value._name)
+            if isinstance(value, Operator) and value.op._name not in _OPAQUE_OPERATORS:
+                monkeypatch.setattr(module, attr, value.implementation)
+                opened.add(value.op._name)
     return sorted(opened)
 
 

@@ -58,9 +58,52 @@ _LIB = "sparseffn"
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+class Operator:
+    """A ``sparseffn::`` operator (``op``, a ``torch.library`` custom operator) and its Python
+    implementation (``implementation``).
+
+    Calling it runs the implementation directly when nothing needs to see the operator: eager
+    mode, plain tensors, no dispatch or function mode, no profiler. Going through the
+    dispatcher's Python round trip costs tens of microseconds a call on a GPU host, more than
+    many of the kernels it launches. Under ``torch.compile``, ``make_fx``, fake tensors,
+    tensor subclasses, functorch transforms, a ``TorchDispatchMode`` (FLOP counters,
+    debuggers), a ``TorchFunctionMode``, the autograd profiler, or with an input that
+    requires grad while grad is enabled (the operators have no autograd formula), the
+    registered operator runs."""
+
+    def __init__(self, op, implementation) -> None:
+        self.op = op
+        self.implementation = implementation
+        functools.update_wrapper(self, implementation)
+
+    def register_fake(self, fn):
+        return self.op.register_fake(fn)
+
+    def __call__(self, *args, **kwargs):
+        if _direct_call_ok(args) and (not kwargs or _direct_call_ok(kwargs.values())):
+            return self.implementation(*args, **kwargs)
+        return self.op(*args, **kwargs)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct_call_ok(args) -> bool:
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._len_torch_function_stack() or torch._C._autograd._profiler_enabled()):
+        return False
+    grad = torch.is_grad_enabled()
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS
+                                            or (grad and a.requires_grad) or wrapped(a)):
+            return False
+    return True
+
+
 def operator(name: str, device_types: Optional[str] = None):
     """Decorator: register ``fn`` as the operator ``sparseffn::<name>`` (no input mutated),
-    its implementation run with autocast turned off.
+    its implementation run with autocast turned off; returns an :class:`Operator`.
 
     Autocast stays on inside a custom operator's implementation, so PyTorch ops there would
     follow autocast's lists: on CUDA a ``sum`` of bf16 rows comes back in fp32, the operator's
@@ -78,8 +121,9 @@ def operator(name: str, device_types: Optional[str] = None):
                     stack.enter_context(torch.autocast(device, enabled=False))
                 return fn(*args, **kwargs)
         options = {} if device_types is None else {"device_types": device_types}
-        return torch.library.custom_op(f"{_LIB}::{name}", mutates_args=(), **options)(
+        op = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=(), **options)(
             without_autocast)
+        return Operator(op, without_autocast)
     return wrap
 
 
