@@ -85,6 +85,17 @@ def set_interpreter_for_cpu(enabled: bool) -> None:
     _on_cpu = bool(enabled)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids (``triton.cdiv`` is a constexpr function in recent
+    Triton, and its wrapper costs microseconds of host time per call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for block sizes."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def usable(num_experts: int, *tensors: Optional[Tensor]) -> bool:
     """True when the Triton kernels take these tensors: Triton present and enabled, every
     tensor on a CUDA device (or on the CPU under :func:`set_interpreter_for_cpu`) in fp32,
@@ -253,7 +264,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _block_e(num_experts: int) -> int:
-    return max(16, triton.next_power_of_2(max(1, num_experts)))
+    return max(16, next_power_of_2(max(1, num_experts)))
 
 
 def _rowwise(t: Tensor) -> Tensor:
@@ -271,7 +282,7 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
     num_experts, m, n = weight.shape
     rows = (in_idx if in_idx is not None else out_idx if out_idx is not None else src).shape[0]
     out = src.new_empty(rows, n)
-    num_tiles_n = triton.cdiv(n, 16) if n else 0
+    num_tiles_n = cdiv(n, 16) if n else 0
     # Partial dots per column tile (at most one per 16 columns), summed below; a 0-size
     # buffer when there are none.
     dots = torch.zeros(num_tiles_n if dot_with is not None else 0, rows, device=src.device,
@@ -280,8 +291,8 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
         mask_with = None if mask_with is None else _rowwise(mask_with)
         dot_with = None if dot_with is None else _rowwise(dot_with)
         counts = counts.contiguous()
-        grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]) + num_experts + 1,  # noqa: E731
-                             triton.cdiv(n, meta["BLOCK_N"]))
+        grid = lambda meta: (cdiv(rows, meta["BLOCK_M"]) + num_experts + 1,  # noqa: E731
+                             cdiv(n, meta["BLOCK_N"]))
         _cvmm_kernel[grid](
             src, src.stride(0), in_idx,
             weight, weight.stride(0), weight.stride(1), weight.stride(2),
@@ -313,7 +324,7 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
     out = a_src.new_empty(num_experts, ma, nb)
     if not (num_experts and ma and nb):
         return out
-    grid = lambda meta: (triton.cdiv(ma, meta["BLOCK_M"]) * triton.cdiv(nb, meta["BLOCK_N"]),  # noqa: E731
+    grid = lambda meta: (cdiv(ma, meta["BLOCK_M"]) * cdiv(nb, meta["BLOCK_N"]),  # noqa: E731
                          num_experts)
     _weight_grad_kernel[grid](
         a_src, a_src.stride(0), a_idx, b_src, b_src.stride(0), b_idx, scale,

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import triton_cvmm
-from .triton_cvmm import _rowwise, tl, triton
+from .triton_cvmm import _rowwise, cdiv, next_power_of_2, tl, triton
 
 # The product-key top-k keeps each half's scores (next power of two of n) and the k_a·k_b
 # candidates of BLOCK_R rows in registers: beyond these sizes the PyTorch implementation runs.
@@ -204,7 +204,7 @@ if triton is not None:
 
 
 def _block(n: int, cap: int) -> int:
-    return max(16, min(cap, triton.next_power_of_2(max(1, n))))
+    return max(16, min(cap, next_power_of_2(max(1, n))))
 
 
 def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
@@ -215,7 +215,7 @@ def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     out = table.new_empty(tokens, d)
     if tokens and d:
         block_d = _block(d, 64)   # 16 × 64 tiles: the fastest on an H100 at d 256, m 128
-        grid = (triton.cdiv(tokens, 16), triton.cdiv(d, block_d))
+        grid = (cdiv(tokens, 16), cdiv(d, block_d))
         _gather_sum_kernel[grid](idx, weights, table, out, tokens, m, d, table.shape[0],
                                  idx.stride(0), weights.stride(0), table.stride(0),
                                  out.stride(0), BLOCK_T=16, BLOCK_D=block_d)
@@ -229,7 +229,7 @@ def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     out = x.new_empty(tokens, m, dtype=torch.promote_types(x.dtype, table.dtype))
     if tokens and m:
         block_m = _block(m, 16)
-        grid = (triton.cdiv(tokens, 16), triton.cdiv(m, block_m))
+        grid = (cdiv(tokens, 16), cdiv(m, block_m))
         _gather_dot_kernel[grid](x, table, idx, out, tokens, m, x.shape[1], table.shape[0],
                                  x.stride(0), table.stride(0), idx.stride(0), out.stride(0),
                                  BLOCK_T=16, BLOCK_M=block_m, BLOCK_D=32)
@@ -243,7 +243,7 @@ def dense_rows(idx: Tensor, weights: Tensor, num_rows: int) -> Tensor:
     out = weights.new_empty(tokens, num_rows)
     if tokens and num_rows:
         block_n = _block(num_rows, 64)
-        grid = (triton.cdiv(tokens, 32), triton.cdiv(num_rows, block_n))
+        grid = (cdiv(tokens, 32), cdiv(num_rows, block_n))
         _dense_rows_kernel[grid](idx, weights, out, tokens, m, num_rows, idx.stride(0),
                                  weights.stride(0), out.stride(0), BLOCK_T=32, BLOCK_N=block_n)
     return out
@@ -276,12 +276,12 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Te
         return src.new_zeros(num_rows, d)
     order, offsets = sorted_reverse_index(idx, num_rows)
     block_d = _block(d, 64)
-    tiles = num_rows * triton.cdiv(d, block_d)
+    tiles = num_rows * cdiv(d, block_d)
     per_row = idx.numel() // num_rows
     split = max(1, min(64, _SCATTER_PROGRAMS // tiles, per_row // 256))
     out = src.new_empty(num_rows, d) if split == 1 else \
         torch.empty(split, num_rows, d, device=src.device, dtype=torch.float32)
-    _scatter_rows_kernel[(num_rows, triton.cdiv(d, block_d), split)](
+    _scatter_rows_kernel[(num_rows, cdiv(d, block_d), split)](
         order, offsets, weights, src, out, max(1, idx.shape[1]), d, num_rows,
         src.stride(0), d if split > 1 else out.stride(0), SPLIT=split, BLOCK_P=32,
         BLOCK_D=block_d)
@@ -298,17 +298,17 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
     idx = torch.empty(rows, k, dtype=torch.int64, device=scores_a.device)
     if rows and k:
         ka, kb = min(k, n_a), min(k, n_b)
-        NA, NB = triton.next_power_of_2(n_a), triton.next_power_of_2(n_b)
-        KA, KB = triton.next_power_of_2(ka), triton.next_power_of_2(kb)
+        NA, NB = next_power_of_2(n_a), next_power_of_2(n_b)
+        KA, KB = next_power_of_2(ka), next_power_of_2(kb)
         # One warp per program, its BLOCK_R rows' candidates [BLOCK_R, KA·KB] and half scores
         # in its registers (~2K values each): the reductions stay inside the warp. Measured on
         # an H100 (65,536 rows, n 62, k 32): 0.96 ms with one warp, 1.5 ms with four.
         held = max(KA * KB, NA, NB)
         block_r = max(1, min(8, 2048 // held))
-        _product_key_topk_kernel[(triton.cdiv(rows, block_r),)](
+        _product_key_topk_kernel[(cdiv(rows, block_r),)](
             scores_a, scores_b, idx, rows, n_a, n_b, k, ka, kb,
             scores_a.stride(0), scores_b.stride(0), num_warps=max(1, held // 2048),
-            BLOCK_R=block_r, NA=NA, NB=NB, KA=KA, KB=KB, K=triton.next_power_of_2(k),
+            BLOCK_R=block_r, NA=NA, NB=NB, KA=KA, KB=KB, K=next_power_of_2(k),
             BIG=float(torch.finfo(torch.float32).max / 4))
     values = scores_a.gather(1, idx % n_a) + scores_b.gather(1, idx // n_a)
     return values, idx

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from . import triton_cvmm
-from .triton_cvmm import _rowwise, tl, triton
+from .triton_cvmm import _rowwise, cdiv, next_power_of_2, tl, triton
 
 # A row of 2^MAX_DEPTH leaf values (64 KiB in fp32) is the most one program keeps in registers.
 MAX_DEPTH = 14
@@ -163,7 +163,7 @@ def expand(node_values: Tensor, depth: int, mode: int, node_logits: Optional[Ten
     out = a.new_empty(tokens, 1 << depth)
     if tokens:
         block_t = _block_tokens(depth)
-        _expand_kernel[(triton.cdiv(tokens, block_t),)](
+        _expand_kernel[(cdiv(tokens, block_t),)](
             a, z, out, tokens, a.stride(0), z.stride(0), out.stride(0), DEPTH=depth, MODE=mode,
             BLOCK_T=block_t, num_warps=_num_warps(depth, block_t))
     return out
@@ -180,7 +180,7 @@ def expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Option
     out = g.new_empty(tokens, (1 << depth) - 1)
     if tokens:
         block_t = _block_tokens(depth)
-        _expand_backward_kernel[(triton.cdiv(tokens, block_t),)](
+        _expand_backward_kernel[(cdiv(tokens, block_t),)](
             g, leaf, d, out, tokens, g.stride(0), leaf.stride(0), d.stride(0), out.stride(0),
             DEPTH=depth, MODE=mode, BLOCK_T=block_t, num_warps=_num_warps(depth, block_t))
     return out
@@ -194,9 +194,9 @@ def descend(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int,
     tokens, dim = x.shape
     out = torch.empty(tokens, dtype=torch.int64, device=x.device)
     if tokens:
-        block_d = block_d or min(1024, triton.next_power_of_2(max(dim, 16)))
+        block_d = block_d or min(1024, next_power_of_2(max(dim, 16)))
         block_t = block_t or max(1, min(16, 4096 // block_d))
-        _descend_kernel[(triton.cdiv(tokens, block_t),)](
+        _descend_kernel[(cdiv(tokens, block_t),)](
             x, weight, x if bias is None else bias.contiguous(), out, tokens, dim, depth,
             x.stride(0), weight.stride(0), HAS_BIAS=bias is not None, BLOCK_T=block_t,
             BLOCK_D=block_d, num_warps=4)
