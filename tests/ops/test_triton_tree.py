@@ -15,16 +15,18 @@ from tests.ops.triton_cases import DEVICE, DTYPES, close, torch_path   # noqa: E
 pytestmark = pytest.mark.usefixtures("triton_on_cpu")
 
 MODES = {"product": kernels.FFF_PRODUCT, "sum_shifted": kernels.FFF_SUM_SHIFTED,
-         "sum_odd": kernels.FFF_SUM_ODD}
+         "sum_odd": kernels.FFF_SUM_ODD, "product_of_logits": kernels.FFF_PRODUCT_OF_LOGITS}
 
 
 def _node_inputs(tokens, depth, mode, dtype, seed=0, pad=0):
-    """Node values (σ(z) in the product mode) and logits [tokens, 2^depth - 1], as views of
-    rows ``pad`` columns wider than they are (the kernels take any row stride)."""
+    """Node values (σ(z) in the product mode, z given the logits) and logits
+    [tokens, 2^depth - 1], as views of rows ``pad`` columns wider than they are (the kernels
+    take any row stride)."""
     gen = torch.Generator().manual_seed(seed)
     nodes = (1 << depth) - 1
     z = (2 * torch.randn(tokens, nodes + pad, generator=gen))[:, :nodes]
-    a = torch.sigmoid(z) if mode == kernels.FFF_PRODUCT else torch.nn.functional.softplus(z)
+    a = {kernels.FFF_PRODUCT: torch.sigmoid(z), kernels.FFF_PRODUCT_OF_LOGITS: z}.get(
+        mode, torch.nn.functional.softplus(z))
     return a.to(dtype).to(DEVICE), z.to(dtype).to(DEVICE)
 
 
@@ -32,9 +34,10 @@ def _backward_inputs(tokens, depth, mode, dtype, seed=1):
     gen = torch.Generator().manual_seed(seed)
     a, z = _node_inputs(tokens, depth, mode, dtype, seed)
     grad = torch.randn(tokens, 1 << depth, generator=gen).to(dtype).to(DEVICE)
-    leaf = kernels._fff_expand_torch(a, depth, mode, z) if mode == kernels.FFF_PRODUCT else None
+    products = (kernels.FFF_PRODUCT, kernels.FFF_PRODUCT_OF_LOGITS)
+    leaf = torch_path(kernels.fff_expand, a, depth, mode, z) if mode in products else None
     data = {kernels.FFF_PRODUCT: a, kernels.FFF_SUM_SHIFTED: torch.sigmoid(z),
-            kernels.FFF_SUM_ODD: None}[mode]
+            kernels.FFF_SUM_ODD: None, kernels.FFF_PRODUCT_OF_LOGITS: z}[mode]
     return grad, leaf, data
 
 
@@ -45,7 +48,8 @@ def test_expand_equals_the_torch_path(mode, depth, dtype):
     a, z = _node_inputs(37, depth, mode, dtype, pad=3)
     logits = z if mode == kernels.FFF_SUM_SHIFTED else None
     got = triton_tree.expand(a, depth, mode, logits)
-    want = kernels._fff_expand_torch(a.float(), depth, mode, None if logits is None else z.float())
+    want = torch_path(kernels.fff_expand, a.float(), depth, mode,
+                      None if logits is None else z.float())
     assert got.dtype == dtype and got.shape == (37, 1 << depth)
     close(got, want, dtype)
 
@@ -57,30 +61,32 @@ def test_expand_backward_equals_the_torch_path(mode, depth, dtype):
     grad, leaf, data = _backward_inputs(29, depth, mode, dtype)
     got = triton_tree.expand_backward(grad, leaf, data, depth, mode)
     f = lambda t: None if t is None else t.float()   # noqa: E731
-    want = kernels._fff_expand_backward_torch(grad.float(), f(leaf), f(data), depth, mode)
+    want = torch_path(kernels.fff_expand_backward, grad.float(), f(leaf), f(data), depth, mode)
     assert got.dtype == dtype and got.shape == (29, (1 << depth) - 1)
     close(got, want, dtype)
 
 
 def test_expand_backward_is_the_gradient_of_the_expansion():
     """The backward kernel against autograd through the PyTorch expansion, with respect to
-    the node logits z: product mode with p = σ(z) (log-sigmoid), the shifted sum with
-    a = softplus(z) (a' = σ), the odd sum with a = z."""
+    the node logits z: the product with p = σ(z) (log-sigmoid; given σ(z) or z), the shifted
+    sum with a = softplus(z) (a' = σ), the odd sum with a = z."""
     depth = 6
     gen = torch.Generator().manual_seed(3)
     z = (2 * torch.randn(11, (1 << depth) - 1, generator=gen)).to(DEVICE).requires_grad_()
     grad = torch.randn(11, 1 << depth, generator=gen).to(DEVICE)
     for mode in MODES.values():
-        if mode == kernels.FFF_PRODUCT:
-            a, data = torch.sigmoid(z), torch.sigmoid(z).detach()
+        if mode in (kernels.FFF_PRODUCT, kernels.FFF_PRODUCT_OF_LOGITS):
+            a = torch.sigmoid(z)
+            data = a.detach() if mode == kernels.FFF_PRODUCT else z.detach()
         elif mode == kernels.FFF_SUM_SHIFTED:
             a, data = torch.nn.functional.softplus(z), torch.sigmoid(z).detach()
         else:
             a, data = z, None
-        leaf = kernels._fff_expand_torch(a, depth, mode, z)
+        product = mode in (kernels.FFF_PRODUCT, kernels.FFF_PRODUCT_OF_LOGITS)
+        leaf = kernels._fff_expand_torch(a, depth, kernels.FFF_PRODUCT if product else mode, z)
         (want,) = torch.autograd.grad((leaf * grad).sum(), z)
-        got = triton_tree.expand_backward(
-            grad, leaf.detach() if mode == kernels.FFF_PRODUCT else None, data, depth, mode)
+        got = triton_tree.expand_backward(grad, leaf.detach() if product else None, data,
+                                          depth, mode)
         close(got, want, torch.float32)
 
 

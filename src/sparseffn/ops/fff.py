@@ -333,8 +333,8 @@ def _levelwise_torch(z: torch.Tensor, depth: int, activation: str) -> torch.Tens
     return torch.softmax(values, dim=-1)
 
 
-_MODE_PRODUCT, _MODE_SUM_SHIFTED, _MODE_SUM_ODD = (kernels.FFF_PRODUCT, kernels.FFF_SUM_SHIFTED,
-                                                  kernels.FFF_SUM_ODD)
+_MODE_PRODUCT_OF_LOGITS, _MODE_SUM_SHIFTED, _MODE_SUM_ODD = (
+    kernels.FFF_PRODUCT_OF_LOGITS, kernels.FFF_SUM_SHIFTED, kernels.FFF_SUM_ODD)
 
 
 def _activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -350,13 +350,11 @@ def _activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
 
 def _levelwise_probs(z: torch.Tensor, depth: int, activation: str
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The leaf probabilities [T, L] on the fused kernels, and what their backward needs:
-    σ(z) for log-sigmoid, else z."""
+    """The leaf probabilities [T, L] on the fused kernels, and what their backward needs: z."""
     if z.stride(-1) != 1:    # the kernels take any row stride (e.g. a slice of wider logits)
         z = z.contiguous()
-    if activation == "logsigmoid":
-        p = torch.sigmoid(z)
-        return kernels.fff_expand(p, depth, _MODE_PRODUCT, None), p
+    if activation == "logsigmoid":   # the product of σ(±z) (Eq. 3-6), σ taken in the kernel
+        return kernels.fff_expand(z, depth, _MODE_PRODUCT_OF_LOGITS, None), z
     if activation == "linear":
         leaf_logits = kernels.fff_expand(z, depth, _MODE_SUM_ODD, None)
     else:
@@ -369,7 +367,7 @@ class _LevelwiseTree(torch.autograd.Function):
     """Leaf probabilities from node logits on the fused kernels of ``sparseffn::fff_expand``
     (the C kernels of ``fff_cpu.c`` on CPU, the Triton kernels on CUDA).
 
-    Saves the node values (σ(z) for log-sigmoid, else z) and the output probabilities."""
+    Saves the node logits z and the output probabilities."""
 
     @staticmethod
     def forward(ctx, z, depth: int, activation: str):
@@ -384,7 +382,8 @@ class _LevelwiseTree(torch.autograd.Function):
         depth, activation = ctx.depth, ctx.activation
         grad_probs = grad_probs.contiguous()
         if activation == "logsigmoid":
-            grad_z = kernels.fff_expand_backward(grad_probs, probs, saved, depth, _MODE_PRODUCT)
+            grad_z = kernels.fff_expand_backward(grad_probs, probs, saved, depth,
+                                                 _MODE_PRODUCT_OF_LOGITS)
         else:
             # softmax backward: g_i = R_i (dR_i - Σ_j dR_j R_j)
             grad_logits = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))

@@ -424,8 +424,10 @@ def _(scores_a, scores_b, k):
 
 # Modes of the expansion: how a node's two children get their values from the parent's value
 # ``cur`` (see ``fff_cpu.c``): 0 product, p = σ(z): (cur·p, cur - cur·p); 1 sum with
-# a(-z) = a(z) - z: (cur + a, cur + a - z); 2 sum with a(-z) = -a(z): (cur + a, cur - a).
-FFF_PRODUCT, FFF_SUM_SHIFTED, FFF_SUM_ODD = 0, 1, 2
+# a(-z) = a(z) - z: (cur + a, cur + a - z); 2 sum with a(-z) = -a(z): (cur + a, cur - a);
+# 3 the product of mode 0 given the logits z themselves (σ computed inside: on a GPU one
+# launch instead of two, and the backward keeps z instead of σ(z)).
+FFF_PRODUCT, FFF_SUM_SHIFTED, FFF_SUM_ODD, FFF_PRODUCT_OF_LOGITS = 0, 1, 2, 3
 
 
 @operator("fff_expand")
@@ -435,6 +437,8 @@ def fff_expand(node_values: Tensor, depth: int, mode: int,
     also reads the node logits [T, 2^depth - 1]); in the node values' dtype."""
     if triton_tree.usable(depth, node_values, node_logits):
         return triton_tree.expand(node_values, depth, mode, node_logits)
+    if mode == FFF_PRODUCT_OF_LOGITS:
+        node_values, mode = torch.sigmoid(node_values), FFF_PRODUCT
     if _fused(node_values, node_logits):
         return native.fff_expand(node_values, depth, mode, node_logits=node_logits)
     return _fff_expand_torch(node_values, depth, mode, node_logits)
@@ -465,11 +469,13 @@ def _(node_values, depth, mode, node_logits):
 @operator("fff_expand_backward")
 def fff_expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Optional[Tensor],
                         depth: int, mode: int) -> Tensor:
-    """The gradient [T, 2^depth - 1] of :func:`fff_expand` with respect to the node values
-    (bottom-up; ``leaf`` the leaf values in mode 0, ``node_data`` σ(z) in mode 0 and a'(z) in
-    mode 1, see ``fff_cpu.c``); in the gradient's dtype."""
+    """The gradient [T, 2^depth - 1] of the leaf values with respect to the node logits z
+    (bottom-up; ``leaf`` the leaf values in modes 0 and 3; ``node_data`` σ(z) in mode 0, z in
+    mode 3, a'(z) in mode 1, see ``fff_cpu.c``); in the gradient's dtype."""
     if triton_tree.usable(depth, grad_leaf, leaf, node_data):
         return triton_tree.expand_backward(grad_leaf, leaf, node_data, depth, mode)
+    if mode == FFF_PRODUCT_OF_LOGITS:
+        node_data, mode = torch.sigmoid(node_data), FFF_PRODUCT
     if _fused(grad_leaf, leaf, node_data):
         return native.fff_expand_backward(grad_leaf, leaf, node_data, depth, mode)
     return _fff_expand_backward_torch(grad_leaf, leaf, node_data, depth, mode)

@@ -6,9 +6,10 @@ Tree layout as in :mod:`~sparseffn.ops.fff`: nodes in heap order (level l holds 
 
 - ``expand``: the levelwise expansion of Chaunin & Mikhailovskiy's Eq. 7 (and the product of
   sigmoids of Eq. 3-6). One program holds BLOCK_T tokens' rows in registers and walks the d
-  levels top-down, each level's 2^l values becoming the next level's 2^(l+1) by an interleave
-  of the two children: O(L) work per token in one launch, where the PyTorch form launches
-  several kernels per level (at small batches the launches are the cost). The children are
+  levels top-down (σ(z) computed in the kernel in mode 3), each level's 2^l values becoming
+  the next level's 2^(l+1) by an interleave of the two children: O(L) work per token in one
+  launch, where the PyTorch form launches several kernels per level (at small batches the
+  launches are the cost). The children are
   computed exactly as the C kernel and the PyTorch path compute them (``left = cur·p``,
   ``right = cur - left`` ...), in fp32.
 - ``expand_backward``: the bottom-up sweep of the same cost. Each level's gradient row is
@@ -39,9 +40,6 @@ MAX_DEPTH = 14
 # Elements of a [BLOCK_T, L] block: small trees put several tokens in one program.
 _BLOCK_ELEMENTS = 2048
 
-MODE_PRODUCT, MODE_SUM_SHIFTED, MODE_SUM_ODD = 0, 1, 2
-
-
 def usable(depth: int, *tensors: Optional[Tensor]) -> bool:
     """True when these kernels take a tree of this depth and these tensors (Triton present
     and enabled; CUDA tensors, or CPU tensors under the interpreter; fp32, fp16 or bf16)."""
@@ -61,7 +59,7 @@ if triton is not None:
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = ts < T
         ts64 = ts.to(tl.int64)
-        if MODE == 0:
+        if MODE == 0 or MODE == 3:
             values = tl.full((BLOCK_T, 1), 1.0, tl.float32)
         else:
             values = tl.zeros((BLOCK_T, 1), tl.float32)
@@ -70,7 +68,9 @@ if triton is not None:
             mask = t_ok[:, None] & (nodes >= 0)[None, :]
             al = tl.load(a_ptr + ts64[:, None] * stride_a + nodes[None, :], mask=mask,
                          other=0.0).to(tl.float32)
-            if MODE == 0:      # product of sigmoids (Eq. 3-6): p = σ(z)
+            if MODE == 0 or MODE == 3:    # product of sigmoids (Eq. 3-6): p = σ(z)
+                if MODE == 3:
+                    al = tl.sigmoid(al)
                 left = values * al
                 right = values - left
             elif MODE == 1:    # Eq. 7 with a(-z) = a(z) - z
@@ -98,7 +98,7 @@ if triton is not None:
         row_mask = t_ok[:, None] & (leaves >= 0)[None, :]
         g = tl.load(g_ptr + ts64[:, None] * stride_g + leaves[None, :], mask=row_mask,
                     other=0.0).to(tl.float32)
-        if MODE == 0:   # the log-space gradient: dLoss/dR_i · R_i
+        if MODE == 0 or MODE == 3:   # the log-space gradient: dLoss/dR_i · R_i
             g = g * tl.load(leaf_ptr + ts64[:, None] * stride_leaf + leaves[None, :],
                             mask=row_mask, other=0.0).to(tl.float32)
         for level in tl.static_range(DEPTH - 1, -1, -1):
@@ -112,7 +112,9 @@ if triton is not None:
             else:
                 dl = tl.load(d_ptr + ts64[:, None] * stride_d + nodes[None, :], mask=mask,
                              other=0.0).to(tl.float32)
-                if MODE == 0:   # a'(z) = 1 - σ(z) for log-sigmoid
+                if MODE == 3:
+                    dl = tl.sigmoid(dl)
+                if MODE == 0 or MODE == 3:   # a'(z) = 1 - σ(z) for log-sigmoid
                     gz = s * (1.0 - dl) - g1
                 else:
                     gz = s * dl - g1
