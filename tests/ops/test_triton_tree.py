@@ -83,7 +83,7 @@ def test_expand_backward_is_the_gradient_of_the_expansion():
         else:
             a, data = z, None
         product = mode in (kernels.FFF_PRODUCT, kernels.FFF_PRODUCT_OF_LOGITS)
-        leaf = kernels._fff_expand_torch(a, depth, kernels.FFF_PRODUCT if product else mode, z)
+        leaf = kernels.fff_expand_torch(a, depth, kernels.FFF_PRODUCT if product else mode, z)
         (want,) = torch.autograd.grad((leaf * grad).sum(), z)
         got = triton_tree.expand_backward(grad, leaf.detach() if product else None, data,
                                           depth, mode)
@@ -100,7 +100,7 @@ def test_expand_empty_batch_and_nan_rows():
     a[2, 0] = float("nan")            # the root: every leaf of row 2
     a[4, 14] = float("nan")           # a last-level node: its two leaves only
     got = triton_tree.expand(a, depth, kernels.FFF_PRODUCT, None)
-    want = kernels._fff_expand_torch(a, depth, kernels.FFF_PRODUCT, None)
+    want = kernels.fff_expand_torch(a, depth, kernels.FFF_PRODUCT, None)
     assert torch.isnan(got[2]).all() and torch.isnan(got[4]).sum() == 2
     assert torch.isnan(got[4, 14:]).all()
     torch.testing.assert_close(got, want, equal_nan=True)

@@ -41,6 +41,7 @@ import torch
 from torch.nn import functional as F
 
 from . import kernels, native, triton_tree
+from .kernels import descend_from_logits_fn
 
 TREE_ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
 SOFT_FORMULATIONS = ("orig", "logs", "matrix", "matrix_sparse", "levelwise")
@@ -297,14 +298,16 @@ def leaf_probs_levelwise(z: torch.Tensor, activation: str = "logsigmoid") -> tor
     each node's two branch values (Eq. 7 computed top-down without repeating a level per leaf):
     O(L) per token. Log-sigmoid runs as products of ``σ(±z)`` and needs no normalisation."""
     depth = depth_of(z.shape[-1])
-    if not _native_ok(z):
+    if not _kernel_ok(z):
         return _levelwise_torch(z, depth, activation)
+    if z.stride(-1) != 1:    # the kernels take any row stride (e.g. a slice of wider logits)
+        z = z.contiguous()
     if torch.is_grad_enabled() and z.requires_grad:
         return _LevelwiseTree.apply(z, depth, activation)
-    return _levelwise_probs(z, depth, activation)[0]   # inference: no autograd node
+    return _expanded_probs(kernels.fff_expand, z, depth, activation)   # no autograd node
 
 
-def _native_ok(z: torch.Tensor) -> bool:
+def _kernel_ok(z: torch.Tensor) -> bool:
     """True when a fused kernel runs the expansion: the C kernels (CPU float32) or the Triton
     kernels (CUDA, depth up to ``triton_tree.MAX_DEPTH``)."""
     if z.dim() != 2:
@@ -314,27 +317,23 @@ def _native_ok(z: torch.Tensor) -> bool:
     return triton_tree.usable(depth_of(z.shape[-1]), z)
 
 
+def _expanded_probs(expand: Callable, z: torch.Tensor, depth: int, activation: str
+                    ) -> torch.Tensor:
+    """The leaf probabilities [T, L] by ``expand`` (the operator ``kernels.fff_expand`` or its
+    PyTorch ops ``kernels.fff_expand_torch``)."""
+    if activation == "logsigmoid":   # the product of σ(±z) (Eq. 3-6), already normalised
+        return expand(z, depth, kernels.FFF_PRODUCT_OF_LOGITS, None)
+    if activation == "linear":
+        leaf_logits = expand(z, depth, kernels.FFF_SUM_ODD, None)
+    else:                            # Eq. 7 with a(-z) = a(z) - z
+        leaf_logits = expand(tree_activation(activation)(z), depth, kernels.FFF_SUM_SHIFTED, z)
+    return torch.softmax(leaf_logits, dim=-1)
+
+
 def _levelwise_torch(z: torch.Tensor, depth: int, activation: str) -> torch.Tensor:
-    """The levelwise expansion in PyTorch ops (other devices and dtypes, no C compiler)."""
-    tokens = z.shape[0]
-    if activation == "logsigmoid":
-        p = torch.sigmoid(z)
-        values = z.new_ones(tokens, 1)
-        for level in range(depth):
-            left = values * p[:, level_slice(level)]
-            values = torch.stack((left, values - left), dim=-1).reshape(tokens, 2 * left.shape[-1])
-        return values
-    a_left, a_right = _branches(z, activation)
-    values = z.new_zeros(tokens, 1)
-    for level in range(depth):
-        s = level_slice(level)
-        values = torch.stack((values + a_left[:, s], values + a_right[:, s]), dim=-1).reshape(
-            tokens, 2 * values.shape[-1])
-    return torch.softmax(values, dim=-1)
-
-
-_MODE_PRODUCT_OF_LOGITS, _MODE_SUM_SHIFTED, _MODE_SUM_ODD = (
-    kernels.FFF_PRODUCT_OF_LOGITS, kernels.FFF_SUM_SHIFTED, kernels.FFF_SUM_ODD)
+    """The levelwise expansion in PyTorch ops (other devices and dtypes, no C compiler, no
+    Triton), differentiated by autograd."""
+    return _expanded_probs(kernels.fff_expand_torch, z, depth, activation)
 
 
 def _activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -348,21 +347,6 @@ def _activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
     raise AssertionError(activation)
 
 
-def _levelwise_probs(z: torch.Tensor, depth: int, activation: str
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The leaf probabilities [T, L] on the fused kernels, and what their backward needs: z."""
-    if z.stride(-1) != 1:    # the kernels take any row stride (e.g. a slice of wider logits)
-        z = z.contiguous()
-    if activation == "logsigmoid":   # the product of σ(±z) (Eq. 3-6), σ taken in the kernel
-        return kernels.fff_expand(z, depth, _MODE_PRODUCT_OF_LOGITS, None), z
-    if activation == "linear":
-        leaf_logits = kernels.fff_expand(z, depth, _MODE_SUM_ODD, None)
-    else:
-        leaf_logits = kernels.fff_expand(tree_activation(activation)(z), depth,
-                                         _MODE_SUM_SHIFTED, z)
-    return torch.softmax(leaf_logits, dim=-1), z
-
-
 class _LevelwiseTree(torch.autograd.Function):
     """Leaf probabilities from node logits on the fused kernels of ``sparseffn::fff_expand``
     (the C kernels of ``fff_cpu.c`` on CPU, the Triton kernels on CUDA).
@@ -371,28 +355,29 @@ class _LevelwiseTree(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, depth: int, activation: str):
-        probs, saved = _levelwise_probs(z, depth, activation)
-        ctx.save_for_backward(saved, probs)
+        probs = _expanded_probs(kernels.fff_expand, z, depth, activation)
+        ctx.save_for_backward(z, probs)
         ctx.depth, ctx.activation = depth, activation
         return probs
 
     @staticmethod
     def backward(ctx, grad_probs):
-        saved, probs = ctx.saved_tensors
+        z, probs = ctx.saved_tensors
         depth, activation = ctx.depth, ctx.activation
         grad_probs = grad_probs.contiguous()
         if activation == "logsigmoid":
-            grad_z = kernels.fff_expand_backward(grad_probs, probs, saved, depth,
-                                                 _MODE_PRODUCT_OF_LOGITS)
+            grad_z = kernels.fff_expand_backward(grad_probs, probs, z, depth,
+                                                 kernels.FFF_PRODUCT_OF_LOGITS)
         else:
             # softmax backward: g_i = R_i (dR_i - Σ_j dR_j R_j)
             grad_logits = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
             if activation == "linear":
-                grad_z = kernels.fff_expand_backward(grad_logits, None, None, depth, _MODE_SUM_ODD)
+                grad_z = kernels.fff_expand_backward(grad_logits, None, None, depth,
+                                                     kernels.FFF_SUM_ODD)
             else:
                 grad_z = kernels.fff_expand_backward(grad_logits, None,
-                                                    _activation_derivative(saved, activation),
-                                                    depth, _MODE_SUM_SHIFTED)
+                                                     _activation_derivative(z, activation),
+                                                     depth, kernels.FFF_SUM_SHIFTED)
         return grad_z, None, None
 
 
@@ -433,16 +418,6 @@ def descend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         raise ValueError(f"x must be [tokens, {weight.shape[1]}], got {tuple(x.shape)}")
     with torch.no_grad():   # the C kernel on CPU, the Triton kernel on CUDA, else PyTorch
         return kernels.fff_descend(x, weight, bias, depth)
-
-
-def descend_from_logits_fn(node_logit: Callable[[int, torch.Tensor], torch.Tensor], depth: int,
-                           tokens: int, device=None) -> torch.Tensor:
-    """Greedy descent given ``node_logit(level, node [T]) -> z [T]`` (any node network):
-    left (2n + 1) where z > 0, right otherwise, NaN included (as every kernel)."""
-    node = torch.zeros(tokens, dtype=torch.long, device=device)
-    for level in range(depth):
-        node = 2 * node + 2 - (node_logit(level, node) > 0).long()
-    return node - ((1 << depth) - 1)
 
 
 def descend_logits(z: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -437,14 +437,18 @@ def fff_expand(node_values: Tensor, depth: int, mode: int,
     also reads the node logits [T, 2^depth - 1]); in the node values' dtype."""
     if triton_tree.usable(depth, node_values, node_logits):
         return triton_tree.expand(node_values, depth, mode, node_logits)
-    if mode == FFF_PRODUCT_OF_LOGITS:
-        node_values, mode = torch.sigmoid(node_values), FFF_PRODUCT
     if _fused(node_values, node_logits):
+        if mode == FFF_PRODUCT_OF_LOGITS:   # the C kernel takes σ(z)
+            node_values, mode = torch.sigmoid(node_values), FFF_PRODUCT
         return native.fff_expand(node_values, depth, mode, node_logits=node_logits)
-    return _fff_expand_torch(node_values, depth, mode, node_logits)
+    return fff_expand_torch(node_values, depth, mode, node_logits)
 
 
-def _fff_expand_torch(a: Tensor, depth: int, mode: int, z: Optional[Tensor]) -> Tensor:
+def fff_expand_torch(a: Tensor, depth: int, mode: int, z: Optional[Tensor]) -> Tensor:
+    """:func:`fff_expand` in PyTorch ops, which autograd differentiates: the operator's
+    implementation where no kernel runs, and the levelwise formulation of ``fff.py`` there."""
+    if mode == FFF_PRODUCT_OF_LOGITS:
+        a, mode = torch.sigmoid(a), FFF_PRODUCT
     tokens = a.shape[0]
     values = (a.new_ones if mode == FFF_PRODUCT else a.new_zeros)(tokens, 1)
     for level in range(depth):
@@ -513,13 +517,21 @@ def fff_descend(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int) -
         return triton_tree.descend(x, weight, bias, depth)
     if _fused(x, weight, bias):
         return native.fff_descend(x, weight, bias, depth)
-    node = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
     weight = weight.to(x.dtype)
-    for _ in range(depth):
+
+    def node_logit(level: int, node: Tensor) -> Tensor:
         z = torch.einsum("td,td->t", x, weight.index_select(0, node))
-        if bias is not None:
-            z = z + bias.index_select(0, node).to(z.dtype)
-        node = 2 * node + 2 - (z > 0).long()
+        return z if bias is None else z + bias.index_select(0, node).to(z.dtype)
+    return descend_from_logits_fn(node_logit, depth, x.shape[0], x.device)
+
+
+def descend_from_logits_fn(node_logit: Callable[[int, Tensor], Tensor], depth: int,
+                           tokens: int, device=None) -> Tensor:
+    """Greedy descent given ``node_logit(level, node [T]) -> z [T]`` (any node network):
+    left (2n + 1) where z > 0, right otherwise, NaN included (as every kernel)."""
+    node = torch.zeros(tokens, dtype=torch.long, device=device)
+    for level in range(depth):
+        node = 2 * node + 2 - (node_logit(level, node) > 0).long()
     return node - ((1 << depth) - 1)
 
 

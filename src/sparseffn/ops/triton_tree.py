@@ -9,9 +9,9 @@ Tree layout as in :mod:`~sparseffn.ops.fff`: nodes in heap order (level l holds 
   levels top-down (σ(z) computed in the kernel in mode 3), each level's 2^l values becoming
   the next level's 2^(l+1) by an interleave of the two children: O(L) work per token in one
   launch, where the PyTorch form launches several kernels per level (at small batches the
-  launches are the cost). The children are
-  computed exactly as the C kernel and the PyTorch path compute them (``left = cur·p``,
-  ``right = cur - left`` ...), in fp32.
+  launches are the cost). The children are computed exactly as the C kernel and the PyTorch
+  path compute them (``left = cur·p``, ``right = cur - left`` ...), in fp32. Modes are
+  ``kernels.FFF_*``.
 - ``expand_backward``: the bottom-up sweep of the same cost. Each level's gradient row is
   split into its (left, right) children, the node's gradient written, and the pair summed
   into the parent's.
@@ -39,6 +39,7 @@ from .triton_cvmm import _rowwise, cdiv, next_power_of_2, tl, triton
 MAX_DEPTH = 14
 # Elements of a [BLOCK_T, L] block: small trees put several tokens in one program.
 _BLOCK_ELEMENTS = 2048
+
 
 def usable(depth: int, *tensors: Optional[Tensor]) -> bool:
     """True when these kernels take a tree of this depth and these tensors (Triton present
