@@ -45,13 +45,18 @@ def _assert_gradients(x: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtyp
         assert torch.isfinite(grad.to_dense() if grad.is_sparse else grad).all(), name
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_a_pure_bf16_module_trains_and_matches_fp32(name):
+def _fp32_reference(name: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The layer ``name`` in fp32 (eval mode, seed 0), an input [200, 64] and its output."""
     torch.manual_seed(0)
-    ref = sparseffn.build_layer(CONFIGS[name]).eval()
+    layer = sparseffn.build_layer(CONFIGS[name]).eval()
     x = torch.randn(200, 64)
     with torch.no_grad():
-        want = ref(x)
+        return layer, x, layer(x)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_pure_bf16_module_trains_and_matches_fp32(name):
+    ref, x, want = _fp32_reference(name)
     layer = copy.deepcopy(ref).to(torch.bfloat16).train()
     xb = x.to(torch.bfloat16).requires_grad_(True)
     y = layer(xb)
@@ -64,11 +69,7 @@ def test_a_pure_bf16_module_trains_and_matches_fp32(name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_bf16_autocast_trains_fp32_weights_and_matches_fp32(name):
-    torch.manual_seed(0)
-    layer = sparseffn.build_layer(CONFIGS[name]).eval()
-    x = torch.randn(200, 64)
-    with torch.no_grad():
-        want = layer(x)
+    layer, x, want = _fp32_reference(name)
     layer.train()
     xa = x.clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
