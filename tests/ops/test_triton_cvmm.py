@@ -18,6 +18,39 @@ from tests.ops.triton_cases import DEVICE, DTYPES, close   # noqa: E402
 pytestmark = pytest.mark.usefixtures("triton_on_cpu")
 
 
+class _KernelChoice:
+    """Which of ``cvmm_rows``' two kernels a test runs, and which ones its calls launched."""
+
+    def __init__(self, name):
+        self.name = name
+        self.used = set()
+
+    def recording(self, name, kernel):
+        choice = self
+
+        class Recorder:
+            def __getitem__(self, grid):
+                choice.used.add(name)
+                return kernel[grid]
+        return Recorder()
+
+
+@pytest.fixture(params=["tile", "row_tile", "row_tile_split"])
+def cvmm_kernel(request, monkeypatch):
+    """Runs the test through the tile kernel (every inner size), the row-tile kernel, or the
+    row-tile kernel with its columns split over several programs (as for small batches), and
+    checks that no other kernel ran."""
+    choice = _KernelChoice("tile" if request.param == "tile" else "row_tile")
+    monkeypatch.setattr(triton_cvmm, "ROW_TILE_MAX_K", 0 if request.param == "tile" else 1 << 20)
+    if request.param == "row_tile_split":
+        monkeypatch.setattr(triton_cvmm, "_multiprocessors", lambda device: 1 << 20)
+    for name, attr in (("tile", "_cvmm_kernel"), ("row_tile", "_cvmm_row_tile_kernel")):
+        monkeypatch.setattr(triton_cvmm, attr,
+                            choice.recording(name, getattr(triton_cvmm, attr)))
+    yield choice
+    assert choice.used <= {choice.name}, f"ran {choice.used}, expected only {choice.name}"
+
+
 def _problem(counts, m, n, dropped=0, sources=40, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     counts = torch.tensor(counts, dtype=torch.int64)
@@ -42,7 +75,7 @@ def _torch_rows(*args):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("epilogue", ["plain", "scale", "relu", "mask_and_dots"])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_sorted_rows_match_the_torch_implementation(dtype, epilogue, transposed):
+def test_sorted_rows_match_the_torch_implementation(dtype, epilogue, transposed, cvmm_kernel):
     # odd sizes, an expert with no rows, 5 pairs dropped at capacity (rows that must be zero)
     src, weight, counts, in_idx, scale, rows = _problem([7, 0, 19, 1, 33], 37, 29, dropped=5,
                                                        dtype=dtype)
@@ -58,7 +91,7 @@ def test_sorted_rows_match_the_torch_implementation(dtype, epilogue, transposed)
                                   mask, dot)
     want, want_dots = _torch_rows(src, weight, counts, in_idx, None, use_scale, rows, 1, relu,
                                   mask, dot)
-    assert got.dtype == dtype
+    assert got.dtype == dtype and cvmm_kernel.used == {cvmm_kernel.name}
     close(got, want, dtype)
     assert bool((got[rows - 5:] == 0).all()), "rows of dropped pairs must be written as zeros"
     if dot is not None:
@@ -70,7 +103,7 @@ def test_sorted_rows_match_the_torch_implementation(dtype, epilogue, transposed)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3])
-def test_slot_sums_match_the_torch_implementation(dtype, group):
+def test_slot_sums_match_the_torch_implementation(dtype, group, cvmm_kernel):
     src, weight, counts, in_idx, scale, rows = _problem([5, 9, 0, 13], 21, 70, dropped=3,
                                                        dtype=dtype)
     slots = torch.randperm(rows).to(DEVICE)
@@ -101,7 +134,7 @@ def test_weight_gradient_matches_the_loop(dtype, gathered, scaled):
     assert bool((got[1] == 0).all()), "an expert without rows gets an exact zero gradient"
 
 
-def test_empty_batch_and_nan_rows():
+def test_empty_batch_and_nan_rows(cvmm_kernel):
     src, weight, counts, in_idx, scale, rows = _problem([0, 0, 0], 8, 16, dropped=0)
     out, dots = kernels.cvmm_rows(src, weight, counts, in_idx, None, None, 0, 1, False, None,
                                   torch.empty(0, 16, device=DEVICE))
@@ -122,7 +155,7 @@ def test_empty_batch_and_nan_rows():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_relu_expert_mlp_matches_the_loop_reference(dtype):
+def test_relu_expert_mlp_matches_the_loop_reference(dtype, cvmm_kernel):
     torch.manual_seed(0)
     T, k, E, d, G = 23, 3, 6, 20, 16
     indices = torch.randint(0, E - 1, (T, k), device=DEVICE)          # expert E-1 gets nothing
