@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ~2 min (fig2 with both peers)
 #   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
+#   bash scripts/gpu_session.sh cvmm                # ~1-2 min (the six CVMM calls, one by one)
 #
 # fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
 # /.peers/ in .git/info/exclude, so that it travels as an ignored, carried folder).
@@ -46,7 +47,8 @@ for what in "$@"; do
     productkeys) stage productkeys 400 $PY -m sparseffn bench productkeys --device cuda \
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
+    cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
-            "productkeys profile)"; exit 2 ;;
+            "productkeys profile cvmm)"; exit 2 ;;
   esac
 done

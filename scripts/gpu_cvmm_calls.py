@@ -1,0 +1,178 @@
+"""The six CVMM kernel calls of one σ-MoE training step, each timed alone, beside the memory
+and GEMM references that bound them.
+
+    python scripts/gpu_cvmm_calls.py [--d-model 512 1024 2048] [--tokens 32768] [--rounds 10]
+
+At the Fig. 2 shapes of Csordás et al. 2023 (arXiv:2310.10837: expert size 128, k = 4,
+d_ff = 4·d_model, experts = d_ff / 128; random top-k routing) in bf16, for each call:
+milliseconds per call (median over rounds of a loop of calls), TF/s, and, for the two calls
+whose inner size is the expert size, the row-tile kernel against the tile kernel in the same
+rounds (``auto/tile``). The calls (``ops/expert_mlp.py``):
+
+- ``up``    hidden = relu(x[token] W1ᵀ)              m = d_model, n = expert size
+- ``down``  y = Σ_slots g · hidden W2                m = expert size, n = d_model (+ k-slot sum)
+- ``gpre``  dpre = g · dy[token] W2ᵀ ⊙ relu', dots   m = d_model, n = expert size
+- ``gx``    dx = Σ_slots dpre W1                      m = expert size, n = d_model (+ k-slot sum)
+- ``dw2``, ``dw1``: the weight gradients.
+
+References: gathering x's rows (``index_select``), the k-slot sum alone, a plain matmul
+(cuBLAS on a GPU) of all rows by one expert's matrix (no gather, no groups), and
+``torch._grouped_mm`` on pre-gathered rows.
+A tool for finding what to speed up; ``sparseffn bench fig2`` times the whole layer.
+
+With ``--device cpu`` (and ``TRITON_INTERPRET=1``) it runs the kernels in Triton's
+interpreter at small sizes: a check that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from sparseffn.ops import triton_cvmm
+from sparseffn.ops.cvmm import DispatchPlan
+
+EXPERT_SIZE, K = 128, 4
+
+
+def _ms_per_call(fn, calls: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - begin) * 1e3 / calls
+
+
+def _timed(fns: dict, rounds: int, calls: int, device: torch.device) -> dict[str, list[float]]:
+    """Per-round ms per call of each function, in rotation (a slow spell hits all alike)."""
+    for fn in fns.values():   # compile, autotune, warm up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(_ms_per_call(fn, calls, device))
+    return times
+
+
+def _with_tile_kernel(fn):
+    """``fn`` with every call on the tile kernel (no row-tile kernel)."""
+    def run():
+        saved = triton_cvmm.ROW_TILE_MAX_K
+        triton_cvmm.ROW_TILE_MAX_K = 0
+        try:
+            return fn()
+        finally:
+            triton_cvmm.ROW_TILE_MAX_K = saved
+    return run
+
+
+def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torch.device,
+                dtype: torch.dtype) -> None:
+    experts = 4 * d_model // EXPERT_SIZE
+    gen = torch.Generator(device=device).manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, device=device, generator=gen)   # noqa: E731
+    x = randn(tokens, d_model).to(dtype)
+    indices = torch.rand(tokens, experts, device=device, generator=gen).topk(K, dim=1).indices
+    plan = DispatchPlan.build(indices, experts)
+    rows, counts, order, token_of = plan.num_rows, plan.counts, plan.order, plan.token_of_row
+    w1 = (randn(experts, EXPERT_SIZE, d_model) * d_model ** -0.5).to(dtype)
+    w2 = (randn(experts, EXPERT_SIZE, d_model) * EXPERT_SIZE ** -0.5).to(dtype)
+    gates = torch.rand(rows, device=device, generator=gen).to(dtype)
+    grad_y = randn(tokens, d_model).to(dtype)
+    cvmm, weight_grad = triton_cvmm.cvmm_rows, triton_cvmm.expert_weight_grad
+    hidden, _ = cvmm(x, w1.transpose(1, 2), counts, token_of, None, None, rows, 1, True, None, None)
+    grad_pre, _ = cvmm(grad_y, w2.transpose(1, 2), counts, token_of, None, gates, rows, 1, False,
+                       hidden, hidden)
+    steps = {
+        "up": lambda: cvmm(x, w1.transpose(1, 2), counts, token_of, None, None, rows, 1, True,
+                           None, None),
+        "down": lambda: cvmm(hidden, w2, counts, None, order, gates, tokens, K, False, None, None),
+        "gpre": lambda: cvmm(grad_y, w2.transpose(1, 2), counts, token_of, None, gates, rows, 1,
+                             False, hidden, hidden),
+        "gx": lambda: cvmm(grad_pre, w1, counts, None, order, None, tokens, K, False, None, None),
+        "dw2": lambda: weight_grad(hidden, grad_y, counts, None, token_of, gates),
+        "dw1": lambda: weight_grad(grad_pre, x, counts, None, token_of, None),
+    }
+    flop = 2 * rows * d_model * EXPERT_SIZE
+    print(f"d_model {d_model}: {experts} experts, {rows} rows, {flop / 1e9:.1f} GFLOP a call",
+          flush=True)
+    total = 0.0
+    for name, fn in steps.items():
+        contenders = {"auto": fn}
+        if name in ("down", "gx"):   # inner size = expert size: the row-tile kernel's calls
+            contenders["tile"] = _with_tile_kernel(fn)
+        times = _timed(contenders, rounds, calls, device)
+        ms = statistics.median(times["auto"])
+        total += ms
+        line = f"  {name:5s} {ms:8.3f} ms  {flop / ms / 1e9:6.0f} TF/s"
+        if "tile" in times:
+            ratio = statistics.median(a / b for a, b in zip(times["auto"], times["tile"]))
+            line += f"   tile kernel {statistics.median(times['tile']):.3f} ms, auto/tile {ratio:.3f}"
+        print(line, flush=True)
+    print(f"  the six calls: {total:.3f} ms", flush=True)
+    gathered = x.index_select(0, token_of)
+    slots = torch.empty(rows, d_model, device=device, dtype=dtype)
+    references = {
+        f"gather x's rows [{rows}, {d_model}]": lambda: x.index_select(0, token_of),
+        f"k-slot sum [{tokens}, {K}, {d_model}]": lambda: slots.view(tokens, K, d_model).sum(1),
+        f"matmul [{rows}, {d_model}] x [{d_model}, {EXPERT_SIZE}]": lambda: gathered @ w1[0].t(),
+        f"matmul [{rows}, {EXPERT_SIZE}] x [{EXPERT_SIZE}, {d_model}]": lambda: hidden @ w2[0],
+    }
+    if hasattr(torch, "_grouped_mm") and device.type == "cuda":
+        offsets = plan.offsets.to(torch.int32)
+        references["_grouped_mm up (pre-gathered)"] = lambda: torch._grouped_mm(
+            gathered, w1.transpose(1, 2), offs=offsets)
+        references["_grouped_mm down"] = lambda: torch._grouped_mm(hidden, w2, offs=offsets)
+    for name, fn in references.items():
+        try:
+            ms = statistics.median(_timed({name: fn}, rounds, calls, device)[name])
+            print(f"  reference: {name}: {ms:.3f} ms", flush=True)
+        except Exception as error:   # e.g. _grouped_mm not built for this GPU
+            print(f"  reference: {name}: failed ({type(error).__name__})", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--d-model", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=10, help="calls per timed loop")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device (use --device cpu with TRITON_INTERPRET=1 to check "
+                         "the script in Triton's interpreter)")
+        dtype = torch.bfloat16
+    else:
+        if not triton_cvmm.interpreting():
+            parser.error("--device cpu runs the kernels in Triton's interpreter: set "
+                         "TRITON_INTERPRET=1")
+        triton_cvmm.set_interpreter_for_cpu(True)
+        dtype = torch.float32   # the interpreter has no bf16
+    if min(args.d_model) < EXPERT_SIZE:
+        parser.error(f"--d-model must be at least {EXPERT_SIZE} (4·d_model / {EXPERT_SIZE} "
+                     f"experts, at least k = {K})")
+    if not triton_cvmm.triton_enabled():
+        parser.error("Triton is not installed (or SPARSEFFN_TRITON=0)")
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else "CPU (Triton interpreter)")
+    print(f"CVMM calls of a σ-MoE step: {where}, {dtype}, {args.tokens} tokens, "
+          f"expert size {EXPERT_SIZE}, k={K}", flush=True)
+    for d_model in args.d_model:
+        bench_width(d_model, args.tokens, args.rounds, args.calls, device, dtype)
+
+
+if __name__ == "__main__":
+    main()
