@@ -162,12 +162,12 @@ def require_router_k(config: RouterConfig, k: int, allowed: int, why: str) -> No
                          f"must be {allowed}, got k={k}")
 
 
-def require_capacity_factor(config: object) -> None:
-    value = getattr(config, "capacity_factor")
+def require_capacity_factor(config: object, name: str = "capacity_factor") -> None:
+    value = getattr(config, name)
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{type(config).__name__}.capacity_factor must be a non-negative number "
+        raise ValueError(f"{type(config).__name__}.{name} must be a non-negative number "
                          f"(0 or None: dropless), got {value!r}")
 
 

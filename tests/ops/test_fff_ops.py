@@ -99,7 +99,7 @@ def test_levelwise_kernel_equals_its_torch_path():
 
 
 def test_identity_matrices_recover_the_softmax_moe_router():
-    """Seed 003 §2.2: T = S = I and a = identity give softmax(W x)."""
+    """Chaunin & Mikhailovskiy (matrix FFF) §2.2: T = S = I and a = identity give softmax(W x)."""
     z = torch.randn(16, 8)
     eye = torch.eye(8)
     torch.testing.assert_close(fff.leaf_probs_matrix(z, "linear", eye, eye), torch.softmax(z, -1))

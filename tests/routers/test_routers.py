@@ -52,7 +52,7 @@ def _layer(name, d_model=12, expert_size=6, seed=0, **kwargs):
 
 
 def _moe_reference(layer, x, routing):
-    """Seed 001 Eq. 25 as a per-token loop, with a dropped slot contributing nothing."""
+    """Csordás et al. 2023 Eq. 25 as a per-token loop, with a dropped slot contributing nothing."""
     weights = routing.weights
     if routing.dispatched is not None:
         weights = weights * routing.dispatched
@@ -87,6 +87,9 @@ def test_router_may_be_named_or_given_as_a_dict():
     ("nope", 1, "router 'type' must be one of"),
     ({"type": "switch", "capacity": 1}, 1, "no field"),
     ({"type": "switch", "capacity_factor": -1}, 1, "capacity_factor must be a non-negative"),
+    ({"type": "switch", "eval_capacity_factor": -1}, 1,
+     "eval_capacity_factor must be a non-negative"),
+    ({"type": "gshard", "eval_capacity_factor": "2"}, 2, "eval_capacity_factor must be a finite"),
     ({"type": "sbase", "assignment": "hungarian"}, 1, "assignment must be one of"),
     ({"type": "gshard", "second_expert": "top"}, 2, "second_expert must be one of"),
 ])
@@ -274,6 +277,56 @@ def test_capacity_factor_zero_or_none_is_dropless(capacity_factor):
     assert gshard(torch.randn(50, 6)).dispatched is None
 
 
+def _crowded_layer(router, k):
+    """A layer whose router sends every token with x0 > 0 to expert 3 first, and inputs that
+    all have x0 > 0: at capacity factor 1 most tokens are dropped in training."""
+    torch.manual_seed(0)
+    layer = MoE(MoEConfig(d_model=12, num_experts=E, expert_size=6, k=k, router=router))
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[3, 0] = 5.0
+        layer.router.weight[5, 0] = 4.0
+    x = torch.randn(40, 12)
+    x[:, 0] = x[:, 0].abs() + 1
+    return layer, x
+
+
+CAPACITY_ROUTERS = {"switch": (SwitchRouterConfig(capacity_factor=1.0), 1),
+                    "gshard": (GShardRouterConfig(capacity_factor=1.0, second_expert="all"), 2)}
+
+
+@pytest.mark.parametrize("name", sorted(CAPACITY_ROUTERS))
+def test_evaluation_is_dropless_by_default_so_a_token_does_not_depend_on_its_batch(name):
+    router, k = CAPACITY_ROUTERS[name]
+    layer, x = _crowded_layer(router, k)
+    trained = layer.train()(x)
+    assert bool((trained == 0).all(-1).any()), "training drops tokens at capacity"
+    layer.eval()
+    with torch.no_grad():
+        whole = layer(x)
+        one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    assert layer.router(x).dispatched is None
+    assert bool((whole != 0).any(-1).all()), "no token is dropped at evaluation"
+    torch.testing.assert_close(whole, one_by_one, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CAPACITY_ROUTERS))
+def test_eval_capacity_factor_applies_capacity_at_evaluation(name):
+    router, k = CAPACITY_ROUTERS[name]
+    layer, x = _crowded_layer(dataclasses.replace(router, eval_capacity_factor=1.0), k)
+    with torch.no_grad():
+        trained = layer.train()(x)
+        evaluated = layer.eval()(x)
+    torch.testing.assert_close(evaluated, trained)   # no jitter, dropout or sampling here
+    assert layer.routing_stats["capacity"].item() == math.ceil(1.0 * k * 40 / E)
+    roomy, _ = _crowded_layer(dataclasses.replace(router, capacity_factor=None,
+                                                  eval_capacity_factor=1.0), k)
+    roomy.train()(x)
+    assert roomy.routing_stats["dropped_fraction"].item() == 0, "dropless in training"
+    roomy.eval()(x)
+    assert roomy.routing_stats["dropped_fraction"].item() > 0, "capacity at evaluation"
+
+
 def test_dropped_tokens_produce_zero_output():
     layer = _layer("switch").train()
     with torch.no_grad():
@@ -290,7 +343,7 @@ def test_dropped_tokens_produce_zero_output():
 
 
 def _gshard_algorithm1(gates, group_size, capacity, uniform):
-    """Seed 004 Algorithm 1, line by line, one group at a time (the slow reference)."""
+    """GShard (Lepikhin et al.) Algorithm 1, line by line, one group at a time (the slow reference)."""
     T, num_experts = gates.shape
     combine = torch.zeros(T, num_experts)
     aux_terms = []

@@ -85,6 +85,18 @@ def drop_experts(scores: torch.Tensor, rate: float, training: bool
     return scores.masked_fill(dropped, float("-inf")), dropped
 
 
+def active_capacity_factor(config, training: bool) -> float | None:
+    """The capacity factor of a router with capacity: ``config.capacity_factor`` in training,
+    ``config.eval_capacity_factor`` in evaluation (``module.eval()``).
+
+    Capacity makes a token's output depend on the tokens that arrive with it (which of them
+    come first to an expert), so by default evaluation is dropless (``eval_capacity_factor``
+    None): a model then gives each token the same output whether the sequence is processed
+    at once or a token at a time, as in generation with a KV cache. Fedus et al. 2022 evaluate
+    with a capacity factor of their own (e.g. 2.0); set ``eval_capacity_factor`` for that."""
+    return config.capacity_factor if training else config.eval_capacity_factor
+
+
 def capacity_of(capacity_factor: float | None, tokens: int, k: int, num_experts: int
                 ) -> int | None:
     """``ceil(capacity_factor · k · tokens / num_experts)`` (at least 1); None when dropless

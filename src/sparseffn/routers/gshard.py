@@ -11,7 +11,7 @@ from ..ops.assignment import count_keys, positions_in_expert
 from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
-from .base import LinearRouter, ROUTER_PRECISIONS, capacity_of
+from .base import LinearRouter, ROUTER_PRECISIONS, active_capacity_factor, capacity_of
 
 GSHARD_SECOND_EXPERT = ("random", "all")
 
@@ -30,6 +30,10 @@ class GShardRouterConfig(RouterConfig):
     evaluation and with ``"all"`` every second choice is dispatched). ``capacity_factor`` 0 or
     None: dropless.
 
+    eval_capacity_factor: the capacity factor in evaluation mode (``module.eval()``); None or 0
+      (the default): dropless, so a token's output does not depend on the tokens evaluated
+      with it (see :func:`~sparseffn.routers.base.active_capacity_factor`).
+
     aux_weight: weight of the group auxiliary loss ``(1/E) Σ_e (c_e / S) · m_e`` (line 13).
     precision: the selection product ``W x`` in ``"float32"`` (the default; Switch's
       "selective precision") or ``"autocast"`` (see
@@ -39,6 +43,7 @@ class GShardRouterConfig(RouterConfig):
     type_name: ClassVar[str] = "gshard"
 
     capacity_factor: float | None = 1.0
+    eval_capacity_factor: float | None = None
     group_size: int | None = None
     second_expert: str = "random"
     aux_weight: float = 0.01
@@ -47,6 +52,7 @@ class GShardRouterConfig(RouterConfig):
     def __post_init__(self) -> None:
         require_choice(self, "precision", ROUTER_PRECISIONS)
         require_capacity_factor(self)
+        require_capacity_factor(self, "eval_capacity_factor")
         if self.group_size is not None:
             require_positive_int(self, "group_size")
         require_choice(self, "second_expert", GSHARD_SECOND_EXPERT)
@@ -128,7 +134,8 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
 class GShardRouter(LinearRouter):
     """Top-2 gating with per-group expert capacity (see :func:`gshard_top2`).
 
-    ``capacity = ceil(capacity_factor · 2 · S / E)`` for groups of S tokens. During training
+    ``capacity = ceil(capacity_factor · 2 · S / E)`` for groups of S tokens, with
+    ``eval_capacity_factor`` in evaluation mode (default: dropless). During training
     with ``second_expert="random"`` the second expert is sampled with probability
     ``min(1, 2 · g2)``; at evaluation every second choice that fits is dispatched.
 
@@ -145,7 +152,8 @@ class GShardRouter(LinearRouter):
         gates = torch.softmax(self.logits(x), dim=-1)          # line 2
         tokens = x.shape[0]
         group_size = min(cfg.group_size or tokens, tokens) if tokens else 1
-        capacity = capacity_of(cfg.capacity_factor, group_size, 2, self.num_experts)
+        capacity = capacity_of(active_capacity_factor(cfg, self.training), group_size, 2,
+                               self.num_experts)
         random_second = self.training and cfg.second_expert == "random"
         uniform = torch.rand(tokens, device=x.device) if random_second else None
         result = gshard_top2(gates, group_size, capacity, uniform)

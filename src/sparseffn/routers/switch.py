@@ -13,7 +13,8 @@ from ..ops.assignment import positions_in_expert
 from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_probability
-from .base import LinearRouter, ROUTER_PRECISIONS, capacity_of, drop_experts
+from .base import (LinearRouter, ROUTER_PRECISIONS, active_capacity_factor, capacity_of,
+                   drop_experts)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class SwitchRouterConfig(RouterConfig):
     rest are dropped (their expert output is zero, the residual carries them).
     ``capacity_factor`` 0 or None: dropless.
 
+    eval_capacity_factor: the capacity factor in evaluation mode (``module.eval()``); None or 0
+      (the default): dropless, so a token's output does not depend on the tokens evaluated
+      with it and generation with a KV cache gives the tokens it gives without one (see
+      :func:`~sparseffn.routers.base.active_capacity_factor`).
     balance_weight: weight of ``N_E · f·p`` (Csordás et al. 2023 Eq. 29-31); Switch uses 0.01.
     z_loss_weight: weight of the router z-loss ``mean(logsumexp(logits)²)`` (ST-MoE); 0: off.
     expert_dropout: Csordás et al.'s expert dropout (Eq. 36) applied to the selection; the other
@@ -41,6 +46,7 @@ class SwitchRouterConfig(RouterConfig):
     type_name: ClassVar[str] = "switch"
 
     capacity_factor: float | None = 1.25
+    eval_capacity_factor: float | None = None
     balance_weight: float = 0.01
     z_loss_weight: float = 0.0
     expert_dropout: float = 0.0
@@ -50,6 +56,7 @@ class SwitchRouterConfig(RouterConfig):
     def __post_init__(self) -> None:
         require_choice(self, "precision", ROUTER_PRECISIONS)
         require_capacity_factor(self)
+        require_capacity_factor(self, "eval_capacity_factor")
         require_non_negative(self, "balance_weight")
         require_non_negative(self, "z_loss_weight")
         require_probability(self, "expert_dropout")
@@ -67,7 +74,8 @@ class SwitchRouter(LinearRouter):
     """``p = softmax(W x)``; each token goes to ``argmax p`` with weight ``p[e]`` (no
     renormalisation). Each expert takes at most ``capacity = ceil(capacity_factor · T / E)``
     tokens, first come first served in token order; the others are dropped: not dispatched,
-    weight 0, so the layer's output for them is zero and the residual carries them.
+    weight 0, so the layer's output for them is zero and the residual carries them. In
+    evaluation mode ``eval_capacity_factor`` applies instead (default: dropless).
 
     Auxiliary losses: ``balance`` = ``N_E f·p`` (Csordás et al. 2023 Eq. 29-31, f from the top-1
     choices before dropping) and ``z_loss`` (ST-MoE). Stats: ``dropped_fraction``, ``capacity``.
@@ -86,7 +94,8 @@ class SwitchRouter(LinearRouter):
         top1 = selection.detach().argmax(-1)                                   # [T]
         weights = probs.gather(1, top1.unsqueeze(1))                          # [T, 1]
         tokens = x.shape[0]
-        capacity = capacity_of(cfg.capacity_factor, tokens, 1, self.num_experts)
+        capacity = capacity_of(active_capacity_factor(cfg, self.training), tokens, 1,
+                               self.num_experts)
         dispatched = None
         stats = {"dropped_fraction": torch.zeros(())}
         if capacity is not None and tokens:
