@@ -97,7 +97,8 @@ def interrupt_at(trainer, step):
     lambda corpus: lm_run(corpus, "peer", steps=8),
     lambda corpus: classifier_run({"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3,
                                    "dropout": 0.2}, steps=20),
-], ids=["sigma_moe+dropout", "noisy_topk", "peer", "classifier"])
+    lambda corpus: lm_run(corpus, "fff", steps=8, weight_decay=0.1),
+], ids=["sigma_moe+dropout", "noisy_topk", "peer", "classifier", "fff+weight_decay"])
 def test_resume_equals_the_uninterrupted_run_to_the_bit(corpus, tmp_path, make_run):
     run = make_run(corpus)
     Trainer(run, tmp_path / "straight", progress=False).train()
@@ -142,6 +143,33 @@ def test_ctrl_c_mid_step_finishes_the_step_then_checkpoints(corpus, tmp_path):
     def curve(folder):
         return [(m["kind"], m["step"], m["loss"]) for m in metrics(folder)]
     assert curve(tmp_path / "resumed") == curve(tmp_path / "straight")
+
+
+def test_weight_decay_reaches_weights_only(corpus, tmp_path):
+    trainer = Trainer(lm_run(corpus, "fff", steps=1, weight_decay=0.1), tmp_path, progress=False)
+    trainer.train()
+    decay, keep = trainer.optimizers[0].param_groups
+    assert decay["weight_decay"] == 0.1 and keep["weight_decay"] == 0
+    name = {id(p): n for n, p in trainer.model.named_parameters()}
+    kept = {name[id(p)] for p in keep["params"]}
+    assert any(n.endswith("store.b1") for n in kept), "FFF leaf biases [leaves, width]"
+    assert any("norm" in n for n in kept) and all(p.dim() >= 2 for p in decay["params"])
+    assert len(decay["params"]) + len(keep["params"]) == len(list(trainer.model.parameters()))
+
+
+def test_resume_names_an_optimizer_state_that_does_not_fit(corpus, tmp_path):
+    """A checkpoint whose optimizer has one group for every parameter (as sparseffn wrote with
+    weight decay before it was limited to weights) is refused with a message, untouched."""
+    run = lm_run(corpus, "fff", steps=2, weight_decay=0.1)
+    Trainer(lm_run(corpus, "fff", steps=2), tmp_path, progress=False).train()
+    path = tmp_path / "checkpoint.pt"
+    state = ckpt.load(path)
+    state["config"] = run.to_dict()    # the same run, with the one-group optimizer state
+    ckpt.save_atomic(state, path)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="optimizer state does not fit"):
+        Trainer(run, tmp_path, progress=False).train(resume=True)
+    assert path.read_bytes() == before
 
 
 def test_resume_refuses_another_config_or_no_checkpoint(corpus, tmp_path):

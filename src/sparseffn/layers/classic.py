@@ -45,6 +45,10 @@ class ExpertBank(nn.Module):
             nn.Parameter(torch.empty(num_experts, b)) for b in widths[1:])
         self.reset_parameters()
 
+    def no_weight_decay_parameters(self) -> list[nn.Parameter]:
+        """The per-expert biases (see :func:`sparseffn.param_groups`)."""
+        return list(self.biases)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         for weight, bias in zip(self.weights, self.biases):   # nn.Linear's default, per expert

@@ -61,6 +61,11 @@ class MLPExperts(ExpertStore):
         self.hidden_dropout = nn.Dropout(dropout)
         self.reset_parameters()
 
+    def no_weight_decay_parameters(self) -> list[nn.Parameter]:
+        """The per-expert biases (two-dimensional, not weights: see
+        :func:`sparseffn.param_groups`)."""
+        return [b for b in (self.b1, self.b2) if b is not None]
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         if self.init == "fff":

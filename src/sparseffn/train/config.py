@@ -156,7 +156,7 @@ class TrainSpec:
     warmup_steps: int = 0
     final_lr_ratio: float = 0.0
     clip: float | None = 0.25       # max gradient norm (Csordás et al. 2023); 0 or None: off
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0       # Adam's L2 term, on weights only (sparseffn.param_groups)
     betas: tuple = (0.9, 0.999)
     bf16: bool = False              # bfloat16 autocast for the forward
     deterministic: bool = True      # torch.use_deterministic_algorithms: bit-exact reruns

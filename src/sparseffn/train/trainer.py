@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..auxiliary import aux_loss, dense_grad_parameters, sparse_grad_parameters
+from ..optim import param_groups
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
 from ..models.lm import TransformerLM
@@ -160,15 +161,23 @@ class Trainer:
         sparse = sparse_grad_parameters(self.model)
         self.dense_params = dense_grad_parameters(self.model)
         t = run.train
-        self.optimizers = [torch.optim.Adam(self.dense_params, lr=t.lr, betas=t.betas,
-                                            weight_decay=t.weight_decay)]
+        # with weight decay, weights only: no biases, norm gains or expert/leaf biases
+        params = param_groups(self.model, t.weight_decay) if t.weight_decay else self.dense_params
+        self.optimizers = [torch.optim.Adam(params, lr=t.lr, betas=t.betas)]
         if sparse:   # PKM values / PEER experts with sparse gradients (sparse_grad = true)
             self.optimizers.append(torch.optim.SparseAdam(sparse, lr=t.lr, betas=t.betas))
         self.step, self.train_time = 0, 0.0
         if state is not None:
             self.model.load_state_dict(state["model"])
             for opt, opt_state in zip(self.optimizers, state["optimizers"]):
-                opt.load_state_dict(opt_state)
+                try:
+                    opt.load_state_dict(opt_state)
+                except ValueError as error:   # e.g. saved before weight decay had its groups
+                    raise ConfigError(
+                        f"the checkpoint's optimizer state does not fit this run's optimizer "
+                        f"({error}). Checkpoints written with train.weight_decay > 0 before "
+                        f"weight decay was limited to weights (sparseffn.param_groups) cannot "
+                        f"be resumed; nothing was changed on disk") from error
             self.step, self.train_time = state["step"], state["train_time"]
             ckpt.set_rng_state(state["rng"])
 

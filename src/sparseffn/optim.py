@@ -1,0 +1,64 @@
+"""Parameter groups for optimisers with weight decay.
+
+The usual rule (nanoGPT, timm, the Hugging Face Trainer) decays every parameter of two or
+more dimensions and no bias or normalisation gain. Sparse layers have biases of two
+dimensions (one row per expert or FFF leaf: ``[experts, width]``), which that rule would
+decay; :func:`param_groups` asks the modules for them instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from .auxiliary import sparse_grad_parameters
+
+# The module method by which a module names its parameters that are biases of any shape.
+NO_DECAY_METHOD = "no_weight_decay_parameters"
+
+
+def no_weight_decay_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that modules of ``model`` declare as biases through a
+    ``no_weight_decay_parameters()`` method (sparseffn's expert stores: per-expert and
+    per-leaf biases). Give your own modules the method to add theirs."""
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        method = getattr(module, NO_DECAY_METHOD, None)
+        if callable(method):
+            for p in method():
+                found[id(p)] = p
+    return list(found.values())
+
+
+def param_groups(model: nn.Module, weight_decay: float, *,
+                 decay_embeddings: bool = True) -> list[dict]:
+    """Two parameter groups for an optimiser (``torch.optim.AdamW(param_groups(model, 0.1))``):
+    ``{"name": "decay", "weight_decay": weight_decay}`` and ``{"name": "no_decay",
+    "weight_decay": 0.0}``.
+
+    No decay: every parameter of fewer than two dimensions (biases, LayerNorm/RMSNorm gains,
+    whatever their module), the biases sparseffn's layers declare (per-expert and FFF leaf
+    biases, ``[experts, width]``; see :func:`no_weight_decay_parameters`), and, with
+    ``decay_embeddings=False``, the weights of ``nn.Embedding`` / ``nn.EmbeddingBag``.
+    Decay: every other parameter. Frozen parameters (``requires_grad=False``) are left out,
+    and so are parameters with sparse gradients (:func:`sparseffn.sparse_grad_parameters`:
+    PKM/PEER tables built with ``sparse_grad=True``), which need an optimiser of their own
+    (``torch.optim.SparseAdam``). Shared (tied) parameters appear once, in
+    ``model.named_parameters()`` order.
+    """
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) \
+            or not math.isfinite(weight_decay) or weight_decay < 0:
+        raise ValueError(f"weight_decay must be a non-negative finite number, got {weight_decay!r}")
+    skip = {id(p) for p in sparse_grad_parameters(model)}
+    no_decay = {id(p) for p in no_weight_decay_parameters(model)}
+    if not decay_embeddings:
+        no_decay |= {id(m.weight) for m in model.modules()
+                     if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    decayed, kept = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in skip:
+            continue
+        (kept if p.dim() < 2 or id(p) in no_decay else decayed).append(p)
+    return [{"params": decayed, "weight_decay": float(weight_decay), "name": "decay"},
+            {"params": kept, "weight_decay": 0.0, "name": "no_decay"}]

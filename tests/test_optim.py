@@ -1,0 +1,102 @@
+"""sparseffn.param_groups: which parameters get weight decay."""
+
+import pytest
+import torch
+from torch import nn
+
+import sparseffn
+from sparseffn import FFFConfig, MoEConfig, PKMConfig
+
+
+class _Block(nn.Module):
+    """An LM-like model: a tied embedding, a LayerNorm and a sparse FFN."""
+
+    def __init__(self, ffn: nn.Module, vocab: int = 11, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        self.ffn = ffn
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight   # tied
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(h + self.ffn(self.norm(h)))
+
+
+def _ids(params):
+    return {id(p) for p in params}
+
+
+def _groups(model, *args, **kwargs):
+    decay, keep = sparseffn.param_groups(model, *args, **kwargs)
+    assert decay["name"] == "decay" and keep["name"] == "no_decay" and keep["weight_decay"] == 0
+    return decay["params"], keep["params"]
+
+
+def test_fff_leaf_biases_are_not_decayed_though_two_dimensional():
+    layer = sparseffn.build_layer(FFFConfig(d_model=8, depth=2, leaf_width=3))
+    decay, keep = _groups(layer, 0.1)
+    store = layer.store
+    assert store.b1.dim() == 2 and store.b2.dim() == 2
+    assert _ids([store.b1, store.b2]) <= _ids(keep)
+    assert _ids([store.w1, store.w2, layer.router.weight]) <= _ids(decay)
+    assert _ids(keep).isdisjoint(_ids(decay))
+    assert _ids(decay) | _ids(keep) == _ids(layer.parameters())
+
+
+def test_norms_biases_and_embeddings_follow_the_usual_rule():
+    model = _Block(sparseffn.build_layer(MoEConfig(d_model=8, num_experts=4, expert_size=3, k=2)))
+    decay, keep = _groups(model, 0.1)
+    assert _ids([model.norm.weight, model.norm.bias]) <= _ids(keep)
+    assert id(model.embed.weight) in _ids(decay)
+    assert len(decay) + len(keep) == len(list(model.parameters()))   # the tied weight once
+    decay, keep = _groups(model, 0.1, decay_embeddings=False)
+    assert id(model.embed.weight) in _ids(keep)
+
+
+def test_sparse_gradient_and_frozen_parameters_are_left_out():
+    pkm = sparseffn.build_layer(PKMConfig(d_model=8, num_subkeys=4, heads=2, k=3, query="linear",
+                                          key_dim=6, sparse_grad=True))
+    model = _Block(pkm)
+    model.norm.weight.requires_grad_(False)
+    decay, keep = _groups(model, 0.1)
+    grouped = _ids(decay) | _ids(keep)
+    assert _ids(sparseffn.sparse_grad_parameters(model)).isdisjoint(grouped)
+    assert id(model.norm.weight) not in grouped
+    assert grouped == _ids(p for p in sparseffn.dense_grad_parameters(model) if p.requires_grad)
+
+
+def test_adamw_decays_only_the_decay_group():
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(FFFConfig(d_model=8, depth=2, leaf_width=3))
+    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    opt = torch.optim.AdamW(sparseffn.param_groups(layer, 0.5), lr=0.1)
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)     # only the decay moves anything
+    opt.step()
+    decayed = _ids(opt.param_groups[0]["params"])
+    for name, p in layer.named_parameters():
+        want = before[name] * (1 - 0.1 * 0.5) if id(p) in decayed else before[name]
+        torch.testing.assert_close(p.detach(), want, msg=name)
+
+
+def test_a_module_can_declare_its_own_biases():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3, 4))
+            self.offsets = nn.Parameter(torch.zeros(3, 4))
+
+        def no_weight_decay_parameters(self):
+            return [self.offsets]
+
+    module = Scaled()
+    decay, keep = _groups(module, 0.1)
+    assert _ids(decay) == {id(module.weight)} and _ids(keep) == {id(module.offsets)}
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "0.1", True, None])
+def test_weight_decay_is_checked(bad):
+    with pytest.raises(ValueError, match="weight_decay must be a non-negative finite number"):
+        sparseffn.param_groups(nn.Linear(2, 2), bad)
