@@ -180,6 +180,54 @@ def test_resume_refuses_another_config_or_no_checkpoint(corpus, tmp_path):
         Trainer(lm_run(corpus, "dense"), tmp_path / "empty", progress=False).train(resume=True)
 
 
+def test_checkpoints_open_with_weights_only(corpus, tmp_path):
+    Trainer(lm_run(corpus, "sigma_moe", steps=2), tmp_path, progress=False).train()
+    state = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert state["step"] == 2 and "rng" in state
+
+
+def _draws():
+    import random
+    import numpy as np
+    return (torch.rand(2).tolist(), np.random.rand(2).tolist(), np.random.randn(1).tolist(),
+            random.random())
+
+
+def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
+    import numpy as np
+    np.random.randn(1)   # an odd number of normals: NumPy caches the second one
+    path = ckpt.save_atomic({"config": {}, "model": {}, "step": 0, "rng": ckpt.rng_state()},
+                            tmp_path / "c.pt")
+    want = _draws()
+    ckpt.set_rng_state(ckpt.load(path)["rng"])
+    assert _draws() == want
+
+
+def test_checkpoints_with_the_older_numpy_rng_tuple_still_load(tmp_path):
+    import random
+    import numpy as np
+    old = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+           "python": random.getstate()}
+    path = tmp_path / "old.pt"
+    torch.save({"config": {}, "model": {}, "step": 3, "rng": old}, path)
+    want = _draws()
+    ckpt.set_rng_state(ckpt.load(path)["rng"])
+    assert _draws() == want
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("unpickling ran code",))
+
+
+def test_load_never_unpickles_arbitrary_objects(tmp_path, capsys):
+    path = tmp_path / "evil.pt"
+    torch.save({"config": {}, "model": {}, "step": 1, "x": _Payload()}, path)
+    with pytest.raises(ckpt.CheckpointError, match="not a readable checkpoint"):
+        ckpt.load(path)
+    assert "unpickling ran code" not in capsys.readouterr().out
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "c.pt"
     ckpt.save_atomic({"step": 1, "config": {}, "model": {}}, path)

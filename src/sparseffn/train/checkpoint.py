@@ -1,6 +1,10 @@
 """Checkpoints written atomically: the state goes to a temporary file in the same folder,
 is flushed to disk, and is renamed over the old checkpoint, so a crash or Ctrl-C during the
-write leaves the previous checkpoint intact."""
+write leaves the previous checkpoint intact.
+
+A checkpoint holds tensors, numbers, strings and containers only (the RNG states as
+tensors and numbers), so ``torch.load(path, weights_only=True)`` opens it, and so does
+:func:`load`, which never unpickles arbitrary objects."""
 
 from __future__ import annotations
 
@@ -14,13 +18,24 @@ import torch
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+    """The torch, NumPy and Python RNG states, in types ``weights_only`` loading accepts."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "position": int(position), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached_gaussian)},
             "python": random.getstate()}
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state` (or the NumPy tuple that checkpoints held before)."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32),
+                       numpy_state["position"], numpy_state["has_gauss"],
+                       numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
     random.setstate(state["python"])
 
 
@@ -46,6 +61,11 @@ class CheckpointError(ValueError):
 
 
 _KEYS = ("config", "model", "step")
+# What checkpoints written before the RNG states were tensors need besides: the NumPy
+# array of the NumPy RNG state (as the PyTorch documentation allows for NumPy arrays).
+_numpy_core = getattr(np, "_core", None) or np.core
+_OLD_NUMPY_RNG = [_numpy_core.multiarray._reconstruct, np.ndarray, np.dtype,
+                  type(np.dtype(np.uint32))]
 
 
 def load(path: str | Path) -> dict:
@@ -55,8 +75,8 @@ def load(path: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
-        # our own files: they hold numpy RNG state and plain dicts besides tensors
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(_OLD_NUMPY_RNG):
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:   # truncated, empty, not a torch file, unpickling failure
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path} is not a readable checkpoint ({reason[:200]})") from None
