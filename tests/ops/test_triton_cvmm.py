@@ -101,6 +101,14 @@ def test_sorted_rows_match_the_torch_implementation(dtype, epilogue, transposed,
         assert dots.numel() == 0
 
 
+def test_autotuning_zeroes_the_partial_dots_between_candidates():
+    """Candidates write different rows of the partial-dot buffer (one per column tile or
+    split), and the chosen one does not overwrite the others' rows: the autotuner must zero
+    it before the real run, or the first call of a shape sums stale partials."""
+    for kernel in (triton_cvmm._cvmm_kernel, triton_cvmm._cvmm_row_tile_kernel):
+        assert kernel.reset_to_zero == ["dots_ptr"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3])
 def test_slot_sums_match_the_torch_implementation(dtype, group, cvmm_kernel):

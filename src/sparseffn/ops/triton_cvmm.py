@@ -253,7 +253,9 @@ if triton is not None:
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
                 for m, n, warps, stages in (_ROW_TILES if _AUTOTUNE else [(64, 64, 4, 3)])]
 
-    @triton.autotune(configs=_row_tile_configs(),
+    # A config's column splits depend on its BLOCK_N, and each split writes its own row of
+    # partial dots: zeroed between tuning runs, as for _cvmm_kernel.
+    @triton.autotune(configs=_row_tile_configs(), reset_to_zero=["dots_ptr"],
                      key=["m", "n", "HAS_IN_IDX", "HAS_OUT_IDX", "HAS_DOT", "HAS_MASK"])
     @triton.jit
     def _cvmm_row_tile_kernel(src_ptr, stride_src, in_idx_ptr,
