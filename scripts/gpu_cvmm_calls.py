@@ -28,40 +28,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from sparseffn.bench.measure import interleaved_times
 from sparseffn.ops import triton_cvmm
 from sparseffn.ops.cvmm import DispatchPlan
 
 EXPERT_SIZE, K = 128, 4
 
 
-def _ms_per_call(fn, calls: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
-    begin = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - begin) * 1e3 / calls
-
-
 def _timed(fns: dict, rounds: int, calls: int, device: torch.device) -> dict[str, list[float]]:
-    """Per-round ms per call of each function, in rotation (a slow spell hits all alike)."""
-    for fn in fns.values():   # compile, autotune, warm up
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(_ms_per_call(fn, calls, device))
-    return times
+    """Per-round ms per call of each function: a loop of ``calls`` calls timed as one, in
+    rotation (:func:`sparseffn.bench.measure.interleaved_times`), after one warm-up round
+    (compile, autotune)."""
+    loops = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
+    times = interleaved_times(loops, rounds, warmup=1, device=device)
+    return {name: [ms / calls for ms in per_round] for name, per_round in times.items()}
 
 
 def _with_tile_kernel(fn):
