@@ -277,16 +277,17 @@ def test_capacity_factor_zero_or_none_is_dropless(capacity_factor):
     assert gshard(torch.randn(50, 6)).dispatched is None
 
 
-def _crowded_layer(router, k):
-    """A layer whose router sends every token with x0 > 0 to expert 3 first, and inputs that
-    all have x0 > 0: at capacity factor 1 most tokens are dropped in training."""
+def _crowded_layer(router, k, tokens=40):
+    """A layer whose router sends every token with x0 > 0 to expert 3 first (and expert 5
+    second), and ``tokens`` inputs that all have x0 > 0: at capacity factor 1 most tokens are
+    dropped in training."""
     torch.manual_seed(0)
     layer = MoE(MoEConfig(d_model=12, num_experts=E, expert_size=6, k=k, router=router))
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[3, 0] = 5.0
         layer.router.weight[5, 0] = 4.0
-    x = torch.randn(40, 12)
+    x = torch.randn(tokens, 12)
     x[:, 0] = x[:, 0].abs() + 1
     return layer, x
 
@@ -328,13 +329,8 @@ def test_eval_capacity_factor_applies_capacity_at_evaluation(name):
 
 
 def test_dropped_tokens_produce_zero_output():
-    layer = _layer("switch").train()
-    with torch.no_grad():
-        layer.router.weight.zero_()
-        layer.router.weight[3, 0] = 5.0         # every token with x0 > 0 picks expert 3
-    x = torch.randn(64, 12)
-    x[:, 0] = x[:, 0].abs() + 1
-    y = layer(x)
+    layer, x = _crowded_layer(ROUTERS["switch"][0], 1, tokens=64)   # all pick expert 3
+    y = layer.train()(x)
     capacity = math.ceil(1.0 * 64 / E)
     assert torch.all(y[capacity:] == 0) and torch.all(y[:capacity].abs().sum(-1) > 0)
     assert layer.routing_stats["dropped_fraction"].item() == pytest.approx(1 - capacity / 64)
