@@ -7,7 +7,14 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (Hendrycks & Gimpel 2016, arXiv:1606.08415 §2;
+    GPT-2's ``gelu_new``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": F.relu, "gelu": F.gelu, "gelu_tanh": gelu_tanh}
 ACTIVATIONS = tuple(_ACTIVATIONS)
 
 

@@ -69,7 +69,7 @@ ROUTER_EXAMPLES = {
     "product_keys": _moe(ProductKeyRouterConfig(heads=2, key_dim=6), k=4, num_experts=16),
 }
 # Variants whose code paths differ: sparse FFF training, biased leaves off, product keys
-# without a query network, PEER with sparse gradients and dropout.
+# without a query network, PEER with sparse gradients and dropout, a converted dense MLP.
 VARIANTS = {
     "fff_sparse": FFFConfig(d_model=D, depth=2, leaf_width=4, train_mode="sparse", k=2,
                             bias=False),
@@ -77,6 +77,10 @@ VARIANTS = {
                                     query="identity", query_norm="layernorm"),
     "peer_sparse_grad": PEERConfig(d_model=D, num_experts=16, heads=2, k=3, key_dim=6,
                                    sparse_grad=True, dropout=0.1),
+    # what sparseffn.convert builds: MoEfication's hard gate, a dense MLP's biases
+    "moe_converted": MoEConfig(d_model=D, num_experts=5, expert_size=6, k=2,
+                               router=SigmaRouterConfig(gate="hard"), activation="gelu_tanh",
+                               bias=True),
 }
 EXAMPLES = {**{f"layer:{k}": v for k, v in LAYER_EXAMPLES.items()},
             **{f"router:{k}": v for k, v in ROUTER_EXAMPLES.items()},
@@ -93,7 +97,8 @@ def test_every_registration_has_an_example():
 # --- loop references, one per store ---------------------------------------------------------
 
 def _mlp_experts_reference(store: MLPExperts, x, routing):
-    act = {"relu": F.relu, "gelu": F.gelu}[store.activation]
+    act = {"relu": F.relu, "gelu": F.gelu,
+           "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}[store.activation]
     rows = []
     for t in range(x.shape[0]):
         y = x.new_zeros(store.d_out)
@@ -104,7 +109,7 @@ def _mlp_experts_reference(store: MLPExperts, x, routing):
             h = store.w1[e] @ x[t] + (0 if store.b1 is None else store.b1[e])
             out = act(h) @ store.w2[e] + (0 if store.b2 is None else store.b2[e])
             y = y + routing.weights[t, j].to(x.dtype) * out
-        rows.append(y)
+        rows.append(y if store.b_out is None else y + store.b_out)
     return torch.stack(rows) if rows else x.new_zeros(0, store.d_out)
 
 
@@ -205,6 +210,10 @@ def test_aux_losses_all_have_weights_and_config_round_trips(name):
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_output_and_gradients_match_the_store_reference(name, training):
     layer = _build(EXAMPLES[name]).train(training)
+    with torch.no_grad():      # biases start at zero; the reference must see them added
+        for key, p in layer.named_parameters():
+            if key.rsplit(".", 1)[-1] in ("b1", "b2", "b_out") and not p.any():
+                p.normal_(0.0, 0.5)
     if isinstance(layer, RoutedFFN):
         assert type(layer.store) in STORE_REFERENCES, "add a loop reference for this store"
     if training and "dropout" in name or (training and EXAMPLES[name] is VARIANTS.get(

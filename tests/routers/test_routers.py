@@ -25,6 +25,7 @@ E = 8
 # (router config, k) for every routing rule, at num_experts = E.
 ROUTERS = {
     "sigma": (SigmaRouterConfig(), 2),
+    "sigma_hard": (SigmaRouterConfig(gate="hard"), 2),
     "softmax": (SoftmaxRouterConfig(), 2),
     "softmax_renorm": (SoftmaxRouterConfig(renormalize=True), 2),
     "noisy_topk": (NoisyTopKRouterConfig(), 2),
@@ -215,6 +216,21 @@ def test_autocast_precision_computes_the_selection_product_in_the_autocast_dtype
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, F.linear(x.bfloat16(), weight.bfloat16()).float(),
                                rtol=0, atol=0)
+
+
+def test_hard_gate_weights_are_exactly_one_with_the_sigmoid_gradient():
+    """MoEfication's gate (Zhang et al. 2022): selected experts count fully, and the scores
+    still learn through a straight-through sigmoid."""
+    torch.manual_seed(0)
+    router = build_router(SigmaRouterConfig(gate="hard"), 6, E, 3)
+    x = torch.randn(11, 6)
+    routing = router(x)
+    assert torch.equal(routing.weights, torch.ones(11, 3))
+    logits = router.logits(x).detach().requires_grad_()
+    indices = routing.indices
+    torch.sigmoid(logits.gather(1, indices)).sum().backward()
+    got = torch.autograd.grad(routing.weights.sum(), router.weight)[0]      # [E, d_model]
+    torch.testing.assert_close(got, logits.grad.t() @ x)
 
 
 def test_router_precision_is_checked_and_round_trips():

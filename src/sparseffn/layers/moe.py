@@ -12,7 +12,8 @@ from ..registry import (LayerConfig, LayerCost, build_router, config_argument, i
 from ..routers.sigma import SigmaRouterConfig
 from ..routing import RoutedFFN
 from ..stores import MLPExperts
-from ..validation import require_choice, require_k, require_positive_int, require_probability
+from ..validation import (require_bool, require_choice, require_k, require_positive_int,
+                          require_probability)
 
 
 MOE_INITS = ("sigma_moe", "standard", "switch")
@@ -42,6 +43,9 @@ class MoEConfig(LayerConfig):
       they replace, selection rows of equal norm; Csordás et al. 2023 §5), ``"standard"`` (each
       expert's own fan-in) or ``"switch"`` (Fedus et al.: every matrix
       ``N(0, sqrt(0.1 / fan_in))``, i.e. ``sqrt(0.1/G)`` for the second expert layer).
+    - ``bias``: the biases of a dense MLP split into the experts: one per hidden unit and one
+      output bias added once per token (see :class:`~sparseffn.stores.MLPExperts`'s
+      ``dense_bias``; what :mod:`sparseffn.convert` builds from BERT's or GPT-2's MLPs).
     """
 
     type_name: ClassVar[str] = "moe"
@@ -55,9 +59,11 @@ class MoEConfig(LayerConfig):
     hidden_dropout: float = 0.0
     init: str = "sigma_moe"
     init_depth: int = 1
+    bias: bool = False
 
     def __post_init__(self) -> None:
         _check_experts(self)
+        require_bool(self, "bias")
         require_choice(self, "init", MOE_INITS)
         require_probability(self, "hidden_dropout")
         object.__setattr__(self, "router", router_config_from(self.router))
@@ -71,8 +77,10 @@ class MoEConfig(LayerConfig):
     def cost(self) -> LayerCost:
         selection = self.router.num_params(self.d_model, self.num_experts)
         expert = 2 * self.d_model * self.expert_size
-        return LayerCost(total_params=selection + self.num_experts * expert,
-                         active_params=selection + self.k * expert,
+        biases = (self.num_experts * self.expert_size + self.d_model) if self.bias else 0
+        active_biases = (self.k * self.expert_size + self.d_model) if self.bias else 0
+        return LayerCost(total_params=selection + self.num_experts * expert + biases,
+                         active_params=selection + self.k * expert + active_biases,
                          flops=2 * selection + 2 * self.k * expert,
                          expert_flops=2 * self.k * expert)
 
@@ -112,8 +120,9 @@ class MoE(RoutedFFN):
         router = build_router(config.router, config.d_model, config.num_experts, config.k,
                               init=config.init, init_depth=config.init_depth)
         store = MLPExperts(config.num_experts, config.d_model, config.expert_size,
-                           activation=config.activation, dropout=config.hidden_dropout,
-                           init=config.init, init_depth=config.init_depth)
+                           activation=config.activation, dense_bias=config.bias,
+                           dropout=config.hidden_dropout, init=config.init,
+                           init_depth=config.init_depth)
         super().__init__(router, store)
         self.config = self.moe_config = config
         # Drawn again after the experts, as in earlier releases: a seed gives the same weights.

@@ -26,7 +26,8 @@ class SigmaMoEConfig(LayerConfig):
 
     Fields
     - ``router``: the :class:`~sparseffn.routers.SigmaRouterConfig`: ``gate`` (``"sigmoid"``
-      for σ-MoE, or the Table 4 ablations ``"softmax"`` and ``"softmax_renorm"``),
+      for σ-MoE, the Table 4 ablations ``"softmax"`` and ``"softmax_renorm"``, or
+      MoEfication's ``"hard"``),
       ``entropy_weight`` (γ of the batch-entropy regulariser, Eq. 34-35) and
       ``expert_dropout`` (δ, Eq. 36). A dict without ``type`` (a TOML ``[ffn.router]``
       table) changes only the fields it names. The flat ``gate``, ``entropy_weight`` and

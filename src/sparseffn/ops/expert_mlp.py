@@ -37,7 +37,7 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
       w1: [E, G, d_in], the keys (rows) of each expert's first layer.
       w2: [E, G, d_out], the values (rows) of each expert's second layer.
       gates: [T, k] weights of the selected experts.
-      activation: "relu" or "gelu".
+      activation: a name of ``sparseffn.activations.ACTIVATIONS`` ("relu" runs fused).
       hidden_dropout: applied to the hidden units [T·k, G] when given (a training-time
         ``nn.Dropout``); it takes the unfused path.
       b1, b2: optional expert biases [E, G] and [E, d_out] (FFF leaves have them):

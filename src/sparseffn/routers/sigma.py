@@ -14,7 +14,7 @@ from ..routing import Routing
 from ..validation import require_bool, require_choice, require_non_negative, require_probability
 from .base import LinearRouter, ROUTER_PRECISIONS, drop_experts
 
-SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm")
+SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm", "hard")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,10 @@ class SigmaRouterConfig(RouterConfig):
     """σ-MoE's selection (Csordás et al. 2023 §5): ``s = σ(W_s x)``, top-k, unnormalised.
 
     gate: ``"sigmoid"``, or Table 4's ablations ``"softmax"`` (softmax over all experts, then
-      top-k) and ``"softmax_renorm"`` (softmax over the k selected, App. A.1 Eq. 37-39).
+      top-k) and ``"softmax_renorm"`` (softmax over the k selected, App. A.1 Eq. 37-39);
+      ``"hard"`` adds the selected experts with weight one, as MoEfication does (Zhang et al.
+      2022, arXiv:2110.01786, §3.2; what :mod:`sparseffn.convert` builds), with the sigmoid's
+      gradient passed straight through to the scores.
     entropy_weight: γ of the batch-entropy regulariser (Eq. 34-35).
     expert_dropout: δ of Eq. 36 (per token and expert, during training, no rescaling).
     precision: the selection product ``W x`` in ``"float32"`` (the default; Switch's
@@ -89,7 +92,11 @@ def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, 
     - ``gate="softmax"``: weights ``softmax(logits)`` over all experts, gathered, not
       renormalised (Table 4 "softmax (before top-k)");
     - ``gate="softmax_renorm"``: ``normtopk(softmax(logits))`` (App. A.1 Eq. 37-39), i.e. a
-      softmax over the k selected logits; they sum to one.
+      softmax over the k selected logits; they sum to one;
+    - ``gate="hard"``: weights exactly 1 (MoEfication, Zhang et al. 2022, arXiv:2110.01786:
+      a selected expert's hidden units act as in the dense MLP they came from); the gradient
+      that reaches them goes to ``σ(logit)`` (straight through), so fine-tuning still trains
+      the selection.
 
     A dropped (token, expert) pair (Eq. 36) is never selected while k experts remain; if fewer
     than k survive, the extra slots get weight 0.
@@ -101,6 +108,9 @@ def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, 
     chosen_logits = logits.gather(1, indices)
     if gate == "sigmoid":
         weights = torch.sigmoid(chosen_logits)
+    elif gate == "hard":   # s - sg(s) is exactly 0, so the weights are exactly 1
+        scores = torch.sigmoid(chosen_logits)
+        weights = 1.0 + (scores - scores.detach())
     elif gate == "softmax":
         weights = torch.softmax(logits, dim=-1).gather(1, indices)
     else:  # softmax_renorm: softmax over the selected (and kept) logits

@@ -25,7 +25,12 @@ class MLPExperts(ExpertStore):
 
     Parameters: ``w1`` [E, expert_size, d_model] (rows: the keys of each expert's hidden units),
     ``w2`` [E, expert_size, d_out] (rows: their values) and, with ``bias``, ``b1``
-    [E, expert_size] and ``b2`` [E, d_out].
+    [E, expert_size] and ``b2`` [E, d_out]. ``dense_bias`` instead gives the biases of the
+    dense MLP whose hidden units the experts partition: ``b1`` [E, expert_size] (each hidden
+    unit's own bias) and ``b_out`` [d_out], added once to every token's output whatever its
+    weights, ``y_t = Σ_j w_tj f_{i_tj}(x_t) + b_out`` with ``f_e`` without ``b2``
+    (MoEfication, Zhang et al. 2022, arXiv:2110.01786: a dense MLP split into experts keeps
+    its output bias).
 
     Sparse routings run through :func:`~sparseffn.ops.expert_mlp` (pairs a router dropped at
     capacity are never computed: their output is zero). A ``dense`` routing (weights over every
@@ -46,18 +51,22 @@ class MLPExperts(ExpertStore):
     """
 
     def __init__(self, num_experts: int, d_model: int, expert_size: int, d_out: int | None = None,
-                 *, activation: str = "relu", bias: bool = False, dropout: float = 0.0,
-                 init: str = "sigma_moe", init_depth: int = 1) -> None:
+                 *, activation: str = "relu", bias: bool = False, dense_bias: bool = False,
+                 dropout: float = 0.0, init: str = "sigma_moe", init_depth: int = 1) -> None:
         super().__init__()
         if init not in MLP_EXPERT_INITS:
             raise ValueError(f"MLPExperts init must be one of {MLP_EXPERT_INITS}, got {init!r}")
+        if bias and dense_bias:
+            raise ValueError("MLPExperts: bias (per-expert output biases) and dense_bias (one "
+                             "shared output bias) exclude each other")
         self.num_experts, self.d_model, self.expert_size = num_experts, d_model, expert_size
         self.d_out = d_model if d_out is None else d_out
         self.activation, self.init, self.init_depth = activation, init, init_depth
         self.w1 = nn.Parameter(torch.empty(num_experts, expert_size, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, expert_size, self.d_out))
-        self.b1 = nn.Parameter(torch.empty(num_experts, expert_size)) if bias else None
+        self.b1 = nn.Parameter(torch.empty(num_experts, expert_size)) if bias or dense_bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, self.d_out)) if bias else None
+        self.b_out = nn.Parameter(torch.empty(self.d_out)) if dense_bias else None
         self.hidden_dropout = nn.Dropout(dropout)
         self.reset_parameters()
 
@@ -85,11 +94,16 @@ class MLPExperts(ExpertStore):
                          else self.expert_size)
             self.w1.normal_(0.0, dense_init_std(self.d_model, self.init_depth))
             self.w2.normal_(0.0, dense_init_std(w2_fan_in, self.init_depth))
-        for p in (self.b1, self.b2):
+        for p in (self.b1, self.b2, self.b_out):
             if p is not None:
                 p.zero_()
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        y = self.expert_output(x, routing)
+        return y if self.b_out is None else y + self.b_out.to(y.dtype)
+
+    def expert_output(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``Σ_j w_tj f_{i_tj}(x_t)`` without the shared output bias: [T, d_out]."""
         if routing.dense:
             return self.dense_output(x, routing.weights)
         dropout = self.hidden_dropout if self.training and self.hidden_dropout.p > 0 else None
@@ -117,4 +131,5 @@ class MLPExperts(ExpertStore):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, d_model={self.d_model}, "
                 f"expert_size={self.expert_size}, d_out={self.d_out}, "
-                f"activation={self.activation}, bias={self.b1 is not None}, init={self.init}")
+                f"activation={self.activation}, bias={self.b2 is not None}, "
+                f"dense_bias={self.b_out is not None}, init={self.init}")
