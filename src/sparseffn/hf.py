@@ -1,0 +1,518 @@
+"""sparseffn layers inside Hugging Face ``transformers`` models (``pip install sparseffn[hf]``).
+
+- :func:`sparsify` puts a sparse layer in the MLP place of every block (or some blocks) of a
+  GPT-2, Llama/Mistral/Qwen-family or BERT-family model, found by module type, and returns a
+  report of what it replaced with parameter and FLOP counts;
+- :func:`moefy` turns the trained MLPs of such a model into mixtures of their own hidden
+  units (MoEfication, Zhang et al. 2022, arXiv:2110.01786; see :mod:`sparseffn.convert`);
+- both record the replacement in ``model.config.sparseffn``, so ``save_pretrained`` writes
+  it to ``config.json`` and :func:`from_pretrained` builds the sparse model again before the
+  weights load. The stock ``AutoModel.from_pretrained`` does not know the entry: it would
+  build dense MLPs and report the sparse weights as unexpected.
+
+Hugging Face's own initialisation (``post_init``, ``init_weights``) leaves the replaced layers
+alone: they are marked initialised. Other architectures join with :func:`register_family`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .convert import DenseWeights, fit_router
+from .convert import moefy as moefy_mlp
+from .models.presets import PRESETS, ffn_preset
+from .registry import LayerConfig, build_layer, config_from_dict
+
+#: The key of the replacement record in a model's config (and its config.json).
+CONFIG_KEY = "sparseffn"
+_FORMAT = 1
+
+# Hugging Face activation names (config.hidden_act / activation_function) that a sparseffn
+# layer computes exactly.
+_HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+                   "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _require_transformers():
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as err:  # pragma: no cover - the hf extra installs it
+        raise ImportError("sparseffn.hf needs the transformers package: "
+                          "pip install 'sparseffn[hf]'") from err
+
+
+class SparseMLP(nn.Module):
+    """A sparseffn layer in the place of a Hugging Face MLP: ``dropout(ffn(x))``, the dropout
+    being the one the replaced MLP applied to its output (GPT-2's ``resid_pdrop``; none for
+    the others).
+
+    forward(hidden_states: [..., d_model]) -> [..., d_model]
+    """
+
+    def __init__(self, ffn: nn.Module, dropout: float = 0.0, family: str = "") -> None:
+        super().__init__()
+        self.ffn = ffn
+        self.dropout = nn.Dropout(dropout)
+        self.family = family     # the MLPFamily whose MLP this replaced
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.ffn(hidden_states))
+
+
+# ---------------------------------------------------------------------------------------------
+# Families of MLP blocks, by module type
+
+@dataclass(frozen=True)
+class MLPFamily:
+    """How to find, measure, read and replace one kind of Hugging Face MLP.
+
+    classes: ``(module, class name)`` pairs of the ``transformers`` classes of the *site*: the
+      module that holds the MLP (GPT-2's ``GPT2MLP``, Llama's ``LlamaMLP``, BERT's whole
+      ``BertLayer``, whose MLP is split over ``intermediate`` and ``output``).
+    dims(site) -> (d_model, d_ff); dense_params(site) -> the MLP's parameter count;
+    replace(parent, name, site, ffn) puts ``ffn`` in the MLP's place;
+    dense_weights(site, config) -> :class:`~sparseffn.convert.DenseWeights`, or None for an
+      MLP that is not a two-layer one (a gated MLP cannot be converted);
+    mlp(site) -> the module whose input is the MLP's input (hooked to collect samples);
+    replaced(site) -> whether a site of one of ``classes`` already holds a sparse layer (for
+      families whose site is the whole block, like BERT's).
+    """
+
+    name: str
+    classes: tuple[tuple[str, str], ...]
+    dims: Callable[[nn.Module], tuple[int, int]]
+    dense_params: Callable[[nn.Module], int]
+    replace: Callable[[nn.Module, str, nn.Module, nn.Module], None]
+    dense_weights: Callable[[nn.Module, Any], DenseWeights | None]
+    mlp: Callable[[nn.Module], nn.Module] = lambda site: site
+    replaced: Callable[[nn.Module], bool] = lambda site: False
+
+
+def _params(*modules: nn.Module) -> int:
+    return sum(p.numel() for m in modules for p in m.parameters())
+
+
+def _activation(config: Any, attribute: str) -> str:
+    name = getattr(config, attribute, None)
+    if name not in _HF_ACTIVATIONS:
+        raise ValueError(f"cannot convert an MLP with activation {name!r}: sparseffn computes "
+                         f"{sorted(_HF_ACTIVATIONS)} exactly")
+    return _HF_ACTIVATIONS[name]
+
+
+def _swapper(family: str):
+    def swap(parent: nn.Module, name: str, site: nn.Module, ffn: nn.Module) -> None:
+        dropout = getattr(site, "dropout", None)
+        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
+        setattr(parent, name, SparseMLP(ffn, p, family))
+    return swap
+
+
+def _gpt2_weights(site, config) -> DenseWeights:
+    # Conv1D stores [in, out]: y = x @ weight + bias
+    return DenseWeights(site.c_fc.weight.detach().t(), site.c_fc.bias.detach(),
+                        site.c_proj.weight.detach().t(), site.c_proj.bias.detach(),
+                        _activation(config, "activation_function"))
+
+
+def _bert_replace(parent, name, site, ffn) -> None:
+    site.intermediate = SparseMLP(ffn, family="bert")   # BertOutput: dropout, residual, norm
+    site.output.dense = nn.Identity()
+
+
+def _bert_weights(site, config) -> DenseWeights:
+    up, down = site.intermediate.dense, site.output.dense
+    return DenseWeights(up.weight.detach(), None if up.bias is None else up.bias.detach(),
+                        down.weight.detach(), None if down.bias is None else down.bias.detach(),
+                        _activation(config, "hidden_act"))
+
+
+def _models(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple((f"transformers.models.{package}.modeling_{package}", cls) for package, cls in pairs)
+
+
+FAMILIES: list[MLPFamily] = [
+    MLPFamily(
+        "gpt2", _models(("gpt2", "GPT2MLP")),
+        dims=lambda s: (s.c_fc.weight.shape[0], s.c_fc.weight.shape[1]),
+        dense_params=_params, replace=_swapper("gpt2"), dense_weights=_gpt2_weights),
+    MLPFamily(
+        "llama", _models(("llama", "LlamaMLP"), ("mistral", "MistralMLP"), ("qwen2", "Qwen2MLP"),
+                         ("qwen3", "Qwen3MLP"), ("gemma", "GemmaMLP"), ("gemma2", "Gemma2MLP"),
+                         ("olmo", "OlmoMLP"), ("olmo2", "Olmo2MLP")),
+        dims=lambda s: (s.up_proj.in_features, s.up_proj.out_features),
+        dense_params=_params, replace=_swapper("llama"),
+        dense_weights=lambda site, config: None),
+    MLPFamily(
+        "bert", _models(("bert", "BertLayer"), ("roberta", "RobertaLayer"),
+                        ("xlm_roberta", "XLMRobertaLayer"), ("electra", "ElectraLayer"),
+                        ("camembert", "CamembertLayer")),
+        dims=lambda s: (s.intermediate.dense.in_features, s.intermediate.dense.out_features),
+        dense_params=lambda s: _params(s.intermediate, s.output.dense),
+        replace=_bert_replace, dense_weights=_bert_weights,
+        mlp=lambda site: site.intermediate,
+        replaced=lambda site: isinstance(site.intermediate, SparseMLP)),
+]
+
+
+def register_family(family: MLPFamily) -> None:
+    """Teach :func:`sparsify` another architecture's MLP (checked before the built-in ones)."""
+    FAMILIES.insert(0, family)
+
+
+def _classes(family: MLPFamily) -> tuple[type, ...]:
+    found = []
+    for module_name, class_name in family.classes:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name, None)
+        except ImportError:
+            continue
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def _family_of(module: nn.Module) -> MLPFamily | None:
+    for family in FAMILIES:
+        classes = _classes(family)
+        if classes and isinstance(module, classes):
+            return family
+    return None
+
+
+@dataclass(frozen=True)
+class Site:
+    """One MLP place of a model: its module path, family, block number (0-based, in module
+    order) and whether it already holds a sparse layer."""
+
+    path: str
+    family: MLPFamily
+    block: int
+    module: nn.Module
+    replaced: bool = False
+
+
+def _family_named(name: str) -> MLPFamily | None:
+    return next((f for f in FAMILIES if f.name == name), None)
+
+
+def find_mlps(model: nn.Module, *, replaced: bool = True) -> list[Site]:
+    """Every MLP place of ``model`` that a registered :class:`MLPFamily` knows, in module order,
+    those already holding a sparse layer included (``replaced=False`` leaves them out; block
+    numbers stay those of the whole model)."""
+    sites: list[Site] = []
+    taken: list[str] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(prefix + ".") for prefix in taken):
+            continue
+        family = _family_of(module)
+        done = family is not None and family.replaced(module)
+        if family is None and isinstance(module, SparseMLP):
+            family, done = _family_named(module.family), True
+        if family is not None:
+            sites.append(Site(path, family, len(sites), module, done))
+            taken.append(path)
+    return [s for s in sites if replaced or not s.replaced]
+
+
+def _chosen(sites: list[Site], which: str | int | Sequence[int]) -> list[Site]:
+    """The sites ``which`` names among ``sites`` (all of the model's, in block order) that still
+    hold a dense MLP; naming a replaced one by number is an error."""
+    if which == "all":
+        return [s for s in sites if not s.replaced]
+    if isinstance(which, int) and not isinstance(which, bool):
+        if which < 1:
+            raise ValueError(f"which={which}: every n-th block needs n >= 1")
+        # every n-th block, counting from the n-th (GLaM: the second of every two)
+        return [s for s in sites if s.block % which == which - 1 and not s.replaced]
+    if isinstance(which, (list, tuple, range)):
+        blocks = list(which)
+        bad = [b for b in blocks if isinstance(b, bool) or not isinstance(b, int)
+               or not 0 <= b < len(sites)]
+        if bad:
+            raise ValueError(f"which: no block {bad[0]!r}; the model has {len(sites)} MLP "
+                             f"blocks (0-{len(sites) - 1})")
+        again = [s.path for s in sites if s.block in set(blocks) and s.replaced]
+        if again:
+            raise ValueError(f"which: {again[0]} already holds a sparse layer")
+        return [s for s in sites if s.block in set(blocks)]
+    raise ValueError(f'which must be "all", an integer n (every n-th block) or a list of '
+                     f"block numbers, got {which!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+
+@dataclass(frozen=True)
+class Replacement:
+    """One replaced MLP: dense and sparse parameters and forward FLOPs per token (a
+    multiply-add is 2 FLOPs)."""
+
+    path: str
+    family: str
+    layer: str
+    dense_params: int
+    sparse_params: int
+    dense_flops: int
+    sparse_flops: int
+
+
+@dataclass
+class SparsifyReport:
+    """What :func:`sparsify` or :func:`moefy` replaced; ``str(report)`` is a table."""
+
+    replacements: list[Replacement] = field(default_factory=list)
+    fits: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.replacements)
+
+    def totals(self) -> dict[str, int]:
+        keys = ("dense_params", "sparse_params", "dense_flops", "sparse_flops")
+        return {k: sum(getattr(r, k) for r in self.replacements) for k in keys}
+
+    def __str__(self) -> str:
+        lines = [f"{'module':<32} {'layer':<10} {'dense params':>12} {'sparse params':>13} "
+                 f"{'FLOPs/token':>12}"]
+        for r in self.replacements:
+            lines.append(f"{r.path:<32} {r.layer:<10} {r.dense_params:>12,} "
+                         f"{r.sparse_params:>13,} {r.sparse_flops / r.dense_flops:>11.0%}")
+        t = self.totals()
+        if self.replacements:
+            lines.append(f"{'total':<32} {'':<10} {t['dense_params']:>12,} "
+                         f"{t['sparse_params']:>13,} "
+                         f"{t['sparse_flops'] / max(1, t['dense_flops']):>11.0%}")
+        return "\n".join(lines)
+
+
+def _dense_flops(site: Site) -> int:
+    weights = sum(p.numel() for p in (site.family.mlp(site.module).parameters()) if p.dim() >= 2)
+    if site.family.name == "bert":
+        weights = site.module.intermediate.dense.weight.numel() + \
+            site.module.output.dense.weight.numel()
+    return 2 * weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Replacing
+
+LayerSpec = str | LayerConfig | Callable[[int, int], LayerConfig]
+
+
+def _layer_config(spec: LayerSpec, site: Site, n_layers: int) -> LayerConfig:
+    d_model, d_ff = site.family.dims(site.module)
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"unknown layer preset {spec!r}; presets are {', '.join(PRESETS)}")
+        # sized to the parameters of the MLP it replaces (a gated MLP has three matrices)
+        equal_width = max(1, round(site.family.dense_params(site.module) / (2 * d_model)))
+        return ffn_preset(spec, d_model, equal_width, n_layers).ffn
+    config = spec(d_model, d_ff) if callable(spec) and not isinstance(spec, LayerConfig) else spec
+    if not isinstance(config, LayerConfig):
+        raise TypeError(f"layer must be a preset name, a LayerConfig or a function "
+                        f"(d_model, d_ff) -> LayerConfig, got {type(config).__name__}")
+    if getattr(config, "d_model", d_model) != d_model:
+        raise ValueError(f"{site.path}: the layer's d_model={config.d_model} differs from the "
+                         f"model's hidden size {d_model}")
+    return config
+
+
+def _mark_initialised(module: nn.Module) -> None:
+    """Keep Hugging Face's ``_init_weights`` off a layer whose own init is deliberate."""
+    for sub in module.modules():
+        sub._is_hf_initialized = True
+        for p in sub.parameters(recurse=False):
+            p._is_hf_initialized = True
+
+
+def _install(model: nn.Module, site: Site, layer: nn.Module) -> None:
+    parent_path, _, name = site.path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    first = next(iter(site.module.parameters()), None)
+    if first is not None:
+        layer = layer.to(device=first.device, dtype=first.dtype)
+    _mark_initialised(layer)
+    training = site.module.training
+    site.family.replace(parent, name, site.module, layer)
+    parent.get_submodule(name).train(training)     # the new modules follow the model's mode
+
+
+def _record(model: nn.Module, site: Site, config: LayerConfig) -> None:
+    hf_config = getattr(model, "config", None)
+    if hf_config is None:
+        return
+    record = dict(getattr(hf_config, CONFIG_KEY, None) or {"format": _FORMAT, "sites": {}})
+    record["sites"] = {**record.get("sites", {}),
+                       site.path: {"family": site.family.name, "layer": config.to_dict()}}
+    setattr(hf_config, CONFIG_KEY, record)
+
+
+def _replacement(site: Site, config: LayerConfig, layer: nn.Module) -> Replacement:
+    return Replacement(site.path, site.family.name, config.type_name,
+                       site.family.dense_params(site.module),
+                       sum(p.numel() for p in layer.parameters()),
+                       _dense_flops(site), config.cost().flops)
+
+
+def sparsify(model: nn.Module, layer: LayerSpec, *,
+             which: str | int | Sequence[int] = "all") -> SparsifyReport:
+    """Replace the MLPs of a ``transformers`` model by sparseffn layers, in place.
+
+    layer: a preset name (``"sigma_moe"``, ``"switch"``, ``"fff"``, ``"pkm"``, ``"peer"``,
+      ... of :func:`sparseffn.models.presets.ffn_preset`), sized to the parameters of each MLP
+      it replaces; a :class:`~sparseffn.LayerConfig` with the model's hidden size; or a
+      function ``(d_model, d_ff) -> LayerConfig``.
+    which: ``"all"``, ``n`` (every n-th block: 2 gives GLaM's every other block) or a list of
+      block numbers (0-based, in module order).
+
+    New layers take the dtype and device of the MLP they replace and their own
+    initialisation. Returns a :class:`SparsifyReport`. Raises ValueError when the model has no
+    MLP of a known type.
+    """
+    _require_transformers()
+    sites = find_mlps(model)
+    if not sites:
+        raise ValueError(f"sparsify: found no MLP of a known type in {type(model).__name__}; "
+                         f"known: {', '.join(f.name for f in FAMILIES)} "
+                         f"(sparseffn.hf.register_family adds one)")
+    report = SparsifyReport()
+    for site in _chosen(sites, which):
+        config = _layer_config(layer, site, len(sites))
+        module = build_layer(config)
+        report.replacements.append(_replacement(site, config, module))
+        _install(model, site, module)
+        _record(model, site, config)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# MoEfication of a whole model
+
+def dense_weights(site: Site, config: Any = None) -> DenseWeights:
+    """The weights of the two-layer MLP at ``site`` (GPT-2 and BERT families)."""
+    weights = site.family.dense_weights(site.module, config)
+    if weights is None:
+        raise ValueError(f"{site.path}: a {site.family.name}-family MLP is gated (three "
+                         f"matrices); MoEfication here converts two-layer MLPs only")
+    return weights
+
+
+@torch.no_grad()
+def collect_mlp_inputs(model: nn.Module, batches: Iterable[dict], sites: list[Site], *,
+                       max_tokens: int = 50_000) -> dict[str, torch.Tensor]:
+    """Run ``model(**batch)`` for each batch and keep what each site's MLP receives:
+    ``{path: [N, d_model]}``, padding left out where a batch has an ``attention_mask``, at
+    most ``max_tokens`` rows per site."""
+    store: dict[str, list[torch.Tensor]] = {s.path: [] for s in sites}
+    mask: list[torch.Tensor | None] = [None]
+
+    def hook(path):
+        def keep(module, args):
+            x = args[0]
+            rows = x[mask[0]] if mask[0] is not None and mask[0].shape == x.shape[:-1] \
+                else x.reshape(-1, x.shape[-1])
+            if sum(t.shape[0] for t in store[path]) < max_tokens:
+                store[path].append(rows.detach().float().cpu())
+        return keep
+
+    handles = [s.family.mlp(s.module).register_forward_pre_hook(hook(s.path)) for s in sites]
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            attention = batch.get("attention_mask") if isinstance(batch, dict) else None
+            mask[0] = None if attention is None else attention.bool()
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return {path: torch.cat(rows)[:max_tokens] if rows else torch.zeros(0)
+            for path, rows in store.items()}
+
+
+def moefy(model: nn.Module, num_experts: int, k: int, batches: Iterable[dict], *,
+          method: str = "activations", which: str | int | Sequence[int] = "all",
+          router_steps: int = 300, max_tokens: int = 50_000, seed: int = 0) -> SparsifyReport:
+    """Convert the trained MLPs of a ``transformers`` model into mixtures of their own hidden
+    units, in place (MoEfication, Zhang et al. 2022; :mod:`sparseffn.convert`): split each MLP's
+    units into ``num_experts`` experts (``method`` ``"activations"`` or ``"weights"``), fit a
+    router to pick each token's ``k`` best experts on the hidden states that ``batches``
+    (dicts of model inputs, e.g. tokenizer outputs) produce, and put the result in the MLP's
+    place. ``report.fits[path]`` holds each router's held-out recall (see
+    :func:`sparseffn.convert.fit_router`). Follow with :func:`sparseffn.convert.distill`
+    to fine-tune against the dense model.
+    """
+    _require_transformers()
+    sites = _chosen(find_mlps(model), which)
+    if not sites:
+        raise ValueError(f"moefy: found no MLP of a known type in {type(model).__name__}")
+    weights = {s.path: dense_weights(s, getattr(model, "config", None)) for s in sites}
+    samples = collect_mlp_inputs(model, list(batches), sites, max_tokens=max_tokens)
+    report = SparsifyReport()
+    for site in sites:
+        x = samples[site.path]
+        if x.shape[0] == 0:
+            raise ValueError(f"moefy: the batches never reached {site.path}")
+        dense = weights[site.path]
+        device = dense.w1.device
+        layer = moefy_mlp(dense, num_experts, k, method=method, samples=x.to(device), seed=seed)
+        report.fits[site.path] = fit_router(layer, x.to(device=device, dtype=dense.w1.dtype),
+                                            steps=router_steps, seed=seed)
+        report.replacements.append(_replacement(site, layer.config, layer))
+        _install(model, site, layer)
+        _record(model, site, layer.config)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a saved sparse model
+
+def apply_record(model: nn.Module, record: dict | None = None) -> None:
+    """Build the sparse layers a replacement record names (``model.config.sparseffn`` unless
+    given) in their places, freshly initialised (weights are loaded afterwards)."""
+    record = getattr(model.config, CONFIG_KEY, None) if record is None else record
+    if not record:
+        return
+    if record.get("format") != _FORMAT:
+        raise ValueError(f"{CONFIG_KEY} record of format {record.get('format')!r}; this "
+                         f"sparseffn reads format {_FORMAT}")
+    sites = {s.path: s for s in find_mlps(model, replaced=False)}
+    for path, entry in record["sites"].items():
+        if path not in sites:
+            raise ValueError(f"the saved model replaced {path}, which this model class has "
+                             f"no MLP of a known type at")
+        config = config_from_dict(entry["layer"])
+        _install(model, sites[path], build_layer(config))
+
+
+def _sparse_class(model_class: type) -> type:
+    def __init__(self, config, *args, **kwargs):
+        model_class.__init__(self, config, *args, **kwargs)
+        apply_record(self)
+    return type(model_class.__name__, (model_class,), {"__init__": __init__,
+                                                       "__module__": model_class.__module__})
+
+
+def from_pretrained(path: str, model_class: type | None = None, **kwargs: Any) -> nn.Module:
+    """Load a model that :func:`sparsify` or :func:`moefy` changed and ``save_pretrained``
+    wrote: the model class (default: the first of ``config.architectures``) is built, the
+    recorded sparse layers are put in place, then the weights load, through the class's own
+    ``from_pretrained`` (``kwargs`` go to it). A model without a record loads as usual."""
+    transformers = _require_transformers()
+    config = transformers.AutoConfig.from_pretrained(path)
+    if model_class is None:
+        names = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, names[0], None) if names else None
+        if model_class is None:
+            raise ValueError(f"{path}: config.json names no architecture; pass model_class")
+    if not getattr(config, CONFIG_KEY, None):
+        return model_class.from_pretrained(path, **kwargs)
+    model = _sparse_class(model_class).from_pretrained(path, config=config, **kwargs)
+    model.__class__ = model_class     # the user's class again, so isinstance and pickling hold
+    return model

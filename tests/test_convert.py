@@ -1,0 +1,140 @@
+"""Dense → sparse conversion (MoEfication, Zhang et al. 2022, arXiv:2110.01786)."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from sparseffn import DenseMLP
+from sparseffn.convert import (DenseWeights, balanced_kmeans, distill, expert_importance,
+                               fit_router, moefy, split_hidden_units)
+
+
+def _dense(d_model=12, d_ff=30, activation="gelu", bias=True, seed=0):
+    torch.manual_seed(seed)
+    mlp = DenseMLP(d_model=d_model, d_ff=d_ff, activation=activation, bias=bias)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0.0, 0.5)
+    return mlp
+
+
+@pytest.mark.parametrize("activation,bias", [("relu", False), ("gelu", True), ("gelu_tanh", True)])
+@pytest.mark.parametrize("method", ["weights", "activations"])
+def test_with_every_expert_active_the_converted_layer_is_the_dense_mlp(activation, bias, method):
+    dense = _dense(activation=activation, bias=bias)
+    layer = moefy(dense, num_experts=5, k=5, method=method, samples=torch.randn(200, 12))
+    x = torch.randn(4, 7, 12)
+    for mode in (False, True):
+        layer.train(mode)
+        torch.testing.assert_close(layer(x), dense(x), atol=1e-5, rtol=1e-5)
+    assert layer.config.bias == bias and layer.config.router.gate == "hard"
+
+
+def test_the_experts_hold_the_dense_units_they_were_given():
+    dense = _dense(d_ff=6)
+    groups = torch.tensor([[4, 0, 2], [1, 5, 3]])
+    layer = moefy(dense, 2, 1, groups=groups)
+    torch.testing.assert_close(layer.store.w1[0], dense.up.weight[[4, 0, 2]])
+    torch.testing.assert_close(layer.store.w2[1], dense.down.weight[:, [1, 5, 3]].t())
+    torch.testing.assert_close(layer.store.b1[1], dense.up.bias[[1, 5, 3]])
+    torch.testing.assert_close(layer.store.b_out, dense.down.bias)
+
+
+def test_one_of_several_experts_gives_exactly_that_experts_units():
+    dense = _dense(d_ff=6, activation="relu")
+    groups = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    layer = moefy(dense, 2, 1, groups=groups).eval()
+    x = torch.randn(9, 12)
+    chosen = layer.router.logits(x).argmax(1)                                   # [9]
+    hidden = F.relu(F.linear(x, dense.up.weight, dense.up.bias))
+    keep = torch.stack([(torch.arange(6) // 3) == c for c in chosen])
+    want = F.linear(hidden * keep, dense.down.weight, dense.down.bias)
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_groups_and_sizes_are_named():
+    dense = _dense(d_ff=6)
+    with pytest.raises(ValueError, match="partition"):
+        moefy(dense, 2, 1, groups=torch.tensor([[0, 1, 2], [3, 4, 4]]))
+    with pytest.raises(ValueError, match="divid"):
+        moefy(dense, 4, 1)
+    with pytest.raises(ValueError, match="samples"):
+        split_hidden_units(dense, 2, method="activations")
+    with pytest.raises(ValueError, match="method"):
+        split_hidden_units(dense, 2, method="random")
+    with pytest.raises(ValueError, match="w2"):
+        DenseWeights(torch.zeros(6, 4), None, torch.zeros(6, 4), None, "relu")
+    with pytest.raises(ValueError, match="activation"):
+        DenseWeights(torch.zeros(6, 4), None, torch.zeros(4, 6), None, "swish")
+    with pytest.raises(TypeError, match="DenseWeights"):
+        moefy(torch.nn.Linear(3, 3), 1, 1)
+
+
+def test_balanced_kmeans_gives_equal_clusters_and_finds_separated_groups():
+    torch.manual_seed(0)
+    centres = torch.randn(4, 8) * 10
+    truth = torch.arange(4).repeat_interleave(6)
+    points = centres[truth] + 0.1 * torch.randn(24, 8)
+    found = balanced_kmeans(points, 4, seed=1)
+    assert torch.bincount(found, minlength=4).tolist() == [6, 6, 6, 6]
+    # the same partition up to the clusters' names
+    pairs = {(int(t), int(f)) for t, f in zip(truth, found)}
+    assert len(pairs) == 4
+
+
+def test_activation_split_groups_units_that_fire_together():
+    """Units built to fire on disjoint halves of the input space end up in separate experts."""
+    d_model, d_ff = 4, 8
+    w1 = torch.zeros(d_ff, d_model)
+    w1[:4, 0] = 1.0 + torch.rand(4)      # fire when x0 > 0
+    w1[4:, 0] = -1.0 - torch.rand(4)     # fire when x0 < 0
+    dense = DenseWeights(w1, None, torch.randn(d_model, d_ff), None, "relu")
+    groups = split_hidden_units(dense, 2, method="activations", samples=torch.randn(400, d_model))
+    assert sorted(map(sorted, groups.tolist())) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_expert_importance_is_the_norm_of_each_experts_output():
+    dense = _dense(d_ff=6)
+    layer = moefy(dense, 3, 1, groups=torch.arange(6).view(3, 2))
+    x = torch.randn(5, 12)
+    hidden = F.gelu(F.linear(x, dense.up.weight, dense.up.bias))
+    want = torch.stack([(hidden[:, 2 * e:2 * e + 2] @ dense.down.weight[:, 2 * e:2 * e + 2].t()
+                         ).norm(dim=1) for e in range(3)], 1)
+    torch.testing.assert_close(expert_importance(layer, x, chunk=2), want, atol=1e-5, rtol=1e-5)
+    assert expert_importance(layer, x[:0]).shape == (0, 3)
+
+
+def test_fit_router_learns_which_experts_matter_and_touches_only_the_router():
+    """Each expert answers to one input direction; a fitted router finds the right one."""
+    torch.manual_seed(0)
+    d_model, experts, size = 8, 4, 3
+    w1 = torch.zeros(experts * size, d_model)
+    for e in range(experts):
+        w1[e * size:(e + 1) * size, e] = 3.0
+    # equal output weights: the best expert is the one whose input coordinate is largest
+    dense = DenseWeights(w1, None, torch.ones(d_model, experts * size), None, "relu")
+    layer = moefy(dense, experts, 1, groups=torch.arange(experts * size).view(experts, size))
+    with torch.no_grad():
+        layer.router.weight.normal_()      # forget the similarity start
+    stores = {k: v.clone() for k, v in layer.store.state_dict().items()}
+    x = torch.randn(3000, d_model)
+    x[:, :experts] += 3.0            # some expert always fires, so the best one is well defined
+    fit = fit_router(layer, x, steps=300, lr=0.05)
+    assert fit["recall"] > 0.95 and fit["recall_before"] < 0.6
+    assert 0 < fit["oracle_share"] <= 1
+    assert all(torch.equal(v, layer.store.state_dict()[k]) for k, v in stores.items())
+    assert layer.router.weight.grad is None
+    with pytest.raises(ValueError, match="samples"):
+        fit_router(layer, torch.randn(10, d_model + 1))
+
+
+def test_distill_brings_the_student_towards_the_teacher():
+    teacher = _dense(activation="relu", bias=True)
+    student = moefy(teacher, 5, 2)
+    batches = [torch.randn(64, 12) for _ in range(4)]
+    before = sum(F.mse_loss(student(b), teacher(b)).item() for b in batches)
+    losses = distill(student, teacher, batches, output=lambda m, b: m(b), steps=60, lr=1e-2)
+    after = sum(F.mse_loss(student(b), teacher(b)).item() for b in batches)
+    assert len(losses) == 60 and after < 0.7 * before
+    with pytest.raises(ValueError, match="batches"):
+        distill(student, teacher, [], output=lambda m, b: m(b), steps=1)

@@ -1,0 +1,238 @@
+"""sparseffn layers inside Hugging Face models: surgery, save/load, initialisation, generation,
+and MoEfication of whole models. Tiny randomly initialised configs; nothing is downloaded."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import sparseffn                                    # noqa: E402
+from sparseffn import MoEConfig, SwitchRouterConfig, hf   # noqa: E402
+
+VOCAB = 50
+
+
+def _quiet():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()
+
+
+def gpt2(seed=0):
+    _quiet()
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0,
+                                     pad_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama(seed=0):
+    _quiet()
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=2,
+                                      vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+                                      pad_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def bert(seed=0, hidden_act="gelu"):
+    _quiet()
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=128,
+                                     num_attention_heads=2, vocab_size=VOCAB,
+                                     hidden_act=hidden_act, max_position_embeddings=64)
+    return transformers.BertModel(config)
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
+
+
+def _output(model, ids):
+    out = model(input_ids=ids)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _ids(batch=2, length=9, seed=1):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", MODELS)
+@pytest.mark.parametrize("preset", ["sigma_moe", "switch", "fff", "pkm", "peer"])
+def test_every_preset_replaces_every_mlp_and_trains(family, preset):
+    model = MODELS[family]()
+    blocks = len(hf.find_mlps(model))
+    report = hf.sparsify(model, preset)
+    assert len(report) == blocks and all(r.family == family for r in report.replacements)
+    sparse = [m for m in model.modules() if isinstance(m, sparseffn.SparseFFN)]
+    assert len(sparse) == blocks
+    for r in report.replacements:       # the report counts what is there
+        assert r.sparse_params == sum(p.numel() for p in
+                                      model.get_submodule(r.path).parameters()
+                                      if any(p is q for s in sparse for q in s.parameters()))
+        assert r.sparse_params <= r.dense_params and r.sparse_flops > 0   # PKM at d=32 costs more
+    model.train()
+    ids = _ids()
+    y = _output(model, ids)
+    assert y.shape[:2] == ids.shape
+    loss = y.float().pow(2).mean() + sparseffn.aux_loss(model)
+    loss.backward()
+    for layer in sparse:
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+def test_bert_keeps_its_residual_layer_norm_and_loses_only_the_dense_mlp():
+    model = bert()
+    hf.sparsify(model, "sigma_moe")
+    layer = model.encoder.layer[0]
+    assert isinstance(layer.output.dense, torch.nn.Identity)
+    assert isinstance(layer.output.LayerNorm, torch.nn.LayerNorm)
+    assert isinstance(layer.intermediate.ffn, sparseffn.SigmaMoE)
+
+
+def test_which_blocks_and_layer_configs():
+    model = gpt2()
+    report = hf.sparsify(model, "sigma_moe", which=2)          # GLaM: every other block
+    assert [r.path for r in report.replacements] == ["transformer.h.1.mlp"]
+    config = MoEConfig(d_model=32, num_experts=4, expert_size=16, k=1)
+    report = hf.sparsify(model, config, which=[0])
+    assert report.replacements[0].layer == "moe"
+    assert isinstance(model.transformer.h[0].mlp.ffn, sparseffn.MoE)
+    assert isinstance(model.transformer.h[2].mlp, transformers.models.gpt2.modeling_gpt2.GPT2MLP)
+    made = hf.sparsify(model, lambda d_model, d_ff: config.replace(expert_size=d_ff // 8), which=[2])
+    assert made.replacements[0].sparse_params == config.replace(expert_size=16).cost().total_params
+    assert set(model.config.sparseffn["sites"]) == {f"transformer.h.{i}.mlp" for i in range(3)}
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda m: hf.sparsify(m, "nonsense"), "unknown layer preset"),
+    (lambda m: hf.sparsify(m, MoEConfig(d_model=8, num_experts=2, expert_size=4, k=1)), "d_model"),
+    (lambda m: hf.sparsify(m, "sigma_moe", which=[7]), "no block 7"),
+    (lambda m: hf.sparsify(m, "sigma_moe", which=0), "n >= 1"),
+    (lambda m: hf.sparsify(m, "sigma_moe", which="some"), "which must be"),
+    (lambda m: hf.sparsify(torch.nn.Linear(3, 3), "sigma_moe"), "no MLP of a known type"),
+    (lambda m: hf.sparsify(m, 3), "LayerConfig"),
+])
+def test_bad_requests_are_named(call, message):
+    model = gpt2()
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(model)
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_save_pretrained_then_load_gives_the_same_sparse_model(family, tmp_path):
+    model = MODELS[family]()
+    hf.sparsify(model, "sigma_moe" if family != "llama" else "peer", which=[1])
+    with torch.no_grad():       # weights the load cannot get by drawing its own init again
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    model.eval()
+    ids = _ids()
+    want = _output(model, ids)
+    model.save_pretrained(tmp_path)
+    record = json.loads((tmp_path / "config.json").read_text())["sparseffn"]
+    assert list(record["sites"]) == [hf.find_mlps(model)[1].path]
+    torch.manual_seed(123)
+    loaded = hf.from_pretrained(str(tmp_path)).eval()
+    assert type(loaded) is type(model)
+    torch.testing.assert_close(_output(loaded, ids), want)
+    assert not any(b.is_meta for b in loaded.buffers())
+    assert sum(isinstance(m, sparseffn.SparseFFN) for m in loaded.modules()) == 1
+
+
+def test_a_model_without_a_record_loads_as_usual(tmp_path):
+    model = gpt2().eval()
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(str(tmp_path)).eval()
+    ids = _ids()
+    torch.testing.assert_close(_output(loaded, ids), _output(model, ids))
+
+
+def test_hugging_face_initialisation_leaves_our_layers_alone():
+    """post_init() after the swap used to draw PEER's query network again with the model's
+    initializer_range (std 0.02 instead of the layer's own)."""
+    model = llama()
+    hf.sparsify(model, "peer")
+    before = {k: v.clone() for k, v in model.state_dict().items() if ".mlp." in k}
+    model.post_init()
+    model.init_weights()
+    after = model.state_dict()
+    assert before and all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_cached_and_uncached_generation_agree_with_a_capacity_router():
+    """Switch drops tokens over capacity when training; in evaluation it is dropless by
+    default, so a token's output does not depend on how many arrive together."""
+    model = gpt2()
+    config = MoEConfig(d_model=32, num_experts=4, expert_size=32, k=1,
+                       router=SwitchRouterConfig(capacity_factor=1.0))
+    hf.sparsify(model, config)
+    model.eval()
+    prompt = _ids(batch=2, length=5)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    cached = model.generate(prompt, use_cache=True, **kwargs)
+    uncached = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+
+
+def test_layers_in_a_hugging_face_model_follow_its_dtype_device_and_mode():
+    model = gpt2().to(torch.float64).eval()
+    hf.sparsify(model, "sigma_moe")
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert not any(m.training for m in model.modules())
+    assert _output(model, _ids()).dtype == torch.float64
+
+
+# --- MoEfication of whole models -------------------------------------------------------------
+
+def _batches(n=4, length=12):
+    return [{"input_ids": _ids(2, length, seed=s), "attention_mask": torch.ones(2, length,
+                                                                                dtype=torch.long)}
+            for s in range(n)]
+
+
+@pytest.mark.parametrize("family,hidden_act", [("bert", "gelu"), ("bert", "relu"),
+                                               ("gpt2", None)])
+def test_moefy_with_every_expert_active_reproduces_the_dense_model(family, hidden_act):
+    model = bert(hidden_act=hidden_act) if family == "bert" else gpt2()
+    model.eval()
+    ids = _ids()
+    want = _output(model, ids)
+    report = hf.moefy(model, num_experts=4, k=4, batches=_batches(), router_steps=5)
+    assert len(report) == len(hf.find_mlps(model)) and set(report.fits) == {
+        r.path for r in report.replacements}
+    torch.testing.assert_close(_output(model, ids), want, atol=1e-5, rtol=1e-4)
+
+
+def test_moefy_at_half_the_experts_saves_and_loads(tmp_path):
+    model = bert().eval()
+    dense_out = _output(model, _ids())
+    report = hf.moefy(model, num_experts=8, k=4, batches=_batches(), router_steps=50)
+    assert report.totals()["sparse_flops"] < 0.6 * report.totals()["dense_flops"]
+    for fit in report.fits.values():
+        assert 0 <= fit["recall"] <= 1 and 0 < fit["oracle_share"] <= 1
+    out = _output(model, _ids())
+    assert not torch.equal(out, dense_out)
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(str(tmp_path)).eval()
+    torch.testing.assert_close(_output(loaded, _ids()), out)
+
+
+def test_moefy_refuses_gated_mlps_and_inputs_that_never_reach_them():
+    with pytest.raises(ValueError, match="gated"):
+        hf.moefy(llama(), 4, 2, batches=_batches())
+    with pytest.raises(ValueError, match="never reached"):
+        hf.moefy(bert(), 4, 2, batches=[])
+
+
+def test_collect_mlp_inputs_leaves_out_padding():
+    model = bert()
+    sites = hf.find_mlps(model)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    got = hf.collect_mlp_inputs(model, [{"input_ids": _ids(2, 12), "attention_mask": mask}],
+                                sites)
+    assert all(x.shape == (24 - 5, 32) for x in got.values())
