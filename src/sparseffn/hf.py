@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from .bench.plotting import MissingDependency
 from .convert import DenseWeights, fit_router
 from .convert import moefy as moefy_mlp
 from .models.presets import PRESETS, ffn_preset
@@ -38,12 +39,13 @@ _HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                    "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _require_transformers():
+def require_transformers():
+    """The ``transformers`` module, or :class:`MissingDependency` saying how to get it."""
     try:
         return importlib.import_module("transformers")
     except ImportError as err:  # pragma: no cover - the hf extra installs it
-        raise ImportError("sparseffn.hf needs the transformers package: "
-                          "pip install 'sparseffn[hf]'") from err
+        raise MissingDependency("sparseffn.hf needs the transformers package: "
+                                "pip install 'sparseffn[hf]'") from err
 
 
 class SparseMLP(nn.Module):
@@ -374,7 +376,7 @@ def sparsify(model: nn.Module, layer: LayerSpec, *,
     initialisation. Returns a :class:`SparsifyReport`. Raises ValueError when the model has no
     MLP of a known type.
     """
-    _require_transformers()
+    require_transformers()
     sites = find_mlps(model)
     if not sites:
         raise ValueError(f"sparsify: found no MLP of a known type in {type(model).__name__}; "
@@ -448,7 +450,7 @@ def moefy(model: nn.Module, num_experts: int, k: int, batches: Iterable[dict], *
     :func:`sparseffn.convert.fit_router`). Follow with :func:`sparseffn.convert.distill`
     to fine-tune against the dense model.
     """
-    _require_transformers()
+    require_transformers()
     sites = _chosen(find_mlps(model), which)
     if not sites:
         raise ValueError(f"moefy: found no MLP of a known type in {type(model).__name__}")
@@ -501,16 +503,20 @@ def _sparse_class(model_class: type) -> type:
 
 def from_pretrained(path: str, model_class: type | None = None, **kwargs: Any) -> nn.Module:
     """Load a model that :func:`sparsify` or :func:`moefy` changed and ``save_pretrained``
-    wrote: the model class (default: the first of ``config.architectures``) is built, the
+    wrote: the model class (default: the first of ``config.architectures``; an Auto class
+    such as ``AutoModelForCausalLM`` resolves to the concrete one) is built, the
     recorded sparse layers are put in place, then the weights load, through the class's own
     ``from_pretrained`` (``kwargs`` go to it). A model without a record loads as usual."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     config = transformers.AutoConfig.from_pretrained(path)
     if model_class is None:
         names = getattr(config, "architectures", None) or []
         model_class = getattr(transformers, names[0], None) if names else None
         if model_class is None:
             raise ValueError(f"{path}: config.json names no architecture; pass model_class")
+    mapping = getattr(model_class, "_model_mapping", None)    # an Auto class: its concrete one
+    if mapping is not None:
+        model_class = mapping[type(config)]
     if not getattr(config, CONFIG_KEY, None):
         return model_class.from_pretrained(path, **kwargs)
     model = _sparse_class(model_class).from_pretrained(path, config=config, **kwargs)

@@ -377,3 +377,40 @@ heads = 2
     assert main(["compare", config, "--out", str(out)]) == 0
     assert (out / "pkm" / "metrics.jsonl").stat().st_mtime_ns == before
     assert "already trained" in capsys.readouterr().err
+
+
+def test_export_safetensors_holds_the_weights_and_config(corpus, tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from sparseffn.train.export import load_safetensors
+    out = tmp_path / "run"
+    Trainer(lm_run(corpus, "sigma_moe", steps=2), out, progress=False).train()
+    assert main(["export", str(out / "checkpoint.pt"), "--safetensors"]) == 0
+    assert "model.safetensors" in capsys.readouterr().out
+    state = ckpt.load(out / "checkpoint.pt")
+    weights, config, step = load_safetensors(out / "model.safetensors")
+    assert step == 2 and config == json.loads(json.dumps(state["config"]))   # tuples as lists
+    assert run_config_from_dict(config) == run_config_from_dict(state["config"])
+    assert weights.keys() == state["model"].keys()
+    assert all(torch.equal(weights[k], v) for k, v in state["model"].items())
+
+
+def test_export_copes_with_tied_tensors_and_never_leaves_half_a_file(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from sparseffn.train.export import export_safetensors, load_safetensors
+    table = torch.randn(4, 3)
+    ckpt.save_atomic({"config": {"name": "t"}, "model": {"a": table, "b": table, "c": table[1]},
+                      "step": 5}, tmp_path / "c.pt")
+    path = export_safetensors(tmp_path / "c.pt", tmp_path / "w.safetensors")
+    weights, _, _ = load_safetensors(path)
+    assert torch.equal(weights["a"], table) and torch.equal(weights["b"], table)
+    assert torch.equal(weights["c"], table[1])
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    before = path.read_bytes()
+    assert main(["export", str(tmp_path / "bad.pt"), "--safetensors", "--out", str(path)]) == 2
+    assert "not a readable checkpoint" in capsys.readouterr().err
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["bad.pt", "c.pt", "w.safetensors"]
+    with pytest.raises(ckpt.CheckpointError, match="not exported by sparseffn"):
+        import safetensors.torch
+        safetensors.torch.save_file({"x": table}, str(tmp_path / "other.safetensors"))
+        load_safetensors(tmp_path / "other.safetensors")

@@ -67,6 +67,13 @@ def compare_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_command(args: argparse.Namespace) -> int:
+    from .export import export_safetensors
+    path = export_safetensors(args.checkpoint, args.out)
+    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
 def add_commands(commands) -> None:
     train = commands.add_parser("train", help="train one model from a TOML config")
     train.add_argument("config", help="a run config (.toml or .json), e.g. experiments/lm_pydoc.toml")
@@ -85,6 +92,14 @@ def add_commands(commands) -> None:
     evaluate.add_argument("--split", nargs="+", default=["val", "test"], choices=["train", "val", "test"])
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.set_defaults(func=eval_command)
+
+    export = commands.add_parser("export", help="write a checkpoint's weights in another format")
+    export.add_argument("checkpoint", help="a checkpoint.pt written by train")
+    export.add_argument("--safetensors", action="store_true", required=True,
+                        help="as a .safetensors file (the run config in its metadata)")
+    export.add_argument("--out", help="the file to write (default: model.safetensors beside "
+                        "the checkpoint)")
+    export.set_defaults(func=export_command)
 
     comp = commands.add_parser(
         "compare", help="train several variants at equal parameters and write a report")
