@@ -8,10 +8,12 @@ tensors and numbers), so ``torch.load(path, weights_only=True)`` opens it, and s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -39,21 +41,30 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_atomic(state: dict, path: str | Path) -> Path:
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path in ``path``'s folder to write to; renamed over ``path`` when the block
+    ends normally, deleted when it raises (or is interrupted), so ``path`` is never left half
+    written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
     try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
+        yield Path(temp)
         os.replace(temp, path)
     except BaseException:
         if os.path.exists(temp):
             os.unlink(temp)
         raise
-    return path
+
+
+def save_atomic(state: dict, path: str | Path) -> Path:
+    with atomic_path(path) as temp, open(temp, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    return Path(path)
 
 
 class CheckpointError(ValueError):

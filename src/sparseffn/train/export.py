@@ -9,8 +9,6 @@ states and the tokenizer stay in the checkpoint.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -50,16 +48,8 @@ def export_safetensors(checkpoint: str | Path, out: str | Path | None = None) ->
     target = Path(out) if out else Path(checkpoint).with_name("model.safetensors")
     metadata = {"format": "pt", "sparseffn_config": json.dumps(state["config"]),
                 "sparseffn_step": str(int(state["step"]))}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(handle)
-    try:
-        st.save_file(_unshared(state["model"]), temp, metadata=metadata)
-        os.replace(temp, target)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
+    with ckpt.atomic_path(target) as temp:
+        st.save_file(_unshared(state["model"]), str(temp), metadata=metadata)
     return target
 
 
