@@ -1,0 +1,59 @@
+"""DDP with PEER's sparse-gradient tables: left out of DDP and averaged by
+``all_reduce_sparse_grads``; every gradient equals the single-process gradient of the global
+batch (two gloo processes on this machine)."""
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+import sparseffn
+from sparseffn.distributed import all_reduce_sparse_grads, ddp_ignore_sparse_grad_parameters
+
+
+def _layer():
+    torch.manual_seed(0)
+    return sparseffn.PEER(d_model=8, num_experts=49, heads=2, k=3, key_dim=4, sparse_grad=True)
+
+
+def _batch(rank):
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def _replica(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    layer = _layer()
+    assert sorted(ddp_ignore_sparse_grad_parameters(layer)) == ["store.w_in", "store.w_out"]
+    model = DistributedDataParallel(layer)
+    model(_batch(rank)).pow(2).mean().backward()
+    all_reduce_sparse_grads(layer)
+    torch.save({n: (p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                for n, p in layer.named_parameters()}, f"{out_dir}/grads{rank}.pt")
+    dist.barrier()
+    os._exit(0)      # see test_distributed_usage: gloo's teardown may abort a finished replica
+
+
+def test_ddp_with_sparse_gradient_tables_matches_one_process():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_replica, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+        got = [torch.load(f"{tmp}/grads{r}.pt") for r in range(2)]
+    layer = _layer()
+    # DDP averages: the gradient of the mean of the replicas' losses
+    loss = sum(layer(_batch(r)).pow(2).mean() for r in range(2)) / 2
+    loss.backward()
+    for name, p in layer.named_parameters():
+        want = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        for g in got:
+            torch.testing.assert_close(g[name], want, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_all_reduce_sparse_grads_without_a_process_group_changes_nothing():
+    layer = _layer()
+    layer(torch.randn(3, 8)).sum().backward()
+    before = layer.store.w_in.grad.to_dense().clone()
+    all_reduce_sparse_grads(layer)
+    torch.testing.assert_close(layer.store.w_in.grad.to_dense(), before)
