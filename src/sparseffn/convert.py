@@ -85,13 +85,17 @@ class DenseWeights:
         return F.linear(self.hidden(x), self.w2, self.b2)
 
     @classmethod
+    def from_linears(cls, up: nn.Linear, down: nn.Linear, activation: str) -> "DenseWeights":
+        """The weights of ``down(act(up(x)))``, detached (no copy)."""
+        return cls(up.weight.detach(), _detached(up.bias), down.weight.detach(),
+                   _detached(down.bias), activation)
+
+    @classmethod
     def of(cls, module: nn.Module) -> "DenseWeights":
         """The weights of a :class:`~sparseffn.DenseMLP` (Hugging Face MLPs:
         :func:`sparseffn.hf.dense_weights`)."""
         if isinstance(module, DenseMLP):
-            return cls(module.up.weight.detach(), _detached(module.up.bias),
-                       module.down.weight.detach(), _detached(module.down.bias),
-                       module.config.activation)
+            return cls.from_linears(module.up, module.down, module.config.activation)
         raise TypeError(f"DenseWeights.of: no dense MLP weights known for "
                         f"{type(module).__name__}; pass DenseWeights(w1, b1, w2, b2, activation)")
 

@@ -82,7 +82,8 @@ class MLPFamily:
       MLP that is not a two-layer one (a gated MLP cannot be converted);
     mlp(site) -> the module whose input is the MLP's input (hooked to collect samples);
     replaced(site) -> whether a site of one of ``classes`` already holds a sparse layer (for
-      families whose site is the whole block, like BERT's).
+      families whose site is the whole block, like BERT's);
+    matrices: the MLP's ``[d_model, d_ff]`` weight matrices (3 for a gated MLP).
     """
 
     name: str
@@ -93,6 +94,7 @@ class MLPFamily:
     dense_weights: Callable[[nn.Module, Any], DenseWeights | None]
     mlp: Callable[[nn.Module], nn.Module] = lambda site: site
     replaced: Callable[[nn.Module], bool] = lambda site: False
+    matrices: int = 2
 
 
 def _params(*modules: nn.Module) -> int:
@@ -128,10 +130,8 @@ def _bert_replace(parent, name, site, ffn) -> None:
 
 
 def _bert_weights(site, config) -> DenseWeights:
-    up, down = site.intermediate.dense, site.output.dense
-    return DenseWeights(up.weight.detach(), None if up.bias is None else up.bias.detach(),
-                        down.weight.detach(), None if down.bias is None else down.bias.detach(),
-                        _activation(config, "hidden_act"))
+    return DenseWeights.from_linears(site.intermediate.dense, site.output.dense,
+                                     _activation(config, "hidden_act"))
 
 
 def _models(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
@@ -149,7 +149,7 @@ FAMILIES: list[MLPFamily] = [
                          ("olmo", "OlmoMLP"), ("olmo2", "Olmo2MLP")),
         dims=lambda s: (s.up_proj.in_features, s.up_proj.out_features),
         dense_params=_params, replace=_swapper("llama"),
-        dense_weights=lambda site, config: None),
+        dense_weights=lambda site, config: None, matrices=3),
     MLPFamily(
         "bert", _models(("bert", "BertLayer"), ("roberta", "RobertaLayer"),
                         ("xlm_roberta", "XLMRobertaLayer"), ("electra", "ElectraLayer"),
@@ -179,12 +179,14 @@ def _classes(family: MLPFamily) -> tuple[type, ...]:
     return tuple(found)
 
 
-def _family_of(module: nn.Module) -> MLPFamily | None:
-    for family in FAMILIES:
-        classes = _classes(family)
-        if classes and isinstance(module, classes):
-            return family
-    return None
+def _known_classes() -> list[tuple[MLPFamily, tuple[type, ...]]]:
+    """Each registered family with the classes this ``transformers`` has of it."""
+    return [(family, classes) for family in FAMILIES if (classes := _classes(family))]
+
+
+def _family_of(module: nn.Module, known: list[tuple[MLPFamily, tuple[type, ...]]]
+               ) -> MLPFamily | None:
+    return next((family for family, classes in known if isinstance(module, classes)), None)
 
 
 @dataclass(frozen=True)
@@ -209,10 +211,11 @@ def find_mlps(model: nn.Module, *, replaced: bool = True) -> list[Site]:
     numbers stay those of the whole model)."""
     sites: list[Site] = []
     taken: list[str] = []
+    known = _known_classes()
     for path, module in model.named_modules():
         if any(path.startswith(prefix + ".") for prefix in taken):
             continue
-        family = _family_of(module)
+        family = _family_of(module, known)
         done = family is not None and family.replaced(module)
         if family is None and isinstance(module, SparseMLP):
             family, done = _family_named(module.family), True
@@ -293,11 +296,9 @@ class SparsifyReport:
 
 
 def _dense_flops(site: Site) -> int:
-    weights = sum(p.numel() for p in (site.family.mlp(site.module).parameters()) if p.dim() >= 2)
-    if site.family.name == "bert":
-        weights = site.module.intermediate.dense.weight.numel() + \
-            site.module.output.dense.weight.numel()
-    return 2 * weights
+    """Forward FLOPs per token of the dense MLP: a multiply-add per weight of its matrices."""
+    d_model, d_ff = site.family.dims(site.module)
+    return 2 * site.family.matrices * d_model * d_ff
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,9 +464,9 @@ def moefy(model: nn.Module, num_experts: int, k: int, batches: Iterable[dict], *
             raise ValueError(f"moefy: the batches never reached {site.path}")
         dense = weights[site.path]
         device = dense.w1.device
-        layer = moefy_mlp(dense, num_experts, k, method=method, samples=x.to(device), seed=seed)
-        report.fits[site.path] = fit_router(layer, x.to(device=device, dtype=dense.w1.dtype),
-                                            steps=router_steps, seed=seed)
+        x = x.to(device=device, dtype=dense.w1.dtype)
+        layer = moefy_mlp(dense, num_experts, k, method=method, samples=x, seed=seed)
+        report.fits[site.path] = fit_router(layer, x, steps=router_steps, seed=seed)
         report.replacements.append(_replacement(site, layer.config, layer))
         _install(model, site, layer)
         _record(model, site, layer.config)
