@@ -62,3 +62,16 @@ def test_topk_costs():
     assert report.param_difference == 0
     assert report.sparse.active_params == 10 * 40 + 4 * 10
     assert report.dense_config.d_ff == 40
+
+
+@pytest.mark.parametrize("cfg", [
+    SigmaMoEConfig(d_model=64, num_experts=8, expert_size=32, k=2),
+    SigmaMoEConfig(d_model=48, num_experts=5, expert_size=7, k=3),
+])
+def test_compute_equal_dense_reads_as_many_parameters_per_token(cfg):
+    from sparseffn.matching import compute_equal_dense
+    dense = compute_equal_dense(cfg)
+    # k experts of expert_size units plus the selection network's d_model·E weights
+    assert dense.d_ff == cfg.k * cfg.expert_size + (cfg.num_experts + 1) // 2
+    assert abs(dense.cost().total_params - cfg.cost().active_params) <= cfg.d_model
+    assert dense.cost().total_params < param_equal_dense(cfg).cost().total_params

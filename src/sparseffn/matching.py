@@ -29,6 +29,19 @@ def param_equal_dense(config: LayerConfig, **dense_kwargs) -> DenseMLPConfig:
                           init_depth=getattr(config, "init_depth", 1), **dense_kwargs)
 
 
+def compute_equal_dense(config: LayerConfig, **dense_kwargs) -> DenseMLPConfig:
+    """The dense MLP whose parameters equal ``config``'s *active* parameters per token (to
+    within ``d_model``): what the same per-token compute buys without experts, the baseline of
+    Fedus et al. 2022 (Switch Transformer, "FLOP-matched") and of the MoE papers before
+    Csordás et al. 2023. For a MoE that is ``d_ff ≈ k · expert_size`` plus the selection
+    network's share; a layer that reads all its parameters (a soft FFF) gets its
+    parameter-equal dense MLP."""
+    active = config.cost().active_params
+    d_model = config.d_model  # type: ignore[attr-defined]
+    d_ff = max(1, (active + d_model) // (2 * d_model))
+    return dataclasses.replace(param_equal_dense(config, **dense_kwargs), d_ff=d_ff)
+
+
 def active_equal_dense(config: SigmaMoEConfig, **dense_kwargs) -> DenseMLPConfig:
     """The dense MLP of width ``k · expert_size``: the same expert FLOPs per token."""
     return DenseMLPConfig(d_model=config.d_model, d_ff=config.k * config.expert_size,

@@ -414,3 +414,46 @@ def test_export_copes_with_tied_tensors_and_never_leaves_half_a_file(tmp_path, c
         import safetensors.torch
         safetensors.torch.save_file({"x": table}, str(tmp_path / "other.safetensors"))
         load_safetensors(tmp_path / "other.safetensors")
+
+
+def test_compare_variants_take_train_fields_compute_matches_and_lr_sweeps():
+    from sparseffn.train.compare import variant_runs
+    data = {"name": "c", "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "context": 16,
+                                   "d_ff": 256},
+            "train": {"steps": 4, "lr": 1e-3},
+            "compare": {"variants": [
+                "dense",
+                {"name": "moe", "ffn": "sigma_moe", "ffn_options": {"num_experts": 8, "k": 2},
+                 "train": {"lr": 4e-3, "warmup_steps": 2}},
+                {"name": "dense-params", "match": "moe"},
+                {"name": "dense-compute", "match": "moe", "by": "compute",
+                 "train": {"lr": 2e-3}}]}}
+    runs = {r.name: r for r in variant_runs(data)}
+    assert list(runs) == ["dense", "moe", "dense-params", "dense-compute"]
+    assert runs["moe"].train.lr == 4e-3 and runs["moe"].train.warmup_steps == 2
+    assert runs["dense"].train.lr == 1e-3 and runs["dense-params"].train.lr == 1e-3
+    assert runs["dense-compute"].train.lr == 2e-3
+    ffn = lambda name: runs[name].model.ffn                                    # noqa: E731
+    moe = lm_config_of(runs["moe"]).ffn
+    assert ffn("dense-params")["d_ff"] == moe.num_experts * moe.expert_size + moe.num_experts // 2
+    assert ffn("dense-compute")["d_ff"] == moe.k * moe.expert_size + moe.num_experts // 2
+    # a sweep: every variant at every rate; matched ones follow their target's rate
+    sweep = {**data, "compare": {**data["compare"], "lrs": [1e-3, 3e-3]}}
+    runs = {r.name: r for r in variant_runs(sweep)}
+    assert sorted(runs) == sorted(f"{v}@{lr}" for v in ["dense", "moe", "dense-params",
+                                                        "dense-compute"] for lr in ("0.001", "0.003"))
+    assert runs["moe@0.003"].train.lr == 3e-3 and runs["dense-compute@0.001"].train.lr == 1e-3
+    assert runs["moe@0.003"].train.warmup_steps == 2
+    for bad, message in [({"lrs": [0]}, "positive learning rates"),
+                         ({"lrs": [1e-3, 0.001]}, "a rate twice"),
+                         ({"variants": [{"name": "x", "by": "compute"}]}, "by applies to a matched"),
+                         ({"variants": [{"name": "x", "match": "y"}]}, "which is no trained"),
+                         ({"variants": [{"name": "x", "ffn": "dense", "train": {"lrr": 1}}]}, "no field"),
+                         ({"variants": ["dense", "dense"]}, "appear twice")]:
+        with pytest.raises(ConfigError, match=message):
+            variant_runs({**data, "compare": {**data["compare"], **bad}})
+
+
+def lm_config_of(run):
+    from sparseffn.train.config import lm_config
+    return lm_config(run, 256)

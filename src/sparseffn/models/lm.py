@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DenseMLPConfig, LayerConfig, config_from_dict
-from ..matching import param_equal_dense
+from ..matching import compute_equal_dense, param_equal_dense
 from ..validation import (require_bool, require_positive_int, require_probability)
 
 
@@ -135,11 +135,16 @@ class LMConfig:
             "ffn_params": sum(c.total_params for c in ffns),
         }
 
-    def dense_baseline(self) -> "LMConfig":
-        """The same model with every FFN replaced by its parameter-equal dense MLP (the
-        evaluation rule of Csordás et al. 2023): total parameters equal to within d_model per block."""
+    def dense_baseline(self, by: str = "params") -> "LMConfig":
+        """The same model with every FFN replaced by a dense MLP: with ``by="params"`` the
+        parameter-equal one (the evaluation rule of Csordás et al. 2023: total parameters equal
+        to within d_model per block), with ``by="compute"`` the one with the sparse layer's
+        active parameters per token (Fedus et al. 2022's FLOP-matched baseline)."""
+        if by not in ("params", "compute"):
+            raise ValueError(f"dense_baseline: by must be 'params' or 'compute', got {by!r}")
+        matched = param_equal_dense if by == "params" else compute_equal_dense
         def dense(layer: LayerConfig) -> DenseMLPConfig:
-            return layer if isinstance(layer, DenseMLPConfig) else param_equal_dense(layer)
+            return layer if isinstance(layer, DenseMLPConfig) else matched(layer)
         return self.replace(ffn=dense(self.ffn),
                             dense_ffn=None if self.dense_ffn is None else dense(self.dense_ffn))
 

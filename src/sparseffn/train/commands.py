@@ -18,7 +18,7 @@ def train_command(args: argparse.Namespace) -> int:
     from .trainer import Trainer
     _, run = _run_config(args)
     if args.dense_baseline:
-        run = dense_baseline(run)
+        run = dense_baseline(run, args.dense_baseline)
     out = Path(args.out or Path("runs") / run.name)
     summary = Trainer(run, out, progress=not args.no_progress).train(resume=args.resume)
     val = summary["val"]
@@ -82,8 +82,9 @@ def add_commands(commands) -> None:
                        help="continue from the checkpoint in the run folder")
     train.add_argument("--set", action="append", metavar="KEY=VALUE",
                        help="override a config field, e.g. --set train.steps=100 (repeatable)")
-    train.add_argument("--dense-baseline", action="store_true",
-                       help="train the dense model with the same parameters as the config's")
+    train.add_argument("--dense-baseline", nargs="?", const="params", choices=("params", "compute"),
+                       help="train the dense model with the config's parameters (params, the "
+                       "default) or its active parameters per token (compute)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=train_command)
 

@@ -1,4 +1,4 @@
-"""``sparseffn compare``: train several variants of one run at equal parameters and report.
+"""``sparseffn compare``: train several variants of one run and report.
 
 The config is a run config (see :mod:`sparseffn.train.config`) with a ``[compare]`` table:
 
@@ -6,14 +6,23 @@ The config is a run config (see :mod:`sparseffn.train.config`) with a ``[compare
 [compare]
 # FFN presets, sized to model.d_ff
 variants = ["dense", "sigma_moe", "switch", "fff", "pkm", "peer"]
+lrs = [2.5e-3, 5e-3, 1e-2]        # optional: every variant once per learning rate (a sweep)
 [compare.options.sigma_moe]       # preset fields per variant
 k = 4
 ```
 
-A variant may also be a table: ``{name = "moe-top4", ffn = "sigma_moe", ffn_options = {k = 4}}``,
-``{name = "mine", ffn = {type = "moe", num_experts = 16, expert_size = 32, k = 4}}``, or
-``{name = "dense-matched", match = "sigma_moe"}``: the dense model with the same total
-parameters as that variant (Csordás et al.'s evaluation rule).
+A variant may also be a table:
+- ``{name = "moe-top4", ffn = "sigma_moe", ffn_options = {k = 4}}``, or
+  ``{name = "mine", ffn = {type = "moe", num_experts = 16, expert_size = 32, k = 4}}``;
+- ``{name = "dense-params", match = "sigma_moe"}``: the dense model with the same total
+  parameters as that variant (Csordás et al. 2023's evaluation rule), and
+  ``{name = "dense-compute", match = "sigma_moe", by = "compute"}``: the dense model with that
+  variant's active parameters per token (Fedus et al. 2022's FLOP-matched baseline);
+- any of them with ``train = {lr = 2e-3}``: fields of ``[train]`` for this variant only
+  (e.g. the learning rate a sweep found best for its family).
+
+With ``lrs``, variant ``v`` becomes ``v@lr`` for each rate (a matched variant follows its
+target at the same rate), and the report adds the best rate of each variant.
 
 Each variant trains in its own process (so its peak memory is its own) in ``OUT/<variant>``.
 A variant that already finished with the same config is not trained again, and one that was
@@ -31,43 +40,91 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig, _check, dense_baseline, run_config_from_dict
+from .config import RunConfig, _check, _section, dense_baseline, run_config_from_dict
 from .report import write_report
 from .trainer import CHECKPOINT, METRICS, SUMMARY
 
 
+_VARIANT_KEYS = ("name", "ffn", "ffn_options", "match", "by", "train")
+
+
+def _lr_label(lr: float) -> str:
+    return f"{lr:g}"
+
+
+def _with_train(run: RunConfig, name: str, train: Any) -> RunConfig:
+    """``run`` with the variant's ``train`` table applied over the shared ``[train]``."""
+    if not train:
+        return run
+    _check(isinstance(train, dict), f"compare variant {name!r}: train must be a table of "
+                                    f"[train] fields")
+    fields = {**dataclasses.asdict(run.train), **train}
+    return run.replace(train=_section(type(run.train), fields, f"compare variant {name!r} train"))
+
+
 def variant_runs(data: dict[str, Any]) -> list[RunConfig]:
-    """The run of each variant in the ``[compare]`` table of a parsed config."""
+    """The run of each variant in the ``[compare]`` table of a parsed config (with ``lrs``,
+    one per variant and learning rate)."""
     base = run_config_from_dict(data, allow=("compare",))
     compare = data.get("compare")
     _check(isinstance(compare, dict) and compare.get("variants"),
            "compare needs a [compare] table with variants = [...]")
-    unknown = sorted(set(compare) - {"variants", "options"})
-    _check(not unknown, f"[compare] has no field(s) {unknown}; fields are ['options', 'variants']")
+    unknown = sorted(set(compare) - {"variants", "options", "lrs"})
+    _check(not unknown, f"[compare] has no field(s) {unknown}; fields are "
+                        f"['lrs', 'options', 'variants']")
     options = compare.get("options", {})
-    runs: dict[str, RunConfig] = {}
-    pending_matches: list[tuple[str, str]] = []
+    lrs = compare.get("lrs")
+    _check(lrs is None or (isinstance(lrs, list) and lrs and all(
+        isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0 for lr in lrs)),
+        f"[compare] lrs must be a list of positive learning rates, got {lrs!r}")
+    _check(lrs is None or len(set(map(_lr_label, lrs))) == len(lrs),
+           f"[compare] lrs has a rate twice: {lrs!r}")
+    entries = []
     for entry in compare["variants"]:
         if isinstance(entry, str):
             entry = {"name": entry, "ffn": entry}
         _check(isinstance(entry, dict) and isinstance(entry.get("name"), str),
                f"each compare variant is a preset name or a table with a name, got {entry!r}")
-        name = entry["name"]
-        _check(name not in runs and name not in dict(pending_matches),
-               f"compare variant {name!r} appears twice")
-        extra = sorted(set(entry) - {"name", "ffn", "ffn_options", "match"})
-        _check(not extra, f"compare variant {name!r}: unknown key(s) {extra}")
-        if "match" in entry:
-            pending_matches.append((name, entry["match"]))
-            continue
-        ffn = entry.get("ffn", name)
-        ffn_options = entry.get("ffn_options", options.get(name, {}) if isinstance(ffn, str) else {})
-        model = dataclasses.replace(base.model, ffn=ffn, ffn_options=ffn_options)
-        runs[name] = base.replace(name=name, model=model)
-    for name, target in pending_matches:
-        _check(target in runs, f"compare variant {name!r} matches {target!r}, which is no variant")
-        runs[name] = dense_baseline(runs[target]).replace(name=name)
-    return list(runs.values())
+        extra = sorted(set(entry) - set(_VARIANT_KEYS))
+        _check(not extra, f"compare variant {entry['name']!r}: unknown key(s) {extra}; keys are "
+                          f"{list(_VARIANT_KEYS)}")
+        _check("by" not in entry or "match" in entry,
+               f"compare variant {entry['name']!r}: by applies to a matched variant (match = ...)")
+        entries.append(entry)
+    names = [e["name"] for e in entries]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    _check(not twice, f"compare variant(s) {twice} appear twice")
+    trained = {e["name"] for e in entries if "match" not in e}
+    runs: dict[str, RunConfig] = {}
+    for lr in lrs or [None]:
+        suffix = "" if lr is None else f"@{_lr_label(lr)}"
+        pending: list[tuple[dict, str]] = []
+        for entry in entries:
+            name = entry["name"] + suffix
+            if "match" in entry:
+                pending.append((entry, name))
+                continue
+            ffn = entry.get("ffn", entry["name"])
+            ffn_options = entry.get("ffn_options",
+                                    options.get(entry["name"], {}) if isinstance(ffn, str) else {})
+            model = dataclasses.replace(base.model, ffn=ffn, ffn_options=ffn_options)
+            run = _with_train(base.replace(name=name, model=model), name, entry.get("train"))
+            if lr is not None:
+                run = run.replace(train=dataclasses.replace(run.train, lr=float(lr)))
+            runs[name] = run
+        for entry, name in pending:
+            target = entry["match"] + suffix
+            _check(entry["match"] in trained and target in runs, f"compare variant {entry['name']!r} matches {entry['match']!r}, which is no "
+                f"trained variant")
+            matched = dense_baseline(runs[target], entry.get("by", "params"))
+            run = _with_train(matched.replace(name=name, train=base.train), name,
+                              entry.get("train"))
+            if lr is not None:
+                run = run.replace(train=dataclasses.replace(run.train, lr=float(lr)))
+            runs[name] = run
+    order = [entry["name"] + ("" if lr is None else f"@{_lr_label(lr)}")
+             for lr in lrs or [None] for entry in entries]
+    return [runs[name] for name in order]
 
 
 def _saved_run(folder: Path) -> RunConfig | None:

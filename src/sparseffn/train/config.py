@@ -343,12 +343,17 @@ def total_steps(run: RunConfig, steps_per_epoch: int | None) -> int:
     return max(1, math.ceil(run.train.epochs * steps_per_epoch))  # type: ignore[operator]
 
 
-def dense_baseline(run: RunConfig) -> RunConfig:
-    """The run with every FFN replaced by its parameter-equal dense MLP (Csordás et al.'s rule: the
-    dense baseline has the sparse model's total parameters, to within d_model per block)."""
+def dense_baseline(run: RunConfig, by: str = "params") -> RunConfig:
+    """The run with every FFN replaced by a dense MLP: by ``"params"`` the parameter-equal one
+    (Csordás et al.'s rule: the sparse model's total parameters, to within d_model per block),
+    by ``"compute"`` the one with the sparse FFN's active parameters per token (Fedus et al.
+    2022's FLOP-matched baseline)."""
     _check(run.model.kind == "lm", "the dense baseline is defined for language models")
-    lm = lm_config(run, 256).dense_baseline()   # FFN sizes do not depend on the vocabulary
+    _check(by in ("params", "compute"), f"a dense baseline is matched by 'params' or "
+                                        f"'compute', got {by!r}")
+    lm = lm_config(run, 256).dense_baseline(by)   # FFN sizes do not depend on the vocabulary
     model = dataclasses.replace(
         run.model, ffn=lm.ffn.to_dict(), ffn_options={}, sparse_every=lm.sparse_every,
         dense_ffn=None if lm.dense_ffn is None else lm.dense_ffn.to_dict())
-    return run.replace(name=f"{run.name}-dense-baseline", model=model)
+    suffix = "dense-baseline" if by == "params" else "dense-compute"
+    return run.replace(name=f"{run.name}-{suffix}", model=model)
