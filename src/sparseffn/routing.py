@@ -97,11 +97,13 @@ class _Transient:
     a deep copy or an unpickled layer starts empty (so ``copy.deepcopy`` and
     ``torch.optim.swa_utils.AveragedModel`` work after a training forward)."""
 
-    __slots__ = ("aux_losses", "routing_stats")
+    __slots__ = ("aux_losses", "routing_stats", "observer")
 
     def __init__(self) -> None:
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.routing_stats: dict[str, torch.Tensor] = {}
+        # called with each forward's Routing while a sparseffn.analysis.RoutingRecorder is on
+        self.observer = None
 
     def __deepcopy__(self, memo) -> "_Transient":
         return _Transient()
@@ -191,6 +193,8 @@ class SparseFFN(nn.Module):
         counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
                                     routing.dispatched)
         self._record_usage(counts, mass, routing.stats)
+        if self._transient.observer is not None:
+            self._transient.observer(routing)
         return y
 
     def _attach_aux_gradient(self, routing: Routing, y: torch.Tensor | None):

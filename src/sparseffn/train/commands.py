@@ -74,6 +74,11 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def analyze_command(args: argparse.Namespace) -> int:
+    from .analyze import analyze_command as run
+    return run(args)
+
+
 def add_commands(commands) -> None:
     train = commands.add_parser("train", help="train one model from a TOML config")
     train.add_argument("config", help="a run config (.toml or .json), e.g. experiments/lm_pydoc.toml")
@@ -101,6 +106,16 @@ def add_commands(commands) -> None:
     export.add_argument("--out", help="the file to write (default: model.safetensors beside "
                         "the checkpoint)")
     export.set_defaults(func=export_command)
+
+    analyze = commands.add_parser(
+        "analyze", help="expert usage, co-occurrence, tokens per expert, tree decisions and "
+                        "active dense units of a checkpoint")
+    analyze.add_argument("checkpoint", help="a checkpoint.pt written by train or compare")
+    analyze.add_argument("--out", help="report folder (default: analysis/ beside the checkpoint)")
+    analyze.add_argument("--split", default="val", choices=["train", "val", "test"])
+    analyze.add_argument("--windows", type=int, default=256,
+                         help="context windows to run (classifiers: batches of 64 examples)")
+    analyze.set_defaults(func=analyze_command)
 
     comp = commands.add_parser(
         "compare", help="train several variants at equal parameters and write a report")

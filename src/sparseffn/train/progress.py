@@ -27,8 +27,9 @@ class ProgressBar:
         self.start_step, self.start_time = start, time.perf_counter()
         self.items = 0
 
-    def update(self, step: int, items: int, **values: float) -> None:
-        """``step`` steps are done; ``items`` tokens/examples were processed since the last call."""
+    def update(self, step: int, items: int, note: str | None = None, **values: float) -> None:
+        """``step`` steps are done; ``items`` tokens/examples were processed since the last call;
+        ``note``: a warning shown at the end of the line (e.g. the collapse monitor's)."""
         self.step = step
         self.items += items
         if not self.live and step % self.every and step != self.total:
@@ -41,7 +42,7 @@ class ProgressBar:
         bar = "#" * filled + "." * (self.width - filled)
         shown = " ".join(f"{k} {v:.4g}" for k, v in values.items())
         line = (f"{self.label} [{bar}] {step}/{self.total} {shown} | {rate:,.0f} {self.unit}/s | "
-                f"{_duration(elapsed)} < {_duration(eta)}")
+                f"{_duration(elapsed)} < {_duration(eta)}" + (f" | {note}" if note else ""))
         self.stream.write(("\r" + line + "\033[K") if self.live else line + "\n")
         self.stream.flush()
 

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..auxiliary import aux_loss, dense_grad_parameters, sparse_grad_parameters
+from ..analysis.summary import collapse_warning, usage_health
+from ..auxiliary import aux_loss, dense_grad_parameters, reset_usage, sparse_grad_parameters
 from ..optim import param_groups
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
@@ -301,6 +302,8 @@ class Trainer:
             if self.progress else None
         self.model.train()
         window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
+        collapse_note = None
+        reset_usage(self.model)   # the collapse monitor's window starts here
         try:
             while self.step < self.steps:
                 step = self.step
@@ -335,16 +338,19 @@ class Trainer:
                 window_aux += float(aux.detach())
                 window_n += 1
                 window_time += elapsed
-                if bar:
-                    bar.update(self.step, per_step, loss=loss_value, lr=lr)
                 if self.step % t.log_every == 0 or self.step == self.steps:
-                    self._log({"kind": "train", "step": self.step, "loss": window_loss / window_n,
-                               "aux_loss": window_aux / window_n, "lr": lr,
-                               "items_per_s": per_step * window_n / max(window_time, 1e-9),
-                               "train_time": self.train_time})
+                    record = {"kind": "train", "step": self.step, "loss": window_loss / window_n,
+                              "aux_loss": window_aux / window_n, "lr": lr,
+                              "items_per_s": per_step * window_n / max(window_time, 1e-9),
+                              "train_time": self.train_time}
+                    collapse_note = self._collapse_monitor(record, collapse_note)
+                    self._log(record)
                     window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
+                if bar:
+                    bar.update(self.step, per_step, loss=loss_value, lr=lr, note=collapse_note)
                 if self.step % t.eval_every == 0 or self.step == self.steps:
                     result = self._evaluate()
+                    reset_usage(self.model)   # evaluation's routing is not training's
                     self._log({"kind": "eval", "split": "val", "step": self.step,
                                "train_time": self.train_time, **result.as_dict()})
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0:
@@ -368,6 +374,27 @@ class Trainer:
         summary = self.summary(per_step)
         (self.out / SUMMARY).write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _collapse_monitor(self, record: dict, previous_note: str | None) -> str | None:
+        """Add the usage of the steps since the last log to ``record`` (per sparse layer: the
+        normalised usage entropy and the fraction of starved experts, as
+        :mod:`sparseffn.analysis` defines them), start a new window, and return the warning
+        for the progress bar (printed once when it first appears)."""
+        health = usage_health(self.model)
+        reset_usage(self.model)
+        if not health:
+            return None
+        record["usage_entropy"] = {name: round(e, 4) for name, (e, _) in health.items()}
+        record["starved_fraction"] = {name: round(s, 4) for name, (_, s) in health.items()}
+        warned = [name for name in health if collapse_warning(*health[name])]
+        worst = min(warned or health, key=lambda name: health[name][0])
+        warning = collapse_warning(*health[worst])
+        note = None if warning is None else f"collapse? {worst}: {warning}"
+        if note and previous_note is None:
+            print(f"\n{self.label} step {self.step}: expert usage looks collapsed in {worst} "
+                  f"({warning}); see usage_entropy / starved_fraction in {METRICS}",
+                  file=sys.stderr)
+        return note
 
     def summary(self, per_step: int) -> dict:
         final = evaluate(self.model, self.data, self.run, "val")   # the whole split
