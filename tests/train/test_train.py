@@ -365,7 +365,17 @@ heads = 2
     printed = capsys.readouterr().out
     assert "unigram entropy" in printed and "dense-matched" in printed
     report = (out / "report.md").read_text()
-    assert report.count("\n| ") == 4      # header and three variants
+    results_table = report.split("\n\n")[2]
+    assert results_table.count("\n| ") == 3      # header + separator line, three variants
+    assert results_table.startswith("| variant |")
+    # in words: PKM against its parameter-equal dense model
+    assert "- `pkm` (" in report and "the same parameters (`dense" in report
+    # the expert analyses: one row per variant, each variant's own report, the usage figure
+    experts = report[report.index("## Experts"):]
+    assert all(f"[{v}]({v}/analysis/analysis.md)" in experts for v in ("dense", "pkm",
+                                                                        "dense-matched"))
+    assert "usage entropy" in (out / "pkm" / "analysis" / "analysis.md").read_text()
+    assert (out / "usage.png").stat().st_size > 1000
     assert (out / "val_loss_vs_step.png").stat().st_size > 1000
     assert (out / "val_loss_vs_time.png").stat().st_size > 1000
     results = json.loads((out / "results.json").read_text())["variants"]

@@ -184,4 +184,53 @@ def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
         metrics = [json.loads(line) for line in (out / run.name / METRICS).read_text().splitlines()
                    if line.strip()]
         results.append({"summary": summary, "evals": [m for m in metrics if m["kind"] == "eval"]})
-    return write_report(results, out, title=data.get("name", "compare"))
+    sections = analysis_sections([run.name for run in runs], out)
+    return write_report(results, out, title=data.get("name", "compare"), extra_sections=sections)
+
+
+def analysis_sections(names: list[str], out: Path, windows: int = 64) -> list[str]:
+    """Analyse every variant's final checkpoint (``OUT/<variant>/analysis/``) and return the
+    report's section on them: collapse numbers per variant, the sorted expert usage of every
+    variant in one figure (a panel per layer) and the dense MLPs' active units."""
+    from ..analysis import plots
+    from ..bench.plotting import MissingDependency
+    from ..analysis.report import write_analysis
+    from .analyze import analyze_checkpoint
+    layers_of = {}
+    for name in names:
+        result, label = analyze_checkpoint(out / name / CHECKPOINT, "val", windows)
+        write_analysis(result, out / name / "analysis", label)
+        layers_of[name] = result["layers"]
+    lines = ["## Experts", "",
+             f"Each variant's final model on {windows} validation windows "
+             f"(`sparseffn analyze`; details in `<variant>/analysis/analysis.md`).", "",
+             "| variant | layers | usage entropy (min over layers) | starved experts (max) | "
+             "dense: active hidden units | warning |", "|---|---|---|---|---|---|"]
+    for name, layers in layers_of.items():
+        routed = [s for s in layers.values() if s["kind"] == "routed"]
+        dense = [s for s in layers.values() if s["kind"] == "dense"]
+        entropy = f"{min(s['usage_entropy'] for s in routed):.3f}" if routed else ""
+        starved = f"{max(s['starved_fraction'] for s in routed):.1%}" if routed else ""
+        active = (f"{sum(s['active_fraction'] for s in dense) / len(dense):.1%} of d_ff"
+                  if dense else "")
+        warning = "; ".join(sorted({s["warning"] for s in routed if s["warning"]}))
+        lines.append(f"| [{name}]({name}/analysis/analysis.md) | {len(layers)} | {entropy} | "
+                     f"{starved} | {active} | {warning} |")
+    lines += ["", "usage entropy: 1 when every expert gets the same share of selection weight, "
+              "0 when one takes all (Csordás et al. 2023 Fig. 3); starved: below 1% of the fair "
+              "share; active hidden units: the non-zero units of a dense MLP per token "
+              "(their Fig. 1).", ""]
+    panels: dict[str, dict[str, list]] = {}
+    for name, layers in layers_of.items():
+        for layer, s in layers.items():
+            if s["kind"] == "routed":
+                panels.setdefault(layer, {})[name] = s["usage_curve"]
+    try:
+        figures = [plots.usage_plot(panels, out / "usage.png", "sorted expert usage"),
+                   plots.active_channels_plot(
+                       {name: {n: s for n, s in layers.items() if s["kind"] == "dense"}
+                        for name, layers in layers_of.items()}, out / "active_channels.png")]
+    except MissingDependency as error:
+        figures = [f"(no figures: {error})"]
+    lines += [f"![{f}]({f})" if f.endswith(".png") else f for f in figures if f]
+    return lines + [""]

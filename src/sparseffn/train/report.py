@@ -74,7 +74,82 @@ def _plots(results: list[dict], out: Path) -> list[str]:
     return written
 
 
-def write_report(results: list[dict], out: Path, title: str) -> dict:
+def _ffn_type(summary: dict) -> str:
+    model = summary["model"]
+    return (model.get("ffn") or model.get("layer") or {}).get("type", "?")
+
+
+def _metric(summary: dict) -> tuple[float, str, int]:
+    """The headline metric, its unit and the sign that makes "better" positive."""
+    val = summary["val"]
+    return (val["bpc"], "bpc", -1) if "bpc" in val else (val["accuracy"], "accuracy", 1)
+
+
+def _closest(candidates: list[dict], key: str, target: float, tolerance: float = 0.02):
+    """The candidate whose ``key`` is nearest to ``target``, if within ``tolerance`` of it."""
+    best = min(candidates, key=lambda c: abs(c[key] - target), default=None)
+    if best is None or abs(best[key] - target) > tolerance * target:
+        return None
+    return best
+
+
+def findings(summaries: list[dict]) -> list[str]:
+    """What the table says, in words: each sparse variant against the dense variant with the
+    same total parameters and the one with the same active parameters per token (when the
+    comparison has them), with its throughput relative to the equal-parameter dense model."""
+    dense = [s for s in summaries if _ffn_type(s) == "dense"]
+    lines = []
+    for s in summaries:
+        if _ffn_type(s) == "dense":
+            continue
+        value, unit, sign = _metric(s)
+        parts = []
+        for key, what in (("total_params", "the same parameters"),
+                          ("active_params", "the same active parameters per token")):
+            match = _closest(dense, key, s[key])
+            if match is None:
+                continue
+            other = _metric(match)[0]
+            verdict = "better" if sign * (value - other) > 0 else "worse" if value != other \
+                else "equal"
+            parts.append(f"{verdict} than the dense model with {what} (`{match['name']}`, "
+                         f"{other:.3f}; {value - other:+.3f})")
+        equal_params = _closest(dense, "total_params", s["total_params"])
+        speed = "" if equal_params is None else (
+            f"; it trained at {s['items_per_s'] / equal_params['items_per_s']:.2f}× that "
+            f"model's throughput")
+        if parts:
+            lines.append(f"- `{s['name']}` ({value:.3f} {unit}): " + ", and ".join(parts)
+                         + speed + ".")
+    return lines
+
+
+def lr_sweep_lines(summaries: list[dict]) -> list[str]:
+    """For variants named ``name@lr`` (a sweep): each name's metric at every rate and the
+    best rate."""
+    groups: dict[str, dict[str, dict]] = {}
+    for s in summaries:
+        name, sep, lr = s["name"].rpartition("@")
+        if sep:
+            groups.setdefault(name, {})[lr] = s
+    if not groups:
+        return []
+    rates = sorted({lr for g in groups.values() for lr in g}, key=float)
+    unit = _metric(summaries[0])[1]
+    lines = ["## Best learning rate per variant", "",
+             "| variant | " + " | ".join(f"lr {r}" for r in rates) + " | best |",
+             "|---|" + "---|" * (len(rates) + 1)]
+    for name, runs in groups.items():
+        sign = _metric(next(iter(runs.values())))[2]
+        best = max(runs, key=lambda r: sign * _metric(runs[r])[0])
+        cells = [f"**{_metric(runs[r])[0]:.3f}**" if r == best else
+                 (f"{_metric(runs[r])[0]:.3f}" if r in runs else "") for r in rates]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {best} |")
+    return lines + ["", f"Validation {unit} at the end of training; bold: the best rate.", ""]
+
+
+def write_report(results: list[dict], out: Path, title: str,
+                 extra_sections: list[str] | None = None) -> dict:
     summaries = [r["summary"] for r in results]
     plots = _plots(results, out)
     lines = [f"# {title}", ""]
@@ -89,8 +164,17 @@ def write_report(results: list[dict], out: Path, title: str) -> dict:
               "forward matrix products (attention at the full context); val: the whole "
               "validation split at the end; bpc: bits per byte of text; tokens/s: training "
               "throughput, evaluation excluded; peak RSS: the variant's process.", ""]
+    said = findings(summaries)
+    if said:
+        lines += ["## What the table shows", "", *said, "",
+                  "One seed per variant: the spread between seeds was not measured here, so small "
+                  "differences may not survive another seed. Throughput is this machine's, "
+                  "in this run; the variants ran one after another.", ""]
+    lines += lr_sweep_lines(summaries)
     for name in plots:
         lines.append(f"![{name}]({name})" if name.endswith(".png") else name)
+    lines.append("")
+    lines += extra_sections or []
     (out / "report.md").write_text("\n".join(lines) + "\n")
     payload = {"title": title, "variants": summaries}
     (out / "results.json").write_text(json.dumps(payload, indent=2))
