@@ -261,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         "reproduce", help="run one of the papers' comparisons and write OUT/NAME.md")
     from .reproduce import EXPERIMENTS
     repro.add_argument("name", choices=sorted(EXPERIMENTS),
-                       help="moefication: all-MiniLM-L6-v2's MLPs made sparse (Zhang et al. 2022)")
+                       help="moefication: all-MiniLM-L6-v2's MLPs made sparse (Zhang et al. "
+                       "2022); the others: byte-level LMs compared as in Csordás et al. 2023, "
+                       "Fedus et al. 2022 and He 2024 (see docs/reproduce.md)")
     repro.add_argument("--quick", action="store_true",
                        help="a small form that runs in about a minute (too small to judge claims)")
     repro.add_argument("--model", help="a Hugging Face model folder (default: all-MiniLM-L6-v2 "

@@ -151,9 +151,17 @@ def _train_in_subprocess(run: RunConfig, folder: Path, resume: bool) -> int:
         raise
 
 
+def _train_here(run: RunConfig, folder: Path, resume: bool) -> int:
+    from .trainer import Trainer
+    Trainer(run, folder, progress=False).train(resume=resume)
+    return 0
+
+
 def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
-            only: list[str] | None = None) -> dict:
-    """Train every variant (or those in ``only``), then write the report; returns its results."""
+            only: list[str] | None = None, isolate: bool = True) -> dict:
+    """Train every variant (or those in ``only``), then write the report; returns its results.
+    ``isolate=False`` trains in this process (no start-up per variant, but the peak-memory
+    column is then the largest so far, not each variant's own)."""
     runs = variant_runs(data)
     if only:
         names = {r.name for r in runs}
@@ -172,7 +180,7 @@ def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
         resume = same_config and (folder / CHECKPOINT).is_file()
         print(f"[{index}/{len(runs)}] {run.name}: {'resuming' if resume else 'training'}",
               file=sys.stderr)
-        code = _train_in_subprocess(run, folder, resume)
+        code = (_train_in_subprocess if isolate else _train_here)(run, folder, resume)
         if code == 130:
             raise KeyboardInterrupt
         if code != 0:
