@@ -467,3 +467,28 @@ def test_compare_variants_take_train_fields_compute_matches_and_lr_sweeps():
 def lm_config_of(run):
     from sparseffn.train.config import lm_config
     return lm_config(run, 256)
+
+
+def test_report_findings_compare_against_both_dense_baselines_within_a_sweep_rate():
+    from sparseffn.train.report import findings, lr_sweep_lines
+
+    def summary(name, ffn, total, active, bpc, speed=1000.0):
+        return {"name": name, "model": {"ffn": {"type": ffn}}, "total_params": total,
+                "active_params": active, "val": {"bpc": bpc}, "items_per_s": speed}
+    rows = [summary("dense@1", "dense", 1000, 990, 2.5, 1000),
+            summary("small@1", "dense", 400, 390, 2.8, 2000),
+            summary("moe@1", "sigma_moe", 1000, 392, 2.6, 1500),
+            summary("dense@2", "dense", 1000, 990, 2.4, 1000),
+            summary("small@2", "dense", 400, 390, 2.9, 2000),
+            summary("moe@2", "sigma_moe", 990, 392, 2.7, 500),
+            summary("fff@2", "fff", 1000, 1000, 2.45)]   # reads all it has: one baseline
+    said = findings(rows)
+    assert said[0] == ("- `moe@1` (2.600 bpc): worse than the dense model with the same "
+                       "parameters (`dense@1`, 2.500; +0.100), and better than the dense model "
+                       "with the same active parameters per token (`small@1`, 2.800; -0.200); "
+                       "it trained at 1.50× that model's throughput.")
+    assert "(`dense@2`, 2.400; +0.300)" in said[1] and "(`small@2`, 2.900" in said[1]
+    assert "0.50×" in said[1]
+    assert said[2].count("dense model with") == 1 and "`dense@2`" in said[2]
+    table = lr_sweep_lines(rows)
+    assert "| moe | **2.600** | 2.700 | 1 |" in table and "| dense | 2.500 | **2.400** | 2 |" in table

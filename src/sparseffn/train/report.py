@@ -85,7 +85,7 @@ def _metric(summary: dict) -> tuple[float, str, int]:
     return (val["bpc"], "bpc", -1) if "bpc" in val else (val["accuracy"], "accuracy", 1)
 
 
-def _closest(candidates: list[dict], key: str, target: float, tolerance: float = 0.02):
+def _closest(candidates: list[dict], key: str, target: float, tolerance: float):
     """The candidate whose ``key`` is nearest to ``target``, if within ``tolerance`` of it."""
     best = min(candidates, key=lambda c: abs(c[key] - target), default=None)
     if best is None or abs(best[key] - target) > tolerance * target:
@@ -93,28 +93,36 @@ def _closest(candidates: list[dict], key: str, target: float, tolerance: float =
     return best
 
 
-def findings(summaries: list[dict]) -> list[str]:
+def _sweep_rate(name: str) -> str:
+    """The ``@lr`` suffix of a sweep's variant name ('' outside a sweep)."""
+    return name.rpartition("@")[2] if "@" in name else ""
+
+
+def findings(summaries: list[dict], tolerance: float = 0.05) -> list[str]:
     """What the table says, in words: each sparse variant against the dense variant with the
-    same total parameters and the one with the same active parameters per token (when the
-    comparison has them), with its throughput relative to the equal-parameter dense model."""
-    dense = [s for s in summaries if _ffn_type(s) == "dense"]
+    same total parameters and the one with the same active parameters per token (each within
+    ``tolerance``, at the same learning rate in a sweep), with its throughput relative to the
+    equal-parameter dense model."""
     lines = []
     for s in summaries:
         if _ffn_type(s) == "dense":
             continue
+        dense = [d for d in summaries if _ffn_type(d) == "dense"
+                 and _sweep_rate(d["name"]) == _sweep_rate(s["name"])]
         value, unit, sign = _metric(s)
-        parts = []
+        parts, seen = [], set()
         for key, what in (("total_params", "the same parameters"),
                           ("active_params", "the same active parameters per token")):
-            match = _closest(dense, key, s[key])
-            if match is None:
+            match = _closest(dense, key, s[key], tolerance)
+            if match is None or match["name"] in seen:
                 continue
+            seen.add(match["name"])
             other = _metric(match)[0]
             verdict = "better" if sign * (value - other) > 0 else "worse" if value != other \
                 else "equal"
             parts.append(f"{verdict} than the dense model with {what} (`{match['name']}`, "
                          f"{other:.3f}; {value - other:+.3f})")
-        equal_params = _closest(dense, "total_params", s["total_params"])
+        equal_params = _closest(dense, "total_params", s["total_params"], tolerance)
         speed = "" if equal_params is None else (
             f"; it trained at {s['items_per_s'] / equal_params['items_per_s']:.2f}× that "
             f"model's throughput")
