@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 .PHONY: compare bench test setup peers routers productkeys clean
 
 # Main job: a byte-level Transformer LM on Python's own documentation (no download) with every
-# FFN (dense, sigma-MoE, Switch, FFF, PKM, PEER) at equal parameters; writes
+# FFN (sigma-MoE, Switch, FFF, PKM, PEER) at equal parameters beside the dense models with the same
+# parameters and with sigma-MoE's compute; writes
 # runs/compare_pydoc/report.md and its plots.
 compare:
 	@EXTRAS=test bash scripts/setup.sh

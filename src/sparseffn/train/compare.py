@@ -221,7 +221,9 @@ def analysis_sections(names: list[str], out: Path, windows: int = 64) -> list[st
         starved = f"{max(s['starved_fraction'] for s in routed):.1%}" if routed else ""
         active = (f"{sum(s['active_fraction'] for s in dense) / len(dense):.1%} of d_ff"
                   if dense else "")
-        warning = "; ".join(sorted({s["warning"] for s in routed if s["warning"]}))
+        warned = [s for s in routed if s["warning"]]
+        warning = (f"{len(warned)} of {len(routed)} layers, worst: "
+                   f"{min(warned, key=lambda s: s['usage_entropy'])['warning']}" if warned else "")
         lines.append(f"| [{name}]({name}/analysis/analysis.md) | {len(layers)} | {entropy} | "
                      f"{starved} | {active} | {warning} |")
     lines += ["", "usage entropy: 1 when every expert gets the same share of selection weight, "
