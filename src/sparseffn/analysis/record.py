@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layers.dense import DenseMLP
 from ..routers.tree import TreeRouter
-from ..routing import RoutedFFN, Routing, SparseFFN
+from ..routing import RoutedFFN, Routing, SparseFFN, expert_usage
 from .stats import active_channels
 
 
@@ -69,13 +69,10 @@ class LayerRecord:
 
     @property
     def mass(self) -> torch.Tensor:
-        """float64 [E]: the selection weight each expert received (dispatched slots only)."""
-        weights = self.weights.double()
-        dispatched = self.dispatched
-        if dispatched is not None:
-            weights = torch.where(dispatched, weights, torch.zeros_like(weights))
-        mass = torch.zeros(self.num_experts or 0, dtype=torch.float64)
-        return mass.index_add_(0, self.indices.reshape(-1), weights.reshape(-1))
+        """float64 [E]: the selection weight each expert received (dispatched slots only), as
+        the layer's own ``usage_mass`` counts it."""
+        _, mass = expert_usage(self.indices, self.weights, self.num_experts or 0, self.dispatched)
+        return mass.double()
 
     @property
     def active(self) -> torch.Tensor:

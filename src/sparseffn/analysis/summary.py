@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ..auxiliary import routing_stats
 from .record import LayerRecord
 from .stats import (co_occurrence, mean_and_std, starved_fraction, token_expert_counts,
                     tree_node_decisions, usage_entropy, usage_shares)
@@ -56,10 +57,10 @@ def usage_health(model) -> dict[str, tuple[float, float]]:
     starved fraction of its accumulated ``usage_mass`` (the collapse monitor's numbers; reset
     the usage to start a new window). Layers that have not routed anything yet are left out."""
     out = {}
-    for name, module in model.named_modules():
-        mass = getattr(module, "usage_mass", None)
-        if isinstance(mass, torch.Tensor) and mass.numel() > 1 and bool(mass.sum() > 0):
-            out[name or "<root>"] = (usage_entropy(mass), starved_fraction(mass))
+    for name, stats in routing_stats(model).items():
+        mass = stats.get("usage_mass")
+        if mass is not None and mass.numel() > 1 and bool(mass.sum() > 0):
+            out[name] = (usage_entropy(mass), starved_fraction(mass))
     return out
 
 

@@ -8,8 +8,6 @@ from typing import Callable
 
 from ..analysis import analyze_model, byte_label, write_analysis
 from ..data import ArrayData, ByteTokenizer, TextData
-from . import checkpoint as ckpt
-from .config import run_config_from_dict
 
 
 def token_label_of(data) -> Callable[[int], str]:
@@ -25,12 +23,8 @@ def analyze_checkpoint(path: str | Path, split: str = "val", windows: int = 256,
     """Analyse the model in checkpoint ``path`` on ``windows`` context windows of ``split``
     (classifiers: that many batches' worth of examples). Returns the result (``name``,
     ``step``, ``split``, ``layers``) and the token labeller."""
-    from .trainer import build_model, load_data
-    state = ckpt.load(path)
-    run = run_config_from_dict(state["config"])
-    data = load_data(run, state.get("tokenizer"))
-    model = build_model(run, data)
-    model.load_state_dict(state["model"])
+    from .trainer import load_trained
+    state, run, data, model = load_trained(path)
     if isinstance(data, TextData):
         inputs = data.eval_windows(split, run.model.context, windows)[:, :-1]
         batches = list(inputs.split(batch_size))

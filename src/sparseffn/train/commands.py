@@ -30,13 +30,8 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from . import checkpoint as ckpt
-    from .trainer import build_model, evaluate, load_data
-    state = ckpt.load(args.checkpoint)
-    run = run_config_from_dict(state["config"])
-    data = load_data(run, state.get("tokenizer"))
-    model = build_model(run, data)
-    model.load_state_dict(state["model"])
+    from .trainer import evaluate, load_trained
+    state, run, data, model = load_trained(args.checkpoint)
     results = {"checkpoint": str(args.checkpoint), "step": state["step"]}
     for split in args.split:
         results[split] = evaluate(model, data, run, split).as_dict()

@@ -67,6 +67,17 @@ def build_model(run: RunConfig, data: TextData | ArrayData) -> nn.Module:
     return SparseClassifier(classifier_config(run, data.in_features, data.num_classes))  # type: ignore[union-attr]
 
 
+def load_trained(path: str | Path) -> tuple[dict, RunConfig, TextData | ArrayData, nn.Module]:
+    """The checkpoint at ``path`` as (its state, its run config, the run's data with the
+    checkpoint's tokenizer, the model with the checkpoint's weights)."""
+    state = ckpt.load(path)
+    run = run_config_from_dict(state["config"])
+    data = load_data(run, state.get("tokenizer"))
+    model = build_model(run, data)
+    model.load_state_dict(state["model"])
+    return state, run, data, model
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (Linux reports KiB)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
