@@ -52,6 +52,16 @@ def _lr_label(lr: float) -> str:
     return f"{lr:g}"
 
 
+def _rate_suffix(lr: float | None) -> str:
+    """How a sweep names a variant's run at rate ``lr``: ``name@lr`` ('' outside a sweep)."""
+    return "" if lr is None else f"@{_lr_label(lr)}"
+
+
+def _at_rate(run: RunConfig, lr: float | None) -> RunConfig:
+    """``run`` at the sweep's learning rate ``lr`` (unchanged outside a sweep)."""
+    return run if lr is None else run.replace(train=dataclasses.replace(run.train, lr=float(lr)))
+
+
 def _with_train(run: RunConfig, name: str, train: Any) -> RunConfig:
     """``run`` with the variant's ``train`` table applied over the shared ``[train]``."""
     if not train:
@@ -97,7 +107,7 @@ def variant_runs(data: dict[str, Any]) -> list[RunConfig]:
     trained = {e["name"] for e in entries if "match" not in e}
     runs: dict[str, RunConfig] = {}
     for lr in lrs or [None]:
-        suffix = "" if lr is None else f"@{_lr_label(lr)}"
+        suffix = _rate_suffix(lr)
         pending: list[tuple[dict, str]] = []
         for entry in entries:
             name = entry["name"] + suffix
@@ -109,21 +119,17 @@ def variant_runs(data: dict[str, Any]) -> list[RunConfig]:
                                     options.get(entry["name"], {}) if isinstance(ffn, str) else {})
             model = dataclasses.replace(base.model, ffn=ffn, ffn_options=ffn_options)
             run = _with_train(base.replace(name=name, model=model), name, entry.get("train"))
-            if lr is not None:
-                run = run.replace(train=dataclasses.replace(run.train, lr=float(lr)))
-            runs[name] = run
+            runs[name] = _at_rate(run, lr)
         for entry, name in pending:
             target = entry["match"] + suffix
-            _check(entry["match"] in trained and target in runs, f"compare variant {entry['name']!r} matches {entry['match']!r}, which is no "
-                f"trained variant")
+            _check(entry["match"] in trained and target in runs,
+                   f"compare variant {entry['name']!r} matches {entry['match']!r}, which is no "
+                   f"trained variant")
             matched = dense_baseline(runs[target], entry.get("by", "params"))
             run = _with_train(matched.replace(name=name, train=base.train), name,
                               entry.get("train"))
-            if lr is not None:
-                run = run.replace(train=dataclasses.replace(run.train, lr=float(lr)))
-            runs[name] = run
-    order = [entry["name"] + ("" if lr is None else f"@{_lr_label(lr)}")
-             for lr in lrs or [None] for entry in entries]
+            runs[name] = _at_rate(run, lr)
+    order = [entry["name"] + _rate_suffix(lr) for lr in lrs or [None] for entry in entries]
     return [runs[name] for name in order]
 
 

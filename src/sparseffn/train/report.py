@@ -110,19 +110,20 @@ def findings(summaries: list[dict], tolerance: float = 0.05) -> list[str]:
         dense = [d for d in summaries if _ffn_type(d) == "dense"
                  and _sweep_rate(d["name"]) == _sweep_rate(s["name"])]
         value, unit, sign = _metric(s)
-        parts, seen = [], set()
-        for key, what in (("total_params", "the same parameters"),
-                          ("active_params", "the same active parameters per token")):
-            match = _closest(dense, key, s[key], tolerance)
-            if match is None or match["name"] in seen:
+        equal_params = _closest(dense, "total_params", s["total_params"], tolerance)
+        equal_compute = _closest(dense, "active_params", s["active_params"], tolerance)
+        if equal_compute is equal_params:   # a layer that reads all it has: one baseline
+            equal_compute = None
+        parts = []
+        for match, what in ((equal_params, "the same parameters"),
+                            (equal_compute, "the same active parameters per token")):
+            if match is None:
                 continue
-            seen.add(match["name"])
             other = _metric(match)[0]
             verdict = "better" if sign * (value - other) > 0 else "worse" if value != other \
                 else "equal"
             parts.append(f"{verdict} than the dense model with {what} (`{match['name']}`, "
                          f"{other:.3f}; {value - other:+.3f})")
-        equal_params = _closest(dense, "total_params", s["total_params"], tolerance)
         speed = "" if equal_params is None else (
             f"; it trained at {s['items_per_s'] / equal_params['items_per_s']:.2f}× that "
             f"model's throughput")
