@@ -8,7 +8,7 @@ import pytest
 from sparseffn.cli import main
 from sparseffn.reproduce import EXPERIMENTS, LM_NAMES
 from sparseffn.reproduce.lm import all_hold, best_of, better, matches
-from sparseffn.reproduce.lm_experiments import LM_EXPERIMENTS, SIGMA_MOE_ABLATIONS
+from sparseffn.reproduce.lm_experiments import LM_EXPERIMENTS, RATES, SIGMA_MOE_ABLATIONS
 from sparseffn.train.compare import variant_runs
 from sparseffn.train.config import lm_config
 
@@ -57,6 +57,16 @@ def test_sigma_moe_keeps_the_papers_constraints():
     assert ffn.router.expert_dropout == 0.05 and ffn.router.entropy_weight == 1e-4
 
 
+def test_each_family_trains_at_its_swept_rate():
+    """A variant at a worse rate than its rivals would lose for the wrong reason."""
+    lrs = {r.name: r.train.lr for name in LM_NAMES
+           for r in variant_runs(LM_EXPERIMENTS[name].config())}
+    assert lrs["dense"] == lrs["dense-params"] == lrs["topk-K128"] == RATES["dense"] == 1e-2
+    assert lrs["sigma_moe"] == lrs["sbase-K4-G128"] == lrs["sigma_moe-E32"] == 5e-3
+    assert lrs["switch"] == lrs["switch-no-dropout"] == lrs["peer"] == 2e-3
+    assert lrs["dense-compute"] == RATES["dense-compute"] and lrs["pkm-relu"] == RATES["pkm"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LM_NAMES)
 def test_quick_form_runs_end_to_end(name, tmp_path, capsys):
@@ -67,7 +77,7 @@ def test_quick_form_runs_end_to_end(name, tmp_path, capsys):
     assert result["quick"] and len(result["claims"]) == len(experiment.claims)
     assert len(result["variants"]) == len(variant_runs(experiment.config(quick=True)))
     assert report.count("** at this scale: ") == len(experiment.claims)
-    assert "Quick form" in report and "## Claims" in report
+    assert "Quick form" in report and "## Claims" in report and "| variant | lr |" in report
     assert (tmp_path / "runs" / f"{name}-quick" / "report.md").is_file()
     assert "written:" in capsys.readouterr().out
     with pytest.raises(ValueError, match="CPU only"):

@@ -28,7 +28,8 @@ MATCH_TOLERANCE = 0.01     # "matches": within 1% of the other's bits per byte
 class Claim:
     """One sentence of a paper and how to check it on our results.
 
-    check: ``bpc by variant name -> (held, our numbers in words)``."""
+    check: the experiment's results (here: bpc by variant name) -> (held, our numbers in
+    words)."""
 
     text: str
     paper: str
@@ -102,10 +103,11 @@ class LMExperiment:
 
 
 def _table(summaries: list[dict], paper: dict[str, str], unit: str) -> list[str]:
-    lines = ["| variant | params | active params/token | FLOPs/token | val bpc | tokens/s | "
-             f"paper ({unit}) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | lr | params | active params/token | FLOPs/token | val bpc | tokens/s | "
+             f"paper ({unit}) |", "|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        lines.append(f"| {s['name']} | {s['total_params']:,} | {s['active_params']:,} | "
+        lr = f"{s['lr']:g}" if "lr" in s else "–"     # summaries written before 'lr' existed
+        lines.append(f"| {s['name']} | {lr} | {s['total_params']:,} | {s['active_params']:,} | "
                      f"{s['flops_per_token']:,} | {s['val']['bpc']:.3f} | "
                      f"{s['items_per_s']:,.0f} | {paper.get(s['name'], '–')} |")
     return lines

@@ -23,6 +23,28 @@ MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "context": 64, "d_ff": D_F
 TRAIN = {"steps": 600, "batch_size": 32, "lr": 5e-3, "schedule": "cosine", "warmup_steps": 20,
          "clip": 0.25, "eval_every": 100, "eval_windows": 64}
 
+# Each family's learning rate: the best of the main job's sweep (results/lr_sweep_pydoc.md:
+# the same model with d_ff 1028, rates 2e-3, 5e-3, 1e-2). Families that sweep did not cover
+# take the rate of their closest relative: top-K the dense MLP's, S-BASE and the softmax gates
+# σ-MoE's. A variant trained at a worse rate than its rivals would lose for the wrong reason.
+RATES = {"dense": 1e-2, "dense-compute": 5e-3, "sigma_moe": 5e-3, "switch": 2e-3, "pkm": 5e-3,
+         "peer": 2e-3}
+
+
+def _at(variant, lr: float) -> dict:
+    """``variant`` (a preset name or a compare table) trained at learning rate ``lr``."""
+    table = {"name": variant, "ffn": variant} if isinstance(variant, str) else dict(variant)
+    return {**table, "train": {**table.get("train", {}), "lr": lr}}
+
+
+DENSE = _at("dense", RATES["dense"])
+
+
+def _dense_compute(target: str) -> dict:
+    return _at({"name": "dense-compute", "match": target, "by": "compute"},
+               RATES["dense-compute"])
+
+
 # σ-MoE as Csordás et al. 2023 Table 9 sets it for Enwik8: N_E 16, G 128, K 4, δ 0.05, γ 1e-4
 SIGMA_ROUTER = {"type": "sigma", "expert_dropout": 0.05, "entropy_weight": 1e-4}
 
@@ -30,13 +52,15 @@ SIGMA_ROUTER = {"type": "sigma", "expert_dropout": 0.05, "entropy_weight": 1e-4}
 def _sigma(name: str, experts: int = 16, k: int = 4, router: dict | None = None, **fields):
     options = {"num_experts": experts, "k": k, "router": {**SIGMA_ROUTER, **(router or {})},
                **fields}
-    return {"name": name, "ffn": "sigma_moe", "ffn_options": options}
+    return _at({"name": name, "ffn": "sigma_moe", "ffn_options": options}, RATES["sigma_moe"])
 
 
 def _moe(name: str, experts: int, k: int, router: dict, **fields):
-    return {"name": name, "ffn": {"type": "moe", "num_experts": experts, "k": k,
-                                  "expert_size": D_FF // experts if k == 1 else 128,
-                                  "router": router, "init_depth": MODEL["n_layers"], **fields}}
+    lr = RATES["switch"] if router.get("type") == "switch" else RATES["sigma_moe"]
+    return _at({"name": name, "ffn": {"type": "moe", "num_experts": experts, "k": k,
+                                      "expert_size": D_FF // experts if k == 1 else 128,
+                                      "router": router, "init_depth": MODEL["n_layers"],
+                                      **fields}}, lr)
 
 
 SWITCH_ROUTER = {"type": "switch", "capacity_factor": 1.25, "balance_weight": 0.01}
@@ -52,8 +76,8 @@ SIGMA_MOE_ABLATIONS = LMExperiment(
            "parts. The dense model with σ-MoE's active parameters is added (Fedus et al. "
            "2022's baseline).",
     variants=[
-        "dense",
-        {"name": "dense-compute", "match": "sigma_moe", "by": "compute"},
+        DENSE,
+        _dense_compute("sigma_moe"),
         _sigma("sigma_moe"),
         _sigma("sigma_moe-standard-dropout", router={"expert_dropout": 0.0},
                hidden_dropout=0.05),
@@ -109,9 +133,9 @@ TOPK_MLP = LMExperiment(
     source="Csordás, Irie & Schmidhuber 2023, arXiv:2310.10837 §6.1: keeping only the K "
            "largest hidden units of each dense MLP (d_ff 2053 in the paper) preserves, or "
            "slightly improves, the dense model; too small a K must hurt.",
-    variants=["dense"] + [{"name": f"topk-K{k}", "ffn": {"type": "topk", "d_ff": D_FF, "k": k,
-                                                          "init_depth": MODEL["n_layers"]}}
-                          for k in (32, 128, 256, 512)],
+    variants=[DENSE] + [_at({"name": f"topk-K{k}", "ffn": {
+        "type": "topk", "d_ff": D_FF, "k": k, "init_depth": MODEL["n_layers"]}}, RATES["dense"])
+        for k in (32, 128, 256, 512)],
     paper={"dense": "1.08", "topk-K128": "1.07", "topk-K256": "1.08", "topk-K512": "1.08"},
     claims=[
         Claim("top-K with K = 128, 256 and 512 matches the dense MLP", "1.07, 1.08, 1.08 "
@@ -128,8 +152,9 @@ PKM = LMExperiment(
     source="Csordás, Irie & Schmidhuber 2023, arXiv:2310.10837 §6.2: parameter-matched PKMs "
            "(4 heads, k = 32) with the original softmax over each head's scores (Lample et "
            "al. 2019) and with ReLU; ReLU is closer to dense, both stay behind it.",
-    variants=["dense", {"name": "pkm-softmax", "ffn": "pkm", "ffn_options": {"score": "softmax"}},
-              {"name": "pkm-relu", "ffn": "pkm", "ffn_options": {"score": "relu"}}],
+    variants=[DENSE] + [_at({"name": f"pkm-{score}", "ffn": "pkm",
+                             "ffn_options": {"score": score}}, RATES["pkm"])
+                         for score in ("softmax", "relu")],
     paper={"dense": "1.08", "pkm-softmax": "1.16", "pkm-relu": "1.11"},
     claims=[
         Claim("ReLU scores beat softmax scores", "1.11 vs 1.16", better("pkm-relu", "pkm-softmax")),
@@ -146,9 +171,10 @@ SWITCH_VS_DENSE = LMExperiment(
            "several experts each as wide as the dense MLP) reaches a FLOP-matched dense "
            "model's quality faster, in steps and in time. Here 8 experts of 257 units "
            "against the dense MLP of 257 units, and the dense model with Switch's parameters.",
-    variants=[{"name": "switch", "ffn": "switch", "ffn_options": {"num_experts": 8}},
-              {"name": "dense-compute", "match": "switch", "by": "compute"},
-              {"name": "dense-params", "match": "switch"}],
+    variants=[_at({"name": "switch", "ffn": "switch", "ffn_options": {"num_experts": 8}},
+                  RATES["switch"]),
+              _dense_compute("switch"),
+              _at({"name": "dense-params", "match": "switch"}, RATES["dense"])],
     paper={"switch": "7× faster to the dense quality (T5-Base, 128 experts)"},
     paper_unit="paper",
     claims=[
@@ -166,9 +192,10 @@ EXPERT_SCALING = LMExperiment(
     source="Fedus, Zoph & Shazeer 2022, arXiv:2101.03961 Fig. 4: at a fixed compute per "
            "token, more experts (more parameters) give a lower loss. Here σ-MoE with K = 4 "
            "experts of 128 units active, and 4, 8, 16 or 32 experts in all.",
-    variants=[{"name": f"sigma_moe-E{e}", "ffn": {
+    variants=[_at({"name": f"sigma_moe-E{e}", "ffn": {
         "type": "sigma_moe", "num_experts": e, "expert_size": 128, "k": 4,
-        "router": SIGMA_ROUTER, "init_depth": MODEL["n_layers"]}} for e in (4, 8, 16, 32)],
+        "router": SIGMA_ROUTER, "init_depth": MODEL["n_layers"]}}, RATES["sigma_moe"])
+        for e in (4, 8, 16, 32)],
     paper={"sigma_moe-E32": "loss falls with every doubling of experts"},
     paper_unit="paper",
     claims=[
@@ -186,8 +213,9 @@ PEER_VS_MOE = LMExperiment(
     source="He 2024, arXiv:2407.04153: a million single-neuron experts retrieved by product "
            "keys beat coarse-grained MoE and dense FFNs at the same compute (isoFLOP curves, "
            "Fig. 1). Here all three with the dense MLP's parameters.",
-    variants=["dense", _sigma("sigma_moe"),
-              {"name": "peer", "ffn": "peer", "ffn_options": {"heads": 8, "k": 16}}],
+    variants=[DENSE, _sigma("sigma_moe"),
+              _at({"name": "peer", "ffn": "peer", "ffn_options": {"heads": 8, "k": 16}},
+                  RATES["peer"])],
     paper={"peer": "lowest perplexity at every FLOP budget"},
     paper_unit="paper",
     claims=[

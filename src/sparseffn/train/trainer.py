@@ -410,11 +410,14 @@ class Trainer:
     def summary(self, per_step: int) -> dict:
         final = evaluate(self.model, self.data, self.run, "val")   # the whole split
         cost = self.model.config.cost()
-        out = {"name": self.run.name, "steps": self.step, "train_time_s": self.train_time,
+        out = {"name": self.run.name, "steps": self.step, "lr": self.run.train.lr,
+               "train_time_s": self.train_time,
                "items_per_s": self.step * per_step / max(self.train_time, 1e-9),
                "peak_rss_mb": peak_rss_bytes() / 2**20, **cost,
                "val": final.as_dict(), "model": self.model.config.to_dict()}
         if isinstance(self.data, TextData):
             out["unigram_bits"] = self.data.unigram_bits
             out["corpus"] = self.data.name
+        else:   # classification datasets have a held-out test split: papers report on it
+            out["test"] = evaluate(self.model, self.data, self.run, "test").as_dict()
         return out
