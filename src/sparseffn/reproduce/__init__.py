@@ -3,6 +3,9 @@ writing ``OUT/NAME.md`` (our table, the claims checked, held or not) and ``OUT/N
 
 - ``moefication``: a pretrained sentence encoder's MLPs converted into mixtures of their own
   hidden units (:mod:`sparseffn.reproduce.moefication`).
+- ``fff-activations``: the activation of the matrix-form FFF router and the MoE row
+  (Chaunin & Mikhailovskiy, Table 1) on Fashion-MNIST and clusters of Gaussians
+  (:mod:`sparseffn.reproduce.fff_activations`).
 - ``sigma-moe-ablations``, ``topk-mlp``, ``pkm``, ``switch-vs-dense``, ``expert-scaling``,
   ``peer-vs-moe``: byte-level language models compared claim by claim
   (:mod:`sparseffn.reproduce.lm_experiments`).
@@ -16,6 +19,7 @@ _LM = "sparseffn.reproduce.lm_experiments"
 LM_NAMES = ("sigma-moe-ablations", "topk-mlp", "pkm", "switch-vs-dense", "expert-scaling",
             "peer-vs-moe")
 EXPERIMENTS = {"moefication": "sparseffn.reproduce.moefication",
+               "fff-activations": "sparseffn.reproduce.fff_activations",
                **{name: _LM for name in LM_NAMES}}
 
 

@@ -164,10 +164,11 @@ def _train_here(run: RunConfig, folder: Path, resume: bool) -> int:
 
 
 def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
-            only: list[str] | None = None, isolate: bool = True) -> dict:
+            only: list[str] | None = None, isolate: bool = True, analyses: bool = True) -> dict:
     """Train every variant (or those in ``only``), then write the report; returns its results.
     ``isolate=False`` trains in this process (no start-up per variant, but the peak-memory
-    column is then the largest so far, not each variant's own)."""
+    column is then the largest so far, not each variant's own); ``analyses=False`` leaves out
+    the per-variant expert analyses (e.g. for the second seed of the same variants)."""
     runs = variant_runs(data)
     if only:
         names = {r.name for r in runs}
@@ -198,7 +199,7 @@ def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
         metrics = [json.loads(line) for line in (out / run.name / METRICS).read_text().splitlines()
                    if line.strip()]
         results.append({"summary": summary, "evals": [m for m in metrics if m["kind"] == "eval"]})
-    sections = analysis_sections([run.name for run in runs], out)
+    sections = analysis_sections([run.name for run in runs], out) if analyses else []
     return write_report(results, out, title=data.get("name", "compare"), extra_sections=sections)
 
 
