@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from sparseffn.cli import main
 from sparseffn.train import checkpoint as ckpt
+from sparseffn.train.lock import LOCK
 from sparseffn.train.config import (ConfigError, TrainSpec, apply_overrides,
                                     parse_override_value, run_config_from_dict)
 from tests.train.test_train import CORPUS, write_toml
@@ -47,7 +48,12 @@ def finished(config, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["train", config, "--out", str(out), "--no-progress"]) == 0
     capsys.readouterr()
-    return out, {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    return out, _files(out)
+
+
+def _files(folder):
+    """The run's files and their bytes (not the lock, which says who is writing there)."""
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != LOCK}
 
 
 def _one_line_error(capsys, code, expected, text):
@@ -64,7 +70,7 @@ def test_a_run_that_cannot_start_keeps_the_previous_runs_files(config, finished,
     out, before = finished
     code = main(["train", config, "--out", str(out), "--set", override, "--no-progress"])
     _one_line_error(capsys, code, 2, "sparseffn:")
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert _files(out) == before
     assert main(["train", config, "--out", str(out), "--resume", "--no-progress"]) == 0
 
 
@@ -196,3 +202,34 @@ def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     writer.wait()
     state = ckpt.load(path)
     assert state["step"] in (1, 2)
+
+
+def test_a_second_process_on_a_run_folder_is_refused_until_the_first_exits(config, finished,
+                                                                             tmp_path, capsys):
+    """Two processes writing one folder would interleave checkpoints and metrics: the second
+    gets a one-line error naming the first's pid, the files stay as they were, and the lock
+    dies with its holder (kill -9 leaves no stale lock)."""
+    import signal
+    import subprocess
+    import sys
+    from sparseffn.train.compare import compare
+    out, before = finished
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, sys, time\n"
+        "from sparseffn.train.lock import folder_lock\n"
+        "with folder_lock(pathlib.Path(sys.argv[1]), 'training run'):\n"
+        "    print('holding', flush=True)\n"
+        "    time.sleep(120)\n"), str(out)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"holding"
+        code = main(["train", config, "--out", str(out), "--no-progress"])
+        _one_line_error(capsys, code, 2, f"is in use by process {holder.pid}")
+        assert _files(out) == before
+        with pytest.raises(ConfigError, match=f"cannot start this compare: .* process "
+                                              f"{holder.pid}"):
+            compare({"name": "c", "data": {"corpus": "pydoc"}, "model": {"d_model": 16},
+                     "compare": {"variants": ["dense"]}}, out)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert main(["train", config, "--out", str(out), "--no-progress"]) == 0

@@ -28,7 +28,8 @@ Each variant trains in its own process (so its peak memory is its own) in ``OUT/
 A variant that already finished with the same config is not trained again, and one that was
 interrupted resumes from its checkpoint: running the command again loses nothing. The report
 (``OUT/report.md``, ``OUT/results.json``, ``OUT/val_loss_vs_step.png``,
-``OUT/val_loss_vs_time.png``) is written at the end.
+``OUT/val_loss_vs_time.png``) is written at the end. A second compare into the same ``OUT``
+while one runs is refused (``OUT/.lock``), as is a second training run in one variant folder.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import RunConfig, _check, _section, dense_baseline, run_config_from_dict
+from .lock import folder_lock
 from .report import write_report
 from .trainer import CHECKPOINT, METRICS, SUMMARY
 
@@ -176,7 +178,12 @@ def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
         _check(not missing, f"--variants: no variant(s) {missing}; variants are {sorted(names)}")
         runs = [r for r in runs if r.name in only]
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with folder_lock(out, "compare"):
+        return _train_and_report(data, runs, out, fresh, isolate, analyses)
+
+
+def _train_and_report(data: dict[str, Any], runs: list[RunConfig], out: Path, fresh: bool,
+                      isolate: bool, analyses: bool) -> dict:
     for index, run in enumerate(runs, 1):
         folder = out / run.name
         same_config = not fresh and _saved_run(folder) == run

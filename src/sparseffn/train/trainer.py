@@ -9,7 +9,8 @@ therefore continues with exactly the losses the uninterrupted run has (tested to
 Files in the run folder:
 - ``config.json``: the run config; ``checkpoint.pt``: the latest checkpoint (atomic);
 - ``metrics.jsonl``: one JSON object per line, ``{"kind": "train"|"eval", "step", ...}``;
-- ``summary.json``: parameters, costs, final validation metrics, throughput, memory.
+- ``summary.json``: parameters, costs, final validation metrics, throughput, memory;
+- ``.lock``: held while a process trains here (a second one is refused, not interleaved).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ..models.lm import TransformerLM
 from . import checkpoint as ckpt
 from .config import (ConfigError, RunConfig, _check, classifier_config, lm_config,
                      run_config_from_dict, total_steps)
+from .lock import folder_lock
 from .progress import ProgressBar
 from .schedule import lr_factor
 
@@ -253,11 +255,12 @@ class Trainer:
         previous_deterministic = torch.are_deterministic_algorithms_enabled()
         try:
             self._setup(state)   # data and model first: a run that cannot start touches no file
-            self._prepare_folder(fresh=state is None)
-            if state is not None:
-                self._trim_metrics(self.step)
-            with self._interrupts_at_step_boundaries():
-                return self._loop()
+            with folder_lock(self.out, "training run"):
+                self._prepare_folder(fresh=state is None)
+                if state is not None:
+                    self._trim_metrics(self.step)
+                with self._interrupts_at_step_boundaries():
+                    return self._loop()
         finally:
             torch.use_deterministic_algorithms(previous_deterministic)
 
