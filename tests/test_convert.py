@@ -93,6 +93,23 @@ def test_activation_split_groups_units_that_fire_together():
     assert sorted(map(sorted, groups.tolist())) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_split_of_a_half_precision_mlp(dtype):
+    """A bf16 / fp16 model's MLP is split like its float32 copy (samples stay float32)."""
+    torch.manual_seed(0)
+    d_model, d_ff = 6, 12
+    full = DenseWeights(torch.randn(d_ff, d_model), torch.randn(d_ff),
+                        torch.randn(d_model, d_ff), None, "relu")
+    half = DenseWeights(full.w1.to(dtype), full.b1.to(dtype), full.w2.to(dtype), None, "relu")
+    samples = torch.randn(300, d_model)
+    rounded = DenseWeights(half.w1.float(), half.b1.float(), half.w2.float(), None, "relu")
+    groups = split_hidden_units(half, 3, method="activations", samples=samples)
+    assert torch.equal(groups, split_hidden_units(rounded, 3, method="activations",
+                                                  samples=samples))
+    assert sorted(groups.flatten().tolist()) == list(range(d_ff))
+
+
 def test_expert_importance_is_the_norm_of_each_experts_output():
     dense = _dense(d_ff=6)
     layer = moefy(dense, 3, 1, groups=torch.arange(6).view(3, 2))

@@ -77,12 +77,15 @@ class DenseWeights:
         return self.w1.shape[0]
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """``act(x w1ᵀ + b1)``: [N, d_ff] for x [N, d_model]."""
-        return activation_fn(self.activation)(F.linear(x, self.w1, self.b1))
+        """``act(x w1ᵀ + b1)``: [N, d_ff] for x [N, d_model], in x's dtype (half-precision
+        weights are cast to it, so float32 samples probe a bf16 model at full precision)."""
+        b1 = None if self.b1 is None else self.b1.to(x.dtype)
+        return activation_fn(self.activation)(F.linear(x, self.w1.to(x.dtype), b1))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The dense MLP's output [N, d_model]."""
-        return F.linear(self.hidden(x), self.w2, self.b2)
+        """The dense MLP's output [N, d_model], in x's dtype (as :meth:`hidden`)."""
+        b2 = None if self.b2 is None else self.b2.to(x.dtype)
+        return F.linear(self.hidden(x), self.w2.to(x.dtype), b2)
 
     @classmethod
     def from_linears(cls, up: nn.Linear, down: nn.Linear, activation: str) -> "DenseWeights":
