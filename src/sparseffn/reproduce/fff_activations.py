@@ -11,7 +11,8 @@ of 16 hidden units with dropout 0.2, every leaf weighted by R during training an
 
 - Fashion-MNIST (Debian's ``dataset-fashion-mnist``): 8 epochs, batch 128, Adam with the
   one-cycle schedule, max lr 8e-4 (their §3.1 on CIFAR-10, which is not available offline);
-- clusters of Gaussians (their slides' synthetic setup): batch 16, 15 epochs, the same optimiser.
+- clusters of Gaussians (their slides' synthetic setup; 10 classes of two clusters each in 32
+  dimensions, close enough to overlap): batch 16, 15 epochs, the same optimiser.
 
 The table is test accuracy, mean ± std over seeds; ``ΔA_avg`` is their average relative change
 against Softplus over depths. Each claim is judged on the means, and the words give the spread
@@ -58,11 +59,15 @@ SETUPS = {
         "Fashion-MNIST", {"dataset": "fashion_mnist"},
         {**_OPTIMISER, "epochs": 8, "batch_size": 128, "eval_every": 1000},
         {}, {"epochs": None, "steps": 20, "eval_every": 10}),
+    # spread 0.5: the rule "nearest true centre" reaches 79% on these points, so the task is
+    # not saturated (at the generator's default spread 1.5 every row scored 99.9%, which judges
+    # nothing)
     "clusters": Setup(
         "clusters of Gaussians",
-        {"dataset": "clusters", "options": {"num_classes": 10, "dim": 32, "per_class": 600}},
+        {"dataset": "clusters",
+         "options": {"num_classes": 10, "dim": 32, "per_class": 600, "spread": 0.5}},
         {**_OPTIMISER, "epochs": 15, "batch_size": 16, "eval_every": 1500},
-        {"options": {"num_classes": 10, "dim": 32, "per_class": 40}},
+        {"options": {"num_classes": 10, "dim": 32, "per_class": 40, "spread": 0.5}},
         {"epochs": None, "steps": 30, "eval_every": 15}),
 }
 
