@@ -149,7 +149,7 @@ def run_lm_experiment(experiment: LMExperiment, *, quick: bool = False, out: str
     if experiment.notes:
         lines += [experiment.notes, ""]
     figures = []
-    for name in ("val_loss_vs_step.png", "usage.png"):
+    for name in ("val_loss_vs_step.png", "val_loss_vs_time.png", "usage.png"):
         if (runs / name).is_file():
             target = f"{experiment.name}_{name}"
             shutil.copyfile(runs / name, out_dir / target)
