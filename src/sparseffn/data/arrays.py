@@ -130,7 +130,9 @@ def _find_idx(root: Path, stem: str) -> Path | None:
     return None
 
 
-def fashion_mnist(path: str | None = None) -> ArrayData:
+def fashion_mnist_files(path: str | None = None) -> list[Path]:
+    """The four IDX files (train images, train labels, test images, test labels) in ``path``
+    (default: Debian's folder), or MissingDataset naming the first one missing."""
     root = Path(path or FASHION_MNIST_DIR)
     stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
              "t10k-labels-idx1-ubyte"]
@@ -140,7 +142,11 @@ def fashion_mnist(path: str | None = None) -> ArrayData:
         raise MissingDataset("fashion_mnist", f"{missing}(.gz) not found in {root}",
                              "apt-get update && apt-get install -y dataset-fashion-mnist"
                              if path is None else None)
-    train_x, train_y, test_x, test_y = (read_idx(f) for f in files)  # type: ignore[arg-type]
+    return files  # type: ignore[return-value]
+
+
+def fashion_mnist(path: str | None = None) -> ArrayData:
+    train_x, train_y, test_x, test_y = (read_idx(f) for f in fashion_mnist_files(path))
     train_x = train_x.astype(np.float32)[:, None] / 255.0
     test_x = test_x.astype(np.float32)[:, None] / 255.0
     n_val = min(5000, len(train_y) // 10)

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..data import MissingDataset, load_arrays
-from .lm import Claim
+from ..data import MissingDataset
+from ..data.arrays import fashion_mnist_files
+from .lm import Claim, judge
 
 NAME = "fff-activations"
 ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
@@ -219,7 +220,7 @@ CLAIMS = [
 def _datasets(quick: bool, path: str | None) -> tuple[list[str], str | None]:
     """The datasets to run, and why Fashion-MNIST is left out of a quick run (or None)."""
     try:
-        load_arrays("fashion_mnist", path)
+        fashion_mnist_files(path)
     except MissingDataset as err:
         if not quick:
             raise
@@ -292,20 +293,16 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, device: str = 
     tables: dict[str, Accuracies] = {}
     results: dict[str, Any] = {}
     for dataset in datasets:
-        per_seed, summaries = [], {}
+        per_seed = []
         for s in seeds:
             report = compare(config(dataset, s, depths, quick, data), runs / dataset / f"seed{s}",
                              isolate=False, analyses=s == seeds[0])
-            summaries[s] = report["variants"]
             per_seed.append({v["name"]: v["test"]["accuracy"] for v in report["variants"]})
+            if s == seeds[0]:
+                first = report["variants"]   # sizes and steps are the same for every seed
         acc = accuracies(per_seed, depths)
         tables[dataset] = acc
-        first = summaries[seeds[0]]
-        claims = []
-        for claim in CLAIMS:
-            held, words = claim.check(acc)
-            claims.append({"claim": claim.text, "paper": claim.paper, "held": bool(held),
-                           "ours": words})
+        claims = judge(CLAIMS, acc)
         results[dataset] = {
             "accuracy": {row: {str(d): list(acc[row][d]) for d in depths} for row in ROWS},
             "params": {v["name"]: v["total_params"] for v in first},

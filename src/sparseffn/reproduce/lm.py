@@ -36,6 +36,16 @@ class Claim:
     check: Callable[[dict[str, float]], tuple[bool, str]]
 
 
+def judge(claims: list[Claim], results: Any) -> list[dict]:
+    """Each claim checked on ``results``: ``{"claim", "paper", "held", "ours"}``."""
+    judged = []
+    for claim in claims:
+        held, words = claim.check(results)
+        judged.append({"claim": claim.text, "paper": claim.paper, "held": bool(held),
+                       "ours": words})
+    return judged
+
+
 def better(a: str, b: str) -> Callable[[dict[str, float]], tuple[bool, str]]:
     """Variant ``a`` reaches lower bits per byte than ``b``."""
     def check(bpc):
@@ -126,11 +136,7 @@ def run_lm_experiment(experiment: LMExperiment, *, quick: bool = False, out: str
     results = compare(experiment.config(quick, seed), runs, isolate=not quick)
     summaries = results["variants"]
     bpc = {s["name"]: s["val"]["bpc"] for s in summaries}
-    claims = []
-    for claim in experiment.claims:
-        held, words = claim.check(bpc)
-        claims.append({"claim": claim.text, "paper": claim.paper, "held": bool(held),
-                       "ours": words})
+    claims = judge(experiment.claims, bpc)
     first = summaries[0]
     seconds = time.perf_counter() - started
     lines = [f"# {experiment.title}", "", experiment.source, "",
