@@ -155,3 +155,63 @@ def test_distill_brings_the_student_towards_the_teacher():
     assert len(losses) == 60 and after < 0.7 * before
     with pytest.raises(ValueError, match="batches"):
         distill(student, teacher, [], output=lambda m, b: m(b), steps=1)
+
+
+# --- gated (GLU) MLPs: Llama's down(act(gate(x)) * up(x)) -----------------------------------
+
+def _gated(d_model=12, d_ff=30, activation="silu", bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.5
+    return DenseWeights(rand(d_ff, d_model), rand(d_ff) if bias else None, rand(d_model, d_ff),
+                        rand(d_model) if bias else None, activation, w_gate=rand(d_ff, d_model))
+
+
+def _gated_reference(dense, x):
+    gate = F.linear(x, dense.w_gate)
+    act = {"silu": F.silu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}[dense.activation]
+    return F.linear(act(gate) * F.linear(x, dense.w1, dense.b1), dense.w2, dense.b2)
+
+
+@pytest.mark.parametrize("activation,bias", [("silu", False), ("gelu_tanh", True)])
+@pytest.mark.parametrize("method", ["weights", "activations"])
+def test_a_gated_mlp_with_every_expert_active_is_reproduced(activation, bias, method):
+    dense = _gated(activation=activation, bias=bias)
+    x = torch.randn(4, 7, 12)
+    torch.testing.assert_close(dense(x.view(-1, 12)), _gated_reference(dense, x.view(-1, 12)))
+    layer = moefy(dense, num_experts=5, k=5, method=method, samples=torch.randn(200, 12))
+    assert layer.config.gated and layer.store.w_gate is not None
+    for mode in (False, True):
+        layer.train(mode)
+        torch.testing.assert_close(layer(x), _gated_reference(dense, x), atol=1e-5, rtol=1e-5)
+
+
+def test_gated_experts_hold_their_units_gate_rows_and_the_router_starts_at_the_gates():
+    dense = _gated(d_ff=6)
+    groups = torch.tensor([[4, 0, 2], [1, 5, 3]])
+    layer = moefy(dense, 2, 1, groups=groups)
+    torch.testing.assert_close(layer.store.w_gate[0], dense.w_gate[[4, 0, 2]])
+    torch.testing.assert_close(layer.store.w1[1], dense.w1[[1, 5, 3]])
+    torch.testing.assert_close(layer.store.w2[1], dense.w2[:, [1, 5, 3]].t())
+    torch.testing.assert_close(layer.router.weight[1], dense.w_gate[[1, 5, 3]].mean(0))
+    x = torch.randn(5, 12)
+    hidden = F.silu(F.linear(x, dense.w_gate)) * F.linear(x, dense.w1)
+    want = torch.stack([(hidden[:, groups[e]] @ dense.w2[:, groups[e]].t()).norm(dim=1)
+                        for e in range(2)], 1)
+    torch.testing.assert_close(expert_importance(layer, x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_weight_split_of_a_gated_mlp_groups_units_by_their_gates():
+    """Units whose gate rows point the same way share an expert although their up rows are
+    random."""
+    d_model, d_ff = 6, 8
+    w_gate = torch.zeros(d_ff, d_model)
+    w_gate[[0, 2, 5, 7], 0] = 1.0
+    w_gate[[1, 3, 4, 6], 1] = 1.0
+    dense = DenseWeights(torch.randn(d_ff, d_model) * 0.1, None, torch.randn(d_model, d_ff),
+                         None, "silu", w_gate=w_gate)
+    groups = split_hidden_units(dense, 2, method="weights")
+    assert sorted(map(sorted, groups.tolist())) == [[0, 2, 5, 7], [1, 3, 4, 6]]
+    with pytest.raises(ValueError, match="w_gate"):
+        DenseWeights(dense.w1, None, dense.w2, None, "silu", w_gate=torch.zeros(3, 3))

@@ -29,14 +29,25 @@ def gpt2(seed=0):
     return transformers.GPT2LMHeadModel(config)
 
 
-def llama(seed=0):
+def llama(seed=0, mlp_bias=False):
     _quiet()
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                                       num_attention_heads=2, num_key_value_heads=2,
                                       vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
-                                      pad_token_id=0)
+                                      pad_token_id=0, mlp_bias=mlp_bias)
     return transformers.LlamaForCausalLM(config)
+
+
+def gemma(seed=0):
+    """A gated MLP with GELU (tanh) instead of SiLU."""
+    _quiet()
+    torch.manual_seed(seed)
+    config = transformers.GemmaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+                                      pad_token_id=0)
+    return transformers.GemmaForCausalLM(config)
 
 
 def bert(seed=0, hidden_act="gelu"):
@@ -197,10 +208,22 @@ def _batches(n=4, length=12):
             for s in range(n)]
 
 
+def _randomised(model):
+    """HF initialises a tiny model's MLPs near zero; spread them so that a wrong unit, gate or
+    activation shows in the outputs."""
+    with torch.no_grad():
+        for site in hf.find_mlps(model):
+            for p in site.module.parameters():
+                p.normal_(0.0, 0.3)
+    return model
+
+
 @pytest.mark.parametrize("family,hidden_act", [("bert", "gelu"), ("bert", "relu"),
-                                               ("gpt2", None)])
+                                               ("gpt2", None), ("llama", None),
+                                               ("gemma", None)])
 def test_moefy_with_every_expert_active_reproduces_the_dense_model(family, hidden_act):
-    model = bert(hidden_act=hidden_act) if family == "bert" else gpt2()
+    model = {"bert": lambda: bert(hidden_act=hidden_act), "gpt2": gpt2,
+             "llama": lambda: _randomised(llama()), "gemma": lambda: _randomised(gemma())}[family]()
     model.eval()
     ids = _ids()
     want = _output(model, ids)
@@ -224,9 +247,27 @@ def test_moefy_at_half_the_experts_saves_and_loads(tmp_path):
     torch.testing.assert_close(_output(loaded, _ids()), out)
 
 
-def test_moefy_refuses_gated_mlps_and_inputs_that_never_reach_them():
-    with pytest.raises(ValueError, match="gated"):
-        hf.moefy(llama(), 4, 2, batches=_batches())
+def test_moefy_of_a_llama_model_builds_swiglu_experts_that_save_and_load(tmp_path):
+    model = _randomised(llama()).eval()
+    dense_out = _output(model, _ids())
+    report = hf.moefy(model, num_experts=8, k=2, batches=_batches(), router_steps=30)
+    layer = model.model.layers[0].mlp.ffn
+    assert layer.config.gated and layer.config.activation == "silu" and not layer.config.bias
+    # three matrices per unit on both sides: a quarter of the experts, a quarter of the FLOPs
+    totals = report.totals()
+    assert totals["sparse_params"] > totals["dense_params"]
+    assert totals["sparse_flops"] < 0.3 * totals["dense_flops"]
+    out = _output(model, _ids())
+    assert not torch.equal(out, dense_out)
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(str(tmp_path)).eval()
+    assert loaded.model.layers[1].mlp.ffn.store.w_gate.shape == (8, 8, 32)
+    torch.testing.assert_close(_output(loaded, _ids()), out)
+
+
+def test_moefy_refuses_biased_gates_and_inputs_that_never_reach_them():
+    with pytest.raises(ValueError, match="gate projection has a bias"):
+        hf.moefy(llama(mlp_bias=True), 4, 2, batches=_batches())
     with pytest.raises(ValueError, match="never reached"):
         hf.moefy(bert(), 4, 2, batches=[])
 

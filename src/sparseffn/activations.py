@@ -13,8 +13,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+# "silu" is x·σ(x) (Elfwing et al. 2018, arXiv:1702.03118; "swish" in Ramachandran et al.
+# 2017), the gate of SwiGLU MLPs (Shazeer 2020, arXiv:2002.05202) as in Llama.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "relu": F.relu, "gelu": F.gelu, "gelu_tanh": gelu_tanh}
+    "relu": F.relu, "gelu": F.gelu, "gelu_tanh": gelu_tanh, "silu": F.silu}
 ACTIVATIONS = tuple(_ACTIVATIONS)
 
 

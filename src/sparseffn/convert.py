@@ -5,7 +5,9 @@ without pre-training it again.
 A two-layer MLP ``y = W2 act(W1 x + b1) + b2`` of width ``d_ff`` is a sum over its hidden
 units. Split the units into ``num_experts`` groups of ``d_ff / num_experts`` and the MLP is a
 mixture of experts in which every expert is active; keeping only the ``k`` experts that matter
-most for a token approximates it at ``k / num_experts`` of its FFN compute. Three steps:
+most for a token approximates it at ``k / num_experts`` of its FFN compute. A gated MLP
+``W2 (act(Wg x) ⊙ W1 x)`` (Llama's SwiGLU) is a sum over its units in the same way; its
+experts are gated too (``MoEConfig(gated=True)``). Three steps:
 
 1. :func:`split_hidden_units` groups the units, by balanced k-means on their input weights
    (Zhang et al.'s parameter-clustering split) or on their activations over sample tokens
@@ -43,10 +45,13 @@ SPLIT_METHODS = ("weights", "activations")
 
 @dataclass(frozen=True)
 class DenseWeights:
-    """The weights of ``y = act(x w1ᵀ + b1) w2ᵀ + b2``, in ``nn.Linear``'s layout.
+    """The weights of ``y = act(x w1ᵀ + b1) w2ᵀ + b2``, in ``nn.Linear``'s layout, or with
+    ``w_gate`` of the gated MLP ``y = (act(x w_gateᵀ) ⊙ (x w1ᵀ + b1)) w2ᵀ + b2`` (Shazeer 2020,
+    arXiv:2002.05202; Llama's ``down(act(gate(x)) * up(x))`` has w1 = up, w_gate = gate).
 
     w1: [d_ff, d_model]; b1: [d_ff] or None; w2: [d_model, d_ff]; b2: [d_model] or None;
-    activation: a name of :data:`sparseffn.activations.ACTIVATIONS`.
+    activation: a name of :data:`sparseffn.activations.ACTIVATIONS`; w_gate: [d_ff, d_model]
+    or None.
     """
 
     w1: torch.Tensor
@@ -54,6 +59,7 @@ class DenseWeights:
     w2: torch.Tensor
     b2: torch.Tensor | None
     activation: str
+    w_gate: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         d_ff, d_model = self.w1.shape
@@ -64,6 +70,9 @@ class DenseWeights:
             if bias is not None and bias.shape != (size,):
                 raise ValueError(f"DenseWeights: {name} must have shape [{size}], "
                                  f"got {list(bias.shape)}")
+        if self.w_gate is not None and self.w_gate.shape != self.w1.shape:
+            raise ValueError(f"DenseWeights: w_gate must be [d_ff, d_model] = [{d_ff}, "
+                             f"{d_model}], got {list(self.w_gate.shape)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"DenseWeights: activation must be one of {ACTIVATIONS}, "
                              f"got {self.activation!r}")
@@ -76,11 +85,18 @@ class DenseWeights:
     def d_ff(self) -> int:
         return self.w1.shape[0]
 
+    @property
+    def gated(self) -> bool:
+        return self.w_gate is not None
+
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """``act(x w1ᵀ + b1)``: [N, d_ff] for x [N, d_model], in x's dtype (half-precision
-        weights are cast to it, so float32 samples probe a bf16 model at full precision)."""
+        """``act(x w1ᵀ + b1)`` (gated: ``act(x w_gateᵀ) ⊙ (x w1ᵀ + b1)``): [N, d_ff] for x
+        [N, d_model], in x's dtype (half-precision weights are cast to it, so float32 samples
+        probe a bf16 model at full precision)."""
         b1 = None if self.b1 is None else self.b1.to(x.dtype)
-        return activation_fn(self.activation)(F.linear(x, self.w1.to(x.dtype), b1))
+        pre = F.linear(x, self.w1.to(x.dtype), b1)
+        act = activation_fn(self.activation)
+        return act(pre) if self.w_gate is None else act(F.linear(x, self.w_gate.to(x.dtype))) * pre
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The dense MLP's output [N, d_model], in x's dtype (as :meth:`hidden`)."""
@@ -150,7 +166,8 @@ def split_hidden_units(dense: DenseWeights | nn.Module, num_experts: int, *,
     """Group the dense MLP's hidden units into ``num_experts`` experts of equal size.
 
     method: ``"weights"`` clusters the rows of ``w1`` (normalised to unit length, so units
-      that respond to the same input direction group together); ``"activations"`` clusters
+      that respond to the same input direction group together; for a gated MLP each unit's
+      normalised gate row and ``w1`` row side by side); ``"activations"`` clusters
       each unit's activations over ``samples`` [N, d_model] (hidden states the MLP sees), so
       that units active on the same tokens share an expert and few experts cover a token.
     Returns int64 [num_experts, d_ff / num_experts]: the hidden units of each expert, sorted.
@@ -161,6 +178,8 @@ def split_hidden_units(dense: DenseWeights | nn.Module, num_experts: int, *,
     _expert_size(dense.d_ff, num_experts)
     if method == "weights":
         points = F.normalize(dense.w1.float(), dim=1)
+        if dense.gated:
+            points = torch.cat([F.normalize(dense.w_gate.float(), dim=1), points], dim=1)
     else:
         if samples is None or samples.dim() != 2 or samples.shape[1] != dense.d_model:
             raise ValueError(f'split method "activations" needs samples [N, {dense.d_model}] '
@@ -182,8 +201,9 @@ def moefy(dense: DenseWeights | nn.Module, num_experts: int, k: int, *,
     groups: int64 [num_experts, expert_size], the units of each expert (default:
       :func:`split_hidden_units` with ``method``, ``samples`` and ``seed``).
     The router (σ-MoE's linear selection with the hard gate, no regulariser) starts with each
-    expert's row at the mean of its units' ``w1`` rows (the expert's mean pre-activation,
-    bias aside: a similarity selection); train it with
+    expert's row at the mean of its units' ``w1`` rows (of a gated MLP, ``w_gate`` rows: what
+    decides whether a unit fires) — the expert's mean pre-activation, bias aside: a
+    similarity selection; train it with
     :func:`fit_router`. With ``k = num_experts`` the output is the dense MLP's, up to
     rounding.
     """
@@ -199,17 +219,20 @@ def moefy(dense: DenseWeights | nn.Module, num_experts: int, k: int, *,
     biased = dense.b1 is not None or dense.b2 is not None
     config = MoEConfig(d_model=dense.d_model, num_experts=num_experts, expert_size=expert_size,
                        k=k, router=SigmaRouterConfig(gate="hard", entropy_weight=0.0),
-                       activation=dense.activation, bias=biased)
+                       activation=dense.activation, bias=biased, gated=dense.gated)
     with torch.device(dense.w1.device):
         layer = MoE(config).to(dense.w1.dtype)
     store = layer.store
     store.w1.copy_(dense.w1[groups])                                   # [E, G, d_model]
     store.w2.copy_(dense.w2.t()[groups])                               # [E, G, d_model]
+    if dense.gated:
+        store.w_gate.copy_(dense.w_gate[groups])                       # [E, G, d_model]
     if biased:
         store.b1.copy_(dense.b1[groups] if dense.b1 is not None else 0.0)
         store.b_out.copy_(dense.b2 if dense.b2 is not None else 0.0)
     # each expert's mean pre-activation (bias aside): a similarity selection to start from
-    layer.router.weight.copy_(dense.w1.float()[groups].mean(1))       # [E, d_model]
+    selecting = dense.w_gate if dense.gated else dense.w1
+    layer.router.weight.copy_(selecting.float()[groups].mean(1))      # [E, d_model]
     return layer
 
 
@@ -221,10 +244,13 @@ def expert_importance(layer: MoE, x: torch.Tensor, *, chunk: int = 2048) -> torc
     store = layer.store
     out = []
     for part in torch.split(x, chunk):
-        hidden = torch.einsum("nd,egd->neg", part.to(store.w1.dtype), store.w1)
+        part = part.to(store.w1.dtype)
+        hidden = torch.einsum("nd,egd->neg", part, store.w1)
         if store.b1 is not None:
             hidden = hidden + store.b1
-        hidden = activation_fn(store.activation)(hidden)
+        act = activation_fn(store.activation)
+        hidden = act(hidden) if store.w_gate is None else \
+            act(torch.einsum("nd,egd->neg", part, store.w_gate)) * hidden
         out.append(torch.einsum("neg,egd->ned", hidden, store.w2).norm(dim=-1).float())
     return torch.cat(out) if out else x.new_zeros(0, store.num_experts)
 

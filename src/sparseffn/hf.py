@@ -36,7 +36,7 @@ _FORMAT = 1
 # Hugging Face activation names (config.hidden_act / activation_function) that a sparseffn
 # layer computes exactly.
 _HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
-                   "gelu_pytorch_tanh": "gelu_tanh"}
+                   "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
 
 
 def require_transformers():
@@ -78,8 +78,8 @@ class MLPFamily:
       ``BertLayer``, whose MLP is split over ``intermediate`` and ``output``).
     dims(site) -> (d_model, d_ff); dense_params(site) -> the MLP's parameter count;
     replace(parent, name, site, ffn) puts ``ffn`` in the MLP's place;
-    dense_weights(site, config) -> :class:`~sparseffn.convert.DenseWeights`, or None for an
-      MLP that is not a two-layer one (a gated MLP cannot be converted);
+    dense_weights(site, config) -> :class:`~sparseffn.convert.DenseWeights` (with ``w_gate``
+      for a gated MLP), or None for an MLP that cannot be converted;
     mlp(site) -> the module whose input is the MLP's input (hooked to collect samples);
     replaced(site) -> whether a site of one of ``classes`` already holds a sparse layer (for
       families whose site is the whole block, like BERT's);
@@ -101,8 +101,9 @@ def _params(*modules: nn.Module) -> int:
     return sum(p.numel() for m in modules for p in m.parameters())
 
 
-def _activation(config: Any, attribute: str) -> str:
-    name = getattr(config, attribute, None)
+def _activation(config: Any, *attributes: str) -> str:
+    """The sparseffn name of the activation the first set one of ``attributes`` names."""
+    name = next((getattr(config, a) for a in attributes if getattr(config, a, None)), None)
     if name not in _HF_ACTIVATIONS:
         raise ValueError(f"cannot convert an MLP with activation {name!r}: sparseffn computes "
                          f"{sorted(_HF_ACTIVATIONS)} exactly")
@@ -134,6 +135,16 @@ def _bert_weights(site, config) -> DenseWeights:
                                      _activation(config, "hidden_act"))
 
 
+def _llama_weights(site, config) -> DenseWeights:
+    # down_proj(act(gate_proj(x)) * up_proj(x)); Gemma names its activation hidden_activation
+    if site.gate_proj.bias is not None:
+        raise ValueError("cannot convert a gated MLP whose gate projection has a bias")
+    weights = DenseWeights.from_linears(site.up_proj, site.down_proj,
+                                        _activation(config, "hidden_activation", "hidden_act"))
+    return DenseWeights(weights.w1, weights.b1, weights.w2, weights.b2, weights.activation,
+                        w_gate=site.gate_proj.weight.detach())
+
+
 def _models(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple((f"transformers.models.{package}.modeling_{package}", cls) for package, cls in pairs)
 
@@ -149,7 +160,7 @@ FAMILIES: list[MLPFamily] = [
                          ("olmo", "OlmoMLP"), ("olmo2", "Olmo2MLP")),
         dims=lambda s: (s.up_proj.in_features, s.up_proj.out_features),
         dense_params=_params, replace=_swapper("llama"),
-        dense_weights=lambda site, config: None, matrices=3),
+        dense_weights=_llama_weights, matrices=3),
     MLPFamily(
         "bert", _models(("bert", "BertLayer"), ("roberta", "RobertaLayer"),
                         ("xlm_roberta", "XLMRobertaLayer"), ("electra", "ElectraLayer"),
@@ -397,11 +408,11 @@ def sparsify(model: nn.Module, layer: LayerSpec, *,
 # MoEfication of a whole model
 
 def dense_weights(site: Site, config: Any = None) -> DenseWeights:
-    """The weights of the two-layer MLP at ``site`` (GPT-2 and BERT families)."""
+    """The weights of the MLP at ``site`` (gated for the Llama family)."""
     weights = site.family.dense_weights(site.module, config)
     if weights is None:
-        raise ValueError(f"{site.path}: a {site.family.name}-family MLP is gated (three "
-                         f"matrices); MoEfication here converts two-layer MLPs only")
+        raise ValueError(f"{site.path}: sparseffn does not know how to read the weights of a "
+                         f"{site.family.name}-family MLP (register_family with dense_weights)")
     return weights
 
 

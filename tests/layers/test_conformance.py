@@ -81,6 +81,12 @@ VARIANTS = {
     "moe_converted": MoEConfig(d_model=D, num_experts=5, expert_size=6, k=2,
                                router=SigmaRouterConfig(gate="hard"), activation="gelu_tanh",
                                bias=True),
+    # SwiGLU experts (Mixtral's; what sparseffn.convert builds from a Llama MLP)
+    "moe_gated": MoEConfig(d_model=D, num_experts=5, expert_size=6, k=2, activation="silu",
+                           gated=True),
+    "moe_gated_converted": MoEConfig(d_model=D, num_experts=5, expert_size=6, k=2,
+                                     router=SigmaRouterConfig(gate="hard"), activation="silu",
+                                     gated=True, bias=True),
 }
 EXAMPLES = {**{f"layer:{k}": v for k, v in LAYER_EXAMPLES.items()},
             **{f"router:{k}": v for k, v in ROUTER_EXAMPLES.items()},
@@ -97,7 +103,7 @@ def test_every_registration_has_an_example():
 # --- loop references, one per store ---------------------------------------------------------
 
 def _mlp_experts_reference(store: MLPExperts, x, routing):
-    act = {"relu": F.relu, "gelu": F.gelu,
+    act = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
            "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}[store.activation]
     rows = []
     for t in range(x.shape[0]):
@@ -107,7 +113,11 @@ def _mlp_experts_reference(store: MLPExperts, x, routing):
                 continue
             e = int(routing.indices[t, j])
             h = store.w1[e] @ x[t] + (0 if store.b1 is None else store.b1[e])
-            out = act(h) @ store.w2[e] + (0 if store.b2 is None else store.b2[e])
+            if store.w_gate is not None:   # a gated linear unit: act(Wg x) ⊙ (W1 x + b1)
+                h = act(store.w_gate[e] @ x[t]) * h
+            else:
+                h = act(h)
+            out = h @ store.w2[e] + (0 if store.b2 is None else store.b2[e])
             y = y + routing.weights[t, j].to(x.dtype) * out
         rows.append(y if store.b_out is None else y + store.b_out)
     return torch.stack(rows) if rows else x.new_zeros(0, store.d_out)

@@ -22,15 +22,17 @@ def cvmm_reference(x, indices, weight, gates=None):
     return torch.stack(outs)
 
 
-def expert_mlp_reference(x, indices, weights, w1, w2, activation):
+def expert_mlp_reference(x, indices, weights, w1, w2, activation, w_gate=None):
     """y_t = Σ_j weights[t, j] · act(x_t W1[e]) W2[e], e = indices[t, j] (Csordás et al. 2023 Eq.
-    25)."""
+    25); with ``w_gate`` [E, d, G] the gated expert (act(x_t Wg[e]) ⊙ x_t W1[e]) W2[e]."""
     rows = []
     for t in range(x.shape[0]):
         y = x.new_zeros(w2.shape[-1])
         for j in range(indices.shape[1]):
             e = indices[t, j]
-            y = y + weights[t, j] * (activation(x[t] @ w1[e]) @ w2[e])
+            hidden = activation(x[t] @ w1[e]) if w_gate is None else \
+                activation(x[t] @ w_gate[e]) * (x[t] @ w1[e])
+            y = y + weights[t, j] * (hidden @ w2[e])
         rows.append(y)
     return torch.stack(rows) if rows else x.new_zeros(0, w2.shape[-1])
 

@@ -88,3 +88,47 @@ def test_a_nan_token_stays_in_its_own_rows_and_dropped_nan_pairs_get_zero_gate_g
     assert torch.all(grad_g[5] == 0) and torch.isfinite(grad_g[clean]).all()
     want_x = torch.autograd.grad(want[keep], x, grad[keep])[0]
     torch.testing.assert_close(grad_x[keep], want_x[keep], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("T", [23, 1, 0])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_experts_match_the_reference_with_empty_experts_and_batches(matmul_path, activation,
+                                                                          T):
+    """GLU experts (act(x Wgᵀ) ⊙ x W1ᵀ) W2 against the loop: outputs and all five gradients, at
+    odd sizes, with pairs dropped at capacity, experts that get no token and an empty batch."""
+    indices, (x, w1, w2, gates) = _problem(T=T, E=6)          # expert 5 never chosen
+    indices = indices.clamp(max=4)
+    w_gate = torch.randn(6, 7, 12, requires_grad=True)
+    dispatched = torch.rand(indices.shape) < 0.7
+    plan = DispatchPlan.build(indices, 6, dispatched=dispatched)
+    y = expert_mlp(x, plan, w1, w2, gates, activation=activation, w_gate=w_gate)
+    act = {"silu": F.silu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}[activation]
+    want = expert_mlp_reference(x, indices, gates * dispatched, w1.transpose(1, 2), w2, act,
+                                w_gate.transpose(1, 2))
+    assert y.shape == (T, 10)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    grad = torch.randn_like(y)
+    inputs = [x, w1, w2, gates, w_gate]
+    got_grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+    if T == 0:   # no token: every gradient is zero (or absent), none is garbage
+        assert all(g is None or (g.shape == p.shape and torch.all(g == 0))
+                   for g, p in zip(got_grads, inputs))
+        return
+    want_grads = torch.autograd.grad(want, inputs, grad)
+    for name, got, want_grad in zip(("x", "w1", "w2", "gates", "w_gate"), got_grads, want_grads):
+        torch.testing.assert_close(got, want_grad, atol=1e-3, rtol=1e-3, msg=name)
+    assert torch.all(got_grads[4][5] == 0) and torch.all(got_grads[3][~dispatched] == 0)
+
+
+def test_a_nan_token_in_gated_experts_stays_in_its_own_rows(matmul_path):
+    indices, (x, w1, w2, gates) = _problem(T=11)
+    w_gate = torch.randn(5, 7, 12)
+    with torch.no_grad():
+        x[4, 1] = float("nan")
+    y = expert_mlp(x, DispatchPlan.build(indices, 5), w1, w2, gates, activation="silu",
+                   w_gate=w_gate)
+    want = expert_mlp_reference(x, indices, gates, w1.transpose(1, 2), w2, F.silu,
+                                w_gate.transpose(1, 2))
+    clean = torch.arange(11) != 4
+    assert torch.isnan(y[4]).all()
+    torch.testing.assert_close(y[clean], want[clean], atol=1e-4, rtol=1e-4)

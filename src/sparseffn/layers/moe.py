@@ -46,6 +46,9 @@ class MoEConfig(LayerConfig):
     - ``bias``: the biases of a dense MLP split into the experts: one per hidden unit and one
       output bias added once per token (see :class:`~sparseffn.stores.MLPExperts`'s
       ``dense_bias``; what :mod:`sparseffn.convert` builds from BERT's or GPT-2's MLPs).
+    - ``gated``: gated (GLU) experts ``(act(x Wgᵀ) ⊙ x W1ᵀ) W2`` with a third matrix per
+      expert (Shazeer 2020, arXiv:2002.05202; ``activation="silu"`` gives SwiGLU experts as
+      in Mixtral, and what :mod:`sparseffn.convert` builds from Llama-family MLPs).
     """
 
     type_name: ClassVar[str] = "moe"
@@ -60,10 +63,12 @@ class MoEConfig(LayerConfig):
     init: str = "sigma_moe"
     init_depth: int = 1
     bias: bool = False
+    gated: bool = False
 
     def __post_init__(self) -> None:
         _check_experts(self)
         require_bool(self, "bias")
+        require_bool(self, "gated")
         require_choice(self, "init", MOE_INITS)
         require_probability(self, "hidden_dropout")
         object.__setattr__(self, "router", router_config_from(self.router))
@@ -76,7 +81,7 @@ class MoEConfig(LayerConfig):
 
     def cost(self) -> LayerCost:
         selection = self.router.num_params(self.d_model, self.num_experts)
-        expert = 2 * self.d_model * self.expert_size
+        expert = (3 if self.gated else 2) * self.d_model * self.expert_size
         biases = (self.num_experts * self.expert_size + self.d_model) if self.bias else 0
         active_biases = (self.k * self.expert_size + self.d_model) if self.bias else 0
         return LayerCost(total_params=selection + self.num_experts * expert + biases,
@@ -122,7 +127,7 @@ class MoE(RoutedFFN):
         store = MLPExperts(config.num_experts, config.d_model, config.expert_size,
                            activation=config.activation, dense_bias=config.bias,
                            dropout=config.hidden_dropout, init=config.init,
-                           init_depth=config.init_depth)
+                           init_depth=config.init_depth, gated=config.gated)
         super().__init__(router, store)
         self.config = self.moe_config = config
         # Drawn again after the experts, as in earlier releases: a seed gives the same weights.

@@ -1,7 +1,9 @@
 """A mixture of two-layer MLP experts: two CVMMs with an activation between them.
 
 ``y_t = Σ_j g_tj · act(x_t W1[e_tj]ᵀ) W2[e_tj]`` (Csordás et al. 2023 Eq. 25), with the hidden
-units kept in the plan's expert-sorted order between the two CVMMs.
+units kept in the plan's expert-sorted order between the two CVMMs. Gated (GLU) experts,
+``(act(x_t Wg[e]ᵀ) ⊙ x_t W1[e]ᵀ) W2[e]`` (Shazeer 2020, arXiv:2002.05202; Llama's and
+Mixtral's SwiGLU experts), add a third CVMM into the same sorted rows.
 
 With ReLU experts (and no dropout or biases; under autocast in the autocast dtype), one
 autograd function runs both layers on the ``sparseffn::cvmm_rows`` operator, with the ReLU and
@@ -28,7 +30,8 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
                gates: torch.Tensor, activation: str = "relu",
                hidden_dropout: Callable[[torch.Tensor], torch.Tensor] | None = None,
                b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-               indices: torch.Tensor | None = None) -> torch.Tensor:
+               indices: torch.Tensor | None = None,
+               w_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Apply each token's k experts and sum them with the gates.
 
     Args:
@@ -43,6 +46,8 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
       b1, b2: optional expert biases [E, G] and [E, d_out] (FFF leaves have them):
         ``act(x W1ᵀ + b1) W2 + b2``, weighted by the gate; they take the unfused path and need
         ``indices`` [T, k], the expert ids ``plan`` was built from.
+      w_gate: optional [E, G, d_in], the gate rows of gated experts:
+        ``(act(x Wgᵀ) ⊙ (x W1ᵀ + b1)) W2 + b2`` (unfused path).
 
     Returns [T, d_out].
     """
@@ -52,7 +57,9 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
     if torch.is_autocast_enabled(x.device.type):   # both CVMMs in the autocast dtype
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+        w_gate = None if w_gate is None else w_gate.to(dtype)
     if activation in _FUSED_ACTIVATIONS and hidden_dropout is None and not biased \
+            and w_gate is None \
             and x.dim() == 2 and x.dtype == w1.dtype == w2.dtype:
         return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
                                     plan.token_of_row, plan.counts, plan.k)
@@ -60,7 +67,11 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
     if b1 is not None:   # each sorted row's expert: the plan's order over the flat indices
         hidden = hidden + b1.index_select(0, indices.reshape(-1).index_select(0, plan.order)
                                           ).to(hidden.dtype)
-    hidden = activation_fn(activation)(hidden)
+    if w_gate is None:
+        hidden = activation_fn(activation)(hidden)
+    else:   # the GLU: the activated gate rows times the linear rows, in the same sorted order
+        hidden = activation_fn(activation)(cvmm(x, plan, w_gate.transpose(1, 2),
+                                                sorted_output=True)) * hidden
     if hidden_dropout is not None:
         hidden = hidden_dropout(hidden)
     y = cvmm(hidden, plan, w2, gates=gates, sorted_input=True)

@@ -32,6 +32,11 @@ class MLPExperts(ExpertStore):
     (MoEfication, Zhang et al. 2022, arXiv:2110.01786: a dense MLP split into experts keeps
     its output bias).
 
+    ``gated`` makes each expert a gated linear unit, ``f_e(x) = (act(x Wg_eᵀ) ⊙ (x W1_eᵀ +
+    b1_e)) W2_e + b2_e`` (Shazeer 2020, "GLU Variants Improve Transformer", arXiv:2002.05202;
+    with ``activation="silu"`` the SwiGLU of Llama's MLPs and Mixtral's experts), with one more
+    parameter ``w_gate`` [E, expert_size, d_model], initialised as ``w1``.
+
     Sparse routings run through :func:`~sparseffn.ops.expert_mlp` (pairs a router dropped at
     capacity are never computed: their output is zero). A ``dense`` routing (weights over every
     expert, the soft mode of a fast feed-forward tree) runs as one GEMM into all experts'
@@ -52,7 +57,8 @@ class MLPExperts(ExpertStore):
 
     def __init__(self, num_experts: int, d_model: int, expert_size: int, d_out: int | None = None,
                  *, activation: str = "relu", bias: bool = False, dense_bias: bool = False,
-                 dropout: float = 0.0, init: str = "sigma_moe", init_depth: int = 1) -> None:
+                 dropout: float = 0.0, init: str = "sigma_moe", init_depth: int = 1,
+                 gated: bool = False) -> None:
         super().__init__()
         if init not in MLP_EXPERT_INITS:
             raise ValueError(f"MLPExperts init must be one of {MLP_EXPERT_INITS}, got {init!r}")
@@ -64,6 +70,7 @@ class MLPExperts(ExpertStore):
         self.activation, self.init, self.init_depth = activation, init, init_depth
         self.w1 = nn.Parameter(torch.empty(num_experts, expert_size, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, expert_size, self.d_out))
+        self.w_gate = nn.Parameter(torch.empty(num_experts, expert_size, d_model)) if gated else None
         self.b1 = nn.Parameter(torch.empty(num_experts, expert_size)) if bias or dense_bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, self.d_out)) if bias else None
         self.b_out = nn.Parameter(torch.empty(self.d_out)) if dense_bias else None
@@ -78,7 +85,7 @@ class MLPExperts(ExpertStore):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         if self.init == "fff":
-            for params, fan_in in (((self.w1, self.b1), self.d_model),
+            for params, fan_in in (((self.w1, self.b1, self.w_gate), self.d_model),
                                    ((self.w2, self.b2), self.expert_size)):
                 bound = 1 / math.sqrt(fan_in)
                 for p in params:
@@ -86,13 +93,18 @@ class MLPExperts(ExpertStore):
                         p.uniform_(-bound, bound)
             return
         if self.init == "switch":
-            for weight, fan_in in ((self.w1, self.d_model), (self.w2, self.expert_size)):
+            for weight, fan_in in ((self.w1, self.d_model), (self.w_gate, self.d_model),
+                                   (self.w2, self.expert_size)):
+                if weight is None:
+                    continue
                 std = math.sqrt(0.1 / fan_in)
                 nn.init.trunc_normal_(weight, 0.0, std, -2 * std, 2 * std)
         else:
             w2_fan_in = (self.num_experts * self.expert_size if self.init == "sigma_moe"
                          else self.expert_size)
             self.w1.normal_(0.0, dense_init_std(self.d_model, self.init_depth))
+            if self.w_gate is not None:
+                self.w_gate.normal_(0.0, dense_init_std(self.d_model, self.init_depth))
             self.w2.normal_(0.0, dense_init_std(w2_fan_in, self.init_depth))
         for p in (self.b1, self.b2, self.b_out):
             if p is not None:
@@ -111,7 +123,7 @@ class MLPExperts(ExpertStore):
         return expert_mlp(x, plan, self.w1, self.w2, routing.weights, activation=self.activation,
                           hidden_dropout=dropout, b1=self.b1, b2=self.b2,
                           indices=routing.indices if self.b1 is not None or self.b2 is not None
-                          else None)
+                          else None, w_gate=self.w_gate)
 
     def dense_output(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``Σ_e w_e f_e(x)`` over every expert: the hidden layers as one GEMM
@@ -122,7 +134,12 @@ class MLPExperts(ExpertStore):
         experts, width, d_model = self.w1.shape
         hidden = nn.functional.linear(x, self.w1.reshape(experts * width, d_model),
                                       None if self.b1 is None else self.b1.reshape(-1))
-        hidden = self.hidden_dropout(activation_fn(self.activation)(hidden))
+        act = activation_fn(self.activation)
+        if self.w_gate is None:
+            hidden = act(hidden)
+        else:
+            hidden = act(nn.functional.linear(x, self.w_gate.reshape(experts * width, d_model))) * hidden
+        hidden = self.hidden_dropout(hidden)
         weights = weights.to(hidden.dtype)
         hidden = (hidden.view(tokens, experts, width) * weights.unsqueeze(-1)).view(tokens, experts * width)
         y = hidden @ self.w2.reshape(experts * width, -1).to(hidden.dtype)
@@ -132,4 +149,5 @@ class MLPExperts(ExpertStore):
         return (f"num_experts={self.num_experts}, d_model={self.d_model}, "
                 f"expert_size={self.expert_size}, d_out={self.d_out}, "
                 f"activation={self.activation}, bias={self.b2 is not None}, "
-                f"dense_bias={self.b_out is not None}, init={self.init}")
+                f"dense_bias={self.b_out is not None}, gated={self.w_gate is not None}, "
+                f"init={self.init}")
