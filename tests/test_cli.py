@@ -201,6 +201,18 @@ def test_bench_fff_compares_with_fastfeedforward(tmp_path, capsys):
     assert "once their missing leaf bias b2 is added" in out
 
 
+def test_bench_tokenizers_times_both_engines_and_finds_them_agreeing(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "tok.json"
+    assert cli.main(["bench", "tokenizers", "--megabytes", "0.05", "--vocab-sizes", "300",
+                     "--corpus", "pydoc", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["engine"] for r in records] == ["numpy", "tokenizers"]
+    assert all(r["agrees_with_numpy"] and r["bytes"] == int(0.05 * (1 << 20)) and
+               0 < r["tokens_per_byte"] < 1 for r in records)
+    assert "speed-up train" in capsys.readouterr().out
+
+
 def test_bad_depths_are_rejected(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "routers", "--depths", "0-3"])

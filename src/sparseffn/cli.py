@@ -101,6 +101,13 @@ def _bench_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_tokenizers(args: argparse.Namespace) -> int:
+    from .bench import tokenizers
+    tokenizers.run(megabytes=args.megabytes, vocab_sizes=tuple(args.vocab_sizes),
+                   corpus=args.corpus, json_path=args.json)
+    return 0
+
+
 def _reproduce(args: argparse.Namespace) -> int:
     from . import reproduce
     results = reproduce.run(args.name, quick=args.quick, model_dir=args.model, data=args.data,
@@ -253,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     pk.add_argument("--plot", metavar="PATH", help="draw the scaling series to this PNG")
     pk.set_defaults(func=_bench_productkeys)
+
+    tok = benches.add_parser(
+        "tokenizers", help="the BPE tokenizer trained and applied by NumPy and by Hugging Face "
+                           "tokenizers on the same text: seconds, speed-up, agreement")
+    tok.add_argument("--megabytes", type=float, default=2.0, help="text to train on (2)")
+    tok.add_argument("--vocab-sizes", type=int, nargs="+", default=[1024, 4096],
+                     help="vocabulary sizes (1024 4096)")
+    tok.add_argument("--corpus", default="stdlib",
+                     help="a corpus that needs no download: stdlib (default) or pydoc")
+    tok.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    tok.set_defaults(func=_bench_tokenizers)
 
     from .train.commands import add_commands
     add_commands(commands)
