@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .auxiliary import sparse_grad_parameters
+from ..auxiliary import sparse_grad_parameters
 
 
 def ddp_ignore_sparse_grad_parameters(model: nn.Module) -> list[str]:

@@ -1,0 +1,19 @@
+"""sparseffn on several processes (``torch.distributed``).
+
+- :mod:`~sparseffn.distributed.expert_parallel`: the experts of a mixture sharded across
+  ranks, tokens exchanged by all-to-all (:func:`shard_experts`, :func:`sync_gradients`,
+  :func:`gathered_state_dict`);
+- :mod:`~sparseffn.distributed.sparse_grads`: data parallelism with sparse-gradient tables
+  (PKM values and PEER experts built with ``sparse_grad=True``).
+"""
+
+from .all_to_all import all_to_all, exchange_counts
+from .expert_parallel import (ExpertParallelMLP, ddp_ignore_expert_parameters,
+                              expert_parameters, gathered_state_dict, scale_expert_gradients,
+                              shard_experts, sync_gradients)
+from .sparse_grads import all_reduce_sparse_grads, ddp_ignore_sparse_grad_parameters
+
+__all__ = ["ExpertParallelMLP", "all_reduce_sparse_grads", "all_to_all",
+           "ddp_ignore_expert_parameters", "ddp_ignore_sparse_grad_parameters",
+           "exchange_counts", "expert_parameters", "gathered_state_dict",
+           "scale_expert_gradients", "shard_experts", "sync_gradients"]

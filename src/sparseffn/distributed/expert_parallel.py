@@ -1,0 +1,251 @@
+"""Expert parallelism: the experts of a mixture sharded across the processes of a
+``torch.distributed`` group, as one more expert store (../DESIGN.md: router | store).
+
+Each rank holds ``num_experts / world`` consecutive experts (rank r: experts
+``[r·E_local, (r+1)·E_local)``) and a full copy of everything else (the router, attention,
+embeddings: data parallelism). In a forward pass every rank routes its own tokens, then
+(GShard, Lepikhin et al. 2020, arXiv:2006.16668 §2.2; Switch Transformer, Fedus et al. 2022,
+arXiv:2101.03961 §2.2):
+
+1. counts its (token, expert) pairs per owning rank and exchanges the counts
+   (:func:`~sparseffn.distributed.all_to_all.exchange_counts`);
+2. sends each pair's token row to the expert's rank (all-to-all with variable sizes: no
+   padding to a global capacity; a router with a capacity factor has already dropped what it
+   drops, and dropped pairs are never sent);
+3. each rank runs its local experts on what it received, through the same store and kernels
+   as one process (:class:`~sparseffn.stores.MLPExperts`), unweighted;
+4. the inverse all-to-all brings each pair's output home, where the gates weight it and each
+   token sums its k outputs in slot order (no atomics).
+
+The gates never leave their rank, so the router's gradient is computed at home. Gradients of
+the experts stay on their rank; those of the replicated parameters are averaged as in data
+parallelism: :func:`sync_gradients` after ``backward()`` (or DDP for the replicated part, with
+:func:`ddp_ignore_expert_parameters`, and :func:`scale_expert_gradients`).
+
+Usage (``torchrun --nproc-per-node N script.py``)::
+
+    dist.init_process_group("gloo")            # or "nccl"
+    model = build_model()                      # the same weights on every rank (same seed)
+    shard_experts(model)                       # keeps this rank's experts only
+    loss = model(local_batch).mean(); loss.backward()
+    sync_gradients(model)                      # replicated: average; experts: 1/world
+    optimizer.step()
+    full = gathered_state_dict(model)          # the one-process state dict, on every rank
+
+The auxiliary losses and usage statistics are computed on each rank's own tokens (as
+DeepSpeed-MoE and most implementations do); :func:`~sparseffn.all_reduce_usage` sums the
+usage over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..routing import RoutedFFN, Routing
+from ..stores import MLPExperts
+from ..stores.base import ExpertStore
+from .all_to_all import all_to_all, exchange_counts
+
+
+def _group_rank_world(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("expert parallelism needs an initialised torch.distributed process "
+                           "group (dist.init_process_group, e.g. under torchrun)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class ExpertParallelMLP(ExpertStore):
+    """MLP experts sharded across the ranks of ``group``: this rank computes ``local`` (an
+    :class:`~sparseffn.stores.MLPExperts` with ``num_experts / world`` experts, the global
+    experts ``first_expert + i``) for every rank's tokens.
+
+    forward(x: [T, d_model], routing over all ``num_experts``) -> [T, d_out], equal to what one
+    process holding every expert computes (up to the order of floating-point sums).
+    Parameters: ``local.*`` (this rank's experts; ``local.b_out``, a dense MLP's output bias,
+    is replicated).
+    """
+
+    def __init__(self, local: MLPExperts, num_experts: int, group=None) -> None:
+        super().__init__()
+        rank, world = _group_rank_world(group)
+        if local.num_experts * world != num_experts:
+            raise ValueError(f"ExpertParallelMLP: {world} ranks of {local.num_experts} experts "
+                             f"do not make {num_experts}")
+        self.local = local
+        self.group = group
+        self.world = world
+        self.num_experts = num_experts
+        self.experts_per_rank = local.num_experts
+        self.first_expert = rank * local.num_experts
+        self.d_model, self.d_out = local.d_model, local.d_out
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The parameters that belong to this rank's experts only (not ``b_out``)."""
+        return [p for name, p in self.local.named_parameters() if name != "b_out"]
+
+    def reset_parameters(self) -> None:
+        self.local.reset_parameters()
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if routing.dense:
+            raise ValueError("ExpertParallelMLP: a dense routing (every token to every expert, "
+                             "the soft mode of a fast feed-forward tree) is not expert-parallel; "
+                             "use a sparse train_mode or keep the layer unsharded")
+        tokens, k = routing.indices.shape
+        pairs = torch.arange(tokens * k, device=x.device)
+        experts = routing.indices.reshape(-1)
+        if routing.dispatched is not None:           # dropped at capacity: never sent
+            keep = routing.dispatched.reshape(-1)
+            pairs, experts = pairs[keep], experts[keep]
+        owner = torch.div(experts, self.experts_per_rank, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)
+        pairs, experts, owner = pairs[order], experts[order], owner[order]
+        send = torch.bincount(owner, minlength=self.world)
+        recv = exchange_counts(send, self.group)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
+
+        rows = all_to_all(x.index_select(0, torch.div(pairs, k, rounding_mode="floor")),
+                          send_splits, recv_splits, self.group)                       # [R, d]
+        local_ids = all_to_all(experts - owner * self.experts_per_rank, send_splits,
+                               recv_splits, self.group)                               # [R]
+        ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=x.device)
+        out = self.local.expert_output(rows, Routing(indices=local_ids.unsqueeze(1),
+                                                     weights=ones))                  # [R, d_out]
+        back = all_to_all(out, recv_splits, send_splits, self.group)                 # [P, d_out]
+
+        # home again: weight by the gates, sum each token's k slots in order
+        gates = routing.weights.reshape(-1).index_select(0, pairs).to(back.dtype)
+        slots = back.new_zeros(tokens * k, back.shape[1]).index_copy(
+            0, pairs, back * gates.unsqueeze(1))
+        y = slots.view(tokens, k, back.shape[1]).sum(1)
+        local = self.local
+        return y if local.b_out is None else y + local.b_out.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, world={self.world}, "
+                f"experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1} "
+                f"here")
+
+
+def _sharded_stores(model: nn.Module):
+    for module in model.modules():
+        if isinstance(module, RoutedFFN) and isinstance(module.store, ExpertParallelMLP):
+            yield module.store
+
+
+@torch.no_grad()
+def _local_copy(store: MLPExperts, first: int, count: int) -> MLPExperts:
+    """A store of experts ``first .. first + count - 1`` of ``store``, sharing nothing."""
+    local = MLPExperts(count, store.d_model, store.expert_size, store.d_out,
+                       activation=store.activation, bias=store.b2 is not None,
+                       dense_bias=store.b_out is not None, dropout=store.hidden_dropout.p,
+                       init=store.init, init_depth=store.init_depth,
+                       gated=store.w_gate is not None).to(store.w1.device, store.w1.dtype)
+    for name, param in local.named_parameters():
+        source = getattr(store, name)
+        param.copy_(source if name == "b_out" else source[first:first + count])
+    return local.train(store.training)
+
+
+def shard_experts(model: nn.Module, group=None) -> list[str]:
+    """Keep on this rank only its share of the experts of every mixture of MLP experts in
+    ``model`` (any :class:`~sparseffn.routing.RoutedFFN` with an
+    :class:`~sparseffn.stores.MLPExperts` store: :class:`~sparseffn.MoE` with every router,
+    :class:`~sparseffn.SigmaMoE`, a sparse-trained FFF), in place; returns their names.
+
+    Call it on the same weights on every rank (build the model from one seed, or load one
+    checkpoint first): rank r keeps experts ``[r·E/world, (r+1)·E/world)``. ``num_experts``
+    must be a multiple of the group's size.
+    """
+    rank, world = _group_rank_world(group)
+    names = []
+    for name, module in model.named_modules():
+        if not (isinstance(module, RoutedFFN) and isinstance(module.store, MLPExperts)):
+            continue
+        store = module.store
+        if store.num_experts % world:
+            raise ValueError(f"shard_experts: {name or type(module).__name__} has "
+                             f"{store.num_experts} experts, not a multiple of the {world} ranks")
+        count = store.num_experts // world
+        module.store = ExpertParallelMLP(_local_copy(store, rank * count, count),
+                                         store.num_experts, group)
+        names.append(name)
+    return names
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model`` that live on this rank only (its experts)."""
+    return [p for store in _sharded_stores(model) for p in store.expert_parameters()]
+
+
+def ddp_ignore_expert_parameters(model: nn.Module) -> list[str]:
+    """Keep the expert parameters out of a ``DistributedDataParallel(model)`` built afterwards
+    (each rank's are different: DDP must neither broadcast nor average them); returns their
+    names. After ``backward()`` call :func:`scale_expert_gradients`."""
+    from torch.nn.parallel import DistributedDataParallel
+    ids = {id(p) for p in expert_parameters(model)}
+    names = [name for name, p in model.named_parameters() if id(p) in ids]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    return names
+
+
+@torch.no_grad()
+def scale_expert_gradients(model: nn.Module, group=None) -> None:
+    """Divide the expert gradients by the group's size, as data parallelism divides the
+    replicated ones: each rank's expert gradient sums the contributions of every rank's
+    tokens, and the objective is the mean of the ranks' losses. An expert that received no
+    token gets a zero gradient (never ``None``, so every rank's optimizer steps alike)."""
+    _, world = _group_rank_world(group)
+    for p in expert_parameters(model):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.div_(world)
+
+
+@torch.no_grad()
+def sync_gradients(model: nn.Module, group=None) -> None:
+    """After ``backward()`` without DDP: average the gradients of the replicated parameters
+    over the group (one all-reduce of them all, flattened; a missing gradient counts as zero
+    on that rank) and scale the expert gradients (:func:`scale_expert_gradients`). Every
+    rank's gradients are then those of the mean of the ranks' losses."""
+    _, world = _group_rank_world(group)
+    experts = {id(p) for p in expert_parameters(model)}
+    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    if replicated:
+        for p in replicated:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in replicated])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        offset = 0
+        for p in replicated:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+    scale_expert_gradients(model, group)
+
+
+@torch.no_grad()
+def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as one process holding every expert would have it (keys
+    ``….store.w1`` of all ``num_experts``), on every rank: load it into an unsharded model,
+    or into any number of ranks with :func:`shard_experts` after loading. One all-gather per
+    expert parameter."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if not (isinstance(module, RoutedFFN) and isinstance(module.store, ExpertParallelMLP)):
+            continue
+        store = module.store
+        prefix = f"{name}.store." if name else "store."
+        for pname, param in store.local.named_parameters():
+            state.pop(f"{prefix}local.{pname}")
+            if pname == "b_out":
+                state[prefix + pname] = param.detach().clone()
+                continue
+            parts = [torch.empty_like(param) for _ in range(store.world)]
+            dist.all_gather(parts, param.detach().contiguous(), group=store.group)
+            state[prefix + pname] = torch.cat(parts)
+    return state
