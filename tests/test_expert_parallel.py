@@ -41,8 +41,17 @@ def _switch(seed=0):
                          activation="silu"))
 
 
-LAYERS = {"sigma": _sigma, "switch": _switch}
-RUNS = ["sigma", "switch", "sigma_ddp"]
+def _switch_dropless(seed=0):
+    torch.manual_seed(seed)
+    return MoE(MoEConfig(d_model=D, num_experts=4, expert_size=6, k=1,
+                         router=SwitchRouterConfig(capacity_factor=None, z_loss_weight=0.1)))
+
+
+LAYERS = {"sigma": _sigma, "switch": _switch, "switch_dropless": _switch_dropless}
+# run name: (layer, batch statistics, under DDP)
+RUNS = {"sigma": ("sigma", "local", False), "switch": ("switch", "local", False),
+        "sigma_ddp": ("sigma", "local", True), "sigma_global": ("sigma", "global", False),
+        "switch_global": ("switch_dropless", "global", False)}
 
 
 def _batch(rank, world):
@@ -65,13 +74,13 @@ def _init(rank, world, init_file):
 def _rank_main(rank, world, init_file, out_dir, checkpoint_in):
     _init(rank, world, init_file)
     results = {}
-    for name in RUNS:
-        layer = LAYERS[name.replace("_ddp", "")]()
-        assert shard_experts(layer) == [""]
+    for name, (layer_name, statistics, ddp) in RUNS.items():
+        layer = LAYERS[layer_name]()
+        assert shard_experts(layer, batch_statistics=statistics) == [""]
         assert isinstance(layer.store, ExpertParallelMLP)
         x = _batch(rank, world).requires_grad_()
         y = layer(x)
-        if name.endswith("_ddp"):   # DDP averages the rest; the experts stay out of it
+        if ddp:   # DDP averages the rest; the experts stay out of it
             assert ddp_ignore_expert_parameters(layer) == ["store.local.w1", "store.local.w2"]
             model = DistributedDataParallel(layer, broadcast_buffers=False)
             loss = model(x).pow(2).sum() / 10 + aux_loss(layer)
@@ -104,18 +113,28 @@ def _rank_main(rank, world, init_file, out_dir, checkpoint_in):
     os._exit(0)      # see test_distributed_usage: gloo's teardown may abort a finished rank
 
 
-def _reference(name, world):
-    """One process, every expert: each rank's batch through the full layer, the gradient of
-    the mean of the ranks' losses, then the same SGD step."""
-    layer = LAYERS[name]()
+def _reference(layer_name, statistics, world):
+    """One process, every expert, then the same SGD step. Local statistics: each rank's batch
+    through the full layer, the gradient of the mean of the ranks' losses. Global: the ranks'
+    batches as one batch, the aux losses once."""
+    layer = LAYERS[layer_name]()
     ys, losses, x_grads = [], [], []
-    for rank in range(world):
-        x = _batch(rank, world).requires_grad_()
-        loss = _loss(layer, x)
-        ys.append(layer(x).detach())
-        (loss / world).backward()
-        losses.append(loss.detach())
-        x_grads.append(x.grad * world)
+    if statistics == "local":
+        for rank in range(world):
+            x = _batch(rank, world).requires_grad_()
+            loss = _loss(layer, x)
+            ys.append(layer(x).detach())
+            (loss / world).backward()
+            losses.append(loss.detach())
+            x_grads.append(x.grad * world)
+    else:
+        xs = [_batch(rank, world).requires_grad_() for rank in range(world)]
+        y = layer(torch.cat(xs))
+        aux = aux_loss(layer)
+        ys = list(torch.split(y.detach(), [x.shape[0] for x in xs]))
+        (y.pow(2).sum() / (10 * world) + aux).backward()
+        losses = [part.pow(2).sum() / 10 + aux.detach() for part in ys]
+        x_grads = [x.grad * world for x in xs]
     grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
     torch.optim.SGD(layer.parameters(), lr=0.1).step()
     return ys, losses, x_grads, grads, layer.state_dict()
@@ -128,8 +147,8 @@ def _spawn(world, tmp, checkpoint_in=None):
 
 
 def _check_against_reference(got, world):
-    for name in RUNS:
-        ys, losses, x_grads, grads, state = _reference(name.replace("_ddp", ""), world)
+    for name, (layer_name, statistics, _) in RUNS.items():
+        ys, losses, x_grads, grads, state = _reference(layer_name, statistics, world)
         for rank, result in enumerate(got):
             r = result[name]
             torch.testing.assert_close(r["y"], ys[rank], atol=1e-5, rtol=1e-5)
@@ -198,7 +217,8 @@ def test_a_rank_that_fails_mid_step_makes_the_others_fail_with_a_clear_error():
         seconds, message = open(f"{tmp}/failed0.txt").read().split("\n", 1)
     assert exit_codes[0] == 0 and exit_codes[1] not in (0, None)
     assert float(seconds) < 30
-    assert "expert-parallel all-to-all" in message and "rank 0 of 2" in message, message
+    assert message.startswith("ExchangeError: expert-parallel") and "rank 0 of 2" in message, \
+        message
 
 
 def test_sharding_needs_a_process_group():

@@ -1,5 +1,13 @@
 """Auxiliary losses for routers. Each takes router logits or probabilities and returns a
-scalar; the layers record them unweighted and :func:`sparseffn.aux_loss` applies weights."""
+scalar; the layers record them unweighted and :func:`sparseffn.aux_loss` applies weights.
+
+The batch statistics in them (σ-MoE's mean selection distribution, Switch's f and p) are over
+the tokens of this call, or, given ``batch`` (a :class:`BatchSum`), over the global batch of
+all processes: ``batch.sum(local_sums)`` adds the processes' sums, differentiably, so every
+process computes the loss of the global batch (what expert parallelism uses:
+:func:`sparseffn.distributed.shard_experts`). Every process must then call it, even one with
+no tokens.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,22 @@ import torch
 from .ops.assignment import count_keys
 
 
-def batch_entropy_loss(logits: torch.Tensor) -> torch.Tensor:
+class BatchSum:
+    """How a loss adds per-batch sums over the global batch: ``sum(t)`` returns the sum of
+    ``t`` over all processes (differentiable). The identity here (one process)."""
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+
+def _global_mean(local_sums: torch.Tensor, tokens: int, batch: BatchSum) -> torch.Tensor:
+    """Σ over every process's tokens / their number, for ``local_sums`` [n] over this
+    process's ``tokens``; zeros when no process has a token."""
+    total = batch.sum(torch.cat([local_sums.float(), local_sums.new_full((1,), tokens).float()]))
+    return total[:-1] / total[-1].clamp_min(1.0)
+
+
+def batch_entropy_loss(logits: torch.Tensor, batch: BatchSum | None = None) -> torch.Tensor:
     """σ-MoE's regulariser (Csordás et al. 2023 Eq. 34-35): the *negative* entropy of the selection
     distribution averaged over the batch.
 
@@ -19,8 +42,11 @@ def batch_entropy_loss(logits: torch.Tensor) -> torch.Tensor:
 
     Minimising L maximises the entropy of p, i.e. spreads usage over experts.
     logits: [tokens, num_experts]. Computed in log space (log of the mean of softmaxes)
-    for stability; an empty batch gives 0.
+    for stability; an empty batch gives 0. With ``batch``, p is the mean over the global batch.
     """
+    if batch is not None:
+        p = _global_mean(torch.softmax(logits.float(), dim=-1).sum(0), logits.shape[0], batch)
+        return (p * p.clamp_min(torch.finfo(p.dtype).tiny).log()).sum()
     if logits.shape[0] == 0:
         return logits.new_zeros(())
     log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -39,14 +65,20 @@ def cv_squared(values: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
     return values.var(unbiased=False) / (values.mean().square() + eps)
 
 
-def switch_balance_loss(probs: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
+def switch_balance_loss(probs: torch.Tensor, top1: torch.Tensor, batch: BatchSum | None = None
+                        ) -> torch.Tensor:
     """Switch Transformer's load-balancing loss (Csordás et al. 2023 Eq. 29-31): ``N_E · f · p``.
 
     probs: [T, E] router probabilities ``softmax(W x)``; top1: int64 [T] the chosen expert
     (before any capacity dropping). ``f_i`` is the fraction of tokens choosing expert i
     (Eq. 29, no gradient), ``p_i`` the mean probability (Eq. 30). Equals 1 at perfect balance.
+    With ``batch``, f and p are over the global batch.
     """
     num_experts = probs.shape[-1]
+    if batch is not None:
+        counts = count_keys(top1, num_experts).float()
+        mean = _global_mean(torch.cat([counts, probs.float().sum(0)]), probs.shape[0], batch)
+        return num_experts * (mean[:num_experts] * mean[num_experts:]).sum()
     if probs.shape[0] == 0:
         return probs.new_zeros(())
     fraction = count_keys(top1, num_experts).float() / top1.numel()   # Eq. 29
@@ -54,8 +86,12 @@ def switch_balance_loss(probs: torch.Tensor, top1: torch.Tensor) -> torch.Tensor
     return num_experts * (fraction * mean_prob).sum()                            # Eq. 31
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss ``mean_x (logsumexp_e logits[x, e])²``: keeps the logits small."""
+def router_z_loss(logits: torch.Tensor, batch: BatchSum | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss ``mean_x (logsumexp_e logits[x, e])²``: keeps the logits small
+    (the mean over the global batch with ``batch``)."""
+    if batch is not None:
+        squares = torch.logsumexp(logits.float(), dim=-1).square().sum()
+        return _global_mean(squares.reshape(1), logits.shape[0], batch)[0]
     if logits.shape[0] == 0:
         return logits.new_zeros(())
     return torch.logsumexp(logits.float(), dim=-1).square().mean()

@@ -13,22 +13,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-class ExchangeError(RuntimeError):
-    """An expert-parallel exchange failed: another rank stopped, or did not arrive within the
-    process group's timeout."""
+from .errors import explained
 
 
 def _all_to_all_single(out, x, recv_splits, send_splits, group, what: str) -> None:
-    try:
+    with explained(f"all-to-all ({what})", group):
         dist.all_to_all_single(out, x, output_split_sizes=recv_splits,
                                input_split_sizes=send_splits, group=group)
-    except (RuntimeError, ValueError) as error:    # gloo / NCCL errors, timeouts
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        raise ExchangeError(
-            f"expert-parallel all-to-all ({what}) failed on rank {rank} of {world}: another "
-            f"rank stopped or did not arrive within the process group's timeout (set it with "
-            f"init_process_group(timeout=...)). Cause: {error}") from error
 
 
 def exchange_counts(send_counts: torch.Tensor, group=None) -> torch.Tensor:

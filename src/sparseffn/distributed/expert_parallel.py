@@ -32,9 +32,15 @@ Usage (``torchrun --nproc-per-node N script.py``)::
     optimizer.step()
     full = gathered_state_dict(model)          # the one-process state dict, on every rank
 
-The auxiliary losses and usage statistics are computed on each rank's own tokens (as
-DeepSpeed-MoE and most implementations do); :func:`~sparseffn.all_reduce_usage` sums the
-usage over ranks.
+The auxiliary losses' batch statistics (σ-MoE's and S-BASE's mean selection distribution,
+Eq. 34 of Csordás et al. 2023; Switch's f and p and the z-loss's mean; the noisy top-k
+importance and load) are over the global batch, as the papers define them, at the cost of
+one all-reduce of ``2·num_experts + 1`` numbers per layer: with equal weights, a step on N
+ranks computes what one process computes on the N batches together (``batch_statistics=
+"global"``, the default). ``"local"`` keeps them per rank, as DeepSpeed-MoE does. A capacity
+factor always applies per rank, to its own tokens (GShard's groups), and GShard's loss is per
+group by its definition. The per-forward ``routing_stats`` are this rank's;
+:func:`~sparseffn.all_reduce_usage` sums the accumulated usage over ranks.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ from ..routing import RoutedFFN, Routing
 from ..stores import MLPExperts
 from ..stores.base import ExpertStore
 from .all_to_all import all_to_all, exchange_counts
+from .batch import GroupBatchSum
+from .errors import explained
+
+BATCH_STATISTICS = ("global", "local")
 
 
 def _group_rank_world(group) -> tuple[int, int]:
@@ -149,7 +159,7 @@ def _local_copy(store: MLPExperts, first: int, count: int) -> MLPExperts:
     return local.train(store.training)
 
 
-def shard_experts(model: nn.Module, group=None) -> list[str]:
+def shard_experts(model: nn.Module, group=None, batch_statistics: str = "global") -> list[str]:
     """Keep on this rank only its share of the experts of every mixture of MLP experts in
     ``model`` (any :class:`~sparseffn.routing.RoutedFFN` with an
     :class:`~sparseffn.stores.MLPExperts` store: :class:`~sparseffn.MoE` with every router,
@@ -157,8 +167,13 @@ def shard_experts(model: nn.Module, group=None) -> list[str]:
 
     Call it on the same weights on every rank (build the model from one seed, or load one
     checkpoint first): rank r keeps experts ``[r·E/world, (r+1)·E/world)``. ``num_experts``
-    must be a multiple of the group's size.
+    must be a multiple of the group's size. ``batch_statistics``: ``"global"`` (the routers'
+    aux losses over every rank's tokens) or ``"local"`` (over this rank's; see the module's
+    notes).
     """
+    if batch_statistics not in BATCH_STATISTICS:
+        raise ValueError(f"batch_statistics must be one of {BATCH_STATISTICS}, got "
+                         f"{batch_statistics!r}")
     rank, world = _group_rank_world(group)
     names = []
     for name, module in model.named_modules():
@@ -171,6 +186,8 @@ def shard_experts(model: nn.Module, group=None) -> list[str]:
         count = store.num_experts // world
         module.store = ExpertParallelMLP(_local_copy(store, rank * count, count),
                                          store.num_experts, group)
+        module.router.global_batch = GroupBatchSum(group) if batch_statistics == "global" \
+            else None
         names.append(name)
     return names
 
@@ -219,7 +236,8 @@ def sync_gradients(model: nn.Module, group=None) -> None:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-        dist.all_reduce(flat, group=group)
+        with explained("gradient all-reduce", group):
+            dist.all_reduce(flat, group=group)
         flat.div_(world)
         offset = 0
         for p in replicated:
@@ -246,6 +264,7 @@ def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 state[prefix + pname] = param.detach().clone()
                 continue
             parts = [torch.empty_like(param) for _ in range(store.world)]
-            dist.all_gather(parts, param.detach().contiguous(), group=store.group)
+            with explained("all-gather of the experts", store.group):
+                dist.all_gather(parts, param.detach().contiguous(), group=store.group)
             state[prefix + pname] = torch.cat(parts)
     return state

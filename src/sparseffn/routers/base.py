@@ -111,7 +111,13 @@ class Router(nn.Module):
 
     Subclasses own their parameters and implement :meth:`forward`; ``reset_parameters`` uses
     the layer's ``init`` scheme.
+
+    ``global_batch``: None (the default: the batch statistics of the aux losses are over this
+    call's tokens) or a :class:`~sparseffn.losses.BatchSum` that makes them global across
+    processes (set by :func:`sparseffn.distributed.shard_experts`).
     """
+
+    global_batch = None
 
     def __init__(self, config: RouterConfig, d_model: int, num_experts: int, k: int,
                  init: str = "sigma_moe", init_depth: int = 1) -> None:

@@ -110,6 +110,8 @@ class NoisyTopKRouter(Router):
             load = noisy_topk_load(clean, logits, noise_std, self.k)
         else:
             load = count_keys(indices, self.num_experts).float()
+        if self.global_batch is not None:     # Σ over the global batch
+            importance, load = self.global_batch.sum(importance), self.global_batch.sum(load)
         return Routing(indices=indices, weights=weights,
                        aux_losses={"importance": cv_squared(importance),
                                    "load": cv_squared(load)})

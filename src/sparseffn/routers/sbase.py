@@ -100,4 +100,4 @@ class SBaseRouter(LinearRouter):
         load = count_keys(indices, self.num_experts).float()
         stats = {"max_load": (load.max() / share) if tokens else torch.zeros(())}
         return Routing(indices=indices, weights=weights,
-                       aux_losses={"entropy": batch_entropy_loss(logits)}, stats=stats)
+                       aux_losses={"entropy": batch_entropy_loss(logits, self.global_batch)}, stats=stats)

@@ -141,7 +141,7 @@ class SigmaRouter(LinearRouter):
         indices, weights = select_topk(logits, self.k, self.gate, self.config.expert_dropout,
                                        self.training)
         return Routing(indices=indices, weights=weights,
-                       aux_losses={"entropy": batch_entropy_loss(logits)})
+                       aux_losses={"entropy": batch_entropy_loss(logits, self.global_batch)})
 
 
 @implements(SoftmaxRouterConfig)

@@ -104,6 +104,6 @@ class SwitchRouter(LinearRouter):
             stats = {"dropped_fraction": 1.0 - dispatched.float().mean(),
                      "capacity": torch.tensor(float(capacity))}
         return Routing(indices=top1.unsqueeze(1), weights=weights, dispatched=dispatched,
-                       aux_losses={"balance": switch_balance_loss(probs, top1),
-                                   "z_loss": router_z_loss(logits)},
+                       aux_losses={"balance": switch_balance_loss(probs, top1, self.global_batch),
+                                   "z_loss": router_z_loss(logits, self.global_batch)},
                        stats=stats)
