@@ -49,12 +49,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..auxiliary import sparse_grad_parameters
 from ..routing import RoutedFFN, Routing
 from ..stores import MLPExperts
 from ..stores.base import ExpertStore
 from .all_to_all import all_to_all, exchange_counts
 from .batch import GroupBatchSum
 from .errors import explained
+from .sparse_grads import all_reduce_sparse_grads
 
 BATCH_STATISTICS = ("global", "local")
 
@@ -226,11 +228,13 @@ def scale_expert_gradients(model: nn.Module, group=None) -> None:
 def sync_gradients(model: nn.Module, group=None) -> None:
     """After ``backward()`` without DDP: average the gradients of the replicated parameters
     over the group (one all-reduce of them all, flattened; a missing gradient counts as zero
-    on that rank) and scale the expert gradients (:func:`scale_expert_gradients`). Every
-    rank's gradients are then those of the mean of the ranks' losses."""
+    on that rank; sparse-gradient tables by :func:`all_reduce_sparse_grads`) and scale the
+    expert gradients (:func:`scale_expert_gradients`). Every rank's gradients are then those
+    of the mean of the ranks' losses."""
     _, world = _group_rank_world(group)
-    experts = {id(p) for p in expert_parameters(model)}
-    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
+    skip = {id(p) for p in expert_parameters(model)} | \
+        {id(p) for p in sparse_grad_parameters(model)}
+    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
     if replicated:
         for p in replicated:
             if p.grad is None:
@@ -243,6 +247,7 @@ def sync_gradients(model: nn.Module, group=None) -> None:
         for p in replicated:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+    all_reduce_sparse_grads(model, group)
     scale_expert_gradients(model, group)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from .config import (apply_overrides, dense_baseline, read_config_file, run_config_from_dict)
@@ -21,6 +22,8 @@ def train_command(args: argparse.Namespace) -> int:
         run = dense_baseline(run, args.dense_baseline)
     out = Path(args.out or Path("runs") / run.name)
     summary = Trainer(run, out, progress=not args.no_progress).train(resume=args.resume)
+    if summary["processes"] > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return 0      # under torchrun, rank 0 speaks for the run
     val = summary["val"]
     metric = f"bpc {val['bpc']:.4f}" if "bpc" in val else f"accuracy {val['accuracy']:.4f}"
     print(f"{run.name}: {summary['steps']} steps, val loss {val['loss']:.4f}, {metric}, "

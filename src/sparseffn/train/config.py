@@ -164,6 +164,7 @@ class TrainSpec:
     eval_windows: int | None = 64   # LM: validation windows per evaluation (None: the whole split)
     log_every: int = 10
     checkpoint_every: int = 0       # 0: only at the end and on Ctrl-C
+    expert_parallel: bool = False   # under torchrun: shard the experts across the ranks
 
     def __post_init__(self) -> None:
         _typed(self, "train")

@@ -11,6 +11,10 @@ Files in the run folder:
 - ``metrics.jsonl``: one JSON object per line, ``{"kind": "train"|"eval", "step", ...}``;
 - ``summary.json``: parameters, costs, final validation metrics, throughput, memory;
 - ``.lock``: held while a process trains here (a second one is refused, not interleaved).
+
+Under ``torchrun --nproc-per-node N`` the run is data-parallel over the N processes, and with
+``train.expert_parallel`` expert-parallel too (:mod:`sparseffn.train.parallel`); rank 0
+writes the files.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import torch
 from torch import nn
 
 from ..analysis.summary import collapse_warning, usage_health
-from ..auxiliary import aux_loss, dense_grad_parameters, reset_usage, sparse_grad_parameters
+from ..auxiliary import (aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage,
+                         sparse_grad_parameters)
 from ..optim import param_groups
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
@@ -42,6 +47,7 @@ from . import checkpoint as ckpt
 from .config import (ConfigError, RunConfig, _check, classifier_config, lm_config,
                      run_config_from_dict, total_steps)
 from .lock import folder_lock
+from .parallel import Parallel
 from .progress import ProgressBar
 from .schedule import lr_factor
 
@@ -156,6 +162,7 @@ class Trainer:
         self.run, self.out = run, Path(out_dir)
         self.progress, self.label = progress, label or run.name
         self._stop_requested = self._stopped_mid_step = False
+        self.parallel = Parallel()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -172,6 +179,15 @@ class Trainer:
             self.model = build_model(run, self.data)
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
+        parallel = self.parallel
+        _check(run.train.batch_size >= parallel.world,
+               f"train.batch_size ({run.train.batch_size}) must be at least the number of "
+               f"processes ({parallel.world}): each takes a share of every batch")
+        if state is not None:    # the one-process state: load it, then keep this rank's experts
+            self.model.load_state_dict(state["model"])
+        parallel.shard(self.model)
+        if parallel.active:      # different dropout and routing noise on every rank
+            torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))
         sparse = sparse_grad_parameters(self.model)
         self.dense_params = dense_grad_parameters(self.model)
         t = run.train
@@ -182,10 +198,9 @@ class Trainer:
             self.optimizers.append(torch.optim.SparseAdam(sparse, lr=t.lr, betas=t.betas))
         self.step, self.train_time = 0, 0.0
         if state is not None:
-            self.model.load_state_dict(state["model"])
             for opt, opt_state in zip(self.optimizers, state["optimizers"]):
                 try:
-                    opt.load_state_dict(opt_state)
+                    parallel.load_optimizer_state(opt, self.model, opt_state)
                 except ValueError as error:   # e.g. saved before weight decay had its groups
                     raise ConfigError(
                         f"the checkpoint's optimizer state does not fit this run's optimizer "
@@ -193,20 +208,36 @@ class Trainer:
                         f"weight decay was limited to weights (sparseffn.param_groups) cannot "
                         f"be resumed; nothing was changed on disk") from error
             self.step, self.train_time = state["step"], state["train_time"]
-            ckpt.set_rng_state(state["rng"])
+            ranks = state.get("rng_ranks")
+            # each rank's own stream when the number of ranks is the same
+            ckpt.set_rng_state(ranks[parallel.rank] if ranks and len(ranks) == parallel.world
+                               else state["rng"])
 
     def _state(self) -> dict:
-        data = self.data
-        return {"config": self.run.to_dict(), "step": self.step, "train_time": self.train_time,
-                "model": self.model.state_dict(),
-                "optimizers": [opt.state_dict() for opt in self.optimizers],
-                "schedule": {"name": self.run.train.schedule, "step": self.step,
-                             "total_steps": self.steps},
-                "tokenizer": data.tokenizer.state() if isinstance(data, TextData) else None,
-                "rng": ckpt.rng_state()}
+        """The checkpoint, in the one-process format (with several ranks: the experts and
+        their optimizer state gathered, every rank's RNG state; a collective)."""
+        data, parallel = self.data, self.parallel
+        state = {"config": self.run.to_dict(), "step": self.step, "train_time": self.train_time,
+                 "model": parallel.model_state(self.model),
+                 "optimizers": [parallel.optimizer_state(opt, self.model)
+                                for opt in self.optimizers],
+                 "schedule": {"name": self.run.train.schedule, "step": self.step,
+                              "total_steps": self.steps},
+                 "tokenizer": data.tokenizer.state() if isinstance(data, TextData) else None,
+                 "rng": ckpt.rng_state()}
+        ranks = parallel.rng_states(state["rng"])
+        if ranks is not None:
+            state["rng"], state["rng_ranks"] = ranks[0], ranks
+        return state
 
     def save_checkpoint(self) -> Path:
-        return ckpt.save_atomic(self._state(), self.out / CHECKPOINT)
+        """Write the checkpoint (every rank takes part; rank 0 writes)."""
+        state = self._state()
+        path = self.out / CHECKPOINT
+        if self.parallel.main:
+            ckpt.save_atomic(state, path)
+        self.parallel.barrier()      # the file is there before any rank goes on
+        return path
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -217,6 +248,8 @@ class Trainer:
         return self.data.batch(step, t.batch_size, self.run.seed)
 
     def _log(self, record: dict) -> None:
+        if not self.parallel.main:
+            return
         with open(self.out / METRICS, "a") as file:
             file.write(json.dumps(record) + "\n")
 
@@ -253,12 +286,17 @@ class Trainer:
                                   f"different config; resume with the same config or use a new "
                                   f"--out")
         previous_deterministic = torch.are_deterministic_algorithms_enabled()
+        self.parallel = Parallel.from_environment(self.run.train.expert_parallel)
         try:
             self._setup(state)   # data and model first: a run that cannot start touches no file
-            with folder_lock(self.out, "training run"):
-                self._prepare_folder(fresh=state is None)
-                if state is not None:
-                    self._trim_metrics(self.step)
+            # rank 0 owns the folder; the other ranks write nothing
+            lock = folder_lock(self.out, "training run") if self.parallel.main \
+                else contextlib.nullcontext()
+            with lock:
+                if self.parallel.main:
+                    self._prepare_folder(fresh=state is None)
+                    if state is not None:
+                        self._trim_metrics(self.step)
                 with self._interrupts_at_step_boundaries():
                     return self._loop()
         finally:
@@ -312,8 +350,9 @@ class Trainer:
         run, t = self.run, self.run.train
         text = isinstance(self.data, TextData)
         per_step = t.batch_size * (run.model.context if text else 1)
+        parallel = self.parallel
         bar = ProgressBar(self.steps, self.step, self.label, "tok" if text else "ex") \
-            if self.progress else None
+            if self.progress and parallel.main else None
         self.model.train()
         window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
         collapse_note = None
@@ -326,12 +365,14 @@ class Trainer:
                 for opt in self.optimizers:
                     for group in opt.param_groups:
                         group["lr"] = lr
-                inputs, targets = self._batch(step)
+                inputs, targets, share = parallel.local(*self._batch(step))
                 started = time.perf_counter()
                 with _autocast(t.bf16):
                     loss = self.model.loss(inputs, targets)
+                    if parallel.active:   # the ranks' mean is the global batch's mean
+                        loss = loss * share
                     aux = aux_loss(self.model)
-                loss_value = float(loss.detach())
+                loss_value = parallel.mean(float(loss.detach()))
                 if not math.isfinite(loss_value):   # before any parameter changes
                     last = (f"the last checkpoint in {self.out} stands"
                             if (self.out / CHECKPOINT).exists() else "no checkpoint was written")
@@ -339,9 +380,9 @@ class Trainer:
                         f"loss is {loss_value} at step {step + 1}; stopped before updating the "
                         f"parameters ({last}); lower train.lr or enable train.clip")
                 (loss + aux).backward()
+                parallel.sync(self.model)
                 if t.clip:
-                    torch.nn.utils.clip_grad_norm_(
-                        [p for p in self.dense_params if p.grad is not None], t.clip)
+                    parallel.clip_grad_norm_(self.dense_params, t.clip, self.model)
                 for opt in self.optimizers:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
@@ -353,6 +394,8 @@ class Trainer:
                 window_n += 1
                 window_time += elapsed
                 if self.step % t.log_every == 0 or self.step == self.steps:
+                    if parallel.active:    # the collapse monitor reads every rank's usage
+                        all_reduce_usage(self.model)
                     record = {"kind": "train", "step": self.step, "loss": window_loss / window_n,
                               "aux_loss": window_aux / window_n, "lr": lr,
                               "items_per_s": per_step * window_n / max(window_time, 1e-9),
@@ -369,7 +412,7 @@ class Trainer:
                                "train_time": self.train_time, **result.as_dict()})
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                     self.save_checkpoint()
-                if self._stop_requested:
+                if parallel.any(self._stop_requested):   # every rank stops at this step
                     raise KeyboardInterrupt
         except KeyboardInterrupt:
             if bar:
@@ -379,14 +422,16 @@ class Trainer:
                       f"(the last one in {self.out} stands)", file=sys.stderr)
                 raise
             path = self.save_checkpoint()
-            print(f"\ninterrupted at step {self.step}/{self.steps}; checkpoint written to {path}; "
-                  f"continue with --resume", file=sys.stderr)
+            if parallel.main:
+                print(f"\ninterrupted at step {self.step}/{self.steps}; checkpoint written to {path}; "
+                      f"continue with --resume", file=sys.stderr)
             raise
         if bar:
             bar.close()
         self.save_checkpoint()
         summary = self.summary(per_step)
-        (self.out / SUMMARY).write_text(json.dumps(summary, indent=2))
+        if parallel.main:
+            (self.out / SUMMARY).write_text(json.dumps(summary, indent=2))
         return summary
 
     def _collapse_monitor(self, record: dict, previous_note: str | None) -> str | None:
@@ -404,7 +449,7 @@ class Trainer:
         worst = min(warned or health, key=lambda name: health[name][0])
         warning = collapse_warning(*health[worst])
         note = None if warning is None else f"collapse? {worst}: {warning}"
-        if note and previous_note is None:
+        if note and previous_note is None and self.parallel.main:
             print(f"\n{self.label} step {self.step}: expert usage looks collapsed in {worst} "
                   f"({warning}); see usage_entropy / starved_fraction in {METRICS}",
                   file=sys.stderr)
@@ -417,6 +462,8 @@ class Trainer:
                "train_time_s": self.train_time,
                "items_per_s": self.step * per_step / max(self.train_time, 1e-9),
                "peak_rss_mb": peak_rss_bytes() / 2**20, **cost,
+               "processes": self.parallel.world,
+               "expert_parallel": self.parallel.active and self.parallel.expert_parallel,
                "val": final.as_dict(), "model": self.model.config.to_dict()}
         if isinstance(self.data, TextData):
             out["unigram_bits"] = self.data.unigram_bits

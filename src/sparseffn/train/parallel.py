@@ -1,0 +1,182 @@
+"""A run on several processes: ``torchrun --nproc-per-node N -m sparseffn train CONFIG``.
+
+Data parallelism always (each rank takes its share of every step's batch; the gradients of the
+replicated parameters are averaged); with ``train.expert_parallel`` the experts of every
+mixture are also sharded across the ranks
+(:func:`sparseffn.distributed.shard_experts`, aux losses over the global batch). A step on N
+ranks computes the loss of the same global batch as one process: each rank's mean loss is
+weighted by its share of the tokens.
+
+Rank 0 writes the files (metrics, summary, checkpoints); every rank evaluates the same
+windows (replicated: simple, and the expert exchange needs every rank in each forward).
+Checkpoints are in the one-process format, experts and their optimizer state gathered, so a
+checkpoint written by N ranks resumes on M ranks (or one) and ``sparseffn eval`` reads it.
+Each rank's RNG state is kept too: resuming on the same number of ranks continues exactly.
+A single process (no ``WORLD_SIZE`` above 1) does none of this.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed import (ExpertParallelMLP, expert_parameters, gathered_state_dict,
+                           shard_experts, sync_gradients)
+from ..distributed.errors import explained
+from ..routing import RoutedFFN
+
+#: How long a rank waits for the others in a collective before it fails.
+TIMEOUT = timedelta(minutes=10)
+
+
+class Parallel:
+    """This process's place in the run: ``rank`` of ``world``."""
+
+    def __init__(self, rank: int = 0, world: int = 1, expert_parallel: bool = False) -> None:
+        self.rank, self.world, self.expert_parallel = rank, world, expert_parallel
+
+    @classmethod
+    def from_environment(cls, expert_parallel: bool) -> "Parallel":
+        """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``,
+        ``MASTER_ADDR``/``MASTER_PORT``), on gloo; one process when there is none."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), expert_parallel)
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return cls(0, 1, expert_parallel)
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+        return cls(dist.get_rank(), dist.get_world_size(), expert_parallel)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, model: nn.Module) -> None:
+        """Keep this rank's experts only (with ``expert_parallel``)."""
+        if self.active and self.expert_parallel:
+            shard_experts(model)
+
+    def local(self, inputs: torch.Tensor, targets: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """This rank's rows of the step's batch, and the weight of its mean loss that makes
+        the ranks' average the global batch's mean: ``world · rows_here / rows``."""
+        if not self.active:
+            return inputs, targets, 1.0
+        rows = inputs.shape[0]
+        inputs = inputs.tensor_split(self.world)[self.rank]
+        targets = targets.tensor_split(self.world)[self.rank]
+        return inputs, targets, self.world * inputs.shape[0] / rows
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over the ranks."""
+        if not self.active:
+            return value
+        total = torch.tensor([value], dtype=torch.float64)
+        with explained("all-reduce (loss)"):
+            dist.all_reduce(total)
+        return float(total) / self.world
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank has ``flag`` set (so that all stop at the same step)."""
+        if not self.active:
+            return flag
+        value = torch.tensor([int(flag)])
+        with explained("all-reduce (stop request)"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value)
+
+    def barrier(self) -> None:
+        if self.active:
+            with explained("barrier"):
+                dist.barrier()
+
+    def sync(self, model: nn.Module) -> None:
+        """After backward: average the replicated gradients, scale the expert ones
+        (:func:`sparseffn.distributed.sync_gradients`)."""
+        if self.active:
+            sync_gradients(model)
+
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float, model: nn.Module
+                        ) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the replicated gradients
+        (equal on every rank after :meth:`sync`) once, the experts' of every rank."""
+        params = [p for p in params if p.grad is not None]
+        if not (self.active and self.expert_parallel):
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return
+        experts = {id(p) for p in expert_parameters(model)}
+        squares = torch.zeros(2, dtype=torch.float64)
+        for p in params:
+            squares[int(id(p) in experts)] += p.grad.detach().double().square().sum()
+        expert_squares = squares[1:].clone()
+        with explained("all-reduce (gradient norm)"):
+            dist.all_reduce(expert_squares)
+        norm = float((squares[0] + expert_squares[0]).sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for p in params:
+                p.grad.detach().mul_(scale)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def model_state(self, model: nn.Module) -> dict:
+        """The one-process state dict (experts gathered)."""
+        if not (self.active and self.expert_parallel):
+            return model.state_dict()
+        return gathered_state_dict(model)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+        """The optimizer's state as one process holding every expert would have it."""
+        state = optimizer.state_dict()
+        for index, param, store in self._expert_slots(optimizer, model):
+            for key, value in state["state"].get(index, {}).items():
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    parts = [torch.empty_like(value) for _ in range(store.world)]
+                    with explained("all-gather (optimizer state)", store.group):
+                        dist.all_gather(parts, value.contiguous(), group=store.group)
+                    state["state"][index][key] = torch.cat(parts)
+        return state
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                             state: dict) -> None:
+        """Load a one-process optimizer state, keeping this rank's rows of the experts'."""
+        if not (self.active and self.expert_parallel):
+            optimizer.load_state_dict(state)
+            return
+        state = {"state": {i: dict(s) for i, s in state["state"].items()},
+                 "param_groups": state["param_groups"]}
+        for index, param, store in self._expert_slots(optimizer, model):
+            rows = slice(store.first_expert, store.first_expert + store.experts_per_rank)
+            for key, value in state["state"].get(index, {}).items():
+                if torch.is_tensor(value) and value.dim() and value.shape[0] == store.num_experts \
+                        and value.shape[1:] == param.shape[1:]:
+                    state["state"][index][key] = value[rows].clone()
+        optimizer.load_state_dict(state)
+
+    def _expert_slots(self, optimizer, model):
+        """(index in the optimizer's state, parameter, its store) of every expert parameter."""
+        if not (self.active and self.expert_parallel):
+            return []
+        owner = {}
+        for module in model.modules():
+            if isinstance(module, RoutedFFN) and isinstance(module.store, ExpertParallelMLP):
+                for p in module.store.expert_parameters():
+                    owner[id(p)] = module.store
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return [(i, p, owner[id(p)]) for i, p in enumerate(params) if id(p) in owner]
+
+    def rng_states(self, state: dict) -> list[dict] | None:
+        """Every rank's RNG ``state`` (on every rank), or None on one process."""
+        if not self.active:
+            return None
+        states: list = [None] * self.world
+        with explained("all-gather (RNG states)"):
+            dist.all_gather_object(states, state)
+        return states

@@ -1,0 +1,110 @@
+"""``sparseffn train`` on two processes (gloo on 127.0.0.1, as torchrun starts them): expert
+parallelism computes what one process computes on the same global batches, a run stopped on
+one rank stops on both and resumes to the bit on two ranks, and its checkpoint, in the
+one-process format, resumes on one process."""
+
+import json
+import os
+import shutil
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from sparseffn.train import checkpoint as ckpt
+from sparseffn.train.config import (DataSpec, ModelSpec, RunConfig, TrainSpec,
+                                    run_config_from_dict)
+from sparseffn.train.trainer import Trainer, load_trained
+
+CORPUS = (b"It is a truth universally acknowledged, that a single man in possession of a good "
+          b"fortune, must be in want of a wife. ") * 60
+
+
+def _run(corpus, dropout, steps=6):
+    return RunConfig(name="tiny-ep", data=DataSpec(corpus="file", path=corpus),
+                     model=ModelSpec(d_model=32, n_layers=2, n_heads=2, context=16,
+                                     ffn={"type": "sigma_moe", "num_experts": 4,
+                                          "expert_size": 16, "k": 2},
+                                     dropout=dropout),
+                     train=TrainSpec(steps=steps, batch_size=5, lr=3e-3, eval_every=3,
+                                     log_every=1, eval_windows=8, expert_parallel=True))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank, world, port, jobs):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for run_dict, out, resume, stop_after in jobs:
+        trainer = Trainer(run_config_from_dict(run_dict), out, progress=False)
+        if stop_after and rank == 0:       # a Ctrl-C that only rank 0 saw
+            original = trainer._batch
+
+            def batch(step, trainer=trainer, original=original, stop_after=stop_after):
+                if step == stop_after - 1:
+                    trainer._stop_requested = True
+                return original(step)
+            trainer._batch = batch
+        try:
+            trainer.train(resume=resume)
+        except KeyboardInterrupt:
+            assert stop_after
+    torch.distributed.barrier()
+    os._exit(0)      # see tests/layers/test_distributed_usage.py
+
+
+def _curve(folder):
+    return [(m["kind"], m["step"], m["loss"])
+            for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_expert_parallel_training_on_two_ranks(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(CORPUS)
+    exact, noisy = _run(str(corpus), 0.0), _run(str(corpus), 0.1)
+    jobs = [(exact.to_dict(), tmp_path / "ep", False, None),
+            (exact.to_dict(), tmp_path / "ep_stopped", False, 3),
+            (noisy.to_dict(), tmp_path / "noisy", False, None),
+            (noisy.to_dict(), tmp_path / "noisy_resumed", False, 3),
+            (noisy.to_dict(), tmp_path / "noisy_resumed", True, None)]
+    mp.spawn(_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
+
+    # 1. two ranks with sharded experts = one process on the same global batches
+    single = Trainer(exact, tmp_path / "single", progress=False).train()
+    ep = json.loads((tmp_path / "ep" / "summary.json").read_text())
+    assert ep["processes"] == 2 and ep["expert_parallel"] and single["processes"] == 1
+    for (kind, step, a), (kind_b, step_b, b) in zip(_curve(tmp_path / "ep"),
+                                                    _curve(tmp_path / "single"), strict=True):
+        assert (kind, step) == (kind_b, step_b) and a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert ep["val"]["loss"] == pytest.approx(single["val"]["loss"], rel=1e-4)
+    # ... in the one-process checkpoint format: same keys and shapes, near-equal weights
+    ep_state = ckpt.load(tmp_path / "ep" / "checkpoint.pt")
+    one_state = ckpt.load(tmp_path / "single" / "checkpoint.pt")
+    assert ep_state["model"].keys() == one_state["model"].keys()
+    for key, value in one_state["model"].items():
+        torch.testing.assert_close(ep_state["model"][key], value, atol=1e-4, rtol=1e-3, msg=key)
+    for a, b in zip(ep_state["optimizers"][0]["state"].values(),
+                    one_state["optimizers"][0]["state"].values()):
+        assert a["exp_avg"].shape == b["exp_avg"].shape
+    assert len(ep_state["rng_ranks"]) == 2
+    assert load_trained(tmp_path / "ep" / "checkpoint.pt")[3] is not None   # sparseffn eval
+
+    # 2. a stop seen by rank 0 only stopped both after step 3; resumed on 2 ranks, the run
+    #    continues to the bit (dropout and all)
+    assert _curve(tmp_path / "noisy_resumed") == _curve(tmp_path / "noisy")
+    a = ckpt.load(tmp_path / "noisy" / "checkpoint.pt")["model"]
+    b = ckpt.load(tmp_path / "noisy_resumed" / "checkpoint.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # 3. the 2-rank checkpoint of step 3 resumes on one process
+    stopped = tmp_path / "ep_stopped"
+    assert ckpt.load(stopped / "checkpoint.pt")["step"] == 3
+    shutil.copytree(stopped, tmp_path / "one", dirs_exist_ok=True)
+    resumed = Trainer(exact, tmp_path / "one", progress=False).train(resume=True)
+    assert resumed["steps"] == 6 and resumed["processes"] == 1
+    assert resumed["val"]["loss"] == pytest.approx(single["val"]["loss"], rel=1e-4)
