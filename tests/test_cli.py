@@ -213,6 +213,18 @@ def test_bench_tokenizers_times_both_engines_and_finds_them_agreeing(tmp_path, c
     assert "speed-up train" in capsys.readouterr().out
 
 
+def test_bench_distributed_measures_the_exchange_share(tmp_path, capsys):
+    path = tmp_path / "dist.json"
+    assert cli.main(["bench", "distributed", "--processes", "1", "2", "3", "--tokens", "64",
+                     "--d-model", "16", "--num-experts", "4", "--expert-size", "8", "--k", "2",
+                     "--repeats", "1", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["processes"] for r in records] == [1, 2]          # 4 experts do not split over 3
+    assert records[0]["all_to_all_ms"] == 0 and records[1]["all_to_all_ms"] > 0
+    assert all(0 <= r["all_to_all_share"] < 1 and r["tokens_per_s"] > 0 for r in records)
+    assert "skipped: 4 experts do not split over 3" in capsys.readouterr().out
+
+
 def test_bad_depths_are_rejected(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "routers", "--depths", "0-3"])

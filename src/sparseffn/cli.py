@@ -108,6 +108,14 @@ def _bench_tokenizers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_distributed(args: argparse.Namespace) -> int:
+    from .bench import distributed
+    distributed.run(tuple(args.processes), tokens=args.tokens, d_model=args.d_model,
+                    num_experts=args.num_experts, expert_size=args.expert_size, k=args.k,
+                    repeats=args.repeats, json_path=args.json)
+    return 0
+
+
 def _reproduce(args: argparse.Namespace) -> int:
     from . import reproduce
     results = reproduce.run(args.name, quick=args.quick, model_dir=args.model, data=args.data,
@@ -271,6 +279,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a corpus that needs no download: stdlib (default) or pydoc")
     tok.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     tok.set_defaults(func=_bench_tokenizers)
+
+    dist_bench = benches.add_parser(
+        "distributed", help="one expert-parallel MoE layer on 1, 2, 4 processes (gloo) at a "
+                            "fixed global batch: tokens/s and the all-to-all's share")
+    dist_bench.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4],
+                            help="process counts (1 2 4)")
+    dist_bench.add_argument("--tokens", type=int, default=8192, help="global batch (8192)")
+    dist_bench.add_argument("--d-model", type=int, default=256, help="layer width (256)")
+    dist_bench.add_argument("--num-experts", type=int, default=16, help="experts (16)")
+    dist_bench.add_argument("--expert-size", type=int, default=128, help="expert width (128)")
+    dist_bench.add_argument("--k", type=int, default=4, help="experts per token (4)")
+    dist_bench.add_argument("--repeats", type=int, default=5, help="timed steps (5)")
+    dist_bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    dist_bench.set_defaults(func=_bench_distributed)
 
     from .train.commands import add_commands
     add_commands(commands)

@@ -7,7 +7,7 @@
   (PKM values and PEER experts built with ``sparse_grad=True``).
 """
 
-from .all_to_all import all_to_all, exchange_counts
+from .exchange import all_to_all, exchange_counts
 from .batch import GroupBatchSum
 from .errors import ExchangeError
 from .expert_parallel import (ExpertParallelMLP, ddp_ignore_expert_parameters,

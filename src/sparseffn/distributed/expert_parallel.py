@@ -8,7 +8,7 @@ embeddings: data parallelism). In a forward pass every rank routes its own token
 arXiv:2101.03961 §2.2):
 
 1. counts its (token, expert) pairs per owning rank and exchanges the counts
-   (:func:`~sparseffn.distributed.all_to_all.exchange_counts`);
+   (:func:`~sparseffn.distributed.exchange.exchange_counts`);
 2. sends each pair's token row to the expert's rank (all-to-all with variable sizes: no
    padding to a global capacity; a router with a capacity factor has already dropped what it
    drops, and dropped pairs are never sent);
@@ -53,7 +53,7 @@ from ..auxiliary import sparse_grad_parameters
 from ..routing import RoutedFFN, Routing
 from ..stores import MLPExperts
 from ..stores.base import ExpertStore
-from .all_to_all import all_to_all, exchange_counts
+from .exchange import all_to_all, exchange_counts
 from .batch import GroupBatchSum
 from .errors import explained
 from .sparse_grads import all_reduce_sparse_grads
