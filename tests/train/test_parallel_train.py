@@ -92,6 +92,14 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
                     one_state["optimizers"][0]["state"].values()):
         assert a["exp_avg"].shape == b["exp_avg"].shape
     assert len(ep_state["rng_ranks"]) == 2
+    # ... written as shards: each rank's experts in its own file, named by the checkpoint
+    raw = torch.load(tmp_path / "ep" / "checkpoint.pt", weights_only=True)
+    expert_keys = {k for k in one_state["model"] if k.endswith(("store.w1", "store.w2"))}
+    assert expert_keys and not expert_keys & raw["model"].keys()
+    assert raw["expert_shards"]["files"] == [f"checkpoint.pt.experts-step6-rank{r}-of-2"
+                                             for r in range(2)]
+    shard = torch.load(tmp_path / "ep" / raw["expert_shards"]["files"][1], weights_only=True)
+    assert all(shard["model"][k].shape[0] == 2 for k in expert_keys)      # 2 of 4 experts
     assert load_trained(tmp_path / "ep" / "checkpoint.pt")[3] is not None   # sparseffn eval
 
     # 2. a stop seen by rank 0 only stopped both after step 3; resumed on 2 ranks, the run
@@ -100,6 +108,8 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     a = ckpt.load(tmp_path / "noisy" / "checkpoint.pt")["model"]
     b = ckpt.load(tmp_path / "noisy_resumed" / "checkpoint.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [f.name for f in ckpt.shard_files(tmp_path / "noisy_resumed" / "checkpoint.pt")] == \
+        [f"checkpoint.pt.experts-step6-rank{r}-of-2" for r in range(2)]   # step 3's removed
 
     # 3. the 2-rank checkpoint of step 3 resumes on one process
     stopped = tmp_path / "ep_stopped"
@@ -108,3 +118,9 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     resumed = Trainer(exact, tmp_path / "one", progress=False).train(resume=True)
     assert resumed["steps"] == 6 and resumed["processes"] == 1
     assert resumed["val"]["loss"] == pytest.approx(single["val"]["loss"], rel=1e-4)
+    assert ckpt.shard_files(tmp_path / "one" / "checkpoint.pt") == []    # one file again
+
+    # 4. a missing shard is named
+    (tmp_path / "ep" / "checkpoint.pt.experts-step6-rank1-of-2").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="rank1-of-2 is missing"):
+        ckpt.load(tmp_path / "ep" / "checkpoint.pt")

@@ -252,24 +252,36 @@ def sync_gradients(model: nn.Module, group=None) -> None:
 
 
 @torch.no_grad()
-def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s state dict as one process holding every expert would have it (keys
-    ``….store.w1`` of all ``num_experts``), on every rank: load it into an unsharded model,
-    or into any number of ranks with :func:`shard_experts` after loading. One all-gather per
-    expert parameter."""
+def split_state_dict(model: nn.Module) -> tuple[dict, dict[str, tuple[torch.Tensor, ExpertParallelMLP]]]:
+    """``model``'s state dict in the one-process naming, split in two: everything but the
+    experts, and ``{name: (this rank's rows, its store)}`` for each expert parameter (``….store.w1``
+    of ``num_experts / world`` rows here). ``b_out``, replicated, stays in the first part."""
     state = model.state_dict()
+    experts = {}
     for name, module in model.named_modules():
         if not (isinstance(module, RoutedFFN) and isinstance(module.store, ExpertParallelMLP)):
             continue
         store = module.store
         prefix = f"{name}.store." if name else "store."
         for pname, param in store.local.named_parameters():
-            state.pop(f"{prefix}local.{pname}")
+            value = state.pop(f"{prefix}local.{pname}")
             if pname == "b_out":
-                state[prefix + pname] = param.detach().clone()
-                continue
-            parts = [torch.empty_like(param) for _ in range(store.world)]
-            with explained("all-gather of the experts", store.group):
-                dist.all_gather(parts, param.detach().contiguous(), group=store.group)
-            state[prefix + pname] = torch.cat(parts)
+                state[prefix + pname] = value
+            else:
+                experts[prefix + pname] = (value, store)
+    return state, experts
+
+
+@torch.no_grad()
+def gathered_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as one process holding every expert would have it (keys
+    ``….store.w1`` of all ``num_experts``), on every rank: load it into an unsharded model,
+    or into any number of ranks with :func:`shard_experts` after loading. One all-gather per
+    expert parameter."""
+    state, experts = split_state_dict(model)
+    for name, (value, store) in experts.items():
+        parts = [torch.empty_like(value) for _ in range(store.world)]
+        with explained("all-gather of the experts", store.group):
+            dist.all_gather(parts, value.contiguous(), group=store.group)
+        state[name] = torch.cat(parts)
     return state

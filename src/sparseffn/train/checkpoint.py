@@ -4,7 +4,14 @@ write leaves the previous checkpoint intact.
 
 A checkpoint holds tensors, numbers, strings and containers only (the RNG states as
 tensors and numbers), so ``torch.load(path, weights_only=True)`` opens it, and so does
-:func:`load`, which never unpickles arbitrary objects."""
+:func:`load`, which never unpickles arbitrary objects.
+
+A run with experts sharded across N processes writes, beside ``checkpoint.pt``, one shard
+per rank (``checkpoint.pt.experts-step{S}-rank{r}-of-{N}``: that rank's rows of every expert
+parameter and of their optimizer state). The shards are written first; ``checkpoint.pt``,
+written last and atomically, names them (``expert_shards``), so a crash in between leaves the
+previous checkpoint and its shards whole. :func:`load` puts them back together: the state is
+the one a single process would have written."""
 
 from __future__ import annotations
 
@@ -79,9 +86,53 @@ _OLD_NUMPY_RNG = [_numpy_core.multiarray._reconstruct, np.ndarray, np.dtype,
                   type(np.dtype(np.uint32))]
 
 
+def shard_name(path: str | Path, step: int, rank: int, world: int) -> str:
+    """The file name of rank ``rank``'s expert shard of the checkpoint ``path`` at ``step``."""
+    return f"{Path(path).name}.experts-step{step}-rank{rank}-of-{world}"
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """Every expert shard file beside the checkpoint ``path``."""
+    path = Path(path)
+    return sorted(path.parent.glob(f"{path.name}.experts-*"))
+
+
+def remove_stale_shards(path: str | Path, state: dict) -> None:
+    """Delete the shard files beside ``path`` that its checkpoint ``state`` does not name."""
+    keep = set((state.get("expert_shards") or {}).get("files", []))
+    for file in shard_files(path):
+        if file.name not in keep:
+            file.unlink(missing_ok=True)
+
+
+def _merge_expert_shards(state: dict, folder: Path) -> dict:
+    """The one-process state from a checkpoint that names expert shards: each expert tensor
+    is its shards' rows in rank order."""
+    names = state.pop("expert_shards")["files"]
+    shards = []
+    for name in names:
+        try:
+            shards.append(torch.load(folder / name, map_location="cpu", weights_only=True))
+        except FileNotFoundError:
+            raise CheckpointError(f"{folder / name} is missing: the checkpoint in {folder} "
+                                  f"keeps its experts in {len(names)} shard files") from None
+        except Exception as error:
+            raise CheckpointError(f"{folder / name} is not a readable expert shard "
+                                  f"({str(error).strip()[:200]})") from None
+    for key in shards[0]["model"]:
+        state["model"][key] = torch.cat([shard["model"][key] for shard in shards])
+    for i, rows in enumerate(shards[0]["optimizers"]):
+        for index, entries in rows.items():
+            for key in entries:
+                state["optimizers"][i]["state"][index][key] = torch.cat(
+                    [shard["optimizers"][i][index][key] for shard in shards])
+    return state
+
+
 def load(path: str | Path) -> dict:
-    """The state saved by :func:`save_atomic`; a missing file is a FileNotFoundError, and
-    anything else that is not a whole checkpoint of ours a :class:`CheckpointError`."""
+    """The state saved by :func:`save_atomic` (with the expert shards of a sharded run put
+    back together); a missing file is a FileNotFoundError, and anything else that is not a
+    whole checkpoint of ours a :class:`CheckpointError`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -94,4 +145,6 @@ def load(path: str | Path) -> dict:
     if not isinstance(state, dict) or any(key not in state for key in _KEYS):
         raise CheckpointError(f"{path} is not a sparseffn checkpoint (no "
                               f"{'/'.join(_KEYS)} in it)")
+    if "expert_shards" in state:
+        state = _merge_expert_shards(state, path.parent)
     return state

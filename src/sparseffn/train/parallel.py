@@ -7,11 +7,13 @@ mixture are also sharded across the ranks
 ranks computes the loss of the same global batch as one process: each rank's mean loss is
 weighted by its share of the tokens.
 
-Rank 0 writes the files (metrics, summary, checkpoints); every rank evaluates the same
+Rank 0 writes the files (metrics, summary, the checkpoint); every rank evaluates the same
 windows (replicated: simple, and the expert exchange needs every rank in each forward).
-Checkpoints are in the one-process format, experts and their optimizer state gathered, so a
-checkpoint written by N ranks resumes on M ranks (or one) and ``sparseffn eval`` reads it.
-Each rank's RNG state is kept too: resuming on the same number of ranks continues exactly.
+With sharded experts each rank also writes its experts and their optimizer state to a shard
+file beside the checkpoint (:mod:`sparseffn.train.checkpoint`), and nothing is gathered;
+loading a checkpoint puts the shards together into the one-process state, so a checkpoint
+written by N ranks resumes on M ranks (or one) and ``sparseffn eval`` reads it. Each rank's
+RNG state is kept too: resuming on the same number of ranks continues exactly.
 A single process (no ``WORLD_SIZE`` above 1) does none of this.
 """
 
@@ -24,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import (ExpertParallelMLP, expert_parameters, gathered_state_dict,
-                           shard_experts, sync_gradients)
+from ..distributed import (ExpertParallelMLP, expert_parameters, shard_experts,
+                           split_state_dict, sync_gradients)
 from ..distributed.errors import explained
 from ..routing import RoutedFFN
 
@@ -126,23 +128,34 @@ class Parallel:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def model_state(self, model: nn.Module) -> dict:
-        """The one-process state dict (experts gathered)."""
-        if not (self.active and self.expert_parallel):
-            return model.state_dict()
-        return gathered_state_dict(model)
+    @property
+    def sharded(self) -> bool:
+        """Whether the experts are split across the ranks (and checkpoints with them)."""
+        return self.active and self.expert_parallel
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
-        """The optimizer's state as one process holding every expert would have it."""
-        state = optimizer.state_dict()
-        for index, param, store in self._expert_slots(optimizer, model):
-            for key, value in state["state"].get(index, {}).items():
-                if torch.is_tensor(value) and value.shape == param.shape:
-                    parts = [torch.empty_like(value) for _ in range(store.world)]
-                    with explained("all-gather (optimizer state)", store.group):
-                        dist.all_gather(parts, value.contiguous(), group=store.group)
-                    state["state"][index][key] = torch.cat(parts)
-        return state
+    def split_checkpoint(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]
+                         ) -> tuple[dict, list[dict], dict]:
+        """The model's and the optimizers' states in the one-process naming without the
+        experts' tensors, and this rank's shard of them: ``{"model": {name: rows},
+        "optimizers": [{index: {key: rows}}]}``."""
+        model_state, experts = split_state_dict(model)
+        shard = {"model": {name: value for name, (value, _) in experts.items()},
+                 "optimizers": []}
+        states = []
+        for optimizer in optimizers:
+            state = optimizer.state_dict()
+            rows: dict = {}
+            for index, param, _ in self._expert_slots(optimizer, model):
+                if index not in state["state"]:
+                    continue
+                entry = dict(state["state"][index])    # a copy: the live state stays whole
+                for key, value in list(entry.items()):
+                    if torch.is_tensor(value) and value.shape == param.shape:
+                        rows.setdefault(index, {})[key] = entry.pop(key)
+                state["state"][index] = entry
+            states.append(state)
+            shard["optimizers"].append(rows)
+        return model_state, states, shard
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                              state: dict) -> None:

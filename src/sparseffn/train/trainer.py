@@ -213,14 +213,17 @@ class Trainer:
             ckpt.set_rng_state(ranks[parallel.rank] if ranks and len(ranks) == parallel.world
                                else state["rng"])
 
-    def _state(self) -> dict:
-        """The checkpoint, in the one-process format (with several ranks: the experts and
-        their optimizer state gathered, every rank's RNG state; a collective)."""
+    def _state(self) -> tuple[dict, dict | None]:
+        """The checkpoint in the one-process format, and with sharded experts this rank's
+        shard of them (then the checkpoint holds everything else; a collective)."""
         data, parallel = self.data, self.parallel
+        if parallel.sharded:
+            model, optimizers, shard = parallel.split_checkpoint(self.model, self.optimizers)
+        else:
+            model, shard = self.model.state_dict(), None
+            optimizers = [opt.state_dict() for opt in self.optimizers]
         state = {"config": self.run.to_dict(), "step": self.step, "train_time": self.train_time,
-                 "model": parallel.model_state(self.model),
-                 "optimizers": [parallel.optimizer_state(opt, self.model)
-                                for opt in self.optimizers],
+                 "model": model, "optimizers": optimizers,
                  "schedule": {"name": self.run.train.schedule, "step": self.step,
                               "total_steps": self.steps},
                  "tokenizer": data.tokenizer.state() if isinstance(data, TextData) else None,
@@ -228,15 +231,25 @@ class Trainer:
         ranks = parallel.rng_states(state["rng"])
         if ranks is not None:
             state["rng"], state["rng_ranks"] = ranks[0], ranks
-        return state
+        return state, shard
 
     def save_checkpoint(self) -> Path:
-        """Write the checkpoint (every rank takes part; rank 0 writes)."""
-        state = self._state()
+        """Write the checkpoint: every rank takes part, each writes its expert shard (if the
+        experts are sharded), then rank 0 the checkpoint that names them."""
+        parallel = self.parallel
+        state, shard = self._state()
         path = self.out / CHECKPOINT
-        if self.parallel.main:
+        if shard is not None:
+            names = [ckpt.shard_name(path, self.step, r, parallel.world)
+                     for r in range(parallel.world)]
+            ckpt.save_atomic({"rank": parallel.rank, "world": parallel.world, "step": self.step,
+                              **shard}, self.out / names[parallel.rank])
+            parallel.barrier()       # every shard on disk before the checkpoint names them
+            state["expert_shards"] = {"world": parallel.world, "files": names}
+        if parallel.main:
             ckpt.save_atomic(state, path)
-        self.parallel.barrier()      # the file is there before any rank goes on
+            ckpt.remove_stale_shards(path, state)
+        parallel.barrier()           # the checkpoint is there before any rank goes on
         return path
 
     # -- the loop ----------------------------------------------------------------------------
@@ -310,6 +323,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             old = [name for name in (CHECKPOINT, METRICS, SUMMARY, CONFIG)
                    if (self.out / name).exists()]
+            old += [file.name for file in ckpt.shard_files(self.out / CHECKPOINT)]
             if fresh and old:
                 keep = self.out / PREVIOUS
                 if keep.is_dir():
