@@ -77,6 +77,10 @@ class ExpertParallelMLP(ExpertStore):
     process holding every expert computes (up to the order of floating-point sums).
     Parameters: ``local.*`` (this rank's experts; ``local.b_out``, a dense MLP's output bias,
     is replicated).
+
+    One host read per forward: the exchanged counts, which ``all_to_all_single`` takes as
+    Python ints (so the layer cannot be captured in a CUDA graph, unlike the one-process
+    store).
     """
 
     def __init__(self, local: MLPExperts, num_experts: int, group=None) -> None:
@@ -106,17 +110,17 @@ class ExpertParallelMLP(ExpertStore):
                              "the soft mode of a fast feed-forward tree) is not expert-parallel; "
                              "use a sparse train_mode or keep the layer unsharded")
         tokens, k = routing.indices.shape
-        pairs = torch.arange(tokens * k, device=x.device)
         experts = routing.indices.reshape(-1)
-        if routing.dispatched is not None:           # dropped at capacity: never sent
-            keep = routing.dispatched.reshape(-1)
-            pairs, experts = pairs[keep], experts[keep]
         owner = torch.div(experts, self.experts_per_rank, rounding_mode="floor")
-        order = torch.argsort(owner, stable=True)
-        pairs, experts, owner = pairs[order], experts[order], owner[order]
-        send = torch.bincount(owner, minlength=self.world)
+        if routing.dispatched is not None:   # dropped at capacity: a rank past the last, never sent
+            owner = torch.where(routing.dispatched.reshape(-1), owner, self.world)
+        # the pairs in the order of their ranks, stable; one host read: the split sizes
+        pairs = torch.argsort(owner, stable=True)
+        send = torch.bincount(owner, minlength=self.world + 1)[:self.world]
         recv = exchange_counts(send, self.group)
         send_splits, recv_splits = send.tolist(), recv.tolist()
+        pairs = pairs[:sum(send_splits)]
+        experts, owner = experts.index_select(0, pairs), owner.index_select(0, pairs)
 
         rows = all_to_all(x.index_select(0, torch.div(pairs, k, rounding_mode="floor")),
                           send_splits, recv_splits, self.group)                       # [R, d]
