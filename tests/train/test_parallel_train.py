@@ -124,3 +124,13 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     (tmp_path / "ep" / "checkpoint.pt.experts-step6-rank1-of-2").unlink()
     with pytest.raises(ckpt.CheckpointError, match="rank1-of-2 is missing"):
         ckpt.load(tmp_path / "ep" / "checkpoint.pt")
+
+
+def test_compare_under_torchrun_is_refused_with_what_to_do(tmp_path, monkeypatch):
+    from sparseffn.train.compare import compare
+    from sparseffn.train.config import ConfigError
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="one by one with sparseffn train"):
+        compare({"name": "c", "data": {"corpus": "pydoc"}, "compare": {"variants": ["dense"]}},
+                tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -171,6 +172,10 @@ def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
     ``isolate=False`` trains in this process (no start-up per variant, but the peak-memory
     column is then the largest so far, not each variant's own); ``analyses=False`` leaves out
     the per-variant expert analyses (e.g. for the second seed of the same variants)."""
+    _check(int(os.environ.get("WORLD_SIZE", "1")) <= 1,
+           "sparseffn compare runs each variant in a process of its own and cannot run under "
+           "torchrun; train the variants there one by one with sparseffn train (same config, "
+           "--set model.ffn=...), or run compare in one process")
     runs = variant_runs(data)
     if only:
         names = {r.name for r in runs}
