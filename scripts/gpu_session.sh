@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
 #   bash scripts/gpu_session.sh cvmm                # ~1-2 min (the six CVMM calls, one by one)
+#   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
 #
 # fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
 # /.peers/ in .git/info/exclude, so that it travels as an ignored, carried folder).
@@ -47,6 +48,7 @@ for what in "$@"; do
     productkeys) stage productkeys 400 $PY -m sparseffn bench productkeys --device cuda \
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
+    train) stage train 540 $PY scripts/gpu_train_check.py --json "$OUT/train.json" ;;
     cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "productkeys profile cvmm)"; exit 2 ;;

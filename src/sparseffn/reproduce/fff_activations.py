@@ -281,9 +281,8 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, device: str = 
     """Train every cell on every dataset and seed; write ``OUT/fff-activations.md`` / ``.json``.
     ``data``: the Fashion-MNIST folder (default: Debian's)."""
     from ..train.compare import compare
-    if device != "cpu":
-        raise ValueError(f"reproduce {NAME}: the trainer runs on the CPU only for now "
-                         f"(got --device {device})")
+    from ..train.trainer import training_device
+    training_device(device)      # before anything trains or is written
     started = time.perf_counter()
     depths = DEPTHS[:2] if quick else DEPTHS
     seeds = [seed + i for i in range(2 if quick else SEEDS)]
@@ -296,7 +295,7 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, device: str = 
         per_seed = []
         for s in seeds:
             report = compare(config(dataset, s, depths, quick, data), runs / dataset / f"seed{s}",
-                             isolate=False, analyses=s == seeds[0])
+                             isolate=False, analyses=s == seeds[0], device=device)
             per_seed.append({v["name"]: v["test"]["accuracy"] for v in report["variants"]})
             if s == seeds[0]:
                 first = report["variants"]   # sizes and steps are the same for every seed

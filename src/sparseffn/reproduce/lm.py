@@ -127,13 +127,12 @@ def run_lm_experiment(experiment: LMExperiment, *, quick: bool = False, out: str
                       seed: int = 0, device: str = "cpu", **_: Any) -> dict:
     """Train the experiment's variants and write ``OUT/NAME.md`` / ``.json``."""
     from ..train.compare import compare
-    if device != "cpu":
-        raise ValueError(f"reproduce {experiment.name}: the trainer runs on the CPU only for "
-                         f"now (got --device {device})")
+    from ..train.trainer import training_device
+    training_device(device)      # before anything trains or is written
     started = time.perf_counter()
     out_dir = Path(out)
     runs = out_dir / "runs" / (experiment.name + ("-quick" if quick else ""))
-    results = compare(experiment.config(quick, seed), runs, isolate=not quick)
+    results = compare(experiment.config(quick, seed), runs, isolate=not quick, device=device)
     summaries = results["variants"]
     bpc = {s["name"]: s["val"]["bpc"] for s in summaries}
     claims = judge(experiment.claims, bpc)

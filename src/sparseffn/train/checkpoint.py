@@ -27,9 +27,11 @@ import torch
 
 
 def rng_state() -> dict:
-    """The torch, NumPy and Python RNG states, in types ``weights_only`` loading accepts."""
+    """The torch (CPU, and every CUDA device's once CUDA is in use), NumPy and Python RNG
+    states, in types ``weights_only`` loading accepts."""
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_initialized() else {}
+    return {"torch": torch.get_rng_state(), **cuda,
             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)),
                       "position": int(position), "has_gauss": int(has_gauss),
                       "cached_gaussian": float(cached_gaussian)},
@@ -39,6 +41,10 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     """Restore :func:`rng_state` (or the NumPy tuple that checkpoints held before)."""
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():   # as many devices as both runs have
+        for device, cuda_state in enumerate(cuda[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
     numpy_state = state["numpy"]
     if isinstance(numpy_state, dict):
         numpy_state = (numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32),

@@ -21,7 +21,8 @@ def train_command(args: argparse.Namespace) -> int:
     if args.dense_baseline:
         run = dense_baseline(run, args.dense_baseline)
     out = Path(args.out or Path("runs") / run.name)
-    summary = Trainer(run, out, progress=not args.no_progress).train(resume=args.resume)
+    summary = Trainer(run, out, progress=not args.no_progress,
+                      device=args.device).train(resume=args.resume)
     if summary["processes"] > 1 and int(os.environ.get("RANK", "0")) != 0:
         return 0      # under torchrun, rank 0 speaks for the run
     val = summary["val"]
@@ -54,7 +55,7 @@ def compare_command(args: argparse.Namespace) -> int:
     data, _ = _run_config(args, allow=("compare",))
     out = Path(args.out or Path("runs") / data.get("name", "compare"))
     only = args.variants.split(",") if args.variants else None
-    results = compare(data, out, fresh=args.fresh, only=only)
+    results = compare(data, out, fresh=args.fresh, only=only, device=args.device)
     summaries = results["variants"]
     print()
     if "unigram_bits" in summaries[0]:
@@ -89,6 +90,9 @@ def add_commands(commands) -> None:
                        help="train the dense model with the config's parameters (params, the "
                        "default) or its active parameters per token (compute)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--device", default="cpu",
+                       help="cpu (default), cuda or cuda:N; under torchrun with cuda each "
+                            "process takes GPU LOCAL_RANK")
     train.set_defaults(func=train_command)
 
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint")
@@ -124,4 +128,5 @@ def add_commands(commands) -> None:
     comp.add_argument("--variants", help="only these variants, comma-separated")
     comp.add_argument("--fresh", action="store_true",
                       help="retrain every variant (default: reuse finished ones, resume interrupted)")
+    comp.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     comp.set_defaults(func=compare_command)

@@ -144,11 +144,12 @@ def _saved_run(folder: Path) -> RunConfig | None:
         return None
 
 
-def _train_in_subprocess(run: RunConfig, folder: Path, resume: bool) -> int:
+def _train_in_subprocess(run: RunConfig, folder: Path, resume: bool, device: str) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "variant.json"
     config.write_text(json.dumps(run.to_dict(), indent=2))
-    command = [sys.executable, "-m", "sparseffn", "train", str(config), "--out", str(folder)]
+    command = [sys.executable, "-m", "sparseffn", "train", str(config), "--out", str(folder),
+               "--device", device]
     if resume:
         command.append("--resume")
     process = subprocess.Popen(command)
@@ -160,18 +161,22 @@ def _train_in_subprocess(run: RunConfig, folder: Path, resume: bool) -> int:
         raise
 
 
-def _train_here(run: RunConfig, folder: Path, resume: bool) -> int:
+def _train_here(run: RunConfig, folder: Path, resume: bool, device: str) -> int:
     from .trainer import Trainer
-    Trainer(run, folder, progress=False).train(resume=resume)
+    Trainer(run, folder, progress=False, device=device).train(resume=resume)
     return 0
 
 
 def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
-            only: list[str] | None = None, isolate: bool = True, analyses: bool = True) -> dict:
+            only: list[str] | None = None, isolate: bool = True, analyses: bool = True,
+            device: str = "cpu") -> dict:
     """Train every variant (or those in ``only``), then write the report; returns its results.
     ``isolate=False`` trains in this process (no start-up per variant, but the peak-memory
     column is then the largest so far, not each variant's own); ``analyses=False`` leaves out
-    the per-variant expert analyses (e.g. for the second seed of the same variants)."""
+    the per-variant expert analyses (e.g. for the second seed of the same variants).
+    ``device``: where every variant trains (``cpu``, ``cuda``, ``cuda:N``)."""
+    from .trainer import training_device
+    training_device(device)      # a bad device is refused before anything trains
     _check(int(os.environ.get("WORLD_SIZE", "1")) <= 1,
            "sparseffn compare runs each variant in a process of its own and cannot run under "
            "torchrun; train the variants there one by one with sparseffn train (same config, "
@@ -184,11 +189,11 @@ def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
         runs = [r for r in runs if r.name in only]
     out = Path(out)
     with folder_lock(out, "compare"):
-        return _train_and_report(data, runs, out, fresh, isolate, analyses)
+        return _train_and_report(data, runs, out, fresh, isolate, analyses, device)
 
 
 def _train_and_report(data: dict[str, Any], runs: list[RunConfig], out: Path, fresh: bool,
-                      isolate: bool, analyses: bool) -> dict:
+                      isolate: bool, analyses: bool, device: str) -> dict:
     for index, run in enumerate(runs, 1):
         folder = out / run.name
         same_config = not fresh and _saved_run(folder) == run
@@ -199,7 +204,7 @@ def _train_and_report(data: dict[str, Any], runs: list[RunConfig], out: Path, fr
         resume = same_config and (folder / CHECKPOINT).is_file()
         print(f"[{index}/{len(runs)}] {run.name}: {'resuming' if resume else 'training'}",
               file=sys.stderr)
-        code = (_train_in_subprocess if isolate else _train_here)(run, folder, resume)
+        code = (_train_in_subprocess if isolate else _train_here)(run, folder, resume, device)
         if code == 130:
             raise KeyboardInterrupt
         if code != 0:

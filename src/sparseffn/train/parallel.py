@@ -38,19 +38,29 @@ TIMEOUT = timedelta(minutes=10)
 class Parallel:
     """This process's place in the run: ``rank`` of ``world``."""
 
-    def __init__(self, rank: int = 0, world: int = 1, expert_parallel: bool = False) -> None:
+    def __init__(self, rank: int = 0, world: int = 1, expert_parallel: bool = False,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.rank, self.world, self.expert_parallel = rank, world, expert_parallel
+        self.device = device
 
     @classmethod
-    def from_environment(cls, expert_parallel: bool) -> "Parallel":
-        """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``,
-        ``MASTER_ADDR``/``MASTER_PORT``), on gloo; one process when there is none."""
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), expert_parallel)
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    def from_environment(cls, expert_parallel: bool,
+                         device: torch.device = torch.device("cpu")) -> "Parallel":
+        """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+        ``MASTER_ADDR``/``MASTER_PORT``): gloo on the CPU; with ``device="cuda"`` each rank
+        on GPU ``LOCAL_RANK``, NCCL for CUDA tensors and gloo for the CPU ones. One process
+        when there is none."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not (
+                dist.is_available() and dist.is_initialized()):
             return cls(0, 1, expert_parallel)
-        dist.init_process_group("gloo", timeout=TIMEOUT)
-        return cls(dist.get_rank(), dist.get_world_size(), expert_parallel)
+        cuda = device.type == "cuda"
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda \
+            else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", timeout=TIMEOUT)
+        return cls(dist.get_rank(), dist.get_world_size(), expert_parallel, local)
 
     @property
     def active(self) -> bool:
@@ -114,13 +124,14 @@ class Parallel:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
             return
         experts = {id(p) for p in expert_parameters(model)}
-        squares = torch.zeros(2, dtype=torch.float64)
-        for p in params:
-            squares[int(id(p) in experts)] += p.grad.detach().double().square().sum()
-        expert_squares = squares[1:].clone()
+        replicated = sum(float(p.grad.detach().double().square().sum())
+                         for p in params if id(p) not in experts)
+        expert_squares = torch.tensor([sum(float(p.grad.detach().double().square().sum())
+                                           for p in params if id(p) in experts)],
+                                      dtype=torch.float64)
         with explained("all-reduce (gradient norm)"):
-            dist.all_reduce(expert_squares)
-        norm = float((squares[0] + expert_squares[0]).sqrt())
+            dist.all_reduce(expert_squares)      # a CPU tensor: gloo, also beside NCCL
+        norm = (replicated + float(expert_squares)) ** 0.5
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
             for p in params:

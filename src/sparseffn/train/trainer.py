@@ -111,15 +111,18 @@ class Evaluation:
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split: str = "val",
              max_windows: int | None = None, batch_size: int = 64) -> Evaluation:
-    """Validation (or test) loss, with bits per byte for text and accuracy for classes."""
+    """Validation (or test) loss, with bits per byte for text and accuracy for classes, on the
+    device the model is on."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     try:
-        with _autocast(run.train.bf16):
+        with _autocast(run.train.bf16, device):
             if isinstance(data, TextData):
                 windows = data.eval_windows(split, run.model.context, max_windows)
                 nats, count, nbytes = 0.0, 0, 0
                 for chunk in windows.split(batch_size):
+                    chunk = chunk.to(device)
                     logits = model(chunk[:, :-1]).float()
                     targets = chunk[:, 1:]
                     nats += float(nn.functional.cross_entropy(
@@ -130,6 +133,7 @@ def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split
             x, y = data.x[split], data.y[split]
             nats, correct = 0.0, 0
             for xs, ys in zip(x.split(256), y.split(256)):
+                xs, ys = xs.to(device), ys.to(device)
                 logits = model(xs).float()
                 nats += float(nn.functional.cross_entropy(logits, ys, reduction="sum"))
                 correct += int((logits.argmax(-1) == ys).sum())
@@ -138,8 +142,29 @@ def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split
         model.train(was_training)
 
 
-def _autocast(enabled: bool):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+def _autocast(enabled: bool, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled \
+        else contextlib.nullcontext()
+
+
+def training_device(name: str) -> torch.device:
+    """The device a run trains on: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; a clear error for
+    anything else, or for CUDA on a machine without it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: this PyTorch sees no CUDA device "
+                              f"(torch {torch.__version__}); train on the CPU or install a CUDA "
+                              f"build")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: there are {torch.cuda.device_count()} CUDA "
+                              f"devices")
+    return device
 
 
 @contextlib.contextmanager
@@ -154,12 +179,24 @@ def _config_errors(section: str):
         raise ConfigError(f"{section}: {error}") from None
 
 
+def _deterministic(enabled: bool, device: torch.device) -> None:
+    """``torch.use_deterministic_algorithms`` for the run. On CUDA cuBLAS needs a fixed
+    workspace for it (set here before first use unless the user set one), and the ops with no
+    deterministic CUDA kernel warn instead of failing (reported in the warnings, not hidden)."""
+    if enabled and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        torch.use_deterministic_algorithms(enabled)
+
+
 class Trainer:
     """Trains ``run`` in ``out_dir``. ``train(resume=True)`` continues from the checkpoint."""
 
     def __init__(self, run: RunConfig, out_dir: str | Path, progress: bool = True,
-                 label: str | None = None) -> None:
+                 label: str | None = None, device: str = "cpu") -> None:
         self.run, self.out = run, Path(out_dir)
+        self.device_name = device
         self.progress, self.label = progress, label or run.name
         self._stop_requested = self._stopped_mid_step = False
         self.parallel = Parallel()
@@ -168,7 +205,9 @@ class Trainer:
 
     def _setup(self, state: dict | None) -> None:
         run = self.run
-        torch.use_deterministic_algorithms(run.train.deterministic)
+        self.device = self.parallel.device if self.parallel.active else \
+            training_device(self.device_name)   # under torchrun: cuda:LOCAL_RANK
+        _deterministic(run.train.deterministic, self.device)
         torch.manual_seed(run.seed)
         np.random.seed(run.seed % 2**32)
         tokenizer = state.get("tokenizer") if state else None
@@ -176,7 +215,7 @@ class Trainer:
         with _config_errors("data"):
             self.data = load_data(run, tokenizer)
         with _config_errors("model"):
-            self.model = build_model(run, self.data)
+            self.model = build_model(run, self.data).to(self.device)
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
         parallel = self.parallel
@@ -187,7 +226,7 @@ class Trainer:
             self.model.load_state_dict(state["model"])
         parallel.shard(self.model)
         if parallel.active:      # different dropout and routing noise on every rank
-            torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))
+            torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))   # (CUDA's too)
         sparse = sparse_grad_parameters(self.model)
         self.dense_params = dense_grad_parameters(self.model)
         t = run.train
@@ -255,10 +294,13 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def _batch(self, step: int):
+        """The step's batch (drawn on the CPU from ``(seed, step)``), on the training device."""
         t = self.run.train
         if isinstance(self.data, TextData):
-            return self.data.batch(step, t.batch_size, self.run.model.context, self.run.seed)
-        return self.data.batch(step, t.batch_size, self.run.seed)
+            batch = self.data.batch(step, t.batch_size, self.run.model.context, self.run.seed)
+        else:
+            batch = self.data.batch(step, t.batch_size, self.run.seed)
+        return tuple(part.to(self.device, non_blocking=True) for part in batch)
 
     def _log(self, record: dict) -> None:
         if not self.parallel.main:
@@ -299,7 +341,9 @@ class Trainer:
                                   f"different config; resume with the same config or use a new "
                                   f"--out")
         previous_deterministic = torch.are_deterministic_algorithms_enabled()
-        self.parallel = Parallel.from_environment(self.run.train.expert_parallel)
+        previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        device = training_device(self.device_name)   # a bad --device touches nothing
+        self.parallel = Parallel.from_environment(self.run.train.expert_parallel, device)
         try:
             self._setup(state)   # data and model first: a run that cannot start touches no file
             # rank 0 owns the folder; the other ranks write nothing
@@ -313,7 +357,8 @@ class Trainer:
                 with self._interrupts_at_step_boundaries():
                     return self._loop()
         finally:
-            torch.use_deterministic_algorithms(previous_deterministic)
+            torch.use_deterministic_algorithms(previous_deterministic,
+                                               warn_only=previous_warn_only)
 
     def _prepare_folder(self, fresh: bool) -> None:
         """Create the run folder and write config.json. A fresh run in a folder that holds
@@ -381,7 +426,7 @@ class Trainer:
                         group["lr"] = lr
                 inputs, targets, share = parallel.local(*self._batch(step))
                 started = time.perf_counter()
-                with _autocast(t.bf16):
+                with _autocast(t.bf16, self.device):
                     loss = self.model.loss(inputs, targets)
                     if parallel.active:   # the ranks' mean is the global batch's mean
                         loss = loss * share
@@ -476,7 +521,7 @@ class Trainer:
                "train_time_s": self.train_time,
                "items_per_s": self.step * per_step / max(self.train_time, 1e-9),
                "peak_rss_mb": peak_rss_bytes() / 2**20, **cost,
-               "processes": self.parallel.world,
+               "processes": self.parallel.world, "device": str(self.device),
                "expert_parallel": self.parallel.active and self.parallel.expert_parallel,
                "val": final.as_dict(), "model": self.model.config.to_dict()}
         if isinstance(self.data, TextData):
