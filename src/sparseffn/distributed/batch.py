@@ -41,11 +41,7 @@ class GroupBatchSum(BatchSum):
         self.group = group
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        if values.requires_grad and torch.is_grad_enabled():
-            return _AllReduceSum.apply(values, self.group)
-        values = values.clone()
-        _all_reduce(values, self.group)
-        return values
+        return _AllReduceSum.apply(values, self.group)   # no graph without a gradient
 
     def __deepcopy__(self, memo) -> "GroupBatchSum":
         return GroupBatchSum(self.group)     # a process group is shared, never copied

@@ -55,6 +55,4 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
     chunks received, [sum(recv_splits), ...], in rank order; differentiable (the gradient
     travels back by the inverse exchange). Every rank of ``group`` must call it, in the same
     order as the others, forward and backward."""
-    if x.requires_grad and torch.is_grad_enabled():
-        return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)
-    return _exchange(x, list(send_splits), list(recv_splits), group)
+    return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)

@@ -145,10 +145,12 @@ class ExpertParallelMLP(ExpertStore):
                 f"here")
 
 
-def _sharded_stores(model: nn.Module):
-    for module in model.modules():
+def sharded_stores(model: nn.Module):
+    """``(name, store)`` of every layer of ``model`` whose experts :func:`shard_experts`
+    sharded (``name``: the layer's module name)."""
+    for name, module in model.named_modules():
         if isinstance(module, RoutedFFN) and isinstance(module.store, ExpertParallelMLP):
-            yield module.store
+            yield name, module.store
 
 
 @torch.no_grad()
@@ -200,7 +202,7 @@ def shard_experts(model: nn.Module, group=None, batch_statistics: str = "global"
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of ``model`` that live on this rank only (its experts)."""
-    return [p for store in _sharded_stores(model) for p in store.expert_parameters()]
+    return [p for _, store in sharded_stores(model) for p in store.expert_parameters()]
 
 
 def ddp_ignore_expert_parameters(model: nn.Module) -> list[str]:
@@ -262,17 +264,15 @@ def split_state_dict(model: nn.Module) -> tuple[dict, dict[str, tuple[torch.Tens
     of ``num_experts / world`` rows here). ``b_out``, replicated, stays in the first part."""
     state = model.state_dict()
     experts = {}
-    for name, module in model.named_modules():
-        if not (isinstance(module, RoutedFFN) and isinstance(module.store, ExpertParallelMLP)):
-            continue
-        store = module.store
+    for name, store in sharded_stores(model):
         prefix = f"{name}.store." if name else "store."
+        own = {id(p) for p in store.expert_parameters()}
         for pname, param in store.local.named_parameters():
             value = state.pop(f"{prefix}local.{pname}")
-            if pname == "b_out":
-                state[prefix + pname] = value
-            else:
+            if id(param) in own:
                 experts[prefix + pname] = (value, store)
+            else:
+                state[prefix + pname] = value
     return state, experts
 
 

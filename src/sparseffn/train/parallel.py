@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import (ExpertParallelMLP, expert_parameters, shard_experts,
-                           split_state_dict, sync_gradients)
+from ..distributed import (expert_parameters, shard_experts, sharded_stores, split_state_dict,
+                           sync_gradients)
 from ..distributed.errors import explained
-from ..routing import RoutedFFN
 
 #: How long a rank waits for the others in a collective before it fails.
 TIMEOUT = timedelta(minutes=10)
@@ -49,10 +48,11 @@ class Parallel:
         """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
         ``MASTER_ADDR``/``MASTER_PORT``): gloo on the CPU; with ``device="cuda"`` each rank
         on GPU ``LOCAL_RANK``, NCCL for CUDA tensors and gloo for the CPU ones. One process
-        when there is none."""
+        on ``device`` when there is none. ``device`` is the training device, checked by the
+        caller (:func:`sparseffn.train.trainer.training_device`)."""
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not (
                 dist.is_available() and dist.is_initialized()):
-            return cls(0, 1, expert_parallel)
+            return cls(0, 1, expert_parallel, device)
         cuda = device.type == "cuda"
         local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda \
             else torch.device("cpu")
@@ -70,9 +70,14 @@ class Parallel:
     def main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the experts are split across the ranks (and checkpoints with them)."""
+        return self.active and self.expert_parallel
+
     def shard(self, model: nn.Module) -> None:
         """Keep this rank's experts only (with ``expert_parallel``)."""
-        if self.active and self.expert_parallel:
+        if self.sharded:
             shard_experts(model)
 
     def local(self, inputs: torch.Tensor, targets: torch.Tensor
@@ -120,17 +125,17 @@ class Parallel:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the replicated gradients
         (equal on every rank after :meth:`sync`) once, the experts' of every rank."""
         params = [p for p in params if p.grad is not None]
-        if not (self.active and self.expert_parallel):
+        if not self.sharded:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
             return
         experts = {id(p) for p in expert_parameters(model)}
-        replicated = sum(float(p.grad.detach().double().square().sum())
-                         for p in params if id(p) not in experts)
-        expert_squares = torch.tensor([sum(float(p.grad.detach().double().square().sum())
-                                           for p in params if id(p) in experts)],
-                                      dtype=torch.float64)
+        squares = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for p in params:      # [replicated, this rank's experts], summed on the device
+            squares[int(id(p) in experts)] += p.grad.detach().double().square().sum()
+        replicated, experts_here = squares.tolist()   # one host read
+        expert_squares = torch.tensor([experts_here], dtype=torch.float64)
         with explained("all-reduce (gradient norm)"):
-            dist.all_reduce(expert_squares)      # a CPU tensor: gloo, also beside NCCL
+            dist.all_reduce(expert_squares)   # a CPU tensor: gloo, also beside NCCL
         norm = (replicated + float(expert_squares)) ** 0.5
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
@@ -138,11 +143,6 @@ class Parallel:
                 p.grad.detach().mul_(scale)
 
     # -- checkpoints -----------------------------------------------------------------------
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the experts are split across the ranks (and checkpoints with them)."""
-        return self.active and self.expert_parallel
 
     def split_checkpoint(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]
                          ) -> tuple[dict, list[dict], dict]:
@@ -171,7 +171,7 @@ class Parallel:
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module,
                              state: dict) -> None:
         """Load a one-process optimizer state, keeping this rank's rows of the experts'."""
-        if not (self.active and self.expert_parallel):
+        if not self.sharded:
             optimizer.load_state_dict(state)
             return
         state = {"state": {i: dict(s) for i, s in state["state"].items()},
@@ -186,13 +186,10 @@ class Parallel:
 
     def _expert_slots(self, optimizer, model):
         """(index in the optimizer's state, parameter, its store) of every expert parameter."""
-        if not (self.active and self.expert_parallel):
+        if not self.sharded:
             return []
-        owner = {}
-        for module in model.modules():
-            if isinstance(module, RoutedFFN) and isinstance(module.store, ExpertParallelMLP):
-                for p in module.store.expert_parameters():
-                    owner[id(p)] = module.store
+        owner = {id(p): store for _, store in sharded_stores(model)
+                 for p in store.expert_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return [(i, p, owner[id(p)]) for i, p in enumerate(params) if id(p) in owner]
 

@@ -205,8 +205,7 @@ class Trainer:
 
     def _setup(self, state: dict | None) -> None:
         run = self.run
-        self.device = self.parallel.device if self.parallel.active else \
-            training_device(self.device_name)   # under torchrun: cuda:LOCAL_RANK
+        self.device = self.parallel.device   # under torchrun with cuda: cuda:LOCAL_RANK
         _deterministic(run.train.deterministic, self.device)
         torch.manual_seed(run.seed)
         np.random.seed(run.seed % 2**32)
@@ -522,7 +521,7 @@ class Trainer:
                "items_per_s": self.step * per_step / max(self.train_time, 1e-9),
                "peak_rss_mb": peak_rss_bytes() / 2**20, **cost,
                "processes": self.parallel.world, "device": str(self.device),
-               "expert_parallel": self.parallel.active and self.parallel.expert_parallel,
+               "expert_parallel": self.parallel.sharded,
                "val": final.as_dict(), "model": self.model.config.to_dict()}
         if isinstance(self.data, TextData):
             out["unigram_bits"] = self.data.unigram_bits
