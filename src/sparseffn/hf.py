@@ -17,7 +17,7 @@ alone: they are marked initialised. Other architectures join with :func:`registe
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -139,10 +139,10 @@ def _llama_weights(site, config) -> DenseWeights:
     # down_proj(act(gate_proj(x)) * up_proj(x)); Gemma names its activation hidden_activation
     if site.gate_proj.bias is not None:
         raise ValueError("cannot convert a gated MLP whose gate projection has a bias")
-    weights = DenseWeights.from_linears(site.up_proj, site.down_proj,
-                                        _activation(config, "hidden_activation", "hidden_act"))
-    return DenseWeights(weights.w1, weights.b1, weights.w2, weights.b2, weights.activation,
-                        w_gate=site.gate_proj.weight.detach())
+    return replace(
+        DenseWeights.from_linears(site.up_proj, site.down_proj,
+                                  _activation(config, "hidden_activation", "hidden_act")),
+        w_gate=site.gate_proj.weight.detach())
 
 
 def _models(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:

@@ -281,8 +281,6 @@ def run(quick: bool = False, out: str = "results", seed: int = 0, device: str = 
     """Train every cell on every dataset and seed; write ``OUT/fff-activations.md`` / ``.json``.
     ``data``: the Fashion-MNIST folder (default: Debian's)."""
     from ..train.compare import compare
-    from ..train.trainer import training_device
-    training_device(device)      # before anything trains or is written
     started = time.perf_counter()
     depths = DEPTHS[:2] if quick else DEPTHS
     seeds = [seed + i for i in range(2 if quick else SEEDS)]

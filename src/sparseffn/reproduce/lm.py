@@ -127,8 +127,6 @@ def run_lm_experiment(experiment: LMExperiment, *, quick: bool = False, out: str
                       seed: int = 0, device: str = "cpu", **_: Any) -> dict:
     """Train the experiment's variants and write ``OUT/NAME.md`` / ``.json``."""
     from ..train.compare import compare
-    from ..train.trainer import training_device
-    training_device(device)      # before anything trains or is written
     started = time.perf_counter()
     out_dir = Path(out)
     runs = out_dir / "runs" / (experiment.name + ("-quick" if quick else ""))
