@@ -148,6 +148,43 @@ def test_product_key_topk_is_exactly_the_top_k_of_all_sums(n_a, n_b, k, ties):
         assert idx[r].tolist() == _sorted_topk(full[r].tolist(), k)
 
 
+@pytest.mark.parametrize("n_a,n_b,k", [(8, 8, 4), (62, 62, 32), (5, 7, 9), (100, 37, 64)])
+def test_product_key_topk_merges_distinct_sums_and_selects_exactly_in_blocks_with_ties(n_a, n_b,
+                                                                                      k):
+    """Distinct sums take the merge alone; a block of rows with a tie (here row 3: integer
+    scores; rows 40-47: a half of scale 1e-7, whose sums fl(a + b) round to equal values
+    though the a differ) takes the exact selection, and both agree with the PyTorch path."""
+    gen = torch.Generator().manual_seed(n_a + k)
+    s_a, s_b = torch.randn(50, n_a, generator=gen), torch.randn(50, n_b, generator=gen)
+    s_a[3], s_b[3] = s_a[3].round(), s_b[3].round()
+    s_a[40:48] *= 1e-7
+    s_a, s_b = s_a.to(DEVICE), s_b.to(DEVICE)
+    idx, merged = triton_rows.product_key_topk_indices(s_a, s_b, k)
+    _, want_idx = _torch_path(kernels.product_key_topk, s_a, s_b, k)
+    assert torch.equal(idx, want_idx)
+    assert not bool(merged[3]) and not bool(merged[40:48].any())
+    assert bool(merged[16:40].all()) and bool(merged[48:].all()), "distinct sums: the merge"
+
+
+# fl(1e8 + 1.5) = fl(1e8 + 1.0) = 1e8 (fp32 spacing 8 there): the merge reaches s_b's 1.5
+# first (a higher score), but among equal sums the lower key index comes first.
+_ROUNDED_TIES = [
+    # (s_a, s_b, k, top k, merged): keys i + n_a·j
+    ([1e8, -5.0], [1.0, 1.5, -3.0], 2, [0, 2], False),           # tie between two taken
+    ([1e8, 1e8 - 16], [1.0, 64.0, 1.5, -1e3], 3, [2, 3, 0], False),   # tie left behind
+    ([1e8, 1e8 - 16], [1.0, 64.0, 1.5, -1e3], 2, [2, 3], True),   # no tie among the top 2
+]
+
+
+@pytest.mark.parametrize("s_a,s_b,k,want,merged", _ROUNDED_TIES)
+def test_product_key_topk_orders_rounded_ties_by_index_not_by_merge_row(s_a, s_b, k, want,
+                                                                        merged):
+    s_a, s_b = torch.tensor([s_a], device=DEVICE), torch.tensor([s_b], device=DEVICE)
+    idx, from_merge = triton_rows.product_key_topk_indices(s_a, s_b, k)
+    assert idx[0].tolist() == want and bool(from_merge[0]) == merged
+    assert torch.equal(idx, _torch_path(kernels.product_key_topk, s_a, s_b, k)[1])
+
+
 def test_product_key_topk_unchecked_nan_keeps_indices_in_range(monkeypatch):
     monkeypatch.setattr(kernels, "checks_enabled", lambda tensor: False)
     s_a = torch.randn(6, 10, device=DEVICE)
