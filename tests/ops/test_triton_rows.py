@@ -85,6 +85,30 @@ def test_scatter_rows_is_deterministic_and_the_reverse_index_is_exact():
             "a row's pairs, in (token, slot) order"
 
 
+def test_a_given_row_index_gives_the_same_table_gradient():
+    idx, w, _, x = _pairs(tokens=300, m=16, num_rows=50, d=33)
+    order, offsets = kernels.row_index(idx, 50)
+    assert order.dtype == offsets.dtype == torch.int32
+    want_order, want_offsets = triton_rows.sorted_reverse_index(idx, 50)
+    assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
+    assert torch.equal(kernels.scatter_rows(idx, w, x, 50, order, offsets),
+                       kernels.scatter_rows(idx, w, x, 50))
+    torch.library.opcheck(torch.ops.sparseffn.row_index.default, (idx, 50))
+    torch.library.opcheck(torch.ops.sparseffn.scatter_rows.default,
+                          (idx, w, x, 50, order, offsets))
+
+
+def test_shared_row_index_only_where_the_triton_table_gradient_uses_it():
+    idx, _, table, x = _pairs()
+    table.requires_grad_()
+    assert rows.shared_row_index(idx, table.shape[0], table, x) is not None
+    assert rows.shared_row_index(idx, table.shape[0], table, x, sparse_grad=True) is None
+    with torch.no_grad():
+        assert rows.shared_row_index(idx, table.shape[0], table, x) is None
+    assert rows.shared_row_index(idx, table.shape[0], table.detach(), x) is None
+    assert rows.shared_row_index(idx, table.shape[0], table.double(), x) is None
+
+
 def test_empty_batch_and_no_slots():
     idx, w, table, x = _pairs(tokens=0)
     assert kernels.gather_sum(idx, w, table).shape == (0, table.shape[1])
@@ -202,10 +226,12 @@ def test_product_key_topk_unchecked_nan_keeps_indices_in_range(monkeypatch):
 def test_layers_train_the_same_through_the_kernels(layer, monkeypatch):
     """A training forward+backward of PKM and PEER through the kernels gives the output and
     every gradient of the PyTorch path, and every kernel runs."""
-    calls = set()
+    calls, sorts = set(), []
     for fn in ("gather_dot", "gather_sum", "scatter_rows", "product_key_topk", "dense_rows"):
         original = getattr(triton_rows, fn)
         monkeypatch.setattr(triton_rows, fn, lambda *a, _f=original, _n=fn: calls.add(_n) or _f(*a))
+    sort = triton_rows.sorted_reverse_index
+    monkeypatch.setattr(triton_rows, "sorted_reverse_index", lambda *a: sorts.append(1) or sort(*a))
     torch.manual_seed(0)
     if layer == "pkm":
         module = sparseffn.ProductKeyMemory(d_model=24, num_subkeys=9, heads=2, k=5)
@@ -225,6 +251,9 @@ def test_layers_train_the_same_through_the_kernels(layer, monkeypatch):
     assert not calls
     got = step(module)
     assert calls == {"gather_dot", "gather_sum", "scatter_rows", "product_key_topk", "dense_rows"}
+    # PKM's value table and PEER's two tables (u_i and v_i, read with the same pairs): the
+    # pairs are grouped by row once a step
+    assert len(sorts) == 1
     for g, w in zip(got, want):
         close(g, w, torch.float32)
 

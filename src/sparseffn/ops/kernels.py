@@ -31,6 +31,7 @@ capacity) is never computed, and where it appears in an output it is exactly zer
     sparseffn::gather_dot         <x[t], table[idx[t, j]]>
     sparseffn::gather_sum         Σ_j w[t, j] · table[idx[t, j]]
     sparseffn::scatter_rows       the transpose of gather_sum (a table's gradient)
+    sparseffn::row_index          a batch's pairs grouped by table row (for scatter_rows)
     sparseffn::dense_rows         each row's pairs as one dense row (small tables' gradients)
     sparseffn::topk_rows          top-k per row, ties to the lower index
     sparseffn::product_key_topk   the top-k of all sums of two score rows (Lample et al. 2019)
@@ -323,11 +324,15 @@ def _(idx, weights, table):
 
 
 @operator("scatter_rows")
-def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Tensor:
+def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
+                 order: Optional[Tensor] = None, offsets: Optional[Tensor] = None) -> Tensor:
     """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, a dense [num_rows, d]
-    with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]."""
+    with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]. ``order`` and
+    ``offsets``: optionally, :func:`row_index` of (idx, num_rows), which the Triton kernel
+    then does not compute again (the other implementations group the pairs themselves)."""
     if triton_rows.usable(weights, src):
-        return triton_rows.scatter_rows(idx, weights, src, num_rows)
+        row_index = (order, offsets) if order is not None and offsets is not None else None
+        return triton_rows.scatter_rows(idx, weights, src, num_rows, row_index)
     if _fused(weights, src):
         return native.scatter_rows(idx, weights, src, num_rows)
     out = src.new_zeros(num_rows, src.shape[1])
@@ -338,8 +343,26 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Te
 
 
 @scatter_rows.register_fake
-def _(idx, weights, src, num_rows):
+def _(idx, weights, src, num_rows, order=None, offsets=None):
     return src.new_empty(num_rows, src.shape[1])
+
+
+@operator("row_index")
+def row_index(idx: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """The pairs of ``idx`` [T, m] grouped by table row, for :func:`scatter_rows`: ``order``
+    [T·m] (pair numbers t·m + j, stably sorted by row) and ``offsets`` [num_rows + 1] (row i's
+    pairs are ``order[offsets[i]:offsets[i + 1]]``), both int32 (at most 2³¹ - 2 pairs and
+    rows), computed on the device with no host read."""
+    if not triton_rows.fits_int32_index(idx, num_rows):
+        raise ValueError(f"row_index: {idx.numel()} pairs over {num_rows} rows do not fit the "
+                         f"int32 index")
+    return triton_rows.sorted_reverse_index(idx, num_rows)
+
+
+@row_index.register_fake
+def _(idx, num_rows):
+    return (idx.new_empty(idx.numel(), dtype=torch.int32),
+            idx.new_empty(num_rows + 1, dtype=torch.int32))
 
 
 @operator("dense_rows")

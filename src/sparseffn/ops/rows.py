@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import kernels, triton_rows
 from .debug import checks_enabled
 from .kernels import scatter_rows
 
@@ -38,47 +38,67 @@ def scatter_rows_sparse(idx: torch.Tensor, weights: torch.Tensor, src: torch.Ten
                                    is_coalesced=True, check_invariants=False)
 
 
-def _table_grad(idx, weights, src, num_rows, sparse: bool) -> torch.Tensor:
-    return (scatter_rows_sparse if sparse else scatter_rows)(idx, weights, src, num_rows)
+def _table_grad(idx, weights, src, num_rows, sparse: bool, row_index) -> torch.Tensor:
+    if sparse:
+        return scatter_rows_sparse(idx, weights, src, num_rows)
+    return scatter_rows(idx, weights, src, num_rows, *(row_index or (None, None)))
+
+
+def shared_row_index(idx: torch.Tensor, num_rows: int, *tensors: torch.Tensor,
+                     sparse_grad: bool = False):
+    """The pairs of ``idx`` grouped by table row (``kernels.row_index``), computed once in the
+    forward for the backward of several products that read tables of ``num_rows`` rows with
+    the same pairs (PEER reads ``u_i`` and ``v_i`` with one idx): each table gradient then
+    reuses it instead of sorting the pairs again. Only where the Triton table gradient will
+    run and need it (a table requires grad under grad mode, not ``sparse_grad``, the tensors
+    the Triton kernels' own); else None (the C kernel and the PyTorch path group the pairs
+    themselves). Pass the result as ``row_index`` to :func:`gather_dot` and
+    :func:`gather_sum`."""
+    if (sparse_grad or not torch.is_grad_enabled()
+            or not any(t.requires_grad for t in tensors) or not triton_rows.usable(*tensors)
+            or not triton_rows.fits_int32_index(idx, num_rows)):
+        return None
+    return kernels.row_index(idx, num_rows)
 
 
 class _GatherDot(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, table, idx, sparse):
+    def forward(ctx, x, table, idx, sparse, row_index):
         ctx.sparse = sparse
-        ctx.save_for_backward(x, table, idx)
+        ctx.save_for_backward(x, table, idx, *(row_index or ()))
         return kernels.gather_dot(x, table, idx)
 
     @staticmethod
     def backward(ctx, grad):
-        x, table, idx = ctx.saved_tensors
+        x, table, idx, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_table = None
         if ctx.needs_input_grad[0]:
             grad_x = kernels.gather_sum(idx, grad, table).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_table = _table_grad(idx, grad, x.to(table.dtype), table.shape[0], ctx.sparse)
-        return grad_x, grad_table, None, None
+            grad_table = _table_grad(idx, grad, x.to(table.dtype), table.shape[0], ctx.sparse,
+                                     row_index)
+        return grad_x, grad_table, None, None, None
 
 
 class _GatherSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, idx, weights, table, sparse):
+    def forward(ctx, idx, weights, table, sparse, row_index):
         ctx.sparse = sparse
-        ctx.save_for_backward(idx, weights, table)
+        ctx.save_for_backward(idx, weights, table, *(row_index or ()))
         return kernels.gather_sum(idx, weights, table)
 
     @staticmethod
     def backward(ctx, grad):
-        idx, weights, table = ctx.saved_tensors
+        idx, weights, table, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
         grad_weights = grad_table = None
         if ctx.needs_input_grad[1]:
             grad_weights = kernels.gather_dot(grad, table, idx).to(weights.dtype)
         if ctx.needs_input_grad[2]:
             grad_table = _table_grad(idx, weights, grad.to(table.dtype), table.shape[0],
-                                     ctx.sparse)
-        return None, grad_weights, grad_table, None
+                                     ctx.sparse, row_index)
+        return None, grad_weights, grad_table, None, None
 
 
 def _check_pairs(idx: torch.Tensor, rows: int, table: torch.Tensor, what: str) -> None:
@@ -95,25 +115,27 @@ def _check_pairs(idx: torch.Tensor, rows: int, table: torch.Tensor, what: str) -
 
 
 def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor,
-               sparse_grad: bool = False) -> torch.Tensor:
+               sparse_grad: bool = False, row_index=None) -> torch.Tensor:
     """``out[t, j] = <x[t], table[idx[t, j]]>``, differentiable in x and table (the table's
-    gradient sparse with ``sparse_grad``).
+    gradient sparse with ``sparse_grad``). ``row_index``: :func:`shared_row_index` of idx
+    when another product shares the pairs.
 
     x: [T, d]; table: [N, d]; idx: int [T, m]. Returns [T, m]."""
     _check_pairs(idx, x.shape[0], table, "gather_dot")
     if x.shape[-1] != table.shape[1]:
         raise ValueError(f"gather_dot: x has width {x.shape[-1]}, table rows {table.shape[1]}")
-    return _GatherDot.apply(x, table, idx.long(), sparse_grad)
+    return _GatherDot.apply(x, table, idx.long(), sparse_grad, row_index)
 
 
 def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor,
-               sparse_grad: bool = False) -> torch.Tensor:
+               sparse_grad: bool = False, row_index=None) -> torch.Tensor:
     """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]`` (a weighted embedding bag),
     differentiable in weights and table (the table's gradient sparse with ``sparse_grad``).
+    ``row_index``: :func:`shared_row_index` of idx when another product shares the pairs.
 
     idx: int [T, m]; weights: [T, m]; table: [N, d]. Returns [T, d]."""
     _check_pairs(idx, weights.shape[0], table, "gather_sum")
     if weights.shape != idx.shape:
         raise ValueError(f"gather_sum: weights {tuple(weights.shape)} must match idx "
                          f"{tuple(idx.shape)}")
-    return _GatherSum.apply(idx.long(), weights, table, sparse_grad)
+    return _GatherSum.apply(idx.long(), weights, table, sparse_grad, row_index)

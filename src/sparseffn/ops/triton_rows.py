@@ -305,13 +305,22 @@ def sorted_reverse_index(idx: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """The pairs of ``idx`` [T, m] grouped by table row, without reading anything on the host:
     ``order`` [T·m] (pair numbers t·m + j sorted by row, stable) and ``offsets``
     [num_rows + 1] (row i's pairs are ``order[offsets[i]:offsets[i+1]]``; pairs whose row is
-    outside [0, num_rows) belong to no row)."""
+    outside [0, num_rows) belong to no row). Both are int32 when they fit
+    (:func:`fits_int32_index`; half the radix passes of int64 keys, half the memory), else
+    int64."""
     flat = idx.reshape(-1)
-    if num_rows < 2 ** 31 - 1:   # 32-bit keys: half the radix passes of int64 ones
+    small = fits_int32_index(idx, num_rows)
+    if small:
         flat = flat.clamp(-1, num_rows).to(torch.int32)
     sorted_rows, order = torch.sort(flat, stable=True)
     bounds = torch.arange(num_rows + 1, device=idx.device, dtype=sorted_rows.dtype)
-    return order, torch.searchsorted(sorted_rows, bounds)
+    offsets = torch.searchsorted(sorted_rows, bounds, out_int32=small)
+    return (order.to(torch.int32) if small else order), offsets
+
+
+def fits_int32_index(idx: Tensor, num_rows: int) -> bool:
+    """Whether :func:`sorted_reverse_index` numbers the pairs of ``idx`` and rows in int32."""
+    return idx.numel() < 2 ** 31 - 1 and num_rows < 2 ** 31 - 1
 
 
 # Aim for at least this many programs in scatter_rows: a table of few rows (product sub-keys)
@@ -319,14 +328,17 @@ def sorted_reverse_index(idx: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
 _SCATTER_PROGRAMS = 2048
 
 
-def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Tensor:
+def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
+                 row_index: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
     """``sparseffn::scatter_rows`` in Triton: a dense [num_rows, d] in src's dtype, every row
-    written; the pairs of each row summed in a fixed order (the same result on every run)."""
+    written; the pairs of each row summed in a fixed order (the same result on every run).
+    ``row_index``: :func:`sorted_reverse_index` of (idx, num_rows) when the caller has it
+    (two tables read with the same pairs sort them once), else it is computed here."""
     weights, src = weights.contiguous(), _rowwise(src)
     d = src.shape[1]
     if not (num_rows and d):
         return src.new_zeros(num_rows, d)
-    order, offsets = sorted_reverse_index(idx, num_rows)
+    order, offsets = row_index if row_index is not None else sorted_reverse_index(idx, num_rows)
     block_d = _block(d, 64)
     tiles = num_rows * cdiv(d, block_d)
     per_row = idx.numel() // num_rows

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..activations import activation_fn
-from ..ops.rows import gather_dot, gather_sum
+from ..ops.rows import gather_dot, gather_sum, shared_row_index
 from ..routing import Routing
 from .base import ExpertStore
 
@@ -97,11 +97,14 @@ class NeuronExperts(ExpertStore):
         w_in, w_out, inputs = self.w_in, self.w_out, x
         if dtype is not None:
             w_in, w_out, inputs = w_in.to(dtype), w_out.to(dtype), x.to(dtype)
+        # both tables' gradients group the same pairs by row: sort them once, not twice
+        row_index = shared_row_index(routing.indices, self.num_experts, w_in, w_out, inputs,
+                                     sparse_grad=self.sparse_grad)
         hidden = self.activation(gather_dot(inputs, w_in, routing.indices,          # act(u_iᵀ x)
-                                            sparse_grad=self.sparse_grad))
+                                            sparse_grad=self.sparse_grad, row_index=row_index))
         hidden = self.hidden_dropout(hidden)
         y = gather_sum(routing.indices, routing.weights.to(hidden.dtype) * hidden, w_out,
-                       sparse_grad=self.sparse_grad)
+                       sparse_grad=self.sparse_grad, row_index=row_index)
         return y.to(x.dtype)
 
     def sparse_grad_parameters(self) -> list[nn.Parameter]:
