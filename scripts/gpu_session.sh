@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
 #   bash scripts/gpu_session.sh cvmm                # ~1-2 min (the six CVMM calls, one by one)
+#   bash scripts/gpu_session.sh rows                # product-key top-k (merge vs exact), PEER step
 #   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
 #
 # fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
@@ -50,7 +51,8 @@ for what in "$@"; do
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
     train) stage train 540 $PY scripts/gpu_train_check.py --json "$OUT/train.json" ;;
     cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
+    rows) stage rows 300 $PY scripts/gpu_rows_calls.py ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
-            "productkeys profile cvmm)"; exit 2 ;;
+            "productkeys profile cvmm rows train)"; exit 2 ;;
   esac
 done
