@@ -234,6 +234,12 @@ class SparseFFN(nn.Module):
                 buffer.zero_()
 
 
+def _input_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """A router's or store's ``input_dtype(x)`` (None for one that does not say)."""
+    said = getattr(module, "input_dtype", None)
+    return said(x) if callable(said) else None
+
+
 class RoutedFFN(SparseFFN):
     """A layer that is a router plus an expert store (../DESIGN.md).
 
@@ -266,11 +272,23 @@ class RoutedFFN(SparseFFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        x2 = x.reshape(-1, self.d_model)
+        x2 = self._cast_once(x.reshape(-1, self.d_model))
         routing = self.route(x2)
         y = self.store(x2, routing)                                      # [T, d_out]
         y = self._record_routing(routing, self.num_experts, y)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _cast_once(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, d_model] in the reduced dtype, once, where the router and the store would
+        each cast a float32 ``x`` to it (under autocast, a router with
+        ``precision="autocast"`` and an MLP store): the forward is the same, one [T, d_model]
+        copy is made and kept for the backward instead of two, and the input gradient is the
+        two parts summed in that dtype, then cast once, as for one ``nn.Linear`` (instead of
+        two casts to float32 and a float32 sum)."""
+        dtype = _input_dtype(self.router, x)
+        if dtype is None or x.dtype != torch.float32 or dtype != _input_dtype(self.store, x):
+            return x
+        return x.to(dtype)
 
     def reset_parameters(self) -> None:
         """Initialise the router and the store again, and zero the usage buffers."""

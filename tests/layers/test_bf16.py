@@ -80,3 +80,61 @@ def test_bf16_autocast_trains_fp32_weights_and_matches_fp32(name):
     _assert_gradients(xa, layer, torch.float32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         _assert_close_per_token(name, layer.eval()(x), want)
+
+
+def _cast_count(layer, x, cast_once: bool, monkeypatch):
+    """Output, input and parameter gradients of a bf16-autocast step, and how many [T, d]
+    copies of x the forward made in bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not cast_once:
+        monkeypatch.setattr(type(layer), "_cast_once", lambda self, x: x)
+
+    class Casts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.shape == x.shape \
+                    and out.dtype == torch.bfloat16:
+                Casts.count += 1
+            return out
+
+    layer.zero_grad(set_to_none=True)
+    xx = x.clone().requires_grad_()
+    with Casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(xx)
+    y.float().square().sum().backward()
+    monkeypatch.undo()
+    return y, xx.grad, [p.grad for p in layer.parameters()], Casts.count
+
+
+@pytest.mark.parametrize("router", ["sigma", "switch"])
+def test_an_autocast_router_and_its_mlp_store_cast_the_input_once(router, monkeypatch):
+    """With ``precision="autocast"`` the router and the experts both read x in bf16: the layer
+    casts it once (one [T, d] copy made and kept, not two). The output and the parameters'
+    gradients are unchanged to the bit; the input gradient is the two parts summed in bf16."""
+    from sparseffn.routers.sigma import SigmaRouterConfig
+    from sparseffn.routers.switch import SwitchRouterConfig
+
+    def build(precision):
+        torch.manual_seed(0)
+        if router == "sigma":
+            config = sparseffn.SigmaMoEConfig(d_model=64, num_experts=8, expert_size=16, k=2,
+                                              router=SigmaRouterConfig(precision=precision))
+        else:
+            config = sparseffn.MoEConfig(d_model=64, num_experts=8, expert_size=16, k=1,
+                                         router=SwitchRouterConfig(precision=precision))
+        return sparseffn.build_layer(config).train()
+
+    layer = build("autocast")
+    x = torch.randn(45, 64)
+    y, dx, grads, casts = _cast_count(layer, x, True, monkeypatch)
+    y_two, dx_two, grads_two, casts_two = _cast_count(layer, x, False, monkeypatch)
+    assert (casts, casts_two) == (1, 2)
+    assert torch.equal(y, y_two)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_two))
+    assert dx.dtype == torch.float32
+    torch.testing.assert_close(dx, dx_two, rtol=2e-2, atol=2e-2 * dx_two.abs().max().item())
+    assert _cast_count(build("float32"), x, True, monkeypatch)[3] == 1, \
+        "a float32 router reads x as it comes; only the experts cast it"

@@ -137,6 +137,12 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         raise NotImplementedError
 
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype this router's products read ``x`` in when autocast casts it, or None
+        where they read ``x`` as it comes (float32 routing). A layer whose store casts ``x`` to
+        the same dtype casts it once for both (:class:`~sparseffn.routing.RoutedFFN`)."""
+        return None
+
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}"
 
@@ -157,3 +163,11 @@ class LinearRouter(Router):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``W x`` as float32 [T, E], computed in the config's ``precision``."""
         return selection_linear(x, self.weight, precision=self.config.precision)
+
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """Under autocast with ``precision="autocast"``, the autocast dtype (the selection
+        product is then an ``nn.Linear`` like any other)."""
+        device = x.device.type
+        if self.config.precision == "autocast" and torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return None

@@ -34,3 +34,9 @@ class ExpertStore(nn.Module):
     def sparse_grad_parameters(self) -> list[nn.Parameter]:
         """Parameters whose gradients are sparse tensors (none, unless a store says so)."""
         return []
+
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype this store casts ``x`` to before its products (under autocast), or None
+        where it reads ``x`` as it comes. A layer whose router casts ``x`` to the same dtype
+        casts it once for both (:class:`~sparseffn.routing.RoutedFFN`)."""
+        return None

@@ -110,6 +110,11 @@ class MLPExperts(ExpertStore):
             if p is not None:
                 p.zero_()
 
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """Under autocast, the autocast dtype: ``expert_mlp`` runs both products in it."""
+        device = x.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         y = self.expert_output(x, routing)
         return y if self.b_out is None else y + self.b_out.to(y.dtype)
