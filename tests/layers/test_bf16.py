@@ -109,16 +109,22 @@ def _cast_count(layer, x, cast_once: bool, monkeypatch):
     return y, xx.grad, [p.grad for p in layer.parameters()], Casts.count
 
 
-@pytest.mark.parametrize("router", ["sigma", "switch"])
-def test_an_autocast_router_and_its_mlp_store_cast_the_input_once(router, monkeypatch):
-    """With ``precision="autocast"`` the router and the experts both read x in bf16: the layer
-    casts it once (one [T, d] copy made and kept, not two). The output and the parameters'
-    gradients are unchanged to the bit; the input gradient is the two parts summed in bf16."""
+@pytest.mark.parametrize("router", ["sigma", "switch", "peer"])
+def test_a_router_and_store_that_both_read_in_bf16_cast_the_input_once(router, monkeypatch):
+    """With ``precision="autocast"`` the router and the experts both read x in bf16 (PEER: its
+    query networks and its gathered dot products, which do so off the CPU: here made to on the
+    CPU): the layer casts it once (one [T, d] copy made and kept, not two). The output and the
+    parameters' gradients are unchanged to the bit; the input gradient is the two parts summed
+    in bf16."""
     from sparseffn.routers.sigma import SigmaRouterConfig
     from sparseffn.routers.switch import SwitchRouterConfig
+    from sparseffn.stores import rows as row_stores
 
     def build(precision):
         torch.manual_seed(0)
+        if router == "peer":   # its query networks are nn.Linear: autocast precision
+            return sparseffn.build_layer(sparseffn.PEERConfig(
+                d_model=64, num_experts=81, heads=2, k=4)).train()
         if router == "sigma":
             config = sparseffn.SigmaMoEConfig(d_model=64, num_experts=8, expert_size=16, k=2,
                                               router=SigmaRouterConfig(precision=precision))
@@ -127,14 +133,21 @@ def test_an_autocast_router_and_its_mlp_store_cast_the_input_once(router, monkey
                                          router=SwitchRouterConfig(precision=precision))
         return sparseffn.build_layer(config).train()
 
+    def cpu_reads_in_bf16():
+        if router == "peer":
+            monkeypatch.setattr(row_stores, "_compute_dtype", lambda x: torch.bfloat16)
+
     layer = build("autocast")
     x = torch.randn(45, 64)
+    cpu_reads_in_bf16()
     y, dx, grads, casts = _cast_count(layer, x, True, monkeypatch)
+    cpu_reads_in_bf16()
     y_two, dx_two, grads_two, casts_two = _cast_count(layer, x, False, monkeypatch)
     assert (casts, casts_two) == (1, 2)
     assert torch.equal(y, y_two)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_two))
     assert dx.dtype == torch.float32
     torch.testing.assert_close(dx, dx_two, rtol=2e-2, atol=2e-2 * dx_two.abs().max().item())
-    assert _cast_count(build("float32"), x, True, monkeypatch)[3] == 1, \
-        "a float32 router reads x as it comes; only the experts cast it"
+    if router != "peer":
+        assert _cast_count(build("float32"), x, True, monkeypatch)[3] == 1, \
+            "a float32 router reads x as it comes; only the experts cast it"

@@ -152,6 +152,14 @@ class ProductKeyRouter(nn.Module):
         """Product-key retrieval has no auxiliary loss."""
         return {}
 
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """Under autocast, with a linear query, the autocast dtype (the query is an
+        ``nn.Linear``); with the identity query ``x`` is the query and is read as it comes."""
+        device = x.device.type
+        if self.query is not None and torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return None
+
     def retrieve(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [T, heads, k] (differentiable) and int64 key indices [T, heads, k].
         x: [T, d_model]."""

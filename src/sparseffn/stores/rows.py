@@ -110,6 +110,10 @@ class NeuronExperts(ExpertStore):
     def sparse_grad_parameters(self) -> list[nn.Parameter]:
         return [self.w_in, self.w_out] if self.sparse_grad else []
 
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """Under autocast off the CPU, the autocast dtype (the gathered dot products' x)."""
+        return _compute_dtype(x)
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, d_model={self.d_model}, "
                 f"activation={self.activation_name}, sparse_grad={self.sparse_grad}")
