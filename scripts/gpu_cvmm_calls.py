@@ -31,7 +31,7 @@ import statistics
 
 import torch
 
-from sparseffn.bench.measure import interleaved_times
+from sparseffn.bench.measure import interleaved_times, kernel_script_device
 from sparseffn.ops import triton_cvmm
 from sparseffn.ops.cvmm import DispatchPlan
 
@@ -132,25 +132,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10, help="calls per timed loop")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            parser.error("no CUDA device (use --device cpu with TRITON_INTERPRET=1 to check "
-                         "the script in Triton's interpreter)")
-        dtype = torch.bfloat16
-    else:
-        if not triton_cvmm.interpreting():
-            parser.error("--device cpu runs the kernels in Triton's interpreter: set "
-                         "TRITON_INTERPRET=1")
-        triton_cvmm.set_interpreter_for_cpu(True)
-        dtype = torch.float32   # the interpreter has no bf16
+    device, where = kernel_script_device(parser, args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # interpreter: no bf16
     if min(args.d_model) < EXPERT_SIZE:
         parser.error(f"--d-model must be at least {EXPERT_SIZE} (4·d_model / {EXPERT_SIZE} "
                      f"experts, at least k = {K})")
-    if not triton_cvmm.triton_enabled():
-        parser.error("Triton is not installed (or SPARSEFFN_TRITON=0)")
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else "CPU (Triton interpreter)")
     print(f"CVMM calls of a σ-MoE step: {where}, {dtype}, {args.tokens} tokens, "
           f"expert size {EXPERT_SIZE}, k={K}", flush=True)
     for d_model in args.d_model:

@@ -28,7 +28,7 @@ import statistics
 import torch
 
 from sparseffn import build_layer
-from sparseffn.bench.measure import interleaved_times
+from sparseffn.bench.measure import interleaved_times, kernel_script_device
 from sparseffn.models import ffn_preset
 from sparseffn.ops import kernels, native, triton_cvmm, triton_rows
 from sparseffn.stores import rows as row_stores
@@ -120,21 +120,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10, help="calls per timed loop")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            parser.error("no CUDA device (use --device cpu with TRITON_INTERPRET=1 to check "
-                         "the script in Triton's interpreter)")
-    else:
-        if not triton_cvmm.interpreting():
-            parser.error("--device cpu runs the kernels in Triton's interpreter: set "
-                         "TRITON_INTERPRET=1")
-        triton_cvmm.set_interpreter_for_cpu(True)
-    if not triton_cvmm.triton_enabled():
-        parser.error("Triton is not installed (or SPARSEFFN_TRITON=0)")
+    device, where = kernel_script_device(parser, args.device)
     tokens = args.tokens or (16384 if device.type == "cuda" else 64)
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else "CPU (Triton interpreter)")
     print(f"gathered-row calls at the LM's shapes: {where}, {tokens} tokens", flush=True)
     for preset in ("pkm", "peer"):
         _topk(preset, tokens, args.rounds, args.calls, device)

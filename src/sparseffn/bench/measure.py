@@ -204,3 +204,25 @@ def peak_bytes(fn: Callable[[], object]) -> int:
         total += event.nbytes()
         peak = max(peak, total)
     return peak
+
+
+def kernel_script_device(parser, name: str) -> tuple[torch.device, str]:
+    """The device of a kernel-timing script (``scripts/gpu_*_calls.py``) and how to name it:
+    a CUDA device, or the CPU in Triton's interpreter (``TRITON_INTERPRET=1``, a check that
+    the script works, not a measurement). Anything else is a ``parser.error``."""
+    from ..ops import triton_cvmm
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device (use --device cpu with TRITON_INTERPRET=1 to check "
+                         "the script in Triton's interpreter)")
+    else:
+        if not triton_cvmm.interpreting():
+            parser.error("--device cpu runs the kernels in Triton's interpreter: set "
+                         "TRITON_INTERPRET=1")
+        triton_cvmm.set_interpreter_for_cpu(True)
+    if not triton_cvmm.triton_enabled():
+        parser.error("Triton is not installed (or SPARSEFFN_TRITON=0)")
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else "CPU (Triton interpreter)")
+    return device, where
