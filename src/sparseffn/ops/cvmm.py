@@ -27,6 +27,7 @@ import torch
 
 from . import kernels
 from .debug import checks_enabled
+from .precision import autocast_dtype
 
 
 @dataclass(frozen=True)
@@ -265,8 +266,8 @@ def cvmm(x: torch.Tensor, plan: DispatchPlan, weight: torch.Tensor,
                          f"got {tuple(gates.shape)}")
     if gates is not None and sorted_output:
         raise ValueError("sorted_output applies only without gates (gates sum the k slots)")
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
+    dtype = autocast_dtype(x)
+    if dtype is not None:
         x, weight = x.to(dtype), weight.to(dtype)
     if x.dtype != weight.dtype:
         raise TypeError(f"cvmm input and weight must have the same dtype, got {x.dtype} and "

@@ -21,6 +21,7 @@ import torch
 from ..activations import activation_fn
 from . import kernels
 from .cvmm import DispatchPlan, _pairs_to_slots, cvmm
+from .precision import autocast_dtype
 from .rows import gather_sum
 
 _FUSED_ACTIVATIONS = {"relu"}
@@ -54,8 +55,8 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
     biased = b1 is not None or b2 is not None
     if biased and indices is None:
         raise ValueError("expert_mlp: biases need the expert indices the plan was built from")
-    if torch.is_autocast_enabled(x.device.type):   # both CVMMs in the autocast dtype
-        dtype = torch.get_autocast_dtype(x.device.type)
+    dtype = autocast_dtype(x)
+    if dtype is not None:   # both CVMMs in the autocast dtype
         x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         w_gate = None if w_gate is None else w_gate.to(dtype)
     if activation in _FUSED_ACTIVATIONS and hidden_dropout is None and not biased \

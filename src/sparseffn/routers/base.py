@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..init import dense_init_std, equal_norm_rows_
+from ..ops.precision import autocast_dtype
 from ..registry import RouterConfig
 from ..routing import Routing
 
@@ -167,7 +168,4 @@ class LinearRouter(Router):
     def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """Under autocast with ``precision="autocast"``, the autocast dtype (the selection
         product is then an ``nn.Linear`` like any other)."""
-        device = x.device.type
-        if self.config.precision == "autocast" and torch.is_autocast_enabled(device):
-            return torch.get_autocast_dtype(device)
-        return None
+        return autocast_dtype(x) if self.config.precision == "autocast" else None

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..ops.precision import autocast_dtype
 from ..ops.product_keys import retrieve
 from ..registry import RouterConfig, implements
 from ..routing import Routing
@@ -155,10 +156,7 @@ class ProductKeyRouter(nn.Module):
     def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """Under autocast, with a linear query, the autocast dtype (the query is an
         ``nn.Linear``); with the identity query ``x`` is the query and is read as it comes."""
-        device = x.device.type
-        if self.query is not None and torch.is_autocast_enabled(device):
-            return torch.get_autocast_dtype(device)
-        return None
+        return None if self.query is None else autocast_dtype(x)
 
     def retrieve(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [T, heads, k] (differentiable) and int64 key indices [T, heads, k].

@@ -11,6 +11,7 @@ from torch import nn
 from ..activations import activation_fn
 from ..init import dense_init_std
 from ..ops import DispatchPlan, expert_mlp
+from ..ops.precision import autocast_dtype
 from ..routing import Routing
 from .base import ExpertStore
 
@@ -112,8 +113,7 @@ class MLPExperts(ExpertStore):
 
     def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """Under autocast, the autocast dtype: ``expert_mlp`` runs both products in it."""
-        device = x.device.type
-        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return autocast_dtype(x)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         y = self.expert_output(x, routing)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..activations import activation_fn
+from ..ops.precision import autocast_dtype
 from ..ops.rows import gather_dot, gather_sum, shared_row_index
 from ..routing import Routing
 from .base import ExpertStore
@@ -16,10 +17,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype the gathered products run in, as ``nn.Linear``'s do (fp32
     accumulation inside the kernels): under autocast off the CPU, else None (the tables'
     own dtype; on the CPU the fused kernels take fp32)."""
-    device = x.device.type
-    if device != "cpu" and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return None
+    return None if x.device.type == "cpu" else autocast_dtype(x)
 
 
 class ValueRows(ExpertStore):
