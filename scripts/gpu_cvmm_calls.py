@@ -31,20 +31,11 @@ import statistics
 
 import torch
 
-from sparseffn.bench.measure import interleaved_times, kernel_script_device
+from sparseffn.bench.measure import kernel_script_device, per_call_times
 from sparseffn.ops import triton_cvmm
 from sparseffn.ops.cvmm import DispatchPlan
 
 EXPERT_SIZE, K = 128, 4
-
-
-def _timed(fns: dict, rounds: int, calls: int, device: torch.device) -> dict[str, list[float]]:
-    """Per-round ms per call of each function: a loop of ``calls`` calls timed as one, in
-    rotation (:func:`sparseffn.bench.measure.interleaved_times`), after one warm-up round
-    (compile, autotune)."""
-    loops = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
-    times = interleaved_times(loops, rounds, warmup=1, device=device)
-    return {name: [ms / calls for ms in per_round] for name, per_round in times.items()}
 
 
 def _with_tile_kernel(fn):
@@ -94,7 +85,7 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
         contenders = {"auto": fn}
         if name in ("down", "gx"):   # inner size = expert size: the row-tile kernel's calls
             contenders["tile"] = _with_tile_kernel(fn)
-        times = _timed(contenders, rounds, calls, device)
+        times = per_call_times(contenders, rounds, calls, device)
         ms = statistics.median(times["auto"])
         total += ms
         line = f"  {name:5s} {ms:8.3f} ms  {flop / ms / 1e9:6.0f} TF/s"
@@ -118,7 +109,7 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
         references["_grouped_mm down"] = lambda: torch._grouped_mm(hidden, w2, offs=offsets)
     for name, fn in references.items():
         try:
-            ms = statistics.median(_timed({name: fn}, rounds, calls, device)[name])
+            ms = statistics.median(per_call_times({name: fn}, rounds, calls, device)[name])
             print(f"  reference: {name}: {ms:.3f} ms", flush=True)
         except Exception as error:   # e.g. _grouped_mm not built for this GPU
             print(f"  reference: {name}: failed ({type(error).__name__})", flush=True)

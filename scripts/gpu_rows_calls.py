@@ -28,18 +28,16 @@ import statistics
 import torch
 
 from sparseffn import build_layer
-from sparseffn.bench.measure import interleaved_times, kernel_script_device
+from sparseffn.bench.measure import kernel_script_device, per_call_times
 from sparseffn.models import ffn_preset
 from sparseffn.ops import kernels, native, triton_cvmm, triton_rows
 from sparseffn.stores import rows as row_stores
 
 
-def _timed(fns: dict, rounds: int, calls: int, device: torch.device) -> dict[str, float]:
+def _median_ms(fns: dict, rounds: int, calls: int, device: torch.device) -> dict[str, float]:
     """Median ms per call of each function (loops of ``calls`` calls, timed in rotation)."""
-    loops = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
-    times = interleaved_times(loops, rounds, warmup=1, device=device)
-    return {name: statistics.median(ms / calls for ms in per_round)
-            for name, per_round in times.items()}
+    return {name: statistics.median(times)
+            for name, times in per_call_times(fns, rounds, calls, device).items()}
 
 
 @contextlib.contextmanager
@@ -81,7 +79,7 @@ def _topk(preset: str, tokens: int, rounds: int, calls: int, device: torch.devic
            "torch sort": torch_sort}
     merged = triton_rows.product_key_topk_indices(s_a, s_b, cfg.k)[1].float().mean().item()
     tied = triton_rows.product_key_topk_indices(tied_a, tied_b, cfg.k)[1].float().mean().item()
-    ms = _timed(fns, rounds, calls, device)
+    ms = _median_ms(fns, rounds, calls, device)
     print(f"topk {preset}: [{rows}, {n}] halves, k {cfg.k} (rows merged: random "
           f"{merged:.0%}, integer {tied:.0%})", flush=True)
     for name, t in ms.items():
@@ -105,7 +103,7 @@ def _peer(tokens: int, rounds: int, calls: int, device: torch.device) -> None:
         with _two_sorts():
             step()
 
-    ms = _timed({"one sort": step, "two sorts": step_two_sorts}, rounds, calls, device)
+    ms = _median_ms({"one sort": step, "two sorts": step_two_sorts}, rounds, calls, device)
     print(f"peer: {cfg.num_experts} experts, heads {cfg.heads}, k {cfg.k}, {tokens} tokens, "
           f"forward+backward", flush=True)
     for name, t in ms.items():

@@ -226,3 +226,13 @@ def kernel_script_device(parser, name: str) -> tuple[torch.device, str]:
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else "CPU (Triton interpreter)")
     return device, where
+
+
+def per_call_times(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
+                   device: torch.device | str | None = None) -> dict[str, list[float]]:
+    """Per-round ms per call of each function: a loop of ``calls`` calls timed as one, in
+    rotation (:func:`interleaved_times`), after one warm-up round (compile, autotune). For
+    kernels too short to time one call at a time."""
+    loops = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
+    times = interleaved_times(loops, rounds, warmup=1, device=device)
+    return {name: [ms / calls for ms in per_round] for name, per_round in times.items()}
