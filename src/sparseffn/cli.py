@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .bench.compiled import LAYER_NAMES
 from .runtime import tune_cpu_allocator
 
 
@@ -235,14 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = benches.add_parser(
         "compile", help="every layer under torch.compile: graph breaks, fullgraph, compiled vs "
-                        "eager forward+backward time (and host synchronisations on CUDA)")
+                        "eager forward+backward time, operators dispatched per eager step (and host "
+                        "synchronisations on CUDA)")
     comp.add_argument("--tokens", type=int, default=4096, help="tokens per batch (4096)")
     comp.add_argument("--d-model", type=int, default=256, help="layer width (256)")
     comp.add_argument("--repeats", type=int, default=5, help="timed rounds (5)")
     comp.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     comp.add_argument("--bf16", action="store_true", help="under bf16 autocast")
-    comp.add_argument("--layers", nargs="+", metavar="NAME",
-                      help="only these layers (default: all; see bench/compiled.py)")
+    comp.add_argument("--layers", nargs="+", metavar="NAME", choices=LAYER_NAMES,
+                      help=f"only these layers (default: all): {', '.join(LAYER_NAMES)}")
     comp.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     comp.set_defaults(func=_bench_compile)
 

@@ -3,9 +3,10 @@
 For each layer (the MoE layer with every router, FFF, PKM, PEER, the top-K and dense MLPs):
 the number of graphs and graph breaks ``torch._dynamo.explain`` finds, whether
 ``fullgraph=True`` compiles, and the forward+backward time compiled and eager, timed in
-rotation in one run (the ratio is what to read; the machine's drift cancels in it). On CUDA it
-also says whether a forward+backward makes any host synchronisation
-(``torch.cuda.set_sync_debug_mode("error")``).
+rotation in one run (the ratio is what to read; the machine's drift cancels in it), and how
+many operators one eager forward+backward dispatches (all of them, and those that compute: see
+:mod:`.op_count`). On CUDA it also says whether a forward+backward makes any host
+synchronisation (``torch.cuda.set_sync_debug_mode("error")``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRou
                              SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig,
                              TreeRouterConfig)
 from .measure import forward_backward_fn, interleaved_times, paired_ratio, write_json
+from .op_count import count_ops
+
+
+LAYER_NAMES = ("sigma_moe", "softmax", "noisy_topk", "sbase", "tree", "switch", "gshard",
+               "fff_soft", "fff_sparse", "pkm", "peer", "topk_mlp", "dense")
 
 
 def layer_configs(d_model: int) -> dict[str, object]:
@@ -76,7 +82,8 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
     print(f"sparseffn bench compile: {tokens} tokens, d_model {d_model}, {device}, "
           f"{'bf16 autocast' if bf16 else 'fp32'}, torch {torch.__version__}")
     header = (f"{'layer':12s} {'graphs':>6s} {'breaks':>6s} {'fullgraph':>9s} "
-              f"{'eager ms':>9s} {'compiled ms':>11s} {'compiled/eager':>14s}  host syncs")
+              f"{'eager ms':>9s} {'compiled ms':>11s} {'compiled/eager':>14s} {'ops':>5s} "
+              f"{'compute':>7s}  host syncs")
     print(header)
     records = []
     for name in names:
@@ -85,6 +92,7 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
         x = torch.randn(tokens, d_model, device=dev)
         eager = forward_backward_fn(layer, x, aux_loss, autocast_dtype)
         syncs = _host_syncs(eager, dev)
+        ops = count_ops(eager)
         torch._dynamo.reset()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -108,12 +116,14 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
                   "bf16": bf16, "graphs": explained.graph_count,
                   "graph_breaks": explained.graph_break_count, "fullgraph": fullgraph == "yes",
                   "eager_ms": eager_ms, "compiled_ms": compiled_ms,
-                  "compiled_over_eager": ratio, "host_syncs": syncs}
+                  "compiled_over_eager": ratio, "eager_ops": ops.total,
+                  "eager_compute_ops": ops.compute, "host_syncs": syncs}
         records.append(record)
         print(f"{name:12s} {explained.graph_count:6d} {explained.graph_break_count:6d} "
               f"{fullgraph:>9s} {eager_ms:9.2f} "
               f"{'-' if compiled_ms is None else f'{compiled_ms:.2f}':>11s} "
-              f"{'-' if ratio is None else f'{ratio:.2f}':>14s}  {syncs}")
+              f"{'-' if ratio is None else f'{ratio:.2f}':>14s} {ops.total:5d} "
+              f"{ops.compute:7d}  {syncs}")
         torch._dynamo.reset()
     if json_path:
         write_json(records, json_path)
