@@ -137,6 +137,19 @@ def test_plan_sorts_pairs_by_expert_and_counts_them():
     assert plan.offsets.tolist() == [1, 3, 6, 6]
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_plan_counts_and_block_ends_match_bincount_with_dropped_pairs_and_empty_experts(tokens):
+    torch.manual_seed(tokens)
+    indices = torch.randint(0, 5, (tokens, 3)) * 2        # odd experts never chosen
+    dispatched = torch.rand(tokens, 3) < 0.7
+    plan = DispatchPlan.build(indices, 11, dispatched=dispatched)
+    expected = torch.bincount(indices[dispatched], minlength=11)
+    assert plan.counts.dtype == torch.int64 and plan.offsets.dtype == torch.int32
+    assert plan.counts.tolist() == expected.tolist()
+    assert plan.offsets.tolist() == expected.cumsum(0).tolist()
+    assert sorted(plan.order.tolist()) == list(range(tokens * 3))
+
+
 def test_bad_inputs_raise_clear_errors():
     plan = DispatchPlan.build(torch.randint(0, 3, (5, 2)), 3)
     with pytest.raises(ValueError, match=r"cvmm input must have shape \(5, 4\) or \(5, 2, 4\)"):

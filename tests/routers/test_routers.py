@@ -428,6 +428,26 @@ def test_positions_in_expert_counts_earlier_pairs_of_the_same_group():
     assert positions_in_expert(experts, 3, groups, start).tolist() == [0, 5, 1, 2, 0, 0]
 
 
+def _positions_by_counting(experts, groups):
+    seen, out = {}, []
+    for e, g in zip(experts.tolist(), groups.tolist()):
+        out.append(seen.get((g, e), 0))
+        seen[(g, e)] = out[-1] + 1
+    return out
+
+
+@pytest.mark.parametrize("num_experts", [1, 7, 2 ** 31])   # the last: keys too wide for int32
+def test_positions_in_expert_match_counting_in_order(num_experts):
+    torch.manual_seed(0)
+    experts = torch.randint(0, min(num_experts, 7), (301,))
+    groups = torch.arange(301) // 40
+    assert positions_in_expert(experts, num_experts, groups).tolist() == \
+        _positions_by_counting(experts, groups)
+    assert positions_in_expert(experts, num_experts).tolist() == \
+        _positions_by_counting(experts, torch.zeros_like(groups))
+    assert positions_in_expert(experts[:0], num_experts).tolist() == []
+
+
 # --- auxiliary losses against hand-computed values -------------------------------------
 
 def test_switch_balance_loss_by_hand():

@@ -110,10 +110,10 @@ class DispatchPlan:
                                  f"{tuple(dispatched.shape)}")
             # Dropped pairs get the key num_experts: they sort after every expert.
             keys = flat.masked_fill(~dispatched.reshape(-1), num_experts)
-        # A stable sort keeps each expert's pairs in token order (deterministic results).
-        order = torch.sort(keys, stable=True).indices
-        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-        counts = counts.scatter_add_(0, keys, torch.ones_like(keys))[:num_experts]
+        # A stable sort keeps each expert's pairs in token order (deterministic results). The
+        # keys are sorted as int32: a radix sort (CUDA's) makes one pass per key byte.
+        sorted_keys, order = torch.sort(keys.to(torch.int32), stable=True)
+        counts, offsets = _expert_blocks(sorted_keys, num_experts)
         k = indices.shape[-1]
         return DispatchPlan(
             index_shape=tuple(indices.shape),
@@ -121,8 +121,19 @@ class DispatchPlan:
             order=order,
             token_of_row=order // k if k else order,
             counts=counts,
-            offsets=counts.cumsum(0).to(torch.int32),
+            offsets=offsets,
         )
+
+
+def _expert_blocks(sorted_keys: torch.Tensor, num_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's block in the sorted keys (int32 [S], values in ``[0, num_experts]``):
+    ``(counts int64 [E], ends int32 [E])``, found by binary search for every block boundary
+    (no scatter, so no atomics on a GPU; the keys ``num_experts``, dropped pairs, are left
+    after the last block)."""
+    experts = torch.arange(num_experts + 1, dtype=torch.int32, device=sorted_keys.device)
+    bounds = torch.searchsorted(sorted_keys, experts)                  # int64 [E + 1]
+    return bounds[1:] - bounds[:-1], bounds[1:].to(torch.int32)
 
 
 # Where the rows of a CVMM input come from / where its output rows go:
