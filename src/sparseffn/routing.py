@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .ops.cvmm import DispatchPlan
+
 
 @dataclass
 class Routing:
@@ -29,6 +31,9 @@ class Routing:
     dense: True when every token uses every expert in order: ``weights`` is [tokens, E] and
       ``indices`` is ``arange(E)`` for each token (the soft mode of a fast feed-forward tree,
       Belcak & Wattenhofer 2023, arXiv:2308.14711); stores may then compute densely.
+
+    A store that sorts the pairs by expert asks :meth:`plan`, which sorts once per routing: the
+    usage statistics then read their counts from the same sort.
     """
 
     indices: torch.Tensor
@@ -37,6 +42,19 @@ class Routing:
     dispatched: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     dense: bool = False
+    _plan: DispatchPlan | None = field(default=None, init=False, repr=False, compare=False)
+
+    def plan(self, num_experts: int) -> DispatchPlan:
+        """The :class:`~sparseffn.ops.DispatchPlan` of these indices and ``dispatched`` over
+        ``num_experts`` experts, built on the first call and kept."""
+        if self._plan is None or self._plan.num_experts != num_experts:
+            self._plan = DispatchPlan.build(self.indices, num_experts, dispatched=self.dispatched)
+        return self._plan
+
+    def built_plan(self, num_experts: int) -> DispatchPlan | None:
+        """The plan :meth:`plan` built over ``num_experts`` experts, or None if none was."""
+        plan = self._plan
+        return plan if plan is not None and plan.num_experts == num_experts else None
 
     @staticmethod
     def all_experts(weights: torch.Tensor, **kwargs) -> "Routing":
@@ -48,19 +66,23 @@ class Routing:
 
 @torch.no_grad()
 def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                 dispatched: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 dispatched: torch.Tensor | None = None, counts: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per expert: the number of dispatched (token, slot) pairs and their total selection
-    weight, float32 [E] each. Reads nothing on the host."""
+    weight, float32 [E] each. ``counts`` (integer [E]): the pairs per expert when already
+    known (a :class:`~sparseffn.ops.DispatchPlan`'s), not counted again. Reads nothing on the
+    host."""
     flat = indices.reshape(-1)
     mass_each = weights.detach().reshape(-1).float()
-    ones = torch.ones_like(mass_each)
-    if dispatched is not None:
-        keep = dispatched.reshape(-1)
-        ones = keep.float()
+    keep = None if dispatched is None else dispatched.reshape(-1)
+    if keep is not None:
         mass_each = torch.where(keep, mass_each, torch.zeros_like(mass_each))
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
+    if counts is None:
+        ones = torch.ones_like(mass_each) if keep is None else keep.float()
+        counts = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
+        counts = counts.index_add_(0, flat, ones)
     mass = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
-    return counts.index_add_(0, flat, ones), mass.index_add_(0, flat, mass_each)
+    return counts.float(), mass.index_add_(0, flat, mass_each)
 
 
 def recomputing() -> bool:
@@ -190,8 +212,9 @@ class SparseFFN(nn.Module):
         if recomputing():
             return self._attach_aux_gradient(routing, y)
         self.aux_losses = dict(routing.aux_losses)
+        plan = routing.built_plan(num_experts)
         counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
-                                    routing.dispatched)
+                                    routing.dispatched, None if plan is None else plan.counts)
         self._record_usage(counts, mass, routing.stats)
         if self._transient.observer is not None:
             self._transient.observer(routing)

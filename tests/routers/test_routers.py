@@ -256,6 +256,34 @@ def test_usage_statistics_count_the_dispatched_pairs(name):
     assert stats["usage_counts"].sum().item() == stats["counts"].sum().item()
 
 
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_usage_statistics_are_the_dispatched_pairs_of_each_expert(name):
+    layer = _layer(name).train()
+    seen, route = [], layer.route
+    layer.route = lambda x: seen.append(route(x)) or seen[-1]
+    layer(torch.randn(40, 12))
+    (routing,) = seen
+    kept = torch.ones_like(routing.indices, dtype=torch.bool) if routing.dispatched is None \
+        else routing.dispatched
+    stats = layer.routing_stats
+    assert stats["counts"].dtype == stats["mass"].dtype == torch.float32
+    assert stats["counts"].tolist() == torch.bincount(
+        routing.indices[kept], minlength=layer.num_experts).float().tolist()
+    want_mass = torch.zeros(layer.num_experts).index_add_(
+        0, routing.indices[kept], routing.weights.detach()[kept].float())
+    torch.testing.assert_close(stats["mass"], want_mass)
+
+
+def test_a_moe_forward_sorts_its_pairs_once_and_counts_them_from_that_sort():
+    from sparseffn.bench.op_count import OpCounter
+    layer = _layer("sigma").train()
+    with OpCounter() as counter:
+        layer(torch.randn(40, 12))
+    ops = counter.counts.by_name
+    assert ops["aten.sort"] == 1                  # the dispatch plan's
+    assert ops["aten.index_add_"] == 1            # the selection mass; counts from the plan
+
+
 # --- capacity (Switch, GShard) ---------------------------------------------------------
 
 @settings(max_examples=30, deadline=None)

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..activations import activation_fn
 from ..init import dense_init_std
-from ..ops import DispatchPlan, expert_mlp
+from ..ops import expert_mlp
 from ..ops.precision import autocast_dtype
 from ..routing import Routing
 from .base import ExpertStore
@@ -124,7 +124,7 @@ class MLPExperts(ExpertStore):
         if routing.dense:
             return self.dense_output(x, routing.weights)
         dropout = self.hidden_dropout if self.training and self.hidden_dropout.p > 0 else None
-        plan = DispatchPlan.build(routing.indices, self.num_experts, dispatched=routing.dispatched)
+        plan = routing.plan(self.num_experts)
         return expert_mlp(x, plan, self.w1, self.w2, routing.weights, activation=self.activation,
                           hidden_dropout=dropout, b1=self.b1, b2=self.b2,
                           indices=routing.indices if self.b1 is not None or self.b2 is not None
