@@ -81,9 +81,10 @@ def switch_balance_loss(probs: torch.Tensor, top1: torch.Tensor, batch: BatchSum
         return num_experts * (mean[:num_experts] * mean[num_experts:]).sum()
     if probs.shape[0] == 0:
         return probs.new_zeros(())
-    fraction = count_keys(top1, num_experts).float() / top1.numel()   # Eq. 29
     mean_prob = probs.float().mean(0)                                            # Eq. 30
-    return num_experts * (fraction * mean_prob).sum()                            # Eq. 31
+    # Eq. 31 with Eq. 29's fractions f_i = |{t : top1_t = i}| / T folded in:
+    # Σ_i f_i p_i = (1/T) Σ_t p_{top1_t}, a gather instead of counting the tokens per expert.
+    return num_experts * mean_prob[top1.reshape(-1)].mean()
 
 
 def router_z_loss(logits: torch.Tensor, batch: BatchSum | None = None) -> torch.Tensor:

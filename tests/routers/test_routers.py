@@ -490,6 +490,19 @@ def test_switch_balance_loss_by_hand():
         pytest.approx(1.0)
 
 
+def test_switch_balance_loss_and_its_gradient_equal_eq_29_to_31_with_counted_fractions():
+    torch.manual_seed(0)
+    logits = torch.randn(53, 7, requires_grad=True)
+    probs = torch.softmax(logits, -1)
+    top1 = probs.detach().argmax(-1)
+    fraction = torch.bincount(top1, minlength=7).float() / 53                    # Eq. 29
+    want = 7 * (fraction * probs.mean(0)).sum()                                   # Eq. 30-31
+    got = switch_balance_loss(probs, top1)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, logits, retain_graph=True)[0],
+                               torch.autograd.grad(want, logits)[0])
+
+
 def test_z_loss_and_cv_by_hand():
     logits = torch.tensor([[0.0, 0.0], [1.0, -1.0]])
     want = (math.log(2) ** 2 + math.log(math.e + math.exp(-1)) ** 2) / 2

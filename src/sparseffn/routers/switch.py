@@ -96,13 +96,13 @@ class SwitchRouter(LinearRouter):
         tokens = x.shape[0]
         capacity = capacity_of(active_capacity_factor(cfg, self.training), tokens, 1,
                                self.num_experts)
-        dispatched = None
-        stats = {"dropped_fraction": torch.zeros(())}
         if capacity is not None and tokens:
             dispatched = (positions_in_expert(top1, self.num_experts) < capacity).unsqueeze(1)
             weights = weights * dispatched
             stats = {"dropped_fraction": 1.0 - dispatched.float().mean(),
                      "capacity": torch.tensor(float(capacity))}
+        else:
+            dispatched, stats = None, {"dropped_fraction": torch.zeros(())}
         return Routing(indices=top1.unsqueeze(1), weights=weights, dispatched=dispatched,
                        aux_losses={"balance": switch_balance_loss(probs, top1, self.global_batch),
                                    "z_loss": router_z_loss(logits, self.global_batch)},
