@@ -452,8 +452,6 @@ def test_positions_in_expert_counts_earlier_pairs_of_the_same_group():
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     assert positions_in_expert(experts, 3).tolist() == [0, 0, 1, 2, 1, 0]
     assert positions_in_expert(experts, 3, groups).tolist() == [0, 0, 1, 0, 0, 0]
-    start = torch.tensor([[5, 0, 0], [0, 2, 0]])
-    assert positions_in_expert(experts, 3, groups, start).tolist() == [0, 5, 1, 2, 0, 0]
 
 
 def _positions_by_counting(experts, groups):

@@ -29,15 +29,13 @@ def count_keys(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def positions_in_expert(experts: torch.Tensor, num_experts: int,
-                        groups: torch.Tensor | None = None, start: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        groups: torch.Tensor | None = None) -> torch.Tensor:
     """The buffer position of each pair at its expert: how many earlier pairs (in the given
-    order) of the same group chose the same expert, plus ``start``.
+    order) of the same group chose the same expert.
 
-    experts: int64 [P]; groups: optional int64 [P] group ids in [0, G); start: optional int64
-    [G, E] positions already taken. Returns int64 [P]. One stable sort and a binary search
-    (O(P log P)), no [P, E] one-hot, no scatter-add (no atomics on a GPU), nothing read on the
-    host.
+    experts: int64 [P]; groups: optional int64 [P] group ids in [0, G). Returns int64 [P].
+    One stable sort and a binary search (O(P log P)), no [P, E] one-hot, no scatter-add (no
+    atomics on a GPU), nothing read on the host.
     """
     key = experts if groups is None else groups * num_experts + experts
     # int32 keys where they fit (group ids are < P): a radix sort (CUDA's) makes one pass per
@@ -47,10 +45,7 @@ def positions_in_expert(experts: torch.Tensor, num_experts: int,
     sorted_key, order = torch.sort(key.to(narrow), stable=True)
     first = torch.searchsorted(sorted_key, sorted_key)   # where each pair's run of keys starts
     rank = torch.arange(key.numel(), device=key.device) - first
-    positions = torch.empty_like(rank).scatter_(0, order, rank)
-    if start is not None:
-        positions = positions + start.reshape(-1)[key]
-    return positions
+    return torch.empty_like(rank).scatter_(0, order, rank)
 
 
 def sinkhorn_log_plan(logits: torch.Tensor, iterations: int) -> torch.Tensor:

@@ -111,8 +111,10 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     num_groups = (tokens + size - 1) // size
     first_counts = count_keys(group * num_experts + e1, num_groups * num_experts
                               ).view(num_groups, num_experts)              # c_E after line 12
-    pos1 = positions_in_expert(e1, num_experts, group)                       # line 7
-    pos2 = positions_in_expert(e2, num_experts, group, start=first_counts)   # line 18
+    # Lines 7 and 18 in one pass: the second choices take positions after every first choice
+    # of their group (from c_e), in token order, as if queued behind all the first choices.
+    pos1, pos2 = positions_in_expert(top.t().reshape(-1), num_experts,
+                                     group.repeat(2)).view(2, tokens).unbind(0)
     keep1 = torch.ones_like(e1, dtype=torch.bool) if capacity is None else pos1 < capacity
     keep2 = torch.ones_like(e2, dtype=torch.bool) if capacity is None else pos2 < capacity
     if uniform is not None:
