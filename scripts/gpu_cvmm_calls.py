@@ -18,6 +18,12 @@ rounds (``auto/tile``). The calls (``ops/expert_mlp.py``):
 References: gathering x's rows (``index_select``), the k-slot sum alone, a plain matmul
 (cuBLAS on a GPU) of all rows by one expert's matrix (no gather, no groups), and
 ``torch._grouped_mm`` on pre-gathered rows.
+
+Then the routing's bookkeeping at each width's number of experts, each against what it
+replaced, in the same rounds: the dispatch plan (an int32 sort and a binary search for the
+expert blocks, against an int64 sort and a scatter-add count), Switch's capacity positions (the
+same, against a sort, a scatter-add count and a cumsum), and the usage statistics (one float
+scatter-add with the counts from the plan, against two).
 A tool for finding what to speed up; ``sparseffn bench fig2`` times the whole layer.
 
 With ``--device cpu`` (and ``TRITON_INTERPRET=1``) it runs the kernels in Triton's
@@ -33,7 +39,9 @@ import torch
 
 from sparseffn.bench.measure import kernel_script_device, per_call_times
 from sparseffn.ops import triton_cvmm
+from sparseffn.ops.assignment import count_keys, positions_in_expert
 from sparseffn.ops.cvmm import DispatchPlan
+from sparseffn.routing import expert_usage
 
 EXPERT_SIZE, K = 128, 4
 
@@ -115,6 +123,47 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
             print(f"  reference: {name}: failed ({type(error).__name__})", flush=True)
 
 
+def _plan_before(indices: torch.Tensor, num_experts: int):
+    """The dispatch plan's sort and counts as built before: int64 keys, a scatter-add count."""
+    keys = indices.reshape(-1)
+    order = torch.sort(keys, stable=True).indices
+    counts = count_keys(keys, num_experts)
+    return order, order // indices.shape[-1], counts, counts.cumsum(0).to(torch.int32)
+
+
+def _positions_before(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Capacity positions as computed before: an int64 sort, a scatter-add count, a cumsum."""
+    order = torch.sort(experts, stable=True).indices
+    sorted_key = experts[order]
+    counts = count_keys(experts, num_experts)
+    rank = torch.arange(experts.numel(), device=experts.device) - (counts.cumsum(0) - counts)[sorted_key]
+    return torch.empty_like(rank).scatter_(0, order, rank)
+
+
+def bench_bookkeeping(d_model: int, tokens: int, rounds: int, calls: int,
+                      device: torch.device) -> None:
+    num_experts = 4 * d_model // EXPERT_SIZE
+    gen = torch.Generator(device=device).manual_seed(0)
+    indices = torch.rand(tokens, num_experts, device=device, generator=gen).topk(K).indices
+    weights = torch.rand(tokens, K, device=device, generator=gen)
+    top1 = indices[:, 0].contiguous()
+    plan = DispatchPlan.build(indices, num_experts)
+    pairs = {
+        "plan": (lambda: DispatchPlan.build(indices, num_experts),
+                 lambda: _plan_before(indices, num_experts)),
+        "positions": (lambda: positions_in_expert(top1, num_experts),
+                      lambda: _positions_before(top1, num_experts)),
+        "usage": (lambda: expert_usage(indices, weights, num_experts, counts=plan.counts),
+                  lambda: expert_usage(indices, weights, num_experts)),
+    }
+    print(f"routing bookkeeping: {num_experts} experts, {tokens} tokens, k {K}", flush=True)
+    for name, (now, before) in pairs.items():
+        times = per_call_times({"now": now, "before": before}, rounds, calls, device)
+        t_now, t_before = (statistics.median(times[key]) for key in ("now", "before"))
+        print(f"  {name:10s} {t_now:8.3f} ms   before {t_before:8.3f} ms   "
+              f"now/before {t_now / t_before:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--d-model", type=int, nargs="+", default=[512, 1024, 2048])
@@ -132,6 +181,8 @@ def main() -> None:
           f"expert size {EXPERT_SIZE}, k={K}", flush=True)
     for d_model in args.d_model:
         bench_width(d_model, args.tokens, args.rounds, args.calls, device, dtype)
+    for d_model in args.d_model:
+        bench_bookkeeping(d_model, args.tokens, args.rounds, args.calls, device)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@
 #   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ~2 min (fig2 with both peers)
 #   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
-#   bash scripts/gpu_session.sh cvmm                # ~1-2 min (the six CVMM calls, one by one)
+#   bash scripts/gpu_session.sh cvmm                # ~1-2 min (the six CVMM calls, one by one,
+#                                                   #   and the routing's bookkeeping, now/before)
+#   bash scripts/gpu_session.sh compile             # every layer compiled vs eager, bf16: graph
+#                                                   #   breaks, host syncs, operators per eager step
 #   bash scripts/gpu_session.sh rows                # product-key top-k (merge vs exact), PEER step
 #   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
 #
@@ -52,7 +55,9 @@ for what in "$@"; do
     train) stage train 540 $PY scripts/gpu_train_check.py --json "$OUT/train.json" ;;
     cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
     rows) stage rows 300 $PY scripts/gpu_rows_calls.py ;;
+    compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
+               --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
-            "productkeys profile cvmm rows train)"; exit 2 ;;
+            "productkeys profile cvmm rows compile train)"; exit 2 ;;
   esac
 done
