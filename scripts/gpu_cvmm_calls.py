@@ -136,7 +136,8 @@ def _positions_before(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     order = torch.sort(experts, stable=True).indices
     sorted_key = experts[order]
     counts = count_keys(experts, num_experts)
-    rank = torch.arange(experts.numel(), device=experts.device) - (counts.cumsum(0) - counts)[sorted_key]
+    first = (counts.cumsum(0) - counts)[sorted_key]
+    rank = torch.arange(experts.numel(), device=experts.device) - first
     return torch.empty_like(rank).scatter_(0, order, rank)
 
 

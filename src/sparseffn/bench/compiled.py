@@ -27,10 +27,6 @@ from .measure import forward_backward_fn, interleaved_times, paired_ratio, write
 from .op_count import count_ops
 
 
-LAYER_NAMES = ("sigma_moe", "softmax", "noisy_topk", "sbase", "tree", "switch", "gshard",
-               "fff_soft", "fff_sparse", "pkm", "peer", "topk_mlp", "dense")
-
-
 def layer_configs(d_model: int) -> dict[str, object]:
     """The layers timed, at width ``d_model``: MoE layers of 16 experts of 128 units (k = 4;
     Switch k = 1, GShard k = 2), an FFF of depth 4, PKM and PEER with 4 heads."""
@@ -53,6 +49,10 @@ def layer_configs(d_model: int) -> dict[str, object]:
         "topk_mlp": TopKMLPConfig(d_model=d_model, d_ff=2048, k=128),
         "dense": DenseMLPConfig(d_model=d_model, d_ff=2048),
     }
+
+
+# the layers' names, for the command line (the configs themselves depend on d_model)
+LAYER_NAMES = tuple(layer_configs(256))
 
 
 def _host_syncs(step: Callable[[], object], device: torch.device) -> str:

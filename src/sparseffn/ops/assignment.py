@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import kernels
+from .cvmm import stable_sort_ids
 
 
 def count_keys(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -38,11 +39,9 @@ def positions_in_expert(experts: torch.Tensor, num_experts: int,
     atomics on a GPU), nothing read on the host.
     """
     key = experts if groups is None else groups * num_experts + experts
-    # int32 keys where they fit (group ids are < P): a radix sort (CUDA's) makes one pass per
-    # key byte
-    bound = num_experts if groups is None else max(key.numel(), 1) * num_experts
-    narrow = torch.int32 if bound <= torch.iinfo(torch.int32).max else key.dtype
-    sorted_key, order = torch.sort(key.to(narrow), stable=True)
+    # group ids are < P, so the keys are < P · E
+    sorted_key, order = stable_sort_ids(
+        key, num_experts if groups is None else max(key.numel(), 1) * num_experts)
     first = torch.searchsorted(sorted_key, sorted_key)   # where each pair's run of keys starts
     rank = torch.arange(key.numel(), device=key.device) - first
     return torch.empty_like(rank).scatter_(0, order, rank)

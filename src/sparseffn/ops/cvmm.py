@@ -110,9 +110,8 @@ class DispatchPlan:
                                  f"{tuple(dispatched.shape)}")
             # Dropped pairs get the key num_experts: they sort after every expert.
             keys = flat.masked_fill(~dispatched.reshape(-1), num_experts)
-        # A stable sort keeps each expert's pairs in token order (deterministic results). The
-        # keys are sorted as int32: a radix sort (CUDA's) makes one pass per key byte.
-        sorted_keys, order = torch.sort(keys.to(torch.int32), stable=True)
+        # A stable sort keeps each expert's pairs in token order (deterministic results).
+        sorted_keys, order = stable_sort_ids(keys, num_experts + 1)
         counts, offsets = _expert_blocks(sorted_keys, num_experts)
         k = indices.shape[-1]
         return DispatchPlan(
@@ -125,13 +124,20 @@ class DispatchPlan:
         )
 
 
+def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stable sort of integer ids in ``[0, bound)``: (sorted ids, int64 order), the ids as
+    int32 where ``bound`` allows (a radix sort, CUDA's, makes one pass per key byte)."""
+    narrow = torch.int32 if bound <= torch.iinfo(torch.int32).max + 1 else keys.dtype
+    return torch.sort(keys.to(narrow), stable=True)
+
+
 def _expert_blocks(sorted_keys: torch.Tensor, num_experts: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each expert's block in the sorted keys (int32 [S], values in ``[0, num_experts]``):
+    """Each expert's block in the sorted keys ([S], values in ``[0, num_experts]``):
     ``(counts int64 [E], ends int32 [E])``, found by binary search for every block boundary
     (no scatter, so no atomics on a GPU; the keys ``num_experts``, dropped pairs, are left
     after the last block)."""
-    experts = torch.arange(num_experts + 1, dtype=torch.int32, device=sorted_keys.device)
+    experts = torch.arange(num_experts + 1, dtype=sorted_keys.dtype, device=sorted_keys.device)
     bounds = torch.searchsorted(sorted_keys, experts)                  # int64 [E + 1]
     return bounds[1:] - bounds[:-1], bounds[1:].to(torch.int32)
 
