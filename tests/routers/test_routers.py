@@ -419,12 +419,17 @@ def _gshard_algorithm1(gates, group_size, capacity, uniform):
 def test_gshard_matches_algorithm_1_step_by_step(tokens, experts, group_size, capacity, seed):
     generator = torch.Generator().manual_seed(seed)
     gates = torch.softmax(torch.randn(tokens, experts, generator=generator) * 2, -1)
+    gates.requires_grad_()
     uniform = torch.rand(tokens, generator=generator)
     result = gshard_top2(gates, group_size, capacity, uniform)
     want_combine, want_aux = _gshard_algorithm1(gates, group_size, capacity, uniform)
     got = torch.zeros(tokens, experts).scatter_add_(1, result.indices, result.combine)
     torch.testing.assert_close(got, want_combine)
     torch.testing.assert_close(result.aux_loss, want_aux)
+    # ℓ_aux's gradient too (line 13: through the mean gates m, the counts c carry none)
+    got_grad, = torch.autograd.grad(result.aux_loss, gates)
+    want_grad, = torch.autograd.grad(want_aux, gates)
+    torch.testing.assert_close(got_grad, want_grad)
     # No expert's buffer in any group holds more than C dispatched tokens.
     group = torch.arange(tokens) // group_size
     keys = (group.unsqueeze(1) * experts + result.indices)[result.dispatched]

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..ops.assignment import count_keys, positions_in_expert
+from ..ops.assignment import positions_in_expert
 from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
@@ -86,6 +86,20 @@ class Top2Assignment:
     aux_loss: torch.Tensor
 
 
+def _group_aux(gates: torch.Tensor, e1: torch.Tensor, size: int, num_groups: int
+               ) -> torch.Tensor:
+    """Line 13's ℓ_aux = (1/E) Σ_e (c_e / S) · m_e summed over consecutive groups of exactly
+    S = ``size`` tokens, divided by ``num_groups`` (gates [n·S, E], e1 int64 [n·S]).
+
+    c_e counts the group's first choices of expert e (line 11) and m_e is its mean gate
+    (line 3), so Σ_e c_e · m_e = Σ_t m_{e1(t)}: a gather of the mean gates instead of counting
+    the tokens per expert (the same value and gradient; c carries none)."""
+    num_experts = gates.shape[1]
+    mean_gates = gates.reshape(-1, size, num_experts).mean(1)                  # m, [n, E]
+    picked = mean_gates.gather(1, e1.view(-1, size))                          # m_{e1(t)}
+    return picked.sum() / (num_experts * size * num_groups)
+
+
 def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | None,
                 uniform: torch.Tensor | None) -> Top2Assignment:
     """Algorithm 1 of GShard, vectorised over tokens and groups.
@@ -109,8 +123,6 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     g1, g2 = g1 / (g1 + g2), g2 / (g1 + g2)                                  # lines 6, 16
     group = torch.arange(tokens, device=gates.device) // size
     num_groups = (tokens + size - 1) // size
-    first_counts = count_keys(group * num_experts + e1, num_groups * num_experts
-                              ).view(num_groups, num_experts)              # c_E after line 12
     # Lines 7 and 18 in one pass: the second choices take positions after every first choice
     # of their group (from c_e), in token order, as if queued behind all the first choices.
     pos1, pos2 = positions_in_expert(top.t().reshape(-1), num_experts,
@@ -119,13 +131,12 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     keep2 = torch.ones_like(e2, dtype=torch.bool) if capacity is None else pos2 < capacity
     if uniform is not None:
         keep2 = keep2 & (2 * g2.detach() > uniform)                          # line 19
-    # Line 13 per group: (1/E) Σ_e (c_e / S) m_e, with m_e the group's mean gate (line 3).
-    group_tokens = count_keys(group, num_groups).clamp_min(1).float()        # S
-    gate_sums = gates.new_zeros(num_groups, num_experts).index_add(0, group, gates)
-    mean_gates = gate_sums / group_tokens.unsqueeze(1)
-    fractions = first_counts.float() / group_tokens.unsqueeze(1)
-    aux = (fractions * mean_gates).sum(1) / num_experts                    # [G]
-    aux = aux.mean() if tokens else gates.new_zeros(())
+    # Line 13, averaged over the groups; every group but the last has `size` tokens.
+    whole = tokens // size * size
+    terms = [_group_aux(gates[start:stop], e1[start:stop], group_tokens, num_groups)
+             for start, stop, group_tokens in ((0, whole, size), (whole, tokens, tokens - whole))
+             if stop > start]
+    aux = gates.new_zeros(()) if not terms else terms[0] if len(terms) == 1 else terms[0] + terms[1]
     dispatched = torch.stack([keep1, keep2], 1)
     return Top2Assignment(indices=top, combine=torch.stack([g1, g2], 1) * dispatched,
                           dispatched=dispatched, positions=torch.stack([pos1, pos2], 1),
@@ -160,10 +171,10 @@ class GShardRouter(LinearRouter):
         uniform = torch.rand(tokens, device=x.device) if random_second else None
         result = gshard_top2(gates, group_size, capacity, uniform)
         dispatched = result.dispatched
-        stats = {name: value.float().mean() if tokens else torch.zeros(())
-                 for name, value in (("dropped_fraction", ~dispatched.any(1)),
-                                     ("first_dropped_fraction", ~dispatched[:, 0]),
-                                     ("second_dispatched_fraction", dispatched[:, 1]))}
+        names = ("dropped_fraction", "first_dropped_fraction", "second_dispatched_fraction")
+        flags = torch.stack([~dispatched.any(1), ~dispatched[:, 0], dispatched[:, 1]], 1)
+        fractions = flags.float().mean(0) if tokens else flags.new_zeros(len(names), dtype=torch.float32)
+        stats = dict(zip(names, fractions.unbind()))
         if capacity is not None:
             stats["capacity"] = torch.tensor(float(capacity))
         return Routing(indices=result.indices, weights=result.combine,
