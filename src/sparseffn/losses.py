@@ -55,14 +55,14 @@ def batch_entropy_loss(logits: torch.Tensor, batch: BatchSum | None = None) -> t
 
 
 def cv_squared(values: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
-    """The squared coefficient of variation ``(std / mean)²`` of a vector (population
-    variance), Shazeer et al.'s balance measure (Csordás et al. 2023 Eq. 28; Csordás et al. 2023
-    writes CV as μ/σ,
-    a typo for σ/μ). Zero for fewer than two values."""
+    """The squared coefficient of variation ``(std / mean)²`` (population variance) of each
+    row, Shazeer et al.'s balance measure (Csordás et al. 2023 Eq. 28, which writes CV as μ/σ,
+    a typo for σ/μ). values: [..., n]; returns float32 [...] (a scalar for a vector), zero
+    for rows of fewer than two values."""
     values = values.float()
-    if values.numel() < 2:
-        return values.new_zeros(())
-    return values.var(unbiased=False) / (values.mean().square() + eps)
+    if values.dim() == 0 or values.shape[-1] < 2:
+        return values.new_zeros(values.shape[:-1])
+    return values.var(-1, unbiased=False) / (values.mean(-1).square() + eps)
 
 
 def switch_balance_loss(probs: torch.Tensor, top1: torch.Tensor, batch: BatchSum | None = None

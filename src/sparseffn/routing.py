@@ -31,6 +31,9 @@ class Routing:
     dense: True when every token uses every expert in order: ``weights`` is [tokens, E] and
       ``indices`` is ``arange(E)`` for each token (the soft mode of a fast feed-forward tree,
       Belcak & Wattenhofer 2023, arXiv:2308.14711); stores may then compute densely.
+    mass: float32 [E] or None: the selection weight of the dispatched pairs summed per expert,
+      when the router computed it anyway (noisy top-k's importance); the usage statistics
+      then take it instead of summing again.
 
     A store that sorts the pairs by expert asks :meth:`plan`, which sorts once per routing: the
     usage statistics then read their counts from the same sort.
@@ -42,6 +45,7 @@ class Routing:
     dispatched: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     dense: bool = False
+    mass: torch.Tensor | None = None
     _plan: DispatchPlan | None = field(default=None, init=False, repr=False, compare=False)
 
     def plan(self, num_experts: int) -> DispatchPlan:
@@ -66,23 +70,27 @@ class Routing:
 
 @torch.no_grad()
 def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                 dispatched: torch.Tensor | None = None, counts: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 dispatched: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                 mass: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per expert: the number of dispatched (token, slot) pairs and their total selection
-    weight, float32 [E] each. ``counts`` (integer [E]): the pairs per expert when already
-    known (a :class:`~sparseffn.ops.DispatchPlan`'s), not counted again. Reads nothing on the
-    host."""
+    weight, float32 [E] each. ``counts`` (integer [E]) and ``mass`` ([E]): either when already
+    known (a :class:`~sparseffn.ops.DispatchPlan`'s counts, a router's mass), not summed
+    again. Reads nothing on the host."""
+    if counts is not None and mass is not None:
+        return counts.float(), mass.detach().float()
     flat = indices.reshape(-1)
-    mass_each = weights.detach().reshape(-1).float()
     keep = None if dispatched is None else dispatched.reshape(-1)
-    if keep is not None:
-        mass_each = torch.where(keep, mass_each, torch.zeros_like(mass_each))
     if counts is None:
-        ones = torch.ones_like(mass_each) if keep is None else keep.float()
+        ones = torch.ones(flat.shape, device=flat.device) if keep is None else keep.float()
         counts = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
         counts = counts.index_add_(0, flat, ones)
-    mass = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
-    return counts.float(), mass.index_add_(0, flat, mass_each)
+    if mass is None:
+        mass_each = weights.detach().reshape(-1).float()
+        if keep is not None:
+            mass_each = torch.where(keep, mass_each, torch.zeros_like(mass_each))
+        mass = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
+        mass = mass.index_add_(0, flat, mass_each)
+    return counts.float(), mass.detach().float()
 
 
 def recomputing() -> bool:
@@ -214,7 +222,8 @@ class SparseFFN(nn.Module):
         self.aux_losses = dict(routing.aux_losses)
         plan = routing.built_plan(num_experts)
         counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
-                                    routing.dispatched, None if plan is None else plan.counts)
+                                    routing.dispatched, None if plan is None else plan.counts,
+                                    routing.mass)
         self._record_usage(counts, mass, routing.stats)
         if self._transient.observer is not None:
             self._transient.observer(routing)

@@ -543,6 +543,40 @@ def test_noisy_topk_losses_by_hand():
     torch.testing.assert_close(noisy_topk_load(clean, noisy, std, 2), load)
 
 
+def test_noisy_topk_takes_one_top_k_for_gating_and_load_and_counts_load_in_evaluation():
+    from sparseffn.bench.op_count import OpCounter
+    router = build_router(NoisyTopKRouterConfig(), 3, 6, 2).train()
+    x = torch.randn(30, 3)
+    with OpCounter() as counter:
+        router(x)
+    assert counter.counts.by_name["aten.topk"] == 1   # the (k+1)-th also sets the threshold
+    routing = router.eval()(x)
+    load = torch.bincount(routing.indices.reshape(-1), minlength=6).float()
+    torch.testing.assert_close(routing.aux_losses["load"], cv_squared(load))
+    assert cv_squared(torch.tensor([[1.0, 3.0], [2.0, 2.0]])).tolist() == [0.25, 0.0]
+
+
+def test_noisy_topk_sums_importance_and_load_over_the_global_batch_in_one_call():
+    from sparseffn.losses import BatchSum
+
+    class OtherProcessAddsOne(BatchSum):     # another process's sums: 1 for every expert
+        shapes = []
+
+        def sum(self, values):
+            OtherProcessAddsOne.shapes.append(tuple(values.shape))
+            return values + 1
+
+    router = build_router(NoisyTopKRouterConfig(), 3, 6, 2).eval()
+    router.global_batch = OtherProcessAddsOne()
+    routing = router(torch.randn(30, 3))
+    assert OtherProcessAddsOne.shapes == [(2, 6)]
+    flat = routing.indices.reshape(-1)
+    importance = torch.zeros(6).index_add_(0, flat, routing.weights.reshape(-1))
+    load = torch.bincount(flat, minlength=6).float()
+    torch.testing.assert_close(routing.aux_losses["importance"], cv_squared(importance + 1))
+    torch.testing.assert_close(routing.aux_losses["load"], cv_squared(load + 1))
+
+
 def test_noisy_topk_has_no_noise_at_evaluation():
     router = build_router(NoisyTopKRouterConfig(), 3, 4, 2).eval()
     x = torch.randn(9, 3)

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ..losses import cv_squared
-from ..ops.assignment import count_keys
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import require_bool, require_non_negative
@@ -53,14 +52,17 @@ class NoisyTopKRouterConfig(RouterConfig):
 
 
 def noisy_topk_load(clean: torch.Tensor, noisy: torch.Tensor, noise_std: torch.Tensor,
-                    k: int) -> torch.Tensor:
+                    k: int, top: torch.Tensor | None = None) -> torch.Tensor:
     """Shazeer et al.'s smooth load estimate (their App. A, Eq. 8-10): for each token and
     expert the probability, over a fresh draw of that expert's noise, that it stays in the top
     k, ``Φ((clean_i - threshold_i) / std_i)``, where the threshold is the k-th largest noisy
     logit among the *other* experts. Summed over tokens: float32 [E].
 
-    clean, noisy, noise_std: [T, E]. Needs k < E (with k = E every expert is always kept)."""
-    top = torch.topk(noisy, k + 1, dim=-1).values                     # [T, k+1]
+    clean, noisy, noise_std: [T, E]; top: the k + 1 largest noisy logits of each token in
+    descending order, [T, k+1], when already known (else found here). Needs k < E (with
+    k = E every expert is always kept)."""
+    if top is None:
+        top = torch.topk(noisy, k + 1, dim=-1).values                 # [T, k+1]
     kth, next_one = top[:, k - 1:k], top[:, k:k + 1]
     in_top = noisy >= kth                                            # then the threshold is the (k+1)-th
     threshold = torch.where(in_top, next_one, kth)
@@ -101,17 +103,22 @@ class NoisyTopKRouter(Router):
             logits = clean + torch.randn_like(clean) * noise_std                  # Eq. 27
         else:
             logits = clean
-        top = torch.topk(logits, self.k, dim=-1)
-        weights = torch.softmax(top.values, dim=-1)                # softmax(KeepTopK(H, k))
-        indices = top.indices
+        estimate_load = noisy_run and self.k < self.num_experts
+        # One top-k serves both the gating and the load estimate's threshold (the (k+1)-th).
+        top = torch.topk(logits, self.k + 1 if estimate_load else self.k, dim=-1)
+        values, indices = top.values[:, :self.k], top.indices[:, :self.k].contiguous()
+        weights = torch.softmax(values, dim=-1)                    # softmax(KeepTopK(H, k))
+        routing = Routing(indices=indices, weights=weights)
         importance = logits.new_zeros(self.num_experts).index_add(
             0, indices.reshape(-1), weights.reshape(-1))
-        if noisy_run and self.k < self.num_experts:
-            load = noisy_topk_load(clean, logits, noise_std, self.k)
+        # Σ_x G(x) is also the usage statistics' selection mass (every pair is dispatched).
+        routing.mass = importance.detach()
+        if estimate_load:
+            load = noisy_topk_load(clean, logits, noise_std, self.k, top.values)
         else:
-            load = count_keys(indices, self.num_experts).float()
+            load = routing.plan(self.num_experts).counts.float()
+        balance = torch.stack([importance, load])                                 # [2, E]
         if self.global_batch is not None:     # Σ over the global batch
-            importance, load = self.global_batch.sum(importance), self.global_batch.sum(load)
-        return Routing(indices=indices, weights=weights,
-                       aux_losses={"importance": cv_squared(importance),
-                                   "load": cv_squared(load)})
+            balance = self.global_batch.sum(balance)
+        routing.aux_losses = dict(zip(("importance", "load"), cv_squared(balance).unbind()))
+        return routing
