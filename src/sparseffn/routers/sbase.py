@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from ..losses import batch_entropy_loss
-from ..ops.assignment import (capacity_rounding, count_keys, exact_balanced_assignment,
+from ..ops.assignment import (capacity_rounding, exact_balanced_assignment,
                               sinkhorn_log_plan)
 from ..registry import RouterConfig, implements
 from ..routing import Routing
@@ -95,9 +95,11 @@ class SBaseRouter(LinearRouter):
         else:
             indices = torch.topk(logits.detach(), self.k, dim=-1, sorted=False).indices
         weights = torch.sigmoid(logits.gather(1, indices))                        # Eq. 32
+        routing = Routing(indices=indices, weights=weights,
+                          aux_losses={"entropy": batch_entropy_loss(logits, self.global_batch)})
         tokens = x.shape[0]
         share = tokens * self.k / self.num_experts
-        load = count_keys(indices, self.num_experts).float()
-        stats = {"max_load": (load.max() / share) if tokens else torch.zeros(())}
-        return Routing(indices=indices, weights=weights,
-                       aux_losses={"entropy": batch_entropy_loss(logits, self.global_batch)}, stats=stats)
+        # the pairs per expert from the dispatch plan, which the expert store then reuses
+        load = routing.plan(self.num_experts).counts
+        routing.stats["max_load"] = load.max() / share if tokens else torch.zeros(())
+        return routing
