@@ -68,6 +68,18 @@ def test_native_and_torch_retrieval_agree_bitwise():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_product_key_topk_ranks_non_finite_scores_the_same_on_every_path(rows_path):
+    """The operator itself (the C kernel and the PyTorch path alike) ranks NaN and -inf last
+    and +inf first, ties to the lower index, and returns the original sums."""
+    s_a = torch.tensor([[1.0, float("nan"), 0.5], [float("inf"), 0.0, -1.0]])
+    s_b = torch.tensor([[0.25, float("-inf")], [2.0, 1.0]])
+    values, idx = kernels.product_key_topk(s_a, s_b, 4)      # key i + 3j
+    assert idx.tolist() == [[0, 2, 1, 3], [0, 3, 1, 2]]
+    assert values[0, :2].tolist() == [1.25, 0.75] and bool(values[0, 2].isnan())
+    assert values[0, 3].item() == float("-inf")
+    assert values[1].tolist() == [float("inf"), float("inf"), 2.0, 1.0]
+
+
 def test_product_key_topk_rejects_impossible_k():
     with pytest.raises(ValueError, match="k must lie in"):
         product_keys.product_key_topk(torch.randn(2, 3), torch.randn(2, 3), 10)
@@ -192,9 +204,12 @@ def test_unchecked_nan_ranks_first_with_indices_in_range(monkeypatch):
         native.set_native_enabled(True)
     assert idx.tolist() == [[1, 3, 0], [0, 1, 3]]      # NaN first, then ties by index
     assert bool(values[0, 0].isnan()) and values[0, 1:].tolist() == [2.0, 1.0]
-    assert bool(((pk_idx >= 0) & (pk_idx < 4)).all())
-    # sums a[i] + b[j] at index i + 2j: 0 at 2 and 3, then -1 at 0 (ties to the lower index)
-    assert pk_values[1].tolist() == [0.0, 0.0, -1.0] and pk_idx[1].tolist() == [2, 3, 0]
+    # the product-key top-k ranks NaN last on every path: sums a[i] + b[j] at index i + 2j,
+    # row 0: 3 at 2, 1.5 at 0, then the NaN sums (ties to the lower index); row 1: 0 at 2
+    # and 3, then -1 at 0
+    assert pk_idx.tolist() == [[2, 0, 1], [2, 3, 0]]
+    assert pk_values[0, :2].tolist() == [3.0, 1.5] and bool(pk_values[0, 2].isnan())
+    assert pk_values[1].tolist() == [0.0, 0.0, -1.0]
 
 
 def test_the_top_k_operators_still_reject_nan_given_directly(rows_path):

@@ -209,17 +209,27 @@ def test_product_key_topk_orders_rounded_ties_by_index_not_by_merge_row(s_a, s_b
     assert torch.equal(idx, _torch_path(kernels.product_key_topk, s_a, s_b, k)[1])
 
 
-def test_product_key_topk_unchecked_nan_keeps_indices_in_range(monkeypatch):
-    monkeypatch.setattr(kernels, "checks_enabled", lambda tensor: False)
-    s_a = torch.randn(6, 10, device=DEVICE)
-    s_b = torch.randn(6, 9, device=DEVICE)
-    s_a[2, 4] = float("nan")
-    s_b[3] = float("-inf")
+def test_product_key_topk_ranks_nan_and_inf_as_the_pytorch_path_and_sums_the_originals():
+    """The kernel ranks NaN and -inf below every number and +inf above (``kernels.rankable``)
+    and writes the sums of the original scores, with no host read: the PyTorch path's
+    indices and values, bit for bit, NaN included, and indices always in range."""
+    gen = torch.Generator().manual_seed(5)
+    s_a, s_b = torch.randn(6, 10, generator=gen), torch.randn(6, 9, generator=gen)
+    s_a[2, 4] = float("nan")          # keys i = 4 of row 2 rank last
+    s_b[3] = float("-inf")            # every sum of row 3 is -inf
+    s_a[4, 1] = float("inf")          # keys i = 1 of row 4 rank first
+    s_a[5] = float("nan")             # every sum of row 5 is NaN
+    s_a, s_b = s_a.to(DEVICE), s_b.to(DEVICE)
     values, idx = kernels.product_key_topk(s_a, s_b, 7)
+    want_values, want_idx = _torch_path(kernels.product_key_topk, s_a, s_b, 7)
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=0, equal_nan=True)
     assert bool(((idx >= 0) & (idx < 90)).all())
-    assert len(set(idx[3].tolist())) == 7, "distinct keys even when a half is all -inf"
-    assert bool((idx[2] % 10 == 4).any()) and bool(values[2].isnan().any()), \
-        "NaN ranks first and its value stays NaN"
+    assert not bool((idx[2] % 10 == 4).any()) and bool(values[2].isfinite().all())
+    assert len(set(idx[3].tolist())) == 7 and bool((values[3] == float("-inf")).all())
+    assert idx[4].tolist() == [1 + 10 * j for j in range(7)], "+inf first, ties by index"
+    assert bool((values[4] == float("inf")).all())
+    assert idx[5].tolist() == list(range(7)) and bool(values[5].isnan().all())
 
 
 @pytest.mark.parametrize("layer", ["pkm", "peer"])

@@ -413,18 +413,37 @@ def _(scores, k):
                                                                    dtype=torch.int64)
 
 
+def rankable(scores: Tensor) -> Tensor:
+    """``scores`` with NaN and -inf ranked below every finite score and +inf above, as finite
+    numbers whose sums of two cannot overflow: a non-finite score (from a non-finite input)
+    still selects keys, and the selected *values* are read from the original scores, so the
+    NaN or infinity reaches that row's output and no other row's (no host read to check)."""
+    big = torch.finfo(scores.dtype).max / 4
+    return torch.nan_to_num(scores, nan=-big, posinf=big, neginf=-big).clamp(-big, big)
+
+
 @operator("product_key_topk")
 def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The top k of ``scores_a[r, i] + scores_b[r, j]`` over all (i, j), index ``i + n_a·j``,
     ordered by (sum desc, index asc) (Lample et al. 2019, Eq. 15 of Csordás et al. 2023).
-    scores_a: [R, n_a]; scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k]).
-    NaN: as :func:`topk_rows`."""
-    _reject_nan(scores_a, "product_key_topk")
-    _reject_nan(scores_b, "product_key_topk")
+    scores_a: [R, n_a]; scores_b: [R, n_b]; 1 <= k <= n_a·n_b. Returns (values [R, k], int64
+    indices [R, k]).
+
+    On every device and without a host read, NaN and -inf scores rank below every finite one
+    and +inf above (as :func:`rankable` maps them), and the values are the sums of the
+    *original* scores, so a NaN selected stays NaN. (One launch on a GPU: the Triton kernel
+    ranks and sums in its loads.)"""
     if triton_rows.product_key_topk_usable(scores_a, scores_b, k):
         return triton_rows.product_key_topk(scores_a, scores_b, k)
+    n_a = scores_a.shape[1]
+    indices = _product_key_topk_indices(rankable(scores_a), rankable(scores_b), k)
+    return scores_a.gather(1, indices % n_a) + scores_b.gather(1, indices // n_a), indices
+
+
+def _product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> Tensor:
+    """The indices of :func:`product_key_topk` for scores without NaN (C kernel or PyTorch)."""
     if _fused(scores_a, scores_b):
-        return native.product_key_topk(scores_a, scores_b, k)
+        return native.product_key_topk(scores_a, scores_b, k)[1]
     rows, n_a = scores_a.shape
     n_b = scores_b.shape[1]
     val_a, idx_a = topk_rows(scores_a, min(k, n_a))
@@ -432,8 +451,8 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
     sums = (val_a.unsqueeze(-1) + val_b.unsqueeze(-2)).reshape(rows, -1)
     full = (idx_a.unsqueeze(-1) + n_a * idx_b.unsqueeze(-2)).reshape(rows, -1)
     order = full.argsort(dim=-1)                # candidates by index, so ties go to the lower
-    values, pos = topk_rows(sums.gather(-1, order), k)
-    return values, full.gather(-1, order).gather(-1, pos)
+    _, pos = topk_rows(sums.gather(-1, order), k)
+    return full.gather(-1, order).gather(-1, pos)
 
 
 @product_key_topk.register_fake

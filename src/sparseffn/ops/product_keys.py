@@ -38,18 +38,9 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     if not 1 <= k <= n:
         raise ValueError(f"topk_lowest_index: k must lie in [1, {n}], got {k}")
     flat = scores.reshape(-1, n)
-    _, indices = kernels.topk_rows(_rankable(flat), k)
+    _, indices = kernels.topk_rows(kernels.rankable(flat), k)
     values = flat.gather(1, indices)          # the scores themselves: NaN stays NaN
     return values.view(*scores.shape[:-1], k), indices.view(*scores.shape[:-1], k)
-
-
-def _rankable(scores: torch.Tensor) -> torch.Tensor:
-    """``scores`` with NaN and -inf ranked below every finite score and +inf above, as finite
-    numbers whose sums of two cannot overflow: a non-finite score (from a non-finite input)
-    still selects keys, and the selected *values* are read from the original scores, so the
-    NaN or infinity reaches that row's output and no other row's (no host read to check)."""
-    big = torch.finfo(scores.dtype).max / 4
-    return torch.nan_to_num(scores, nan=-big, posinf=big, neginf=-big).clamp(-big, big)
 
 
 def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
@@ -67,9 +58,7 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
                          f"{tuple(scores_b.shape)} must have the same rows")
     if not 1 <= k <= n_a * n_b:
         raise ValueError(f"product_key_topk: k must lie in [1, {n_a * n_b}], got {k}")
-    _, indices = kernels.product_key_topk(_rankable(scores_a), _rankable(scores_b), k)
-    values = scores_a.gather(1, indices % n_a) + scores_b.gather(1, indices // n_a)
-    return values, indices
+    return kernels.product_key_topk(scores_a, scores_b, k)
 
 
 def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,

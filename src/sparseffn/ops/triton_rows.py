@@ -156,9 +156,9 @@ if triton is not None:
 
     @triton.jit
     def _rank_key(x, BIG: tl.constexpr):
-        """Scores as finite rank keys: NaN first (as the unchecked PyTorch sort ranks it), ±inf
-        clamped to ±BIG (the callers' ``_rankable`` scores are already in that range)."""
-        x = tl.where(x != x, BIG, x)
+        """Scores as finite rank keys, as ``kernels.rankable`` maps them: NaN and -inf to
+        -BIG (below every finite score), +inf to BIG."""
+        x = tl.where(x != x, -BIG, x)
         return tl.minimum(tl.maximum(x, -BIG), BIG)
 
     @triton.jit
@@ -200,7 +200,8 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _product_key_topk_kernel(a_ptr, b_ptr, idx_ptr, merged_ptr, R, n_a, n_b, k, ka, kb,
+    def _product_key_topk_kernel(a_ptr, b_ptr, idx_ptr, val_ptr, merged_ptr, R, n_a, n_b, k,
+                                 ka, kb,
                                  stride_a, stride_b,
                                  BLOCK_R: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
                                  KA: tl.constexpr, KB: tl.constexpr, K: tl.constexpr,
@@ -249,8 +250,12 @@ if triton is not None:
         exact = tl.max((tie & r_ok).to(tl.int32), 0)
         if exact > 0:
             out = _exact_candidate_topk(va, ia, vb, ib, n_a, n_b, k, BLOCK_R, KA, KB, K)
-        tl.store(idx_ptr + rows64[:, None] * k + slots[None, :], out.to(tl.int64),
-                 mask=r_ok[:, None] & (slots < k)[None, :])
+        taken = r_ok[:, None] & (slots < k)[None, :]
+        tl.store(idx_ptr + rows64[:, None] * k + slots[None, :], out.to(tl.int64), mask=taken)
+        # The values: the sums of the original scores (a NaN selected stays NaN), Eq. 15.
+        s_a = tl.load(a_ptr + rows64[:, None] * stride_a + out % n_a, mask=taken, other=0.0)
+        s_b = tl.load(b_ptr + rows64[:, None] * stride_b + out // n_a, mask=taken, other=0.0)
+        tl.store(val_ptr + rows64[:, None] * k + slots[None, :], s_a + s_b, mask=taken)
         tl.store(merged_ptr + rows64, tl.zeros((BLOCK_R,), tl.int8) + (1 - exact).to(tl.int8),
                  mask=r_ok)
 
@@ -353,12 +358,10 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
 
 
 def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """``sparseffn::product_key_topk`` in Triton (fp32 scores; see :func:`product_key_topk_usable`):
-    (values [R, k], int64 indices [R, k]), the values being ``s_a[i] + s_b[j]`` of the
-    original scores."""
-    idx, _ = product_key_topk_indices(scores_a, scores_b, k)
-    n_a = scores_a.shape[1]
-    values = scores_a.gather(1, idx % n_a) + scores_b.gather(1, idx // n_a)
+    """``sparseffn::product_key_topk`` in Triton, one launch (fp32 scores; see
+    :func:`product_key_topk_usable`): (values [R, k], int64 indices [R, k]), the values being
+    ``s_a[i] + s_b[j]`` of the original scores, NaN and -inf ranked last."""
+    values, idx, _ = _product_key_topk_launch(scores_a, scores_b, k)
     return values, idx
 
 
@@ -366,10 +369,17 @@ def product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> tupl
     """The kernel's int64 indices [R, k], and bool [R]: True where the row's top k came from
     the merge alone, False where a tie in its block of rows sent the block to the exact
     selection."""
+    _, idx, merged = _product_key_topk_launch(scores_a, scores_b, k)
+    return idx, merged
+
+
+def _product_key_topk_launch(scores_a: Tensor, scores_b: Tensor, k: int
+                             ) -> tuple[Tensor, Tensor, Tensor]:
     scores_a, scores_b = _rowwise(scores_a), _rowwise(scores_b)
     rows, n_a = scores_a.shape
     n_b = scores_b.shape[1]
     idx = torch.empty(rows, k, dtype=torch.int64, device=scores_a.device)
+    values = torch.empty(rows, k, dtype=scores_a.dtype, device=scores_a.device)
     merged = torch.ones(rows, dtype=torch.int8, device=scores_a.device)
     if rows and k:
         ka, kb = min(k, n_a), min(k, n_b)
@@ -382,8 +392,8 @@ def product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> tupl
         held = max(KA * KB, NA, NB)
         block_r = max(1, min(8, 2048 // held))
         _product_key_topk_kernel[(cdiv(rows, block_r),)](
-            scores_a, scores_b, idx, merged, rows, n_a, n_b, k, ka, kb,
+            scores_a, scores_b, idx, values, merged, rows, n_a, n_b, k, ka, kb,
             scores_a.stride(0), scores_b.stride(0), num_warps=max(1, held // 2048),
             BLOCK_R=block_r, NA=NA, NB=NB, KA=KA, KB=KB, K=next_power_of_2(k),
             BIG=float(torch.finfo(torch.float32).max / 4))
-    return idx, merged.bool()
+    return values, idx, merged.bool()
