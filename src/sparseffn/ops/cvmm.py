@@ -47,7 +47,6 @@ class DispatchPlan:
         output is zero and their gate gets zero gradient.
       token_of_row: int64 [S]; ``order // k``, the token each sorted row reads.
       counts: int64 [E], dispatched pairs per expert (``Σ counts = D``).
-      offsets: int32 [E], ``cumsum(counts)``, the end of each expert's block.
     """
 
     index_shape: tuple[int, ...]
@@ -55,11 +54,16 @@ class DispatchPlan:
     order: torch.Tensor
     token_of_row: torch.Tensor
     counts: torch.Tensor
-    offsets: torch.Tensor
 
     @property
     def k(self) -> int:
         return self.index_shape[-1]
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """int32 [E], ``cumsum(counts)``: the end of each expert's block (the ``offs`` of
+        ``torch._grouped_mm``), computed when asked (no operator here needs it)."""
+        return self.counts.cumsum(0).to(torch.int32)
 
     @property
     def num_rows(self) -> int:
@@ -112,7 +116,7 @@ class DispatchPlan:
             keys = flat.masked_fill(~dispatched.reshape(-1), num_experts)
         # A stable sort keeps each expert's pairs in token order (deterministic results).
         sorted_keys, order = stable_sort_ids(keys, num_experts + 1)
-        counts, offsets = _expert_blocks(sorted_keys, num_experts)
+        counts = _expert_counts(sorted_keys, num_experts)
         k = indices.shape[-1]
         return DispatchPlan(
             index_shape=tuple(indices.shape),
@@ -120,7 +124,6 @@ class DispatchPlan:
             order=order,
             token_of_row=order // k if k else order,
             counts=counts,
-            offsets=offsets,
         )
 
 
@@ -131,15 +134,14 @@ def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch
     return torch.sort(keys.to(narrow), stable=True)
 
 
-def _expert_blocks(sorted_keys: torch.Tensor, num_experts: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each expert's block in the sorted keys ([S], values in ``[0, num_experts]``):
-    ``(counts int64 [E], ends int32 [E])``, found by binary search for every block boundary
-    (no scatter, so no atomics on a GPU; the keys ``num_experts``, dropped pairs, are left
-    after the last block)."""
+def _expert_counts(sorted_keys: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The length of each expert's block in the sorted keys ([S], values in
+    ``[0, num_experts]``): int64 [E], found by binary search for every block boundary (no
+    scatter, so no atomics on a GPU; the keys ``num_experts``, dropped pairs, are left after
+    the last block)."""
     experts = torch.arange(num_experts + 1, dtype=sorted_keys.dtype, device=sorted_keys.device)
     bounds = torch.searchsorted(sorted_keys, experts)                  # int64 [E + 1]
-    return bounds[1:] - bounds[:-1], bounds[1:].to(torch.int32)
+    return bounds[1:] - bounds[:-1]
 
 
 # Where the rows of a CVMM input come from / where its output rows go:
