@@ -15,14 +15,22 @@
 #   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
 #
 # fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
-# /.peers/ in .git/info/exclude, so that it travels as an ignored, carried folder).
+# /.peers/ in .git/info/exclude, so that it travels as an ignored, carried folder). Peers from
+# PyPI travel as wheels in WHEELS (default .whl, also excluded and carried), installed here
+# without an index; Liger-Kernel's fused MoE (pure Python and Triton, 0.9 MB):
+#   pip download --no-deps liger-kernel==0.8.5 -d .whl
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-runs/gpu}"
 PEERS_DIR="${PEERS_DIR:-.peers}"
+WHEELS="${WHEELS:-.whl}"
 mkdir -p "$OUT"
 PY="${PY:-python3}"   # the GPU image's python3 holds PyTorch
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/sparseffn-peers "$WHEELS"/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/sparseffn-peers"
+fi
 
 stage() {   # name, time limit in seconds, command...
   local name=$1 limit=$2; shift 2

@@ -12,7 +12,10 @@ split into d_ff / 128 experts. Contenders, timed forward+backward in rotation:
   dispatch would cost;
 - with ``--peers`` on CUDA: the σ-MoE of the authors' Triton CVMM (``moe_layer``) and
   ScatterMoE (Tan et al. 2024, arXiv:2403.08245) behind the same sigmoid top-k router, from
-  a folder holding their sources (``--peers-dir``; neither is on PyPI).
+  a folder holding their sources (``--peers-dir``; neither is on PyPI); and Liger-Kernel's
+  Triton ``fused_moe`` (PyPI ``liger-kernel``, where it imports), whose experts are SwiGLU
+  only, so its intermediate size is ``LIGER_INTERMEDIATE`` = 88: 3·88 = 264 weights per
+  d_model against the σ-MoE expert's 2·128 = 256, the same parameters and FLOPs to 3%.
 
 The σ-MoE's router computes its selection product in the router ``precision`` given
 (``"autocast"`` by default here: in bf16 under bf16 autocast, as the peers' routers and
@@ -52,6 +55,8 @@ from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_
 
 EXPERT_SIZE = 128
 K = 4
+# A SwiGLU expert of intermediate size I holds 3·I·d_model weights: I = 88 ≈ 2·128 / 3.
+LIGER_INTERMEDIATE = 88
 
 
 def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dtype | None,
@@ -88,10 +93,36 @@ class _ScatterMoE(nn.Module):
         return self.mlp(x, gates.to(x.dtype), experts)
 
 
+class _LigerMoE(nn.Module):
+    """Liger-Kernel's fused MoE (``LigerFusedMoEFunction``: the gather fused into the up
+    projection's loads, SwiGLU, the down projection, a per-token gather-sum) behind the
+    σ-MoE's sigmoid top-k router. ``fused_moe(x, gate_up [E, 2I, d], down [E, d, I], int32
+    experts [T, k], gates [T, k]) -> [T, d]``, with the gate projection in rows ``[:I]`` of
+    ``gate_up`` and the up projection in ``[I:]``. Its kernels take one dtype throughout, so
+    the module is built in the benchmark's dtype, as :class:`_ScatterMoE` is."""
+
+    def __init__(self, fused_moe, d_model: int, num_experts: int,
+                 intermediate: int = LIGER_INTERMEDIATE):
+        super().__init__()
+        self.fused_moe = fused_moe
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * intermediate, d_model)
+                                    / d_model ** 0.5)
+        self.down = nn.Parameter(torch.randn(num_experts, d_model, intermediate)
+                                 / intermediate ** 0.5)
+
+    def forward(self, x):
+        x = x.to(self.router.weight.dtype)
+        gates, experts = torch.sigmoid(self.router(x)).topk(K, dim=-1)
+        return self.fused_moe(x, self.gate_up, self.down, experts.to(torch.int32),
+                              gates.to(x.dtype))
+
+
 def peer_builders(peers_dir: str, dtype: torch.dtype | None = None
                   ) -> dict[str, Callable[[int, int], nn.Module]]:
     """Builders ``(d_model, num_experts) -> module`` for the peers found under ``peers_dir``
-    (ScatterMoE's in ``dtype`` when one is given, see :class:`_ScatterMoE`)."""
+    and for Liger-Kernel's fused MoE where it imports (ScatterMoE's and Liger's in ``dtype``
+    when one is given, see :class:`_ScatterMoE`)."""
     builders = {}
     authors = os.path.join(peers_dir, "moe_layer", "triton_src")
     if os.path.isdir(authors):
@@ -111,6 +142,12 @@ def peer_builders(peers_dir: str, dtype: torch.dtype | None = None
                 dtype or torch.float32)
         except Exception as error:
             print(f"  peer scattermoe: skipped ({type(error).__name__}: {error})")
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+        builders["liger_fused_moe"] = lambda d, e: _LigerMoE(LigerFusedMoEFunction.apply, d,
+                                                             e).to(dtype or torch.float32)
+    except Exception as error:   # not installed: `pip install liger-kernel`
+        print(f"  peer liger_fused_moe: skipped ({type(error).__name__}: {error})")
     return builders
 
 
