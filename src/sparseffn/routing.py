@@ -76,8 +76,10 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
     weight, float32 [E] each. ``counts`` (integer [E]) and ``mass`` ([E]): either when already
     known (a :class:`~sparseffn.ops.DispatchPlan`'s counts, a router's mass), not summed
     again. Reads nothing on the host."""
-    if counts is not None and mass is not None:
-        return counts.float(), mass.detach().float()
+    if mass is not None:
+        mass = mass.detach().float()
+        if counts is not None:
+            return counts.float(), mass
     flat = indices.reshape(-1)
     keep = None if dispatched is None else dispatched.reshape(-1)
     if counts is None:
@@ -90,7 +92,7 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
             mass_each = torch.where(keep, mass_each, torch.zeros_like(mass_each))
         mass = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
         mass = mass.index_add_(0, flat, mass_each)
-    return counts.float(), mass.detach().float()
+    return counts.float(), mass
 
 
 def recomputing() -> bool:
