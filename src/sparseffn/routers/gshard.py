@@ -136,7 +136,7 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     terms = [_group_aux(gates[start:stop], e1[start:stop], group_tokens, num_groups)
              for start, stop, group_tokens in ((0, whole, size), (whole, tokens, tokens - whole))
              if stop > start]
-    aux = gates.new_zeros(()) if not terms else terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    aux = terms[0] + terms[1] if len(terms) == 2 else terms[0] if terms else gates.new_zeros(())
     dispatched = torch.stack([keep1, keep2], 1)
     return Top2Assignment(indices=top, combine=torch.stack([g1, g2], 1) * dispatched,
                           dispatched=dispatched, positions=torch.stack([pos1, pos2], 1),
@@ -173,7 +173,7 @@ class GShardRouter(LinearRouter):
         dispatched = result.dispatched
         names = ("dropped_fraction", "first_dropped_fraction", "second_dispatched_fraction")
         flags = torch.stack([~dispatched.any(1), ~dispatched[:, 0], dispatched[:, 1]], 1)
-        fractions = flags.float().mean(0) if tokens else flags.new_zeros(len(names), dtype=torch.float32)
+        fractions = flags.float().mean(0) if tokens else torch.zeros(len(names), device=x.device)
         stats = dict(zip(names, fractions.unbind()))
         if capacity is not None:
             stats["capacity"] = torch.tensor(float(capacity))
