@@ -32,8 +32,8 @@ class Routing:
       ``indices`` is ``arange(E)`` for each token (the soft mode of a fast feed-forward tree,
       Belcak & Wattenhofer 2023, arXiv:2308.14711); stores may then compute densely.
     mass: float32 [E] or None: the selection weight of the dispatched pairs summed per expert,
-      when the router computed it anyway (noisy top-k's importance); the usage statistics
-      then take it instead of summing again.
+      when the router computed it anyway (noisy top-k's importance, still in its graph); the
+      usage statistics then take it, detached, instead of summing again.
 
     A store that sorts the pairs by expert asks :meth:`plan`, which sorts once per routing: the
     usage statistics then read their counts from the same sort.

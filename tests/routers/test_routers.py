@@ -267,6 +267,7 @@ def test_usage_statistics_are_the_dispatched_pairs_of_each_expert(name):
         else routing.dispatched
     stats = layer.routing_stats
     assert stats["counts"].dtype == stats["mass"].dtype == torch.float32
+    assert not stats["mass"].requires_grad
     assert stats["counts"].tolist() == torch.bincount(
         routing.indices[kept], minlength=layer.num_experts).float().tolist()
     want_mass = torch.zeros(layer.num_experts).index_add_(

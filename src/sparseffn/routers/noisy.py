@@ -111,8 +111,9 @@ class NoisyTopKRouter(Router):
         routing = Routing(indices=indices, weights=weights)
         importance = logits.new_zeros(self.num_experts).index_add(
             0, indices.reshape(-1), weights.reshape(-1))
-        # Σ_x G(x) is also the usage statistics' selection mass (every pair is dispatched).
-        routing.mass = importance.detach()
+        # Σ_x G(x) is also the usage statistics' selection mass (every pair is dispatched;
+        # expert_usage detaches it).
+        routing.mass = importance
         if estimate_load:
             load = noisy_topk_load(clean, logits, noise_std, self.k, top.values)
         else:
