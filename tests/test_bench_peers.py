@@ -1,5 +1,6 @@
 """The peers `bench fig2 --peers` times beside the σ-MoE, checked against slow references
-where they run on CPU (Liger-Kernel's Triton fused MoE in Triton's interpreter)."""
+where they run on CPU (``torch._grouped_mm`` used plainly; Liger-Kernel's Triton fused MoE in
+Triton's interpreter)."""
 
 import os
 
@@ -10,7 +11,13 @@ import torch.nn.functional as F
 # One kernel configuration each: the autotuner would time every one in the interpreter.
 os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
 
+from sparseffn import SigmaMoEConfig  # noqa: E402
 from sparseffn.bench import fig2  # noqa: E402
+from sparseffn.bench.peers import GroupedMMMoE  # noqa: E402
+from tests.ops.reference import expert_mlp_reference  # noqa: E402
+
+needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
+                                      reason="torch._grouped_mm needs PyTorch >= 2.8")
 
 
 def _swiglu_moe_loop(x, router, gate_up, down, k):
@@ -63,3 +70,65 @@ def test_liger_peer_is_built_where_it_imports_with_the_sigma_moe_parameters(tmp_
     experts = module.gate_up.numel() + module.down.numel()
     assert abs(experts / (8 * 2 * fig2.EXPERT_SIZE * 256) - 1) < 0.05, \
         "about the σ-MoE experts' parameters"
+
+
+def _grouped_mm_peer_and_reference(tokens, starve_expert=None):
+    """The grouped_mm peer at odd sizes and the per-token σ-MoE sum of the same parameters
+    (Csordás et al. 2023 Eq. 25: y = Σ_e σ(W_s x)_e · relu(x W1_e) W2_e over the top k)."""
+    torch.manual_seed(0)
+    peer = GroupedMMMoE(SigmaMoEConfig(d_model=20, num_experts=7, expert_size=12, k=3))
+    x = torch.randn(tokens, 20)
+    if starve_expert is not None:   # an expert no token selects: an empty group
+        x[:, 0] = x[:, 0].abs() + 1
+        with torch.no_grad():
+            peer.router.weight[starve_expert] = 0
+            peer.router.weight[starve_expert, 0] = -50
+    params = [peer.router.weight, peer.w1, peer.w2]
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+
+    def reference():
+        router, w1, w2 = copies
+        scores, experts = torch.sigmoid(x2 @ router.t()).topk(3, dim=-1)
+        return experts, expert_mlp_reference(x2, experts, scores, w1.transpose(1, 2),
+                                             w2.transpose(1, 2), torch.relu)
+    return peer(x1), reference, [x1, *params], [x2, *copies]
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("starve_expert", [None, 4])
+def test_grouped_mm_peer_is_the_sigma_moe_with_every_gradient(starve_expert):
+    out, reference, inputs, copies = _grouped_mm_peer_and_reference(29, starve_expert)
+    experts, want = reference()
+    if starve_expert is not None:
+        assert not (experts == starve_expert).any()
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want.backward(grad)
+    for got, ref in zip(inputs, copies):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-4, atol=1e-5)
+    if starve_expert is not None:   # an empty group's weights get an exact zero gradient
+        assert inputs[2].grad[starve_expert].eq(0).all()
+
+
+@needs_grouped_mm
+def test_grouped_mm_peer_takes_an_empty_batch():
+    out, _, inputs, _ = _grouped_mm_peer_and_reference(0)
+    assert out.shape == (0, 20)
+    out.backward(torch.randn_like(out))
+    assert inputs[0].grad.shape == (0, 20) and inputs[1].grad.eq(0).all()
+
+
+def test_portable_peers_are_built_in_the_benchmark_dtype_and_cast_their_input():
+    builders = fig2.portable_peer_builders(torch.bfloat16)
+    assert "mixtral_loop" in builders
+    assert ("grouped_mm" in builders) == hasattr(torch, "_grouped_mm")
+    for name, build in builders.items():
+        module = build(128, 4)
+        assert {p.dtype for p in module.parameters()} == {torch.bfloat16}, name
+        out = module(torch.randn(5, 128))    # float32 in, computed in bf16
+        assert out.dtype == torch.bfloat16 and out.shape == (5, 128), name
+    experts = sum(p.numel() for n, p in builders["mixtral_loop"](128, 4).named_parameters()
+                  if "experts" in n)
+    assert experts == 4 * 2 * fig2.EXPERT_SIZE * 128, "the σ-MoE experts' parameters"

@@ -359,6 +359,14 @@ def test_bench_lm_rejects_an_unknown_preset_and_a_bad_size(capsys):
     assert "--context must be positive" in capsys.readouterr().err
 
 
+def test_bench_fig2_rejects_widths_it_cannot_split_into_k_experts_of_128(capsys):
+    assert cli.main(["bench", "fig2", "--d-models", "512,200", "--device", "cpu"]) == 2
+    assert "--d-models must be multiples of 32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # 4·64 / 128 = 2 experts, fewer than k = 4
+        cli.main(["bench", "fig2", "--d-models", "64"])
+    assert "d-models must lie in 128..65536" in capsys.readouterr().err
+
+
 def test_bench_fig2_runs_on_cpu_and_writes_ratios_to_the_dense_mlp(tmp_path, capsys):
     path = tmp_path / "fig2.json"
     assert cli.main(["bench", "fig2", "--d-models", "128", "--tokens", "48", "--repeats", "1",
@@ -366,10 +374,13 @@ def test_bench_fig2_runs_on_cpu_and_writes_ratios_to_the_dense_mlp(tmp_path, cap
                      str(path)]) == 0
     (record,) = json.loads(path.read_text())
     assert record["num_experts"] == 4 and record["k"] == 4 and record["expert_size"] == 128
-    assert set(record["ms"]) == {"sparseffn", "dense_param", "dense_active"}
+    assert set(record["ms"]) == {"sparseffn", "dense_param", "dense_active", "grouped_mm",
+                                 "mixtral_loop"}
     assert record["over_dense_param"]["dense_param"] == 1.0
+    assert record["best_peer"] in {"grouped_mm", "mixtral_loop"}
+    assert record["best_peer_over_sparseffn"] > 0
     assert record["compile"] == "none" and not any(record["compiled"].values())
     assert record["router_precision"] == "autocast"
     out = capsys.readouterr().out
-    assert "peers: skipped (they are CUDA kernels)" in out
+    assert "the CUDA kernels (Csordás CVMM, ScatterMoE, Liger) skipped on cpu" in out
     assert "router precision autocast, compile none" in out

@@ -51,6 +51,11 @@ def _cuda() -> bool:
 
 def _bench_fig2(args: argparse.Namespace) -> int:
     from .bench import fig2
+    uneven = [d for d in args.d_models if d % 32]
+    if uneven:   # d_ff = 4·d_model split into experts of 128
+        print(f"sparseffn bench fig2: --d-models must be multiples of 32 (4·d_model split into "
+              f"experts of 128), got {uneven}", file=sys.stderr)
+        return 2
     fig2.run(args.d_models, tokens=args.tokens, repeats=args.repeats, device=args.device,
              dtype=args.dtype, peers=args.peers, peers_dir=args.peers_dir, json_path=args.json,
              compile=args.compile, router_precision=args.router_precision)
@@ -157,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     fig2 = benches.add_parser(
         "fig2", help="one σ-MoE layer at the shapes of Csordás et al. Fig. 2 beside dense MLPs "
                      "and other MoE kernels (GPU or CPU)")
-    fig2.add_argument("--d-models", type=_int_list("d-models", 16, 65536, "512,1024,2048"),
+    # at least k = 4 experts of 128: d_model >= 128
+    fig2.add_argument("--d-models", type=_int_list("d-models", 128, 65536, "512,1024,2048"),
                       default=[512, 1024, 2048], help="widths (512,1024,2048)")
     fig2.add_argument("--tokens", type=int, default=32768, help="tokens per batch (32768)")
     fig2.add_argument("--repeats", type=int, default=20, help="timed rounds (20)")
@@ -166,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     fig2.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                       help="autocast dtype (bfloat16), or float32 for no autocast")
     fig2.add_argument("--peers", action="store_true",
-                      help="also time ScatterMoE and the authors' Triton CVMM (CUDA)")
+                      help="also time torch._grouped_mm used plainly and a Mixtral-style loop "
+                           "(any device), and on CUDA ScatterMoE, the authors' Triton CVMM "
+                           "and Liger-Kernel's fused MoE")
     fig2.add_argument("--peers-dir", metavar="DIR",
                       help="folder holding scattermoe/ and moe_layer/ (default: "
                            "$SPARSEFFN_PEERS_DIR or ../shared/peers)")

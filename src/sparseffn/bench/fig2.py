@@ -10,12 +10,20 @@ split into d_ff / 128 experts. Contenders, timed forward+backward in rotation:
 - ``dense_param``: the dense MLP with the σ-MoE's parameters (d_ff = 4·d_model);
 - ``dense_active``: the dense MLP of the active width (d_ff = k · 128), what a perfect
   dispatch would cost;
+- with ``--peers``, on any device: ``torch._grouped_mm`` used plainly behind the same
+  sigmoid top-k router (``grouped_mm``) and the per-expert loop of Hugging Face's Mixtral
+  block (``mixtral_loop``: softmax router, a host read per expert), both from
+  :mod:`sparseffn.bench.peers`;
 - with ``--peers`` on CUDA: the σ-MoE of the authors' Triton CVMM (``moe_layer``) and
   ScatterMoE (Tan et al. 2024, arXiv:2403.08245) behind the same sigmoid top-k router, from
   a folder holding their sources (``--peers-dir``; neither is on PyPI); and Liger-Kernel's
   Triton ``fused_moe`` (PyPI ``liger-kernel``, where it imports), whose experts are SwiGLU
   only, so its intermediate size is ``LIGER_INTERMEDIATE`` = 88: 3·88 = 264 weights per
   d_model against the σ-MoE expert's 2·128 = 256, the same parameters and FLOPs to 3%.
+
+Every peer is built in the benchmark's dtype and given its input in it (pure bf16 training
+under bf16: ScatterMoE's, Liger's and ``torch._grouped_mm``'s kernels take one dtype
+throughout and do not follow autocast).
 
 The σ-MoE's router computes its selection product in the router ``precision`` given
 (``"autocast"`` by default here: in bf16 under bf16 autocast, as the peers' routers and
@@ -52,6 +60,7 @@ from ..ops import triton_cvmm
 from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
                       dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
                       new_graph_step, paired_ratio, peak_mib, write_json)
+from .peers import GroupedMMMoE, MixtralStyleMoE
 
 EXPERT_SIZE = 128
 K = 4
@@ -118,11 +127,43 @@ class _LigerMoE(nn.Module):
                               gates.to(x.dtype))
 
 
+class _InDtype(nn.Module):
+    """``inner`` given its input in its parameters' dtype (a peer built in the benchmark's
+    dtype, see :class:`_ScatterMoE`)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.to(next(self.inner.parameters()).dtype))
+
+
+def portable_peer_builders(dtype: torch.dtype | None = None
+                           ) -> dict[str, Callable[[int, int], nn.Module]]:
+    """Builders ``(d_model, num_experts) -> module`` for the peers that run on every device:
+    ``torch._grouped_mm`` used plainly and the Mixtral-style loop, at the σ-MoE's sizes, in
+    ``dtype`` when one is given."""
+    def build(peer_class):
+        def builder(d_model: int, num_experts: int) -> nn.Module:
+            cfg = SigmaMoEConfig(d_model=d_model, num_experts=num_experts,
+                                 expert_size=EXPERT_SIZE, k=K)
+            return _InDtype(peer_class(cfg).to(dtype or torch.float32))
+        return builder
+    builders = {}
+    if hasattr(torch, "_grouped_mm"):
+        builders["grouped_mm"] = build(GroupedMMMoE)
+    else:
+        print("  peer grouped_mm: skipped (torch._grouped_mm needs PyTorch >= 2.8)")
+    builders["mixtral_loop"] = build(MixtralStyleMoE)
+    return builders
+
+
 def peer_builders(peers_dir: str, dtype: torch.dtype | None = None
                   ) -> dict[str, Callable[[int, int], nn.Module]]:
-    """Builders ``(d_model, num_experts) -> module`` for the peers found under ``peers_dir``
-    and for Liger-Kernel's fused MoE where it imports (ScatterMoE's and Liger's in ``dtype``
-    when one is given, see :class:`_ScatterMoE`)."""
+    """Builders ``(d_model, num_experts) -> module`` for the CUDA peers found under
+    ``peers_dir`` and for Liger-Kernel's fused MoE where it imports (ScatterMoE's and Liger's
+    in ``dtype`` when one is given, see :class:`_ScatterMoE`)."""
     builders = {}
     authors = os.path.join(peers_dir, "moe_layer", "triton_src")
     if os.path.isdir(authors):
@@ -245,12 +286,14 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
     autocast_dtype = autocast_dtype_of(dtype)
     builders = {}
     if peers:
+        builders = portable_peer_builders(autocast_dtype)
         if dev.type != "cuda":
-            print("  peers: skipped (they are CUDA kernels)")
+            print("  peers: the CUDA kernels (Csordás CVMM, ScatterMoE, Liger) skipped on "
+                  f"{dev.type}")
         else:
-            builders = peer_builders(peers_dir or os.environ.get("SPARSEFFN_PEERS_DIR",
-                                                                 "../shared/peers"),
-                                     autocast_dtype)
+            builders.update(peer_builders(peers_dir or os.environ.get("SPARSEFFN_PEERS_DIR",
+                                                                      "../shared/peers"),
+                                          autocast_dtype))
     print(f"sparseffn bench fig2: {describe_device(dev)}, {dtype}, {tokens} tokens, "
           f"expert size {EXPERT_SIZE}, k={K}, router precision {router_precision}, "
           f"compile {compile}, torch {torch.__version__}", flush=True)

@@ -7,6 +7,9 @@ losses are wrapped so that the benchmark's loss includes them (``bench_extra_los
 
 - ``mixtral_loop``: the loop most MoE code uses today (e.g. Hugging Face's Mixtral block):
   softmax router, top-k, then for each expert pick its tokens, run it, and ``index_add`` back.
+- ``grouped_mm``: ``torch._grouped_mm`` used plainly, as a user who calls it directly would:
+  σ-MoE's sigmoid top-k router, the (token, slot) pairs sorted by expert, their rows gathered,
+  two grouped products, and each token's k rows summed back in token order (no atomics).
 - ``st_moe_pytorch``: ``st_moe_pytorch.MoE`` with our experts (its own router, top-n gating,
   capacity factor 1.25 and losses, as shipped).
 - ``deepspeed``: ``deepspeed.moe.layer.MoE`` with our expert, ``ep_size=1`` in a one-process
@@ -55,6 +58,47 @@ class MixtralStyleMoE(nn.Module):
             if token.numel():
                 out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
         return out
+
+
+class GroupedMMMoE(nn.Module):
+    """σ-MoE's experts through ``torch._grouped_mm`` with nothing else from the library.
+
+    ``s = σ(W_s x)``, top-k (Csordás et al. 2023 Eq. 25 with σ-MoE's selection), then the
+    ``T·k`` pairs sorted by expert, the ends of each expert's block found by a binary search
+    (offsets on the device, no host read), the pairs' input rows gathered, ``relu(rows W1_e)
+    W2_e`` as two grouped products, scaled by the scores, put back in (token, slot) order and
+    summed over the k slots. Weights are stored as ``nn.Linear`` stores them ([E, out, in])
+    and handed over transposed, as torchtitan's MoE does. Needs PyTorch ≥ 2.8
+    (``torch._grouped_mm`` with autograd) and, on CUDA, bf16 on a Hopper or newer GPU.
+
+    forward(x: [tokens, d_model]) -> [tokens, d_model]
+    """
+
+    def __init__(self, cfg: SigmaMoEConfig) -> None:
+        super().__init__()
+        if not hasattr(torch, "_grouped_mm"):
+            raise RuntimeError("the grouped_mm peer needs torch._grouped_mm (PyTorch >= 2.8)")
+        self.k, self.num_experts = cfg.k, cfg.num_experts
+        self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(cfg.num_experts, cfg.expert_size, cfg.d_model)
+                               / cfg.d_model ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(cfg.num_experts, cfg.d_model, cfg.expert_size)
+                               / cfg.expert_size ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, d_model = x.shape
+        scores, experts = torch.sigmoid(self.router(x)).topk(self.k, dim=-1)     # [T, k]
+        pair_experts = experts.flatten()                                          # [T·k]
+        order = pair_experts.argsort(stable=True)
+        ends = torch.searchsorted(pair_experts[order],
+                                  torch.arange(self.num_experts, device=x.device),
+                                  right=True).to(torch.int32)                     # [E]
+        rows = x[order // self.k]                                                 # [T·k, d]
+        hidden = F.relu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=ends))
+        out = torch._grouped_mm(hidden, self.w2.transpose(-2, -1), offs=ends)
+        out = out * scores.flatten()[order].unsqueeze(1).to(out.dtype)
+        in_pair_order = torch.empty_like(out).index_copy(0, order, out)
+        return in_pair_order.view(tokens, self.k, d_model).sum(1)
 
 
 class _WithAuxLoss(nn.Module):
@@ -110,6 +154,7 @@ def build_deepspeed(cfg: SigmaMoEConfig) -> nn.Module:
 
 PEERS: dict[str, tuple[str | None, Callable[[SigmaMoEConfig], nn.Module]]] = {
     "mixtral_loop": (None, MixtralStyleMoE),
+    "grouped_mm": (None, GroupedMMMoE),
     "st_moe_pytorch": ("st_moe_pytorch", build_st_moe),
     "deepspeed": ("deepspeed", build_deepspeed),
 }
