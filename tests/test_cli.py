@@ -384,3 +384,30 @@ def test_bench_fig2_runs_on_cpu_and_writes_ratios_to_the_dense_mlp(tmp_path, cap
     out = capsys.readouterr().out
     assert "the CUDA kernels (Csordás CVMM, ScatterMoE, Liger) skipped on cpu" in out
     assert "router precision autocast, compile none" in out
+
+
+def test_forward_backward_fn_backpropagates_a_fixed_output_gradient_and_the_extra_loss():
+    """The benchmarks' step: the gradients are those of (out · dout).sum() + extra, with dout
+    handed over in the output's dtype (made once), and the same in every call."""
+    from sparseffn.bench.measure import forward_backward_fn
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(6, 6)
+    x = torch.randn(5, 6)
+    torch.manual_seed(1)
+    run = forward_backward_fn(layer, x, extra_loss=lambda m: m.weight.square().sum())
+    torch.manual_seed(1)
+    dout = torch.randn_like(x)
+    run()
+    first = layer.weight.grad.clone()
+    run()                                       # gradients are reset, not accumulated
+    w = layer.weight.detach().requires_grad_()
+    b = layer.bias.detach().requires_grad_()
+    ((x @ w.t() + b) * dout).sum().add(w.square().sum()).backward()
+    torch.testing.assert_close(layer.weight.grad, w.grad)
+    torch.testing.assert_close(first, w.grad)
+    torch.testing.assert_close(layer.bias.grad, b.grad)
+    seen = []
+    hook = layer.register_full_backward_hook(lambda m, gin, gout: seen.append(gout[0].dtype))
+    forward_backward_fn(layer, x, autocast_dtype=torch.bfloat16)()
+    hook.remove()
+    assert seen == [torch.bfloat16]             # the output's dtype under autocast
