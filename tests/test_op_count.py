@@ -61,3 +61,31 @@ def test_bench_compile_rejects_an_unknown_layer(capsys):
         cli.main(["bench", "compile", "--layers", "dense", "nope"])
     assert exit_.value.code == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_moved_bytes_are_what_computing_operators_read_and_write():
+    x = torch.randn(4, 8)                             # 128 bytes
+    with OpCounter() as counter:
+        y = torch.relu(x)                              # reads 128, writes 128
+        y.view(32)                                     # a view: nothing moved
+        torch.empty(1000)                              # an allocation: nothing moved
+        out = torch.empty(4, 8, dtype=torch.float64)
+        torch.add(x, y, out=out)                       # reads 2 × 128, writes 256 (not read)
+        y.add_(x[:1].expand(4, 8))                     # reads 128 + the 32 behind the broadcast
+    assert counter.counts.moved_bytes == 256 + 512 + (128 + 32 + 128)
+
+
+def test_the_single_input_cast_moves_fewer_bytes_than_two_casts(monkeypatch):
+    """Under bf16 autocast a σ-MoE with an autocast router casts x once and widens the summed
+    input gradient in one operator: less traffic than casting for each reader."""
+    layer = build_layer(MoEConfig(d_model=64, num_experts=4, expert_size=16, k=2,
+                                  router=SigmaRouterConfig(precision="autocast"))).train()
+    x = torch.randn(256, 64)
+    once = count_ops(forward_backward_fn(layer, x, autocast_dtype=torch.bfloat16))
+    monkeypatch.setattr(type(layer), "_cast_once", lambda self, x: (x, x))
+    twice = count_ops(forward_backward_fn(layer, x, autocast_dtype=torch.bfloat16))
+    x_f32 = 256 * 64 * 4
+    # no second cast (read 4, write 2 bytes an element) and, backward, no second widening
+    # (read 2, write 4) and no float32 sum (read 8, write 4)
+    assert twice.moved_bytes - once.moved_bytes >= 2 * x_f32
+    assert twice.compute > once.compute

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .ops.cvmm import DispatchPlan
+from .ops.precision import cast_for_two
 
 
 @dataclass
@@ -306,23 +307,24 @@ class RoutedFFN(SparseFFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        x2 = self._cast_once(x.reshape(-1, self.d_model))
-        routing = self.route(x2)
-        y = self.store(x2, routing)                                      # [T, d_out]
+        x_router, x_store = self._cast_once(x.reshape(-1, self.d_model))
+        routing = self.route(x_router)
+        y = self.store(x_store, routing)                                 # [T, d_out]
         y = self._record_routing(routing, self.num_experts, y)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def _cast_once(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, d_model] in the reduced dtype, once, where the router and the store would
-        each cast a float32 ``x`` to it (under autocast, a router with
-        ``precision="autocast"`` and an MLP store): the forward is the same, one [T, d_model]
-        copy is made and kept for the backward instead of two, and the input gradient is the
-        two parts summed in that dtype, then cast once, as for one ``nn.Linear`` (instead of
-        two casts to float32 and a float32 sum)."""
+    def _cast_once(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's and the store's inputs: ``x`` [T, d_model] for both, or ``x`` in the
+        reduced dtype, cast once, where the router and the store would each cast a float32
+        ``x`` to it (under autocast, a router with ``precision="autocast"`` and an MLP store).
+        The forward is the same; one [T, d_model] copy is made and kept for the backward
+        instead of two; the input gradient is the two parts summed in that dtype and widened
+        by one operator (:func:`~sparseffn.ops.precision.cast_for_two`), as for one
+        ``nn.Linear``, instead of two casts to float32 and a float32 sum."""
         dtype = _input_dtype(self.router, x)
         if dtype is None or x.dtype != torch.float32 or dtype != _input_dtype(self.store, x):
-            return x
-        return x.to(dtype)
+            return x, x
+        return cast_for_two(x, dtype)
 
     def reset_parameters(self) -> None:
         """Initialise the router and the store again, and zero the usage buffers."""

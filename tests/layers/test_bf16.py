@@ -88,7 +88,7 @@ def _cast_count(layer, x, cast_once: bool, monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     if not cast_once:
-        monkeypatch.setattr(type(layer), "_cast_once", lambda self, x: x)
+        monkeypatch.setattr(type(layer), "_cast_once", lambda self, x: (x, x))
 
     class Casts(TorchDispatchMode):
         count = 0

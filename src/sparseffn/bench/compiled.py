@@ -5,7 +5,9 @@ the number of graphs and graph breaks ``torch._dynamo.explain`` finds, whether
 ``fullgraph=True`` compiles, and the forward+backward time compiled and eager, timed in
 rotation in one run (the ratio is what to read; the machine's drift cancels in it), and how
 many operators one eager forward+backward dispatches (all of them, and those that compute: see
-:mod:`.op_count`). On CUDA it also says whether a forward+backward makes any host
+:mod:`.op_count`) and how many MiB the computing ones read and write at their boundaries (a
+device-independent proxy for the memory traffic of a step; ``--bf16`` for the autocast
+step's). On CUDA it also says whether a forward+backward makes any host
 synchronisation (``torch.cuda.set_sync_debug_mode("error")``).
 """
 
@@ -83,7 +85,7 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
           f"{'bf16 autocast' if bf16 else 'fp32'}, torch {torch.__version__}")
     header = (f"{'layer':12s} {'graphs':>6s} {'breaks':>6s} {'fullgraph':>9s} "
               f"{'eager ms':>9s} {'compiled ms':>11s} {'compiled/eager':>14s} {'ops':>5s} "
-              f"{'compute':>7s}  host syncs")
+              f"{'compute':>7s} {'MiB moved':>9s}  host syncs")
     print(header)
     records = []
     for name in names:
@@ -117,13 +119,14 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
                   "graph_breaks": explained.graph_break_count, "fullgraph": fullgraph == "yes",
                   "eager_ms": eager_ms, "compiled_ms": compiled_ms,
                   "compiled_over_eager": ratio, "eager_ops": ops.total,
-                  "eager_compute_ops": ops.compute, "host_syncs": syncs}
+                  "eager_compute_ops": ops.compute, "eager_moved_bytes": ops.moved_bytes,
+                  "host_syncs": syncs}
         records.append(record)
         print(f"{name:12s} {explained.graph_count:6d} {explained.graph_break_count:6d} "
               f"{fullgraph:>9s} {eager_ms:9.2f} "
               f"{'-' if compiled_ms is None else f'{compiled_ms:.2f}':>11s} "
               f"{'-' if ratio is None else f'{ratio:.2f}':>14s} {ops.total:5d} "
-              f"{ops.compute:7d}  {syncs}")
+              f"{ops.compute:7d} {ops.moved_bytes / 2**20:9.1f}  {syncs}")
         torch._dynamo.reset()
     if json_path:
         write_json(records, json_path)
