@@ -236,3 +236,52 @@ def test_a_rank_that_fails_mid_step_makes_the_others_fail_with_a_clear_error():
 def test_sharding_needs_a_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         shard_experts(_sigma())
+
+
+def _autocast_main(rank, world, init_file, out_dir):
+    """A bf16-autocast step of the sharded σ-MoE, recording the dtype of every exchange."""
+    from sparseffn.distributed import expert_parallel
+    _init(rank, world, init_file)
+    sent = []
+    exchange = expert_parallel.all_to_all
+
+    def recording(tensor, *args):
+        sent.append(tensor.dtype)
+        return exchange(tensor, *args)
+    expert_parallel.all_to_all = recording
+    layer = _sigma()
+    shard_experts(layer, batch_statistics="local")
+    x = _batch(rank, world).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().pow(2).sum().backward()
+    torch.save({"y": y.detach(), "x_grad": x.grad, "sent": sent,
+                "w1": layer.store.local.w1.grad, "first": layer.store.first_expert},
+               f"{out_dir}/autocast{rank}.pt")
+    dist.barrier()
+    os._exit(0)
+
+
+def test_under_bf16_autocast_the_ranks_exchange_bf16_rows_and_equal_one_process():
+    """The experts read their rows in bf16 under autocast, so the rows are cast before the
+    exchange (half the bytes each way), and the result is the one-process layer's."""
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_autocast_main, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world,
+                 join=True)
+        got = [torch.load(f"{tmp}/autocast{r}.pt") for r in range(world)]
+    one = _sigma()
+    for rank, result in enumerate(got):   # the experts' gradients sum over every rank's batch
+        # rows out, expert ids, outputs back (bf16 from bf16 experts)
+        assert result["sent"] == [torch.bfloat16, torch.int64, torch.bfloat16], result["sent"]
+        x = _batch(rank, world).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = one(x)
+        y.float().pow(2).sum().backward()
+        assert result["y"].dtype == y.dtype
+        torch.testing.assert_close(result["y"].float(), y.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(result["x_grad"], x.grad, atol=5e-2, rtol=5e-2)
+    for result in got:
+        first = result["first"]
+        want = one.store.w1.grad[first:first + result["w1"].shape[0]]
+        torch.testing.assert_close(result["w1"], want, atol=5e-2, rtol=5e-2)

@@ -122,8 +122,13 @@ class ExpertParallelMLP(ExpertStore):
         pairs = pairs[:sum(send_splits)]
         experts, owner = experts.index_select(0, pairs), owner.index_select(0, pairs)
 
-        rows = all_to_all(x.index_select(0, torch.div(pairs, k, rounding_mode="floor")),
-                          send_splits, recv_splits, self.group)                       # [R, d]
+        rows = x.index_select(0, torch.div(pairs, k, rounding_mode="floor"))         # [P, d]
+        dtype = self.local.input_dtype(rows)
+        if dtype is not None and rows.dtype != dtype:
+            # cast before the exchange, not after: half the bytes sent each way under bf16
+            # autocast, and the same bits (the experts would cast each row the same way)
+            rows = rows.to(dtype)
+        rows = all_to_all(rows, send_splits, recv_splits, self.group)               # [R, d]
         local_ids = all_to_all(experts - owner * self.experts_per_rank, send_splits,
                                recv_splits, self.group)                               # [R]
         ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=x.device)
