@@ -367,6 +367,18 @@ def test_bench_fig2_rejects_widths_it_cannot_split_into_k_experts_of_128(capsys)
     assert "d-models must lie in 128..65536" in capsys.readouterr().err
 
 
+def test_bench_fig2_compiles_the_peers_but_the_mixtral_loop(tmp_path):
+    """Under --compile the plain grouped_mm peer compiles (bf16: what its meta kernel takes);
+    the loop, whose shapes follow the routing, is timed eagerly."""
+    path = tmp_path / "fig2.json"
+    assert cli.main(["bench", "fig2", "--d-models", "128", "--tokens", "32", "--repeats", "1",
+                     "--device", "cpu", "--peers", "--compile", "default", "--json",
+                     str(path)]) == 0
+    (record,) = json.loads(path.read_text())
+    assert record["compiled"] == {"sparseffn": True, "dense_param": True, "dense_active": True,
+                                  "grouped_mm": True, "mixtral_loop": False}
+
+
 def test_bench_fig2_runs_on_cpu_and_writes_ratios_to_the_dense_mlp(tmp_path, capsys):
     path = tmp_path / "fig2.json"
     assert cli.main(["bench", "fig2", "--d-models", "128", "--tokens", "48", "--repeats", "1",

@@ -12,8 +12,8 @@ split into d_ff / 128 experts. Contenders, timed forward+backward in rotation:
   dispatch would cost;
 - with ``--peers``, on any device: ``torch._grouped_mm`` used plainly behind the same
   sigmoid top-k router (``grouped_mm``) and the per-expert loop of Hugging Face's Mixtral
-  block (``mixtral_loop``: softmax router, a host read per expert), both from
-  :mod:`sparseffn.bench.peers`;
+  block (``mixtral_loop``: softmax router, a host read per expert; always timed eagerly),
+  both from :mod:`sparseffn.bench.peers`;
 - with ``--peers`` on CUDA: the σ-MoE of the authors' Triton CVMM (``moe_layer``) and
   ScatterMoE (Tan et al. 2024, arXiv:2403.08245) behind the same sigmoid top-k router, from
   a folder holding their sources (``--peers-dir``; neither is on PyPI); and Liger-Kernel's
@@ -66,10 +66,13 @@ EXPERT_SIZE = 128
 K = 4
 # A SwiGLU expert of intermediate size I holds 3·I·d_model weights: I = 88 ≈ 2·128 / 3.
 LIGER_INTERMEDIATE = 88
+# Timed eagerly under every --compile: the loop's shapes depend on the routing (a host read
+# and a recompilation per expert and batch), so compiling it only measures the compiler.
+EAGER_PEERS = frozenset({"mixtral_loop"})
 
 
 def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dtype | None,
-                compile: str) -> tuple[Callable[[], None], bool]:
+                compile: str, name: str | None = None) -> tuple[Callable[[], None], bool]:
     """A forward+backward of ``module`` (compiled as ``compile`` says) and whether it
     compiled: a module that fails to compile (at the first call) runs eagerly."""
     def eager():
@@ -81,7 +84,7 @@ def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dty
     def step():
         new_graph_step(compile)
         run()
-    return first_call_or_eager(step, eager, type(module).__name__)
+    return first_call_or_eager(step, eager, name or type(module).__name__)
 
 
 class _ScatterMoE(nn.Module):
@@ -229,7 +232,8 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
     for name, build in peers.items():
         try:
             contenders[name], is_compiled[name] = _timed_step(
-                build(d_model, num_experts).to(device).train(), x, None, dtype, compile)
+                build(d_model, num_experts).to(device).train(), x, None, dtype,
+                "none" if name in EAGER_PEERS else compile, name)
             contenders[name]()
         except Exception as error:
             contenders.pop(name, None)
