@@ -37,6 +37,17 @@ def _swiglu_moe_loop(x, router, gate_up, down, k):
     return torch.stack(rows)
 
 
+def _assert_same_output_and_gradients(out, want, inputs, copies):
+    """``out`` equals ``want``, and one random output gradient gives every one of ``inputs``
+    the gradient its twin in ``copies`` gets."""
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want.backward(grad)
+    for got, ref in zip(inputs, copies):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_liger_peer_is_a_swiglu_moe_behind_the_sigmoid_top_k_router():
     """The adapter hands Liger's kernels the layouts they expect (gate rows first in
     gate_up, int32 experts): output and every gradient equal the loop's, at odd sizes."""
@@ -49,14 +60,8 @@ def test_liger_peer_is_a_swiglu_moe_behind_the_sigmoid_top_k_router():
     params = [module.router.weight, module.gate_up, module.down]
     copies = [p.detach().clone().requires_grad_() for p in params]
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = module(x1)
-    want = _swiglu_moe_loop(x2, *copies, k=fig2.K)
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    want.backward(grad)
-    for got, ref in [(x1.grad, x2.grad)] + [(p.grad, c.grad) for p, c in zip(params, copies)]:
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    _assert_same_output_and_gradients(module(x1), _swiglu_moe_loop(x2, *copies, k=fig2.K),
+                                      [x1, *params], [x2, *copies])
 
 
 def test_liger_peer_is_built_where_it_imports_with_the_sigma_moe_parameters(tmp_path):
@@ -102,12 +107,7 @@ def test_grouped_mm_peer_is_the_sigma_moe_with_every_gradient(starve_expert):
     experts, want = reference()
     if starve_expert is not None:
         assert not (experts == starve_expert).any()
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    want.backward(grad)
-    for got, ref in zip(inputs, copies):
-        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-4, atol=1e-5)
+    _assert_same_output_and_gradients(out, want, inputs, copies)
     if starve_expert is not None:   # an empty group's weights get an exact zero gradient
         assert inputs[2].grad[starve_expert].eq(0).all()
 
