@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .bench.compiled import LAYER_NAMES
+from .bench.measure import COMPILE_MODES
 from .runtime import tune_cpu_allocator
 
 
@@ -38,10 +39,6 @@ def _int_list(name: str, low: int, high: int, example: str):
 _depths = _int_list("depths", 1, 20, "1-13 or 2,4,8")
 # powers of two of the number of keys
 _exponents = _int_list("exponents", 2, 24, "10-20 or 10,14,20")
-
-
-# bench.measure.COMPILE_MODES, spelled out so that building the parser does not import torch
-_COMPILE_MODES = ("none", "default", "reduce-overhead")
 
 
 def _cuda() -> bool:
@@ -178,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     fig2.add_argument("--peers-dir", metavar="DIR",
                       help="folder holding scattermoe/ and moe_layer/ (default: "
                            "$SPARSEFFN_PEERS_DIR or ../shared/peers)")
-    fig2.add_argument("--compile", choices=_COMPILE_MODES, default="none",
+    fig2.add_argument("--compile", choices=COMPILE_MODES, default="none",
                       help="time every contender eagerly (none), under torch.compile (default) "
                            "or torch.compile with CUDA graphs (reduce-overhead)")
     fig2.add_argument("--router-precision", choices=["autocast", "float32"], default="autocast",
@@ -206,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="autocast dtype (default bfloat16 on a GPU), or float32 for no autocast "
                          "(the default on a CPU)")
-    lm.add_argument("--compile", choices=_COMPILE_MODES, default="none",
+    lm.add_argument("--compile", choices=COMPILE_MODES, default="none",
                     help="run each model's forward and loss eagerly (none), under torch.compile "
                          "(default) or torch.compile with CUDA graphs (reduce-overhead)")
     lm.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
