@@ -236,3 +236,130 @@ def test_without_a_working_compiler_the_pytorch_path_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# bfloat16: MKL's bf16 GEMM accumulating in float32, every epilogue in float32, one rounding.
+
+@pytest.fixture
+def _bf16():
+    if not native.bf16_available():
+        pytest.skip("PyTorch's BLAS is not MKL: no bf16 GEMM for the fused kernels")
+
+
+def _bf16_problem(E, counts, m, n):
+    counts, P, expert_of_row, weight = _sorted_problem(E, counts, m, n)
+    return counts, P, expert_of_row, weight.bfloat16()
+
+
+def _rounded_once(got, want):
+    """``got`` (bf16) is ``want`` (float32 from the same bf16 inputs) rounded once: within
+    half a bf16 step of it everywhere, and equal to its rounding almost everywhere (rounding
+    twice, as a bf16 product then a bf16 scale or sum would, misses about a third)."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-6 * float(want.abs().max()))
+    same = (got == want.to(torch.bfloat16)).float().mean().item()
+    assert same > 0.99, f"only {same:.3f} of the elements are the float32 result rounded once"
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("scatter", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("transposed_weight", [False, True])
+def test_bf16_cvmm_rows_is_the_float32_product_rounded_once(_bf16, gather, scatter, scaled,
+                                                            transposed_weight):
+    E, m, n, R = 5, 700, 37, 40
+    counts, P, expert_of_row, weight = _bf16_problem(E, [150, 0, 301, 7, 1], m, n)
+    if transposed_weight:
+        weight = weight.transpose(1, 2).contiguous().transpose(1, 2)
+    src = torch.randn(R if gather else P, m).bfloat16()
+    in_idx = torch.randint(0, R, (P,)) if gather else None
+    out_idx = torch.randint(0, R, (P,)) if scatter else None
+    scale = torch.rand(P) if scaled else None
+    got = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx, scale=scale,
+                           out_rows=R + 3)
+    want = _rows_reference(src.double(), weight.double(), expert_of_row, in_idx, out_idx,
+                           None if scale is None else scale.double(), R + 3).float()
+    _rounded_once(got, want)
+    if scatter:
+        assert torch.all(got[R:] == 0)   # rows no pair lands on: written, as zeros
+
+
+def test_bf16_epilogues_and_dots_are_applied_in_float32(_bf16):
+    E, m, n = 3, 64, 48
+    counts, P, expert_of_row, weight = _bf16_problem(E, [20, 0, 29], m, n)
+    src, scale = torch.randn(P, m).bfloat16(), torch.rand(P)
+    other, mask = torch.randn(P, n).bfloat16(), torch.randn(P, n).bfloat16()
+    z = _rows_reference(src.double(), weight.double(), expert_of_row, None, None, None, P)
+    got, dots = native.cvmm_rows(src, weight, counts, scale=scale, dot_with=other,
+                                 mask_with=mask)
+    _rounded_once(got, torch.where(mask > 0, z * scale.double()[:, None], 0).float())
+    # the dots are of the unscaled float32 products, rounded once
+    _rounded_once(dots, (z * other.double()).sum(1).float())
+    _rounded_once(native.cvmm_rows(src, weight, counts, relu=True), z.relu().float())
+
+
+def test_bf16_rounding_is_pytorchs(_bf16):
+    """An identity weight makes the product exact, so the output is float32(src) · scale
+    rounded to bf16 by the kernel: it must be PyTorch's rounding, to nearest even, bit for
+    bit, through halfway cases, subnormal results, overflow to infinity and NaN. (Subnormal
+    *inputs* are the GEMM's: MKL's on AMX reads them as zero, see ``native.cvmm_rows``.)"""
+    n = 64
+    counts = torch.tensor([n])
+    weight = torch.eye(n).bfloat16().unsqueeze(0)
+    src = torch.randn(n, n).bfloat16()
+    src[0, :2] = torch.tensor([3e38, -3e38]).bfloat16()
+    src[4, :3] = torch.tensor([1e-30, -3e-31, 7e-31]).bfloat16()
+    scale = torch.rand(n) * 4
+    scale[0] = 2.0                                   # 3e38 · 2 overflows to ±infinity
+    scale[1:4] = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 - 2 ** -9])  # ties
+    scale[4] = 1e-9                                  # subnormal float32 products
+    got = native.cvmm_rows(src, weight, counts, scale=scale)
+    want = (src.float() * scale[:, None]).bfloat16()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    nan_row = src.clone()
+    nan_row[5, 7] = float("nan")
+    got = native.cvmm_rows(nan_row, weight, counts, relu=True)
+    assert torch.isnan(got[5]).all()                 # NaN · 0 = NaN across the row, kept
+    assert torch.equal(torch.isnan(got).sum(1).nonzero().flatten(), torch.tensor([5]))
+
+
+@pytest.mark.parametrize("a_gather", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_bf16_weight_grad_accumulates_in_float32(_bf16, a_gather, scaled):
+    E, ma, nb, R = 5, 33, 2000, 50
+    counts, P, expert_of_row, _ = _sorted_problem(E, [0, 700, 3, 200, 90], 1, 1)
+    a_src = torch.randn(R if a_gather else P, ma).bfloat16()
+    b_src = torch.randn(R, nb).bfloat16()
+    a_idx = torch.randint(0, R, (P,)) if a_gather else None
+    b_idx = torch.randint(0, R, (P,))
+    scale = torch.rand(P) if scaled else None
+    got = native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale)
+    a = (a_src if a_idx is None else a_src[a_idx]).float()
+    if scale is not None:       # the kernel rounds each scaled row to bf16, as a bf16 product would
+        a = (a * scale[:, None]).bfloat16().float()
+    b = b_src[b_idx].double()
+    want = torch.stack([a[expert_of_row == e].double().T @ b[expert_of_row == e]
+                        for e in range(E)]).float()
+    _rounded_once(got, want)
+    assert torch.all(got[0] == 0)   # an expert without rows: exactly zero
+
+
+def test_bf16_cvmm_takes_the_fused_path_and_mixed_dtypes_do_not(_bf16, monkeypatch):
+    calls = []
+    original = native.cvmm_rows
+    monkeypatch.setattr(native, "cvmm_rows",
+                        lambda *a, **kw: calls.append(a[0].dtype) or original(*a, **kw))
+    indices = torch.randint(0, 4, (9, 2))
+    plan = DispatchPlan.build(indices, 4)
+    x = torch.randn(9, 6).bfloat16().requires_grad_(True)
+    weight = torch.randn(4, 6, 5).bfloat16().requires_grad_(True)
+    out = cvmm(x, plan, weight)
+    out.float().sum().backward()
+    assert calls == [torch.bfloat16, torch.bfloat16]
+    want = cvmm_reference(x.detach().double(), indices, weight.detach().double()).float()
+    _rounded_once(out, want)
+    # mixed dtypes are promoted by the PyTorch path, never handed to the bf16 kernels
+    assert not native.cvmm_usable(x, weight.float())
+    assert not native.cvmm_usable(x, weight, scale=torch.ones(3, dtype=torch.int64))
+    assert native.cvmm_usable(x, weight, scale=torch.ones(3))

@@ -5,8 +5,8 @@ tensors that arrive: the Triton kernels of :mod:`~sparseffn.ops.triton_cvmm` (th
 operators), :mod:`~sparseffn.ops.triton_rows` (gathered rows, product-key top-k) and
 :mod:`~sparseffn.ops.triton_tree` (fast feed-forward trees) on CUDA when Triton is
 installed, the fused C kernels of :mod:`~sparseffn.ops.native` on CPU in float32 (when they
-are built), and a PyTorch
-implementation everywhere else (other devices, other dtypes, no C compiler, no Triton). Each
+are built; the two CVMM operators in bfloat16 too, where PyTorch's BLAS is MKL), and a
+PyTorch implementation everywhere else (other devices, other dtypes, no C compiler, no Triton). Each
 has a *fake* implementation that gives the output's shape and dtype without computing it, so
 ``torch.compile`` traces a layer through them in one graph.
 
@@ -160,7 +160,7 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
     if triton_cvmm.usable(weight.shape[0], src, weight, scale, mask_with, dot_with):
         return triton_cvmm.cvmm_rows(src, weight, counts, in_idx, out_idx, scale, out_rows,
                                      group, relu, mask_with, dot_with)
-    if _fused(src, weight, scale, mask_with, dot_with):
+    if native.cvmm_usable(src, weight, mask_with, dot_with, scale=scale):
         return _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, group,
                                  relu, mask_with, dot_with)
     return _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu,
@@ -252,7 +252,7 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
     Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix."""
     if triton_cvmm.usable(counts.shape[0], a_src, b_src, scale):
         return triton_cvmm.expert_weight_grad(a_src, b_src, counts, a_idx, b_idx, scale)
-    if _fused(a_src, b_src, scale):   # summed in a fixed order
+    if native.cvmm_usable(a_src, b_src, scale=scale):   # summed in a fixed order
         a_idx, b_idx, scale = _dispatched(counts, a_idx, b_idx, scale)
         return native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale)
     dtype = torch.promote_types(a_src.dtype, b_src.dtype)

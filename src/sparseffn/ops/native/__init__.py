@@ -2,9 +2,10 @@
 
 ``cvmm_cpu.c`` gathers, multiplies and scatters in L2-sized chunks, so the ``[pairs, d_model]``
 copies that the pure-PyTorch path materialises (k gathered inputs, k outputs before the sum)
-never exist. It is plain C with OpenMP; the BLAS routine is the ``sgemm_`` that PyTorch itself
-links (MKL in the x86 wheels), looked up at run time and passed in as a function pointer, so
-nothing links against PyTorch and the build takes about a second. ``fff_cpu.c`` holds the
+never exist. It is plain C with OpenMP; the BLAS routines are the ``sgemm_`` that PyTorch
+itself links (MKL in the x86 wheels) and, for bfloat16, MKL's ``gemm_bf16bf16f32`` (float32
+accumulation; AMX or AVX-512 BF16 where the CPU has them), looked up at run time and passed in
+as function pointers, so nothing links against PyTorch and the build takes about a second. ``fff_cpu.c`` holds the
 level-by-level expansion of fast feed-forward trees and their greedy descent (ops/fff.py).
 ``rows_cpu.c`` holds the gathered-row products of single-row tables and the product-key top-k
 (ops/rows.py, ops/product_keys.py).
@@ -22,15 +23,18 @@ from pathlib import Path
 import torch
 
 from .abi import call
-from .build import _load, available, native_enabled, set_native_enabled, unavailable_reason
+from .build import (_load, available, bf16_available, native_enabled, set_native_enabled,
+                    unavailable_reason)
 
-__all__ = ["available", "cvmm_rows", "fff_descend", "fff_expand", "fff_expand_backward",
+__all__ = ["available", "bf16_available", "cvmm_rows", "cvmm_usable", "fff_descend",
+           "fff_expand", "fff_expand_backward",
            "gather_dot", "gather_sum", "native_enabled", "product_key_topk", "scatter_rows",
            "set_native_enabled", "topk_rows", "unavailable_reason", "usable", "weight_grad"]
 
 # ---------------------------------------------------------------------------------------------
-# Tensor-level wrappers. They check what the C code assumes (CPU, fp32, rows with unit column
-# stride, a weight with a unit stride in one of its last two dims); `usable` says beforehand.
+# Tensor-level wrappers. They check what the C code assumes (CPU, fp32 (bf16 too for the CVMM
+# kernels), rows with unit column stride, a weight with a unit stride in one of its last two
+# dims); `usable` and `cvmm_usable` say beforehand.
 
 _INT_MAX = 2**31 - 1        # BLAS leading dimensions are C ints
 
@@ -70,6 +74,20 @@ def usable(*tensors: torch.Tensor | None) -> bool:
     return available()
 
 
+def cvmm_usable(*tensors: torch.Tensor | None, scale: torch.Tensor | None = None) -> bool:
+    """True when :func:`cvmm_rows` and :func:`weight_grad` can take these tensors: CPU, all of
+    one dtype, float32 or (where PyTorch's BLAS is MKL) bfloat16; ``scale`` any floating CPU
+    tensor (it is read in float32)."""
+    present = [t for t in tensors if t is not None]
+    if scale is not None and (scale.device.type != "cpu" or not scale.is_floating_point()):
+        return False
+    if any(t.device.type != "cpu" or t.dtype != present[0].dtype for t in present):
+        return False
+    if present and present[0].dtype == torch.bfloat16:
+        return bf16_available()
+    return usable(*present)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -79,23 +97,27 @@ def _standard(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
-def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
-    """A [rows, width] float32 matrix with unit column stride and a row stride >= width, as
-    BLAS wants of a leading dimension (copied when it is not)."""
-    if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a float32 CPU matrix [rows, width], got "
+def _rows(name: str, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A [rows, width] matrix of ``dtype`` with unit column stride and a row stride >= width,
+    as BLAS wants of a leading dimension (copied when it is not)."""
+    if t.dim() != 2 or t.dtype != dtype or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a {_name(dtype)} CPU matrix [rows, width], got "
                          f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if t.stride(1) == 1 and max(1, t.shape[1]) <= t.stride(0) < _INT_MAX:
         return t
     return _standard(t)
 
 
-def _weight(weight: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _weight(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int, int, int]:
     """weight [E, m, n] as (tensor, expert stride, leading dimension, transposed): each
     expert's matrix row-major with row stride >= n, or the transpose of a row-major [n, m]
     with row stride >= m (copied when it is neither)."""
-    if weight.dim() != 3 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"weight must be a float32 CPU tensor [E, m, n], got "
+    if weight.dim() != 3 or weight.dtype != dtype or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a {_name(dtype)} CPU tensor [E, m, n], got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
     _, m, n = weight.shape
     se, sr, sc = weight.stride()
@@ -116,11 +138,11 @@ def _counts(counts: torch.Tensor) -> torch.Tensor:
     return counts.to(torch.int64).contiguous()
 
 
-def _sorted_rows(name: str, t: torch.Tensor | None, rows: int, width: int):
+def _sorted_rows(name: str, t: torch.Tensor | None, rows: int, width: int, dtype: torch.dtype):
     if t is None:
         return None
-    if tuple(t.shape) != (rows, width) or t.dtype != torch.float32:
-        raise ValueError(f"{name} must be float32 of shape {(rows, width)}, got "
+    if tuple(t.shape) != (rows, width) or t.dtype != dtype:
+        raise ValueError(f"{name} must be {_name(dtype)} of shape {(rows, width)}, got "
                          f"{tuple(t.shape)} {t.dtype}")
     return t if t.is_contiguous() else _standard(t)
 
@@ -142,10 +164,17 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
 
     Epilogues, without ``out_idx`` only: ``relu`` returns ``max(y, 0)``; ``mask_with`` [P, n]
     zeroes ``y`` where ``mask_with <= 0`` (backward through a ReLU whose output it is).
+
+    src, weight, dot_with and mask_with are float32, or all bfloat16 (:func:`bf16_available`):
+    then the products accumulate in float32, the scale, the epilogues, the dots and the sum
+    over ``out_idx`` are applied in float32, and each output element is rounded to bf16 once
+    (to nearest even, as PyTorch rounds). MKL's bf16 GEMM on AMX reads subnormal bf16 inputs
+    (below 1.2e-38 in magnitude) as zero.
     """
     lib = _load()
-    src = _rows("src", src)
-    weight, se, ld, trans = _weight(weight)
+    dtype = src.dtype if src.dtype == torch.bfloat16 and bf16_available() else torch.float32
+    src = _rows("src", src, dtype)
+    weight, se, ld, trans = _weight(weight, dtype)
     counts, in_idx, out_idx = _counts(counts), _index(in_idx), _index(out_idx)
     scale = None if scale is None else scale.to(torch.float32).contiguous()
     E, m, n = weight.shape
@@ -156,20 +185,22 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
         raise ValueError("out_rows is required with out_idx")
     if out_idx is not None and (relu or mask_with is not None):
         raise ValueError("relu and mask_with apply to sorted output rows, not with out_idx")
-    dot_with = _sorted_rows("dot_with", dot_with, num_rows, n)
-    mask_with = _sorted_rows("mask_with", mask_with, num_rows, n)
-    dots = src.new_empty(num_rows) if dot_with is not None else None
-    out = src.new_empty(out_rows, n)
+    dot_with = _sorted_rows("dot_with", dot_with, num_rows, n, dtype)
+    mask_with = _sorted_rows("mask_with", mask_with, num_rows, n, dtype)
+    dots = src.new_empty(num_rows, dtype=torch.float32) if dot_with is not None else None
+    # a scatter sums its rows into float32 whatever the dtype (rounded to bf16 after)
+    out = src.new_empty(out_rows, n, dtype=torch.float32 if out_idx is not None else dtype)
     if num_rows and n:
         call(lib, "sf_cvmm", src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se,
                   ld, trans, counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
                   _ptr(scale), _ptr(dot_with), _ptr(dots), int(relu), _ptr(mask_with),
-                  torch.get_num_threads(), _chunk(max(m, n)))
+                  int(dtype == torch.bfloat16), torch.get_num_threads(), _chunk(max(m, n)))
     else:
         out.zero_()
         if dots is not None:
             dots.zero_()
-    return out if dot_with is None else (out, dots)
+    out = out.to(dtype)
+    return out if dot_with is None else (out, dots.to(dtype))
 
 
 def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
@@ -177,17 +208,22 @@ def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """``out[e] = A_eᵀ @ B_e`` with ``A = scale · a_src[a_idx]`` [P, ma] and
     ``B = b_src[b_idx]`` [P, nb], rows expert-sorted (None: no gather / no scale).
-    Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix."""
+    Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix.
+
+    a_src and b_src are float32, or both bfloat16 (:func:`bf16_available`): then a scaled row
+    is rounded to bf16 once, the sums accumulate in float32 and the result is rounded once."""
     lib = _load()
-    a_src, b_src = _rows("a_src", a_src), _rows("b_src", b_src)
+    dtype = a_src.dtype if a_src.dtype == torch.bfloat16 and bf16_available() else torch.float32
+    a_src, b_src = _rows("a_src", a_src, dtype), _rows("b_src", b_src, dtype)
     counts, a_idx, b_idx = _counts(counts), _index(a_idx), _index(b_idx)
     scale = None if scale is None else scale.to(torch.float32).contiguous()
     E, ma, nb = counts.shape[0], a_src.shape[1], b_src.shape[1]
-    out = a_src.new_empty(E, ma, nb)
+    out = a_src.new_empty(E, ma, nb, dtype=torch.float32)
     call(lib, "sf_weight_grad", a_src.data_ptr(), a_src.stride(0), _ptr(a_idx), _ptr(scale),
               b_src.data_ptr(), b_src.stride(0), _ptr(b_idx), counts.data_ptr(), E, ma, nb,
-              out.data_ptr(), torch.get_num_threads(), _chunk(ma + nb))
-    return out
+              out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads(),
+              _chunk(ma + nb))
+    return out.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

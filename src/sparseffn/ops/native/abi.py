@@ -17,11 +17,12 @@ INT = ctypes.c_int
 # name -> argument types (every function returns int, except sf_init)
 SIGNATURES: dict[str, list] = {
     # src, src_ld, in_idx, w, wse, w_ld, w_trans, counts, E, m, n, out, out_rows, out_idx,
-    # scale, dot_with, dots, relu, mask_with, nthreads, chunk
+    # scale, dot_with, dots, relu, mask_with, bf16, nthreads, chunk
     "sf_cvmm": [P, I64, P, P, I64, INT, INT, P, INT, INT, INT, P, I64, P, P, P, P, INT, P, INT,
-                INT],
-    # a_src, a_ld, a_idx, scale, b_src, b_ld, b_idx, counts, E, ma, nb, out, nthreads, chunk
-    "sf_weight_grad": [P, I64, P, P, P, I64, P, P, INT, INT, INT, P, INT, INT],
+                INT, INT],
+    # a_src, a_ld, a_idx, scale, b_src, b_ld, b_idx, counts, E, ma, nb, out, bf16, nthreads,
+    # chunk
+    "sf_weight_grad": [P, I64, P, P, P, I64, P, P, INT, INT, INT, P, INT, INT, INT],
     # a, lda, z, ldz, rows, depth, mode, out, nthreads
     "sf_fff_expand": [P, I64, P, I64, I64, INT, INT, P, INT],
     # grad_leaf, ldg, leaf, ldl, node_data, ldd, rows, depth, mode, out, nthreads
@@ -40,13 +41,13 @@ SIGNATURES: dict[str, list] = {
     "sf_pk_topk": [P, I64, P, I64, I64, I64, I64, I64, P, P, INT],
 }
 
-_CAUSES = {-1: "no BLAS sgemm_ was registered", -2: "an epilogue it cannot apply was asked for",
+_CAUSES = {-1: "no BLAS routine was registered for its dtype", -2: "an epilogue it cannot apply was asked for",
            -3: "it could not allocate its scratch memory", 1: "it could not allocate its scratch memory"}
 
 
 def declare(lib: ctypes.CDLL) -> None:
     """Set the argument and return types of every kernel of ``lib``."""
-    lib.sf_init.argtypes = [P, P]
+    lib.sf_init.argtypes = [P, P, P]
     lib.sf_init.restype = None
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)

@@ -31,6 +31,7 @@ _FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
+_bf16 = False       # MKL's bf16 GEMM was found: the CVMM kernels take bf16 too
 _enabled = True
 
 
@@ -49,6 +50,12 @@ def available() -> bool:
     if not native_enabled():
         return False
     return _load() is not None
+
+
+def bf16_available() -> bool:
+    """True when the CVMM kernels also take bfloat16 (PyTorch's BLAS is MKL, which has a bf16
+    GEMM accumulating in float32)."""
+    return available() and _bf16
 
 
 def unavailable_reason() -> str | None:
@@ -91,8 +98,10 @@ def _compile(compiler: str, flags: list[str], out: Path) -> None:
         os.replace(tmp_out, out)   # atomic: concurrent builders never see half a file
 
 
-def _find_blas() -> tuple[int, int | None]:
-    """Addresses of the Fortran ``sgemm_`` PyTorch uses and MKL's per-thread thread count."""
+def _find_blas() -> tuple[int, int | None, int | None]:
+    """Addresses of the Fortran ``sgemm_`` PyTorch uses, MKL's per-thread thread count and
+    MKL's ``gemm_bf16bf16f32`` (bf16 operands, float32 accumulation and output; None where
+    PyTorch's BLAS is not MKL: bf16 then takes the PyTorch path)."""
     lib_dir = Path(torch.__file__).parent / "lib"
     for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "libtorch.so"):
         path = lib_dir / name
@@ -103,16 +112,19 @@ def _find_blas() -> tuple[int, int | None]:
             sgemm = ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
         except AttributeError:
             continue
-        try:
-            local = ctypes.cast(lib.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value
-        except AttributeError:
-            local = None
-        return sgemm, local
+        return sgemm, _symbol(lib, "MKL_Set_Num_Threads_Local"), _symbol(lib, "gemm_bf16bf16f32")
     raise RuntimeError("this PyTorch build exports no BLAS sgemm_")
 
 
+def _symbol(lib: ctypes.CDLL, name: str) -> int | None:
+    try:
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _reason
+    global _lib, _reason, _bf16
     if _lib is not None or _reason is not None:
         return _lib
     with _lock:
@@ -140,10 +152,12 @@ def _load() -> ctypes.CDLL | None:
                     path = Path(tempfile.gettempdir()) / f"sparseffn-{os.getuid()}" / name
                     if not path.exists():
                         _compile(compiler, flags, path)
-            sgemm, local = _find_blas()
+            sgemm, local, gemm_bf16 = _find_blas()
             lib = ctypes.CDLL(str(path))
             declare(lib)
-            lib.sf_init(ctypes.c_void_p(sgemm), ctypes.c_void_p(local) if local else None)
+            lib.sf_init(ctypes.c_void_p(sgemm), ctypes.c_void_p(local) if local else None,
+                        ctypes.c_void_p(gemm_bf16) if gemm_bf16 else None)
+            _bf16 = gemm_bf16 is not None
             _lib = lib
         except (OSError, RuntimeError) as err:
             _reason = str(err)

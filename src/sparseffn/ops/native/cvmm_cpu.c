@@ -6,10 +6,15 @@
  * its rows into a thread-private buffer small enough to stay in L2, multiplies it with one
  * single-threaded BLAS call, and writes or adds the result where it belongs.
  *
- * Plain C with no PyTorch headers: the BLAS routine (Fortran `sgemm_`, column-major) is the
- * one PyTorch itself links, handed over as a function pointer by sparseffn/ops/native.py.
- * Matrices here are row-major; a row-major C = op(A) op(B) is the column-major
- * C^T = op(B)^T op(A)^T, which is how `gemm_rm` calls the Fortran routine.
+ * Plain C with no PyTorch headers: the BLAS routines (Fortran `sgemm_` and MKL's
+ * `gemm_bf16bf16f32`, column-major) are the ones PyTorch itself links, handed over as function
+ * pointers by sparseffn/ops/native. Matrices here are row-major; a row-major C = op(A) op(B)
+ * is the column-major C^T = op(B)^T op(A)^T, which is how `gemm_rm` calls the Fortran routine.
+ *
+ * Element types: `bf` = 0 reads and writes float32; `bf` = 1 reads bfloat16 rows and matrices
+ * (uint16 storage), multiplies them with MKL's bf16 GEMM, which accumulates in float32 (AMX or
+ * AVX-512 BF16 where the CPU has them), applies every epilogue in float32 and rounds once, to
+ * nearest even, where it writes bf16. Scales and dots are float32 in both.
  *
  * Index arrays are int64 (torch.long). A NULL index means "row r reads/writes row r".
  * The matrix of expert e is passed as (base, stride between experts, leading dimension,
@@ -21,30 +26,62 @@
 #include <string.h>
 #include <omp.h>
 
+typedef uint16_t bf16;
 typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int *n,
                          const int *k, const float *alpha, const float *a, const int *lda,
                          const float *b, const int *ldb, const float *beta, float *c,
                          const int *ldc);
+/* MKL: C (float32) = alpha op(A) op(B) + beta C with A, B bfloat16, column-major */
+typedef void (*gemm_bf16_fn)(const char *ta, const char *tb, const int *m, const int *n,
+                             const int *k, const float *alpha, const bf16 *a, const int *lda,
+                             const bf16 *b, const int *ldb, const float *beta, float *c,
+                             const int *ldc);
 typedef int (*set_threads_fn)(int);
 
 static sgemm_fn g_sgemm = 0;
+static gemm_bf16_fn g_gemm_bf16 = 0;
 static set_threads_fn g_blas_threads_local = 0;
 
-void sf_init(void *sgemm, void *blas_threads_local) {
+void sf_init(void *sgemm, void *blas_threads_local, void *gemm_bf16) {
     g_sgemm = (sgemm_fn)sgemm;
     g_blas_threads_local = (set_threads_fn)blas_threads_local;
+    g_gemm_bf16 = (gemm_bf16_fn)gemm_bf16;
 }
 
-/* A row-major matrix operand: element (i, j) of op(M) is at p[i * ld + j] unless trans. */
-typedef struct { const float *p; int ld; int trans; } operand;
+static inline float bf16_to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
-static operand expert_matrix(const float *base, int64_t se, int ld, int trans, int e) {
-    operand o = { base + (int64_t)e * se, ld, trans };
+/* Round to nearest even, as PyTorch's float -> bfloat16 conversion does; NaN stays NaN. */
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline size_t elem(int bf) { return bf ? sizeof(bf16) : sizeof(float); }
+
+/* A row-major matrix operand: element (i, j) of op(M) is at p[i * ld + j] unless trans; p
+ * points at float32 or bf16 elements. */
+typedef struct { const void *p; int ld; int trans; } operand;
+
+static const void *offset(const void *base, int64_t elements, int bf) {
+    return (const char *)base + elements * (int64_t)elem(bf);
+}
+
+static operand expert_matrix(const void *base, int64_t se, int ld, int trans, int e, int bf) {
+    operand o = { offset(base, (int64_t)e * se, bf), ld, trans };
     return o;
 }
 
-/* Row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C. */
-static void gemm_rm(int M, int N, int K, float alpha, operand A, operand B, float beta,
+/* Row-major float32 C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C, with A and B of
+ * element type bf. */
+static void gemm_rm(int bf, int M, int N, int K, float alpha, operand A, operand B, float beta,
                     float *C, int ldc) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {   /* BLAS may skip beta scaling for K = 0; do it here */
@@ -56,7 +93,12 @@ static void gemm_rm(int M, int N, int K, float alpha, operand A, operand B, floa
         return;
     }
     const char tb = B.trans ? 'T' : 'N', ta = A.trans ? 'T' : 'N';
-    g_sgemm(&tb, &ta, &N, &M, &K, &alpha, B.p, &B.ld, A.p, &A.ld, &beta, C, &ldc);
+    if (bf)
+        g_gemm_bf16(&tb, &ta, &N, &M, &K, &alpha, (const bf16 *)B.p, &B.ld, (const bf16 *)A.p,
+                    &A.ld, &beta, C, &ldc);
+    else
+        g_sgemm(&tb, &ta, &N, &M, &K, &alpha, (const float *)B.p, &B.ld, (const float *)A.p,
+                &A.ld, &beta, C, &ldc);
 }
 
 typedef struct { int64_t start; int rows; int expert; } item;
@@ -80,11 +122,12 @@ static int make_items(const int64_t *counts, int E, int chunk, item **out) {
     return (int)n;
 }
 
-static void gather_rows(float *dst, const float *src, int64_t src_ld, const int64_t *idx,
-                        int64_t start, int rows, int width) {
+static void gather_rows(void *dst, const void *src, int64_t src_ld, const int64_t *idx,
+                        int64_t start, int rows, int width, int bf) {
     for (int r = 0; r < rows; r++) {
         int64_t s = idx ? idx[start + r] : start + r;
-        memcpy(dst + (int64_t)r * width, src + s * src_ld, sizeof(float) * width);
+        memcpy((char *)dst + (int64_t)r * width * elem(bf), offset(src, s * src_ld, bf),
+               elem(bf) * width);
     }
 }
 
@@ -104,21 +147,22 @@ static void unlock_row(volatile char *locks, int64_t i) {
  *
  *   z_r = src[in_idx[r], :] @ W[e(r)],   y_r = scale[r] * z_r      src: [*, m], W[e]: [m, n]
  *
- * With out_idx NULL, y_r is written to out[r] (out: [P, n]). Otherwise out[i] is the sum of
- * the y_r with out_idx[r] = i (out: [out_rows, n], fully overwritten: rows no pair lands on
- * are zero). The first row to land on out[i] is stored and later ones added, under a per-row
- * lock, since the k pairs of one token belong to different experts and threads.
- * If dot_with is given ([P, n], sorted), dots[r] = <z_r, dot_with[r]> (the gate gradient
- * <dy W^T, x>). in_idx NULL reads src row r; scale NULL means 1.
- * Epilogues on y (sorted output only): relu != 0 applies max(y, 0); mask_with ([P, n])
- * zeroes y where mask_with <= 0 (the ReLU derivative, given the ReLU's output). */
-int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
-            const float *w, int64_t wse, int w_ld, int w_trans,
+ * With out_idx NULL, y_r is written to out[r] (out: [P, n], element type bf). Otherwise out is
+ * float32 [out_rows, n] whatever bf is, and out[i] is the sum of the y_r with out_idx[r] = i
+ * (fully overwritten: rows no pair lands on are zero). The first row to land on out[i] is
+ * stored and later ones added, under a per-row lock, since the k pairs of one token belong to
+ * different experts and threads.
+ * If dot_with is given ([P, n], sorted, element type bf), dots[r] = <z_r, dot_with[r]> in
+ * float32 (the gate gradient <dy W^T, x>). in_idx NULL reads src row r; scale NULL means 1.
+ * Epilogues on y (sorted output only): relu != 0 applies max(y, 0); mask_with ([P, n], type
+ * bf) zeroes y where mask_with <= 0 (the ReLU derivative, given the ReLU's output). */
+int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
+            const void *w, int64_t wse, int w_ld, int w_trans,
             const int64_t *counts, int E, int m, int n,
-            float *out, int64_t out_rows, const int64_t *out_idx, const float *scale,
-            const float *dot_with, float *dots, int relu, const float *mask_with,
-            int nthreads, int chunk) {
-    if (!g_sgemm) return -1;
+            void *out, int64_t out_rows, const int64_t *out_idx, const float *scale,
+            const void *dot_with, float *dots, int relu, const void *mask_with,
+            int bf, int nthreads, int chunk) {
+    if (bf ? !g_gemm_bf16 : !g_sgemm) return -1;
     if (out_idx && (relu || mask_with)) return -2;
     item *items; int n_items = make_items(counts, E, chunk, &items);
     if (n_items < 0) return -3;
@@ -126,13 +170,15 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
     char *locks = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
     char *written = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
     if (out_idx && (!locks || !written)) { free(locks); free(written); free(items); return -3; }
+    /* the float32 products go to a buffer before a scatter or a rounding to bf16 */
+    int buffered = out_idx || bf;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
         THREAD_SETUP();
-        float *in_buf = in_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * m) : 0;
-        float *out_buf = out_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * n) : 0;
-        if ((in_idx && !in_buf) || (out_idx && !out_buf)) {
+        void *in_buf = in_idx ? malloc(elem(bf) * (int64_t)chunk * m) : 0;
+        float *c_buf = buffered ? (float *)malloc(sizeof(float) * (int64_t)chunk * n) : 0;
+        if ((in_idx && !in_buf) || (buffered && !c_buf)) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -141,47 +187,59 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
             if (failed) continue;
             item it = items[i];
             operand A;
-            if (in_idx) { gather_rows(in_buf, src, src_ld, in_idx, it.start, it.rows, m);
+            if (in_idx) { gather_rows(in_buf, src, src_ld, in_idx, it.start, it.rows, m, bf);
                           A.p = in_buf; A.ld = m; }
-            else { A.p = src + it.start * src_ld; A.ld = (int)src_ld; }
+            else { A.p = offset(src, it.start * src_ld, bf); A.ld = (int)src_ld; }
             A.trans = 0;
-            float *C = out_idx ? out_buf : out + it.start * n;
-            gemm_rm(it.rows, n, m, 1.0f, A, expert_matrix(w, wse, w_ld, w_trans, it.expert), 0.0f,
-                    C, n);
+            float *C = buffered ? c_buf : (float *)out + it.start * n;
+            gemm_rm(bf, it.rows, n, m, 1.0f, A,
+                    expert_matrix(w, wse, w_ld, w_trans, it.expert, bf), 0.0f, C, n);
             for (int r = 0; r < it.rows; r++) {
                 int64_t p = it.start + r;
                 float s = scale ? scale[p] : 1.0f;
                 float *c = C + (int64_t)r * n;
                 if (dot_with) {
-                    const float *d = dot_with + p * n;
                     float acc = 0.0f;
-                    for (int j = 0; j < n; j++) acc += c[j] * d[j];
+                    if (bf) {
+                        const bf16 *d = (const bf16 *)dot_with + p * n;
+                        for (int j = 0; j < n; j++) acc += c[j] * bf16_to_f32(d[j]);
+                    } else {
+                        const float *d = (const float *)dot_with + p * n;
+                        for (int j = 0; j < n; j++) acc += c[j] * d[j];
+                    }
                     dots[p] = acc;
                 }
                 if (!out_idx) {
                     if (scale) for (int j = 0; j < n; j++) c[j] *= s;
                     /* max(y, 0) that keeps NaN, as torch.relu does */
                     if (relu) for (int j = 0; j < n; j++) c[j] = c[j] <= 0.0f ? 0.0f : c[j];
-                    if (mask_with) {
-                        const float *mk = mask_with + p * n;
+                    if (mask_with && bf) {
+                        const bf16 *mk = (const bf16 *)mask_with + p * n;
+                        for (int j = 0; j < n; j++) c[j] = bf16_to_f32(mk[j]) > 0.0f ? c[j] : 0.0f;
+                    } else if (mask_with) {
+                        const float *mk = (const float *)mask_with + p * n;
                         for (int j = 0; j < n; j++) c[j] = mk[j] > 0.0f ? c[j] : 0.0f;
+                    }
+                    if (bf) {
+                        bf16 *o = (bf16 *)out + p * n;
+                        for (int j = 0; j < n; j++) o[j] = f32_to_bf16(c[j]);
                     }
                     continue;
                 }
                 int64_t dst = out_idx[p];
-                float *o = out + dst * n;
+                float *o = (float *)out + dst * n;
                 lock_row(locks, dst);
                 if (written[dst]) for (int j = 0; j < n; j++) o[j] += s * c[j];
                 else { for (int j = 0; j < n; j++) o[j] = s * c[j]; written[dst] = 1; }
                 unlock_row(locks, dst);
             }
         }
-        free(in_buf); free(out_buf);
+        free(in_buf); free(c_buf);
         THREAD_DONE();
     }
     if (out_idx && !failed)
         for (int64_t i = 0; i < out_rows; i++)
-            if (!written[i]) memset(out + i * n, 0, sizeof(float) * n);
+            if (!written[i]) memset((float *)out + i * n, 0, sizeof(float) * n);
     free(written);
     free(locks);
     free(items);
@@ -189,8 +247,8 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
 }
 
 /* out[e] = A_e^T @ B_e for every expert: A rows scale[r] * a_src[a_idx[r]] ([P, ma]), B rows
- * b_src[b_idx[r]] ([P, nb]); out: [E, ma, nb] contiguous, overwritten (zero for empty
- * experts).
+ * b_src[b_idx[r]] ([P, nb]), both of element type bf (a scaled bf16 row is rounded once);
+ * out: float32 [E, ma, nb] contiguous, overwritten (zero for empty experts).
  *
  * The sum over an expert's rows is split into slabs of whole chunks, about WG_SLABS slabs for
  * the whole problem whatever the thread count. A slab that covers its whole expert accumulates
@@ -199,11 +257,11 @@ int sf_cvmm(const float *src, int64_t src_ld, const int64_t *in_idx,
  * thread count and any schedule (deterministic), at the cost of one [ma, nb] buffer per split
  * slab. Returns -3 when a buffer cannot be allocated. */
 #define WG_SLABS 16
-int sf_weight_grad(const float *a_src, int64_t a_ld, const int64_t *a_idx, const float *scale,
-                   const float *b_src, int64_t b_ld, const int64_t *b_idx,
+int sf_weight_grad(const void *a_src, int64_t a_ld, const int64_t *a_idx, const float *scale,
+                   const void *b_src, int64_t b_ld, const int64_t *b_idx,
                    const int64_t *counts, int E, int ma, int nb, float *out,
-                   int nthreads, int chunk) {
-    if (!g_sgemm) return -1;
+                   int bf, int nthreads, int chunk) {
+    if (bf ? !g_gemm_bf16 : !g_sgemm) return -1;
     int64_t mat = (int64_t)ma * nb, total = 0;
     for (int e = 0; e < E; e++) total += counts[e];
     int64_t slab = (total + WG_SLABS - 1) / WG_SLABS;
@@ -226,8 +284,8 @@ int sf_weight_grad(const float *a_src, int64_t a_ld, const int64_t *a_idx, const
     #pragma omp parallel num_threads(nthreads)
     {
         THREAD_SETUP();
-        float *abuf = (a_idx || scale) ? (float *)malloc(sizeof(float) * (int64_t)chunk * ma) : 0;
-        float *bbuf = b_idx ? (float *)malloc(sizeof(float) * (int64_t)chunk * nb) : 0;
+        void *abuf = (a_idx || scale) ? malloc(elem(bf) * (int64_t)chunk * ma) : 0;
+        void *bbuf = b_idx ? malloc(elem(bf) * (int64_t)chunk * nb) : 0;
         if (((a_idx || scale) && !abuf) || (b_idx && !bbuf)) {
             #pragma omp atomic write
             failed = 1;
@@ -243,20 +301,27 @@ int sf_weight_grad(const float *a_src, int64_t a_ld, const int64_t *a_idx, const
                 int rows = it.rows - c < chunk ? it.rows - c : chunk;
                 operand A, B;
                 if (a_idx || scale) {
-                    gather_rows(abuf, a_src, a_ld, a_idx, start, rows, ma);
+                    gather_rows(abuf, a_src, a_ld, a_idx, start, rows, ma, bf);
                     if (scale)
                         for (int r = 0; r < rows; r++) {
-                            float s = scale[start + r], *a = abuf + (int64_t)r * ma;
-                            for (int j = 0; j < ma; j++) a[j] *= s;
+                            float s = scale[start + r];
+                            if (bf) {
+                                bf16 *a = (bf16 *)abuf + (int64_t)r * ma;
+                                for (int j = 0; j < ma; j++)
+                                    a[j] = f32_to_bf16(bf16_to_f32(a[j]) * s);
+                            } else {
+                                float *a = (float *)abuf + (int64_t)r * ma;
+                                for (int j = 0; j < ma; j++) a[j] *= s;
+                            }
                         }
                     A.p = abuf; A.ld = ma;
                 }
-                else { A.p = a_src + start * a_ld; A.ld = (int)a_ld; }
-                if (b_idx) { gather_rows(bbuf, b_src, b_ld, b_idx, start, rows, nb);
+                else { A.p = offset(a_src, start * a_ld, bf); A.ld = (int)a_ld; }
+                if (b_idx) { gather_rows(bbuf, b_src, b_ld, b_idx, start, rows, nb, bf);
                              B.p = bbuf; B.ld = nb; }
-                else { B.p = b_src + start * b_ld; B.ld = (int)b_ld; }
+                else { B.p = offset(b_src, start * b_ld, bf); B.ld = (int)b_ld; }
                 A.trans = 1; B.trans = 0;
-                gemm_rm(ma, nb, rows, 1.0f, A, B, c ? 1.0f : 0.0f, acc, nb);
+                gemm_rm(bf, ma, nb, rows, 1.0f, A, B, c ? 1.0f : 0.0f, acc, nb);
             }
         }
         free(abuf); free(bbuf);
