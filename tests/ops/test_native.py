@@ -363,3 +363,27 @@ def test_bf16_cvmm_takes_the_fused_path_and_mixed_dtypes_do_not(_bf16, monkeypat
     assert not native.cvmm_usable(x, weight.float())
     assert not native.cvmm_usable(x, weight, scale=torch.ones(3, dtype=torch.int64))
     assert native.cvmm_usable(x, weight, scale=torch.ones(3))
+
+
+def test_bf16_deterministic_scatter_also_sums_in_float32_and_rounds_once(_bf16):
+    """Under deterministic algorithms the k rows of a token are summed outside the kernel, in
+    slot order: in float32 too, so the result is rounded once and the same for any thread
+    count."""
+    gen = torch.Generator().manual_seed(0)
+    T, k, E, m, n = 300, 3, 4, 96, 40
+    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    plan = DispatchPlan.build(indices, E)
+    x = torch.randn(T, m, generator=gen).bfloat16()
+    weight = torch.randn(E, m, n, generator=gen).bfloat16()
+    gates = torch.rand(T, k, generator=gen).bfloat16()
+    results = []
+    for threads, deterministic in [(1, True), (2, True), (2, False)]:
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            results.append(_with_threads(threads, lambda: cvmm(x, plan, weight, gates)))
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert torch.equal(results[0], results[1])
+    want = cvmm_reference(x.double(), indices, weight.double(), gates.double()).float()
+    for got in results:
+        _rounded_once(got, want)

@@ -151,7 +151,7 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
               in_idx: torch.Tensor | None = None, out_idx: torch.Tensor | None = None,
               scale: torch.Tensor | None = None, out_rows: int | None = None,
               dot_with: torch.Tensor | None = None, relu: bool = False,
-              mask_with: torch.Tensor | None = None):
+              mask_with: torch.Tensor | None = None, float_rows: bool = False):
     """``y_r = scale[r] · z_r`` with ``z_r = src[in_idx[r]] @ weight[e(r)]``, for
     expert-sorted rows r.
 
@@ -169,7 +169,8 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     then the products accumulate in float32, the scale, the epilogues, the dots and the sum
     over ``out_idx`` are applied in float32, and each output element is rounded to bf16 once
     (to nearest even, as PyTorch rounds). MKL's bf16 GEMM on AMX reads subnormal bf16 inputs
-    (below 1.2e-38 in magnitude) as zero.
+    (below 1.2e-38 in magnitude) as zero. ``float_rows`` returns bf16 products' sorted rows in
+    float32, unrounded (for a sum of them that rounds once).
     """
     lib = _load()
     dtype = src.dtype if src.dtype == torch.bfloat16 and bf16_available() else torch.float32
@@ -189,17 +190,20 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     mask_with = _sorted_rows("mask_with", mask_with, num_rows, n, dtype)
     dots = src.new_empty(num_rows, dtype=torch.float32) if dot_with is not None else None
     # a scatter sums its rows into float32 whatever the dtype (rounded to bf16 after)
-    out = src.new_empty(out_rows, n, dtype=torch.float32 if out_idx is not None else dtype)
+    wide = out_idx is not None or float_rows
+    out = src.new_empty(out_rows, n, dtype=torch.float32 if wide else dtype)
     if num_rows and n:
         call(lib, "sf_cvmm", src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se,
                   ld, trans, counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
                   _ptr(scale), _ptr(dot_with), _ptr(dots), int(relu), _ptr(mask_with),
-                  int(dtype == torch.bfloat16), torch.get_num_threads(), _chunk(max(m, n)))
+                  int(dtype == torch.bfloat16), int(wide), torch.get_num_threads(),
+                  _chunk(max(m, n)))
     else:
         out.zero_()
         if dots is not None:
             dots.zero_()
-    out = out.to(dtype)
+    if not float_rows:
+        out = out.to(dtype)
     return out if dot_with is None else (out, dots.to(dtype))
 
 

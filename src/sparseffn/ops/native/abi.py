@@ -17,9 +17,9 @@ INT = ctypes.c_int
 # name -> argument types (every function returns int, except sf_init)
 SIGNATURES: dict[str, list] = {
     # src, src_ld, in_idx, w, wse, w_ld, w_trans, counts, E, m, n, out, out_rows, out_idx,
-    # scale, dot_with, dots, relu, mask_with, bf16, nthreads, chunk
+    # scale, dot_with, dots, relu, mask_with, bf16, out_f32, nthreads, chunk
     "sf_cvmm": [P, I64, P, P, I64, INT, INT, P, INT, INT, INT, P, I64, P, P, P, P, INT, P, INT,
-                INT, INT],
+                INT, INT, INT],
     # a_src, a_ld, a_idx, scale, b_src, b_ld, b_idx, counts, E, ma, nb, out, bf16, nthreads,
     # chunk
     "sf_weight_grad": [P, I64, P, P, P, I64, P, P, INT, INT, INT, P, INT, INT, INT],

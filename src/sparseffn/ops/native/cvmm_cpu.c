@@ -147,8 +147,9 @@ static void unlock_row(volatile char *locks, int64_t i) {
  *
  *   z_r = src[in_idx[r], :] @ W[e(r)],   y_r = scale[r] * z_r      src: [*, m], W[e]: [m, n]
  *
- * With out_idx NULL, y_r is written to out[r] (out: [P, n], element type bf). Otherwise out is
- * float32 [out_rows, n] whatever bf is, and out[i] is the sum of the y_r with out_idx[r] = i
+ * With out_idx NULL, y_r is written to out[r] (out: [P, n], element type bf, or float32 when
+ * out_f32 is set). Otherwise out is float32 [out_rows, n] whatever bf is, and out[i] is the
+ * sum of the y_r with out_idx[r] = i
  * (fully overwritten: rows no pair lands on are zero). The first row to land on out[i] is
  * stored and later ones added, under a per-row lock, since the k pairs of one token belong to
  * different experts and threads.
@@ -161,7 +162,7 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
             const int64_t *counts, int E, int m, int n,
             void *out, int64_t out_rows, const int64_t *out_idx, const float *scale,
             const void *dot_with, float *dots, int relu, const void *mask_with,
-            int bf, int nthreads, int chunk) {
+            int bf, int out_f32, int nthreads, int chunk) {
     if (bf ? !g_gemm_bf16 : !g_sgemm) return -1;
     if (out_idx && (relu || mask_with)) return -2;
     item *items; int n_items = make_items(counts, E, chunk, &items);
@@ -171,7 +172,7 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
     char *written = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
     if (out_idx && (!locks || !written)) { free(locks); free(written); free(items); return -3; }
     /* the float32 products go to a buffer before a scatter or a rounding to bf16 */
-    int buffered = out_idx || bf;
+    int rounded = bf && !out_f32, buffered = out_idx || rounded;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -220,7 +221,7 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
                         const float *mk = (const float *)mask_with + p * n;
                         for (int j = 0; j < n; j++) c[j] = mk[j] > 0.0f ? c[j] : 0.0f;
                     }
-                    if (bf) {
+                    if (rounded) {
                         bf16 *o = (bf16 *)out + p * n;
                         for (int j = 0; j < n; j++) o[j] = f32_to_bf16(c[j]);
                     }
