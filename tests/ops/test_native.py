@@ -387,3 +387,20 @@ def test_bf16_deterministic_scatter_also_sums_in_float32_and_rounds_once(_bf16):
     want = cvmm_reference(x.double(), indices, weight.double(), gates.double()).float()
     for got in results:
         _rounded_once(got, want)
+
+
+def test_deterministic_mode_keeps_its_nan_fill_for_everything_but_kernel_outputs():
+    """The kernels' outputs skip deterministic mode's NaN fill (they are written in full), and
+    the setting is back on for every other allocation afterwards."""
+    counts, P, expert_of_row, weight = _sorted_problem(3, [5, 0, 4], 8, 6)
+    src, out_idx = torch.randn(P, 8), torch.tensor([0, 2, 2, 5, 1, 0, 2, 2, 1])
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = native.cvmm_rows(src, weight, counts, out_idx=out_idx, out_rows=7)
+        assert torch._C._get_deterministic_fill_uninitialized_memory()
+        assert torch.isnan(torch.empty(3)).all()            # PyTorch's fill, still on
+    finally:
+        torch.use_deterministic_algorithms(False)
+    want = _rows_reference(src, weight, expert_of_row, None, out_idx, None, 7)
+    torch.testing.assert_close(got, want)
+    assert torch.all(got[[3, 4, 6]] == 0)                   # rows no pair lands on: zeros

@@ -187,15 +187,20 @@ def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, gro
     rows = _num_sorted_rows(src, in_idx, out_idx)
     if out_idx is not None and group > 1 and torch.are_deterministic_algorithms_enabled():
         # Several rows land on one output row, and the kernel adds them in thread order. Under
-        # deterministic algorithms: the sorted rows from the kernel, then summed in slot order,
-        # in float32 (bf16 rows are rounded once, after the sum, as the kernel's scatter does).
+        # deterministic algorithms: the sorted rows from the kernel, unrounded, then each
+        # token's gathered and summed in slot order in float32 (a bf16 sum rounded once, as
+        # the kernel's scatter does), by the C gather-sum: no [rows, n] permuted copy, and no
+        # deterministic index_copy_ (several times slower than the gather on CPU).
         in_idx, scale, dot_with = _dispatched(counts, in_idx, scale, dot_with)
         result = native.cvmm_rows(src, weight, counts, in_idx=in_idx, scale=scale,
                                   dot_with=dot_with, float_rows=True)
         ys, dots = result if dot_with is not None else (result, src.new_empty(0))
         dots = dots if dot_with is None else pad_rows(dots, rows)
-        dtype = torch.promote_types(src.dtype, weight.dtype)
-        return sum_slots(pad_rows(ys, rows), out_idx, out_rows, group).to(dtype), dots
+        row_of_slot = torch.empty_like(out_idx).index_copy_(
+            0, out_idx, torch.arange(rows, device=out_idx.device))
+        out = native.gather_sum(row_of_slot.view(out_rows, group),
+                                torch.ones(out_rows, group), pad_rows(ys, rows))
+        return out.to(torch.promote_types(src.dtype, weight.dtype)), dots
     if out_idx is not None and group > 1:   # the C kernel scatters onto output (token) rows
         out_idx = torch.div(out_idx, group, rounding_mode="floor")
     in_idx, out_idx, scale, dot_with, mask_with = _dispatched(

@@ -88,6 +88,22 @@ def cvmm_usable(*tensors: torch.Tensor | None, scale: torch.Tensor | None = None
     return usable(*present)
 
 
+def _written(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A CPU tensor for a C kernel to overwrite in full (every kernel writes every element of
+    what it returns, tested). Under deterministic algorithms PyTorch fills each new tensor with
+    NaN (``torch.utils.deterministic.fill_uninitialized_memory``), a whole pass over memory the
+    kernel then writes again; these outputs skip it."""
+    fill = torch.are_deterministic_algorithms_enabled() and \
+        torch._C._get_deterministic_fill_uninitialized_memory()
+    if not fill:
+        return torch.empty(shape, dtype=dtype)
+    torch._C._set_deterministic_fill_uninitialized_memory(False)
+    try:
+        return torch.empty(shape, dtype=dtype)
+    finally:
+        torch._C._set_deterministic_fill_uninitialized_memory(True)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -188,10 +204,10 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
         raise ValueError("relu and mask_with apply to sorted output rows, not with out_idx")
     dot_with = _sorted_rows("dot_with", dot_with, num_rows, n, dtype)
     mask_with = _sorted_rows("mask_with", mask_with, num_rows, n, dtype)
-    dots = src.new_empty(num_rows, dtype=torch.float32) if dot_with is not None else None
+    dots = _written(num_rows) if dot_with is not None else None
     # a scatter sums its rows into float32 whatever the dtype (rounded to bf16 after)
     wide = out_idx is not None or float_rows
-    out = src.new_empty(out_rows, n, dtype=torch.float32 if wide else dtype)
+    out = _written(out_rows, n, dtype=torch.float32 if wide else dtype)
     if num_rows and n:
         call(lib, "sf_cvmm", src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se,
                   ld, trans, counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
@@ -222,7 +238,7 @@ def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
     counts, a_idx, b_idx = _counts(counts), _index(a_idx), _index(b_idx)
     scale = None if scale is None else scale.to(torch.float32).contiguous()
     E, ma, nb = counts.shape[0], a_src.shape[1], b_src.shape[1]
-    out = a_src.new_empty(E, ma, nb, dtype=torch.float32)
+    out = _written(E, ma, nb)
     call(lib, "sf_weight_grad", a_src.data_ptr(), a_src.stride(0), _ptr(a_idx), _ptr(scale),
               b_src.data_ptr(), b_src.stride(0), _ptr(b_idx), counts.data_ptr(), E, ma, nb,
               out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads(),
@@ -249,7 +265,7 @@ def fff_expand(node_values: torch.Tensor, depth: int, mode: int,
     nodes = (1 << depth) - 1
     a = _unit_rows("node_values", node_values, nodes)
     z = None if node_logits is None else _unit_rows("node_logits", node_logits, nodes)
-    out = a.new_empty(a.shape[0], 1 << depth)
+    out = _written(a.shape[0], 1 << depth)
     if a.shape[0]:
         call(lib, "sf_fff_expand", a.data_ptr(), a.stride(0), _ptr(z),
                   0 if z is None else z.stride(0), a.shape[0], depth, mode, out.data_ptr(),
@@ -266,7 +282,7 @@ def fff_expand_backward(grad_leaf: torch.Tensor, leaf: torch.Tensor | None,
     g = _unit_rows("grad_leaf", grad_leaf, leaves)
     leaf = None if leaf is None else _unit_rows("leaf", leaf, leaves)
     d = None if node_data is None else _unit_rows("node_data", node_data, nodes)
-    out = g.new_empty(g.shape[0], nodes)
+    out = _written(g.shape[0], nodes)
     if g.shape[0]:
         call(lib, "sf_fff_expand_backward", g.data_ptr(), g.stride(0), _ptr(leaf),
                   0 if leaf is None else leaf.stride(0), _ptr(d), 0 if d is None else d.stride(0),
@@ -285,7 +301,7 @@ def fff_descend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"weight must have 2^depth - 1 = {(1 << depth) - 1} rows, got "
                          f"{weight.shape[0]}")
     bias = None if bias is None else bias.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.int64)
+    out = _written(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
         call(lib, "sf_fff_descend", x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
                   _ptr(bias), x.shape[0], x.shape[1], depth, out.data_ptr(),
@@ -307,7 +323,7 @@ def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch
     """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: [T, m]."""
     lib = _load()
     x, table, idx = _rows("x", x), _rows("table", table), _pairs(idx)
-    out = x.new_empty(idx.shape)
+    out = _written(*idx.shape)
     if out.numel():
         call(lib, "sf_gather_dot", x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
                   idx.data_ptr(), idx.shape[0], idx.shape[1], x.shape[1], out.data_ptr(),
@@ -320,7 +336,7 @@ def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) ->
     lib = _load()
     idx, table = _pairs(idx), _rows("table", table)
     weights = weights.to(torch.float32).contiguous()
-    out = table.new_empty(idx.shape[0], table.shape[1])
+    out = _written(idx.shape[0], table.shape[1])
     if idx.shape[0]:
         call(lib, "sf_gather_sum", idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
                   table.data_ptr(), table.stride(0), table.shape[1], out.data_ptr(), out.stride(0),
@@ -335,7 +351,7 @@ def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
     lib = _load()
     idx, src = _pairs(idx), _rows("src", src)
     weights = weights.to(torch.float32).contiguous()
-    out = src.new_empty(num_rows, src.shape[1])
+    out = _written(num_rows, src.shape[1])
     call(lib, "sf_scatter_rows", idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
               src.data_ptr(), src.stride(0), num_rows, src.shape[1], out.data_ptr(),
               torch.get_num_threads())
@@ -347,8 +363,8 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     asc): (values [R, k], int64 indices [R, k])."""
     lib = _load()
     s = _rows("scores", scores)
-    vals = s.new_empty(s.shape[0], k)
-    ids = torch.empty(s.shape[0], k, dtype=torch.int64)
+    vals = _written(s.shape[0], k)
+    ids = _written(s.shape[0], k, dtype=torch.int64)
     if s.shape[0] and k:
         call(lib, "sf_topk_rows", s.data_ptr(), s.stride(0), s.shape[0], s.shape[1], k,
                   vals.data_ptr(), ids.data_ptr(), torch.get_num_threads())
@@ -362,8 +378,8 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
     scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k])."""
     lib = _load()
     a, b = _rows("scores_a", scores_a), _rows("scores_b", scores_b)
-    vals = a.new_empty(a.shape[0], k)
-    ids = torch.empty(a.shape[0], k, dtype=torch.int64)
+    vals = _written(a.shape[0], k)
+    ids = _written(a.shape[0], k, dtype=torch.int64)
     if a.shape[0] and k:
         call(lib, "sf_pk_topk", a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.shape[0],
                   a.shape[1], b.shape[1], k, vals.data_ptr(), ids.data_ptr(),
