@@ -397,7 +397,7 @@ def test_deterministic_mode_keeps_its_nan_fill_for_everything_but_kernel_outputs
     torch.use_deterministic_algorithms(True)
     try:
         got = native.cvmm_rows(src, weight, counts, out_idx=out_idx, out_rows=7)
-        assert torch._C._get_deterministic_fill_uninitialized_memory()
+        assert torch.utils.deterministic.fill_uninitialized_memory
         assert torch.isnan(torch.empty(3)).all()            # PyTorch's fill, still on
     finally:
         torch.use_deterministic_algorithms(False)

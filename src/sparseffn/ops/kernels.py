@@ -6,9 +6,9 @@ operators), :mod:`~sparseffn.ops.triton_rows` (gathered rows, product-key top-k)
 :mod:`~sparseffn.ops.triton_tree` (fast feed-forward trees) on CUDA when Triton is
 installed, the fused C kernels of :mod:`~sparseffn.ops.native` on CPU in float32 (when they
 are built; the two CVMM operators in bfloat16 too, where PyTorch's BLAS is MKL), and a
-PyTorch implementation everywhere else (other devices, other dtypes, no C compiler, no Triton). Each
-has a *fake* implementation that gives the output's shape and dtype without computing it, so
-``torch.compile`` traces a layer through them in one graph.
+PyTorch implementation everywhere else (other devices, other dtypes, no C compiler, no
+Triton). Each has a *fake* implementation that gives the output's shape and dtype without
+computing it, so ``torch.compile`` traces a layer through them in one graph.
 
 None of them reads a tensor on the host on its way in: counts and offsets arrive as tensors.
 (The PyTorch implementation of the grouped products reads the per-expert counts inside the

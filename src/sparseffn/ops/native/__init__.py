@@ -5,8 +5,9 @@ copies that the pure-PyTorch path materialises (k gathered inputs, k outputs bef
 never exist. It is plain C with OpenMP; the BLAS routines are the ``sgemm_`` that PyTorch
 itself links (MKL in the x86 wheels) and, for bfloat16, MKL's ``gemm_bf16bf16f32`` (float32
 accumulation; AMX or AVX-512 BF16 where the CPU has them), looked up at run time and passed in
-as function pointers, so nothing links against PyTorch and the build takes about a second. ``fff_cpu.c`` holds the
-level-by-level expansion of fast feed-forward trees and their greedy descent (ops/fff.py).
+as function pointers, so nothing links against PyTorch and the build takes about a second.
+``fff_cpu.c`` holds the level-by-level expansion of fast feed-forward trees and their greedy
+descent (ops/fff.py).
 ``rows_cpu.c`` holds the gathered-row products of single-row tables and the product-key top-k
 (ops/rows.py, ops/product_keys.py).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.utils.deterministic
 
 from .abi import call
 from .build import (_load, available, bf16_available, native_enabled, set_native_enabled,
@@ -93,15 +95,14 @@ def _written(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     what it returns, tested). Under deterministic algorithms PyTorch fills each new tensor with
     NaN (``torch.utils.deterministic.fill_uninitialized_memory``), a whole pass over memory the
     kernel then writes again; these outputs skip it."""
-    fill = torch.are_deterministic_algorithms_enabled() and \
-        torch._C._get_deterministic_fill_uninitialized_memory()
-    if not fill:
+    settings = torch.utils.deterministic
+    if not (torch.are_deterministic_algorithms_enabled() and settings.fill_uninitialized_memory):
         return torch.empty(shape, dtype=dtype)
-    torch._C._set_deterministic_fill_uninitialized_memory(False)
+    settings.fill_uninitialized_memory = False
     try:
         return torch.empty(shape, dtype=dtype)
     finally:
-        torch._C._set_deterministic_fill_uninitialized_memory(True)
+        settings.fill_uninitialized_memory = True
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
