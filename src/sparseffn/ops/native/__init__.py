@@ -125,6 +125,12 @@ def _rows(name: str, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     return _standard(t)
 
 
+def _kernel_dtype(t: torch.Tensor) -> torch.dtype:
+    """The element type the CVMM kernels read ``t`` as: bf16 where they take it, else float32
+    (a tensor of any other dtype is then refused by name)."""
+    return torch.bfloat16 if t.dtype == torch.bfloat16 and bf16_available() else torch.float32
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -190,7 +196,7 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     float32, unrounded (for a sum of them that rounds once).
     """
     lib = _load()
-    dtype = src.dtype if src.dtype == torch.bfloat16 and bf16_available() else torch.float32
+    dtype = _kernel_dtype(src)
     src = _rows("src", src, dtype)
     weight, se, ld, trans = _weight(weight, dtype)
     counts, in_idx, out_idx = _counts(counts), _index(in_idx), _index(out_idx)
@@ -234,7 +240,7 @@ def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
     a_src and b_src are float32, or both bfloat16 (:func:`bf16_available`): then a scaled row
     is rounded to bf16 once, the sums accumulate in float32 and the result is rounded once."""
     lib = _load()
-    dtype = a_src.dtype if a_src.dtype == torch.bfloat16 and bf16_available() else torch.float32
+    dtype = _kernel_dtype(a_src)
     a_src, b_src = _rows("a_src", a_src, dtype), _rows("b_src", b_src, dtype)
     counts, a_idx, b_idx = _counts(counts), _index(a_idx), _index(b_idx)
     scale = None if scale is None else scale.to(torch.float32).contiguous()

@@ -41,7 +41,8 @@ SIGNATURES: dict[str, list] = {
     "sf_pk_topk": [P, I64, P, I64, I64, I64, I64, I64, P, P, INT],
 }
 
-_CAUSES = {-1: "no BLAS routine was registered for its dtype", -2: "an epilogue it cannot apply was asked for",
+_CAUSES = {-1: "no BLAS routine was registered for its dtype",
+           -2: "an epilogue it cannot apply was asked for",
            -3: "it could not allocate its scratch memory", 1: "it could not allocate its scratch memory"}
 
 
