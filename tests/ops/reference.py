@@ -22,17 +22,19 @@ def cvmm_reference(x, indices, weight, gates=None):
     return torch.stack(outs)
 
 
-def expert_mlp_reference(x, indices, weights, w1, w2, activation, w_gate=None):
+def expert_mlp_reference(x, indices, weights, w1, w2, activation, w_gate=None, b1=None,
+                         b2=None):
     """y_t = Σ_j weights[t, j] · act(x_t W1[e]) W2[e], e = indices[t, j] (Csordás et al. 2023 Eq.
-    25); with ``w_gate`` [E, d, G] the gated expert (act(x_t Wg[e]) ⊙ x_t W1[e]) W2[e]."""
+    25); with ``w_gate`` [E, d, G] the gated expert (act(x_t Wg[e]) ⊙ x_t W1[e]) W2[e]; with
+    biases b1 [E, G] (added to x_t W1[e]) and b2 [E, d_out] (to the expert's output)."""
     rows = []
     for t in range(x.shape[0]):
         y = x.new_zeros(w2.shape[-1])
         for j in range(indices.shape[1]):
             e = indices[t, j]
-            hidden = activation(x[t] @ w1[e]) if w_gate is None else \
-                activation(x[t] @ w_gate[e]) * (x[t] @ w1[e])
-            y = y + weights[t, j] * (hidden @ w2[e])
+            pre = x[t] @ w1[e] + (0 if b1 is None else b1[e])
+            hidden = activation(pre) if w_gate is None else activation(x[t] @ w_gate[e]) * pre
+            y = y + weights[t, j] * (hidden @ w2[e] + (0 if b2 is None else b2[e]))
         rows.append(y)
     return torch.stack(rows) if rows else x.new_zeros(0, w2.shape[-1])
 

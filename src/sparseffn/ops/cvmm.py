@@ -100,12 +100,7 @@ class DispatchPlan:
         if indices.dim() < 1:
             raise ValueError("expert indices must have shape [..., k], got a scalar")
         flat = indices.reshape(-1).long()
-        if flat.numel() and checks_enabled(flat):
-            low, high = int(flat.min()), int(flat.max())
-            if low < 0 or high >= num_experts:
-                raise ValueError(
-                    f"expert indices must lie in [0, {num_experts}), got values in [{low}, {high}]"
-                )
+        check_expert_indices(flat, num_experts)
         keys = flat
         if dispatched is not None:
             if dispatched.shape != indices.shape or dispatched.dtype != torch.bool:
@@ -125,6 +120,18 @@ class DispatchPlan:
             token_of_row=order // k if k else order,
             counts=counts,
         )
+
+
+def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:
+    """ValueError unless every expert index lies in ``[0, num_experts)``: on CPU tensors (a
+    host read is free there) and, on other devices, when
+    :func:`sparseffn.ops.debug.set_checks` is on; never while ``torch.compile`` traces."""
+    if indices.numel() and checks_enabled(indices):
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= num_experts:
+            raise ValueError(
+                f"expert indices must lie in [0, {num_experts}), got values in [{low}, {high}]"
+            )
 
 
 def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ capacity) is never computed, and where it appears in an output it is exactly zer
     sparseffn::cvmm_rows          gather → per-expert product → scale → scatter (CVMM, Csordás
                                   et al. 2023, arXiv:2310.10837, App. B.1, Eq. 40)
     sparseffn::expert_weight_grad Σ over an expert's rows of aᵀ b (the CVMM weight gradient)
+    sparseffn::expert_mlp_pairs   a few tokens' MLP experts without a plan (inference)
     sparseffn::gather_dot         <x[t], table[idx[t, j]]>
     sparseffn::gather_sum         Σ_j w[t, j] · table[idx[t, j]]
     sparseffn::scatter_rows       the transpose of gather_sum (a table's gradient)
@@ -49,6 +50,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from ..activations import activation_fn
 from . import native, triton_cvmm, triton_rows, triton_tree
 from .debug import checks_enabled
 from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zero_rows_after
@@ -474,6 +476,60 @@ def _product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> Ten
 def _(scores_a, scores_b, k):
     rows = scores_a.shape[0]
     return scores_a.new_empty(rows, k), scores_a.new_empty(rows, k, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP experts for a few tokens, without a dispatch plan (inference)
+
+@operator("expert_mlp_pairs")
+def expert_mlp_pairs(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+                     activation: str, b1: Optional[Tensor], b2: Optional[Tensor],
+                     w_gate: Optional[Tensor], keep: Optional[Tensor]) -> Tensor:
+    """``y[t] = Σ_j g[t, j] · f_{e[t, j]}(x[t])`` with ``f_e(x) = act(x W1_eᵀ + b1_e) W2_e +
+    b2_e``, or for gated experts ``(act(x Wg_eᵀ) ⊙ (x W1_eᵀ + b1_e)) W2_e + b2_e`` (Csordás et
+    al. 2023 Eq. 25; Shazeer 2020), each pair read straight from the weights.
+
+    x: [T, m]; indices: int [T, k] (in range); gates: [T, k]; w1, w_gate: [E, G, m]; w2:
+    [E, G, n]; b1: [E, G]; b2: [E, n]; keep: bool [T, k] or None: a pair where it is False is
+    never computed and adds exactly zero. Returns [T, n] in x's dtype. No autograd formula:
+    :func:`~sparseffn.ops.expert_mlp.expert_mlp_few` calls it only where no gradient is
+    wanted. The C kernel on CPU float32 (weights with a unit last stride); elsewhere each
+    pair's expert weights are gathered and applied as batched matrix-vector products."""
+    if _fused(x, gates, w1, w2, b1, b2, w_gate) and activation in native.PAIR_ACTIVATIONS \
+            and all(t is None or t.stride(-1) == 1 for t in (w1, w2, b1, b2, w_gate)):
+        return native.mlp_pairs(x, indices, gates, w1, w2, activation, b1, b2, w_gate, keep)
+    return expert_mlp_pairs_torch(x, indices, gates, w1, w2, activation, b1, b2, w_gate, keep)
+
+
+def expert_mlp_pairs_torch(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+                           activation: str, b1: Optional[Tensor] = None,
+                           b2: Optional[Tensor] = None, w_gate: Optional[Tensor] = None,
+                           keep: Optional[Tensor] = None) -> Tensor:
+    """:func:`expert_mlp_pairs` in PyTorch ops (differentiable by autograd): every pair's
+    expert weights gathered ([T·k, G, m] copies) and applied by ``bmm``."""
+    tokens, k = indices.shape
+    flat = indices.reshape(-1).long()
+    rows = x.repeat_interleave(k, dim=0).unsqueeze(1)                          # [P, 1, m]
+    pre = torch.bmm(rows, w1.index_select(0, flat).transpose(1, 2)).squeeze(1)  # [P, G]
+    if b1 is not None:
+        pre = pre + b1.index_select(0, flat)
+    act = activation_fn(activation)
+    if w_gate is None:
+        hidden = act(pre)
+    else:
+        hidden = act(torch.bmm(rows, w_gate.index_select(0, flat).transpose(1, 2)).squeeze(1)) * pre
+    out = torch.bmm(hidden.unsqueeze(1), w2.index_select(0, flat)).squeeze(1)   # [P, n]
+    if b2 is not None:
+        out = out + b2.index_select(0, flat)
+    out = out * gates.reshape(-1, 1).to(out.dtype)
+    if keep is not None:     # never computed: exactly zero, whatever the expert gives
+        out = torch.where(keep.reshape(-1, 1), out, torch.zeros((), dtype=out.dtype))
+    return out.view(tokens, k, w2.shape[-1]).sum(1).to(x.dtype)
+
+
+@expert_mlp_pairs.register_fake
+def _(x, indices, gates, w1, w2, activation, b1, b2, w_gate, keep):
+    return x.new_empty(x.shape[0], w2.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..activations import activation_fn
 from ..init import dense_init_std
-from ..ops import expert_mlp
+from ..ops.expert_mlp import expert_mlp, expert_mlp_few, expert_mlp_few_ok
 from ..ops.precision import autocast_dtype
 from ..routing import Routing
 from .base import ExpertStore
@@ -124,6 +124,11 @@ class MLPExperts(ExpertStore):
         if routing.dense:
             return self.dense_output(x, routing.weights)
         dropout = self.hidden_dropout if self.training and self.hidden_dropout.p > 0 else None
+        few = (self.activation, self.b1, self.b2, self.w_gate)
+        if dropout is None and expert_mlp_few_ok(x, routing.indices, routing.weights, self.w1,
+                                                 self.w2, *few):
+            return expert_mlp_few(x, routing.indices, routing.weights, self.w1, self.w2, *few,
+                                  dispatched=routing.dispatched)
         plan = routing.plan(self.num_experts)
         return expert_mlp(x, plan, self.w1, self.w2, routing.weights, activation=self.activation,
                           hidden_dropout=dropout, b1=self.b1, b2=self.b2,

@@ -9,7 +9,8 @@ as function pointers, so nothing links against PyTorch and the build takes about
 ``fff_cpu.c`` holds the level-by-level expansion of fast feed-forward trees and their greedy
 descent (ops/fff.py).
 ``rows_cpu.c`` holds the gathered-row products of single-row tables and the product-key top-k
-(ops/rows.py, ops/product_keys.py).
+(ops/rows.py, ops/product_keys.py). ``pairs_cpu.c`` applies MLP experts to a few tokens
+without a dispatch plan (ops/expert_mlp.py: inference at small batches).
 
 The package is three modules: :mod:`.build` compiles and loads the library, :mod:`.abi`
 declares every C function from one table and checks every return code, and this module wraps
@@ -30,7 +31,8 @@ from .build import (_load, available, bf16_available, native_enabled, set_native
 
 __all__ = ["available", "bf16_available", "cvmm_rows", "cvmm_usable", "fff_descend",
            "fff_expand", "fff_expand_backward",
-           "gather_dot", "gather_sum", "native_enabled", "product_key_topk", "scatter_rows",
+           "gather_dot", "gather_sum", "mlp_pairs", "native_enabled", "product_key_topk",
+           "scatter_rows",
            "set_native_enabled", "topk_rows", "unavailable_reason", "usable", "weight_grad"]
 
 # ---------------------------------------------------------------------------------------------
@@ -392,3 +394,69 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
                   a.shape[1], b.shape[1], k, vals.data_ptr(), ids.data_ptr(),
                   torch.get_num_threads())
     return vals, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP experts for a few tokens (pairs_cpu.c)
+
+#: Activation codes of ``sf_mlp_pairs`` by the names of ``sparseffn.activations``.
+PAIR_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+
+
+def _expert_rows(name: str, t: torch.Tensor | None, experts: int, rows: int, width: int
+                 ) -> tuple[torch.Tensor | None, int, int]:
+    """An expert tensor [E, rows, width] (or [E, width] with ``rows`` 0) in place, as
+    (tensor, expert stride, row stride): float32 on the CPU with a unit last stride."""
+    if t is None:
+        return None, 0, 0
+    shape = (experts, rows, width) if rows else (experts, width)
+    if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu" \
+            or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be a float32 CPU tensor of shape {shape} with a unit "
+                         f"last stride, got {tuple(t.shape)} {t.dtype} on {t.device} with "
+                         f"strides {t.stride()}")
+    return t, t.stride(0), t.stride(1) if rows else 0
+
+
+def mlp_pairs(x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor | None,
+              w1: torch.Tensor, w2: torch.Tensor, activation: str = "relu",
+              b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              w_gate: torch.Tensor | None = None,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[t] = Σ_j g[t, j] · f_{e[t, j]}(x[t])`` over each token's k experts, with
+    ``f_e(x) = act(x W1_eᵀ + b1_e) W2_e + b2_e`` (gated: ``(act(x Wg_eᵀ) ⊙ (x W1_eᵀ + b1_e))
+    W2_e + b2_e``), read from the weights in place (see ``pairs_cpu.c``).
+
+    x: [T, m]; indices: [T, k] experts (in range: not checked here); gates: [T, k] or None
+    (ones); w1, w_gate: [E, G, m]; w2: [E, G, n]; b1: [E, G]; b2: [E, n]; keep: bool [T, k]
+    or None: pairs where it is False are never computed and add exactly zero. Every tensor
+    float32 on the CPU, weights with a unit last stride. Returns float32 [T, n]."""
+    lib = _load()
+    if activation not in PAIR_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(PAIR_ACTIVATIONS)}, got "
+                         f"{activation!r}")
+    idx = _pairs(indices)
+    tokens, k = idx.shape
+    experts, width, m = w1.shape
+    n = w2.shape[-1]
+    x = _rows("x", x)
+    if x.shape != (tokens, m):
+        raise ValueError(f"x must be [{tokens}, {m}], got {tuple(x.shape)}")
+    w1, w1_se, w1_sr = _expert_rows("w1", w1, experts, width, m)
+    w2, w2_se, w2_sr = _expert_rows("w2", w2, experts, width, n)
+    wg, wg_se, wg_sr = _expert_rows("w_gate", w_gate, experts, width, m)
+    b1, b1_se, _ = _expert_rows("b1", b1, experts, 0, width)
+    b2, b2_se, _ = _expert_rows("b2", b2, experts, 0, n)
+    gates = None if gates is None else gates.to(torch.float32).reshape(tokens * k).contiguous()
+    if keep is not None:
+        if keep.dtype != torch.bool or tuple(keep.shape) != (tokens, k):
+            raise ValueError(f"keep must be bool [{tokens}, {k}], got {keep.dtype} "
+                             f"{tuple(keep.shape)}")
+        keep = keep.contiguous()
+    out = _written(tokens, n)
+    if tokens and n:
+        call(lib, "sf_mlp_pairs", x.data_ptr(), x.stride(0), idx.data_ptr(), _ptr(gates),
+             _ptr(keep), tokens, k, w1.data_ptr(), w1_se, w1_sr, _ptr(wg), wg_se, wg_sr,
+             _ptr(b1), b1_se, w2.data_ptr(), w2_se, w2_sr, _ptr(b2), b2_se, m, width, n,
+             PAIR_ACTIVATIONS[activation], out.data_ptr(), torch.get_num_threads())
+    return out

@@ -39,6 +39,10 @@ SIGNATURES: dict[str, list] = {
     "sf_topk_rows": [P, I64, I64, I64, I64, P, P, INT],
     # sa, lda, sb, ldb, rows, n_a, n_b, k, vals, ids, nthreads
     "sf_pk_topk": [P, I64, P, I64, I64, I64, I64, I64, P, P, INT],
+    # x, ldx, idx, gates, keep, T, k, w1, w1_se, w1_sr, wg, wg_se, wg_sr, b1, b1_se, w2, w2_se,
+    # w2_sr, b2, b2_se, m, G, n, act, out, nthreads
+    "sf_mlp_pairs": [P, I64, P, P, P, I64, INT, P, I64, I64, P, I64, I64, P, I64, P, I64, I64,
+                     P, I64, INT, INT, INT, INT, P, INT],
 }
 
 _CAUSES = {-1: "no BLAS routine was registered for its dtype",

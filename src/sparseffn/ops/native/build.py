@@ -26,7 +26,8 @@ import torch
 
 from .abi import declare
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c", "rows_cpu.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c", "rows_cpu.c",
+                                                              "pairs_cpu.c")]
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
