@@ -127,7 +127,7 @@ def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:
     host read is free there) and, on other devices, when
     :func:`sparseffn.ops.debug.set_checks` is on; never while ``torch.compile`` traces."""
     if indices.numel() and checks_enabled(indices):
-        low, high = int(indices.min()), int(indices.max())
+        low, high = map(int, torch.aminmax(indices))    # one pass, not a min and a max
         if low < 0 or high >= num_experts:
             raise ValueError(
                 f"expert indices must lie in [0, {num_experts}), got values in [{low}, {high}]"

@@ -27,11 +27,11 @@ from .rows import gather_sum
 _FUSED_ACTIVATIONS = {"relu"}
 
 # Up to this many multiply-adds (pairs · expert_size · (d_in + d_out), d_in once more for
-# gated experts) a batch's experts run without a dispatch plan (:func:`expert_mlp_few`). At
-# d_model 512 and experts of 128 that is 32 pairs: 8 tokens at k = 4, where the plan and the
-# grouped products cost more (2-core AVX-512 CPU: 46 against 168 µs at one token, 295 against
-# 385 at 8, 485 against 459 at 16).
-FEW_PAIRS_MACS = 1 << 22
+# gated experts) a batch's experts run without a dispatch plan (:func:`expert_mlp_few`): at
+# d_model 512 and experts of 128, 16 pairs (4 tokens at k = 4). A whole σ-MoE layer's
+# inference forward without / with the plan, interleaved with a dense MLP as in
+# ``bench layers`` (2-core AVX-512 CPU): 0.86 at 1 token, 0.96 at 4, 1.02 at 8, 1.13 at 16.
+FEW_PAIRS_MACS = 1 << 21
 
 
 def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.Tensor,
