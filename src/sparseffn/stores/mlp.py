@@ -39,7 +39,10 @@ class MLPExperts(ExpertStore):
     parameter ``w_gate`` [E, expert_size, d_model], initialised as ``w1``.
 
     Sparse routings run through :func:`~sparseffn.ops.expert_mlp` (pairs a router dropped at
-    capacity are never computed: their output is zero). A ``dense`` routing (weights over every
+    capacity are never computed: their output is zero), or, at inference on a few tokens (no
+    gradient wanted, CPU float32, up to ``FEW_PAIRS_MACS`` multiply-adds: decoding), through
+    :func:`~sparseffn.ops.expert_mlp.expert_mlp_few`, which computes the same without a
+    dispatch plan. A ``dense`` routing (weights over every
     expert, the soft mode of a fast feed-forward tree) runs as one GEMM into all experts'
     hidden units, each expert's block scaled by its weight, and one GEMM back.
 
