@@ -189,3 +189,16 @@ def test_the_choice_follows_the_gradient_and_the_tensors():
     assert not expert_mlp_few_ok(*args)                 # the weights require grad
     frozen = [t.detach() for t in args]
     assert expert_mlp_few_ok(*frozen) == native.available()
+
+
+def test_compiles_in_one_graph_at_inference():
+    require_native()
+    store, x, routing = _store_and_routing(T=2, bias=True)
+    compiled = torch.compile(lambda x, i, w: store(x, Routing(i, w)), fullgraph=True,
+                             backend="aot_eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = store(x, Routing(routing.indices, routing.weights))
+        got = compiled(x, routing.indices, routing.weights)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
