@@ -142,13 +142,12 @@ def expert_mlp_few_ok(x: torch.Tensor, indices: torch.Tensor, gates: torch.Tenso
     tensors = (x, gates, w1, w2, b1, b2, w_gate)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False
-    if x.dim() != 2 or indices.dim() != 2 or activation not in native.PAIR_ACTIVATIONS:
+    if x.dim() != 2 or indices.dim() != 2:
         return False
     d_in = w1.shape[2] * (1 if w_gate is None else 2)
     if indices.numel() * w1.shape[1] * (d_in + w2.shape[2]) > FEW_PAIRS_MACS:
         return False
-    return autocast_dtype(x) is None and native.usable(*tensors) and all(
-        t is None or t.stride(-1) == 1 for t in (w1, w2, b1, b2, w_gate))
+    return autocast_dtype(x) is None and native.mlp_pairs_usable(*tensors, activation)
 
 
 def expert_mlp_few(x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor,

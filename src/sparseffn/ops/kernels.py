@@ -495,8 +495,7 @@ def expert_mlp_pairs(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor, w2: 
     :func:`~sparseffn.ops.expert_mlp.expert_mlp_few` calls it only where no gradient is
     wanted. The C kernel on CPU float32 (weights with a unit last stride); elsewhere each
     pair's expert weights are gathered and applied as batched matrix-vector products."""
-    if _fused(x, gates, w1, w2, b1, b2, w_gate) and activation in native.PAIR_ACTIVATIONS \
-            and all(t is None or t.stride(-1) == 1 for t in (w1, w2, b1, b2, w_gate)):
+    if native.mlp_pairs_usable(x, gates, w1, w2, b1, b2, w_gate, activation):
         return native.mlp_pairs(x, indices, gates, w1, w2, activation, b1, b2, w_gate, keep)
     return expert_mlp_pairs_torch(x, indices, gates, w1, w2, activation, b1, b2, w_gate, keep)
 

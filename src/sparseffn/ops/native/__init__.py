@@ -31,8 +31,8 @@ from .build import (_load, available, bf16_available, native_enabled, set_native
 
 __all__ = ["available", "bf16_available", "cvmm_rows", "cvmm_usable", "fff_descend",
            "fff_expand", "fff_expand_backward",
-           "gather_dot", "gather_sum", "mlp_pairs", "native_enabled", "product_key_topk",
-           "scatter_rows",
+           "gather_dot", "gather_sum", "mlp_pairs", "mlp_pairs_usable", "native_enabled",
+           "product_key_topk", "scatter_rows",
            "set_native_enabled", "topk_rows", "unavailable_reason", "usable", "weight_grad"]
 
 # ---------------------------------------------------------------------------------------------
@@ -401,6 +401,17 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
 
 #: Activation codes of ``sf_mlp_pairs`` by the names of ``sparseffn.activations``.
 PAIR_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+
+
+def mlp_pairs_usable(x: torch.Tensor, gates: torch.Tensor | None, w1: torch.Tensor,
+                     w2: torch.Tensor, b1: torch.Tensor | None, b2: torch.Tensor | None,
+                     w_gate: torch.Tensor | None, activation: str) -> bool:
+    """True when :func:`mlp_pairs` takes these tensors: CPU float32 (:func:`usable`), an
+    activation it knows, and the expert tensors (weights, biases) with a unit last stride, so
+    that they are read in place."""
+    experts = (w1, w2, b1, b2, w_gate)
+    return activation in PAIR_ACTIVATIONS and usable(x, gates, *experts) and all(
+        t is None or t.stride(-1) == 1 for t in experts)
 
 
 def _expert_rows(name: str, t: torch.Tensor | None, experts: int, rows: int, width: int
