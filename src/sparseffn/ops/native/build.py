@@ -5,7 +5,8 @@ kernel is asked for, into ``$SPARSEFFN_CACHE_DIR`` (default ``~/.cache/sparseffn
 by a hash of the sources, the flags and the machine, and written atomically. Without a
 compiler, a BLAS ``sgemm_`` in PyTorch, or on another OS, :func:`available` is False (the
 reason is in :func:`unavailable_reason`) and the operators run their PyTorch implementations.
-``SPARSEFFN_NO_NATIVE=1`` turns the kernels off.
+``SPARSEFFN_NO_NATIVE=1`` in the environment when sparseffn is imported turns the kernels
+off; :func:`set_native_enabled` does so at run time.
 """
 
 from __future__ import annotations
@@ -33,24 +34,27 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _bf16 = False       # MKL's bf16 GEMM was found: the CVMM kernels take bf16 too
-_enabled = True
+# Read once, at import: every operator asks, and an environment lookup costs about 0.6 µs.
+_ENV_OFF = bool(os.environ.get("SPARSEFFN_NO_NATIVE"))
+_enabled = not _ENV_OFF
 
 
 def set_native_enabled(enabled: bool) -> None:
-    """Allow (True) or forbid (False) the fused CPU kernels in this process."""
+    """Allow (True) or forbid (False) the fused CPU kernels in this process
+    (``SPARSEFFN_NO_NATIVE`` at import forbids them whatever this says)."""
     global _enabled
-    _enabled = enabled
+    _enabled = bool(enabled) and not _ENV_OFF
 
 
 def native_enabled() -> bool:
-    return _enabled and not os.environ.get("SPARSEFFN_NO_NATIVE")
+    return _enabled
 
 
 def available() -> bool:
     """True when the fused kernels are built and loaded (building them if needed)."""
-    if not native_enabled():
+    if not _enabled:
         return False
-    return _load() is not None
+    return (_lib if _lib is not None else _load()) is not None
 
 
 def bf16_available() -> bool:
