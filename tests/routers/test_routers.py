@@ -771,3 +771,22 @@ def test_product_key_router_in_a_moe_checks_its_layer():
     routing = layer.router(torch.randn(6, 8))
     assert routing.indices.shape == (6, 4) and int(routing.indices.max()) < 16
     assert layer.config.cost().total_params == sum(p.numel() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("tokens", [5, 511, 512])
+@pytest.mark.parametrize("bias", [True, False])
+def test_tree_node_logits_padded_or_not_are_the_linear_map(tokens, bias):
+    """At depths 6-10 the node logits come from a GEMM with the weight padded to 2^d rows from
+    512 tokens on, and from the plain GEMM below: the same map and gradients either way."""
+    from sparseffn.routers.tree import TreeRouter
+    router = TreeRouter(TreeRouterConfig(bias=bias), 16, 64, 2)
+    x = torch.randn(tokens, 16, requires_grad=True)
+    z = router.node_logits(x)
+    ref = F.linear(x, router.weight, router.bias)
+    assert z.shape == (tokens, 63)
+    torch.testing.assert_close(z, ref)
+    g = torch.randn_like(ref)
+    params = [x, router.weight] + ([router.bias] if bias else [])
+    for a, b in zip(torch.autograd.grad((z * g).sum(), params),
+                    torch.autograd.grad((ref * g).sum(), params)):
+        torch.testing.assert_close(a, b)

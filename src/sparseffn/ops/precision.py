@@ -4,7 +4,20 @@ the same tensor to the same dtype, and cast it once), and that one cast."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def autocast_off(device_type: str):
+    """A context that turns autocast off on ``device_type`` while it is on there, and does
+    nothing (no ``torch.autocast`` object entered, about 2 µs saved a call) while it is off:
+    float32 routing at small batches is host-bound."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return _NO_CONTEXT
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..init import dense_init_std, equal_norm_rows_
-from ..ops.precision import autocast_dtype
+from ..ops.precision import autocast_dtype, autocast_off
 from ..registry import RouterConfig
 from ..routing import Routing
 
@@ -23,7 +23,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     their losses are computed at full precision (Switch Transformer's "selective precision").
 
     x: [T, d]; weight: [E, d]; returns [T, E] float32."""
-    with torch.autocast(device_type=x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         return nn.functional.linear(x.float(), weight.float(),
                                     None if bias is None else bias.float())
 

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from ..ops import fff
 from ..ops.fff import SOFT_FORMULATIONS, TREE_ACTIVATIONS
+from ..ops.precision import autocast_off
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import matrix_tuple, require_bool, require_choice, require_positive_int
@@ -121,8 +122,12 @@ class TreeRouterConfig(RouterConfig):
 
 # Depths whose node logits are computed with the weight padded to 2^d rows: a GEMM with
 # 2^d - 1 output columns measured up to 1.6x slower than with 2^d at d = 6-7 (2 cores, MKL);
-# elsewhere the copy of the padded weight costs about what it saves.
+# elsewhere the copy of the padded weight costs about what it saves. Only from
+# _PADDED_MIN_TOKENS tokens: below, the copy and the slice cost more than the GEMM saves
+# (padded / plain time 1.0-1.1 at 256 tokens, 1.2-2.8 at 16; 0.7-1.0 from 512; d_model 64 to
+# 1024, same machine).
 _PADDED_DEPTHS = range(6, 11)
+_PADDED_MIN_TOKENS = 512
 
 
 @implements(TreeRouterConfig)
@@ -180,7 +185,7 @@ class TreeRouter(Router):
 
     def node_logits(self, x: torch.Tensor) -> torch.Tensor:
         """z [T, N] in float32 (the routing decision runs at full precision under autocast)."""
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             x = x.float()
             if self.config.node_width == 1:
                 return self._linear_logits(x)
@@ -191,7 +196,8 @@ class TreeRouter(Router):
 
     def _linear_logits(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias, nodes = self.weight.float(), self.bias, self.num_nodes
-        if self.depth in _PADDED_DEPTHS and x.device.type == "cpu":
+        if (self.depth in _PADDED_DEPTHS and x.shape[0] >= _PADDED_MIN_TOKENS
+                and x.device.type == "cpu"):
             weight = F.pad(weight, (0, 0, 0, 1))
             bias = None if bias is None else F.pad(bias.float(), (0, 1))
             return F.linear(x, weight, bias)[:, :nodes]
