@@ -98,6 +98,75 @@ def test_levelwise_kernel_equals_its_torch_path():
         torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=1e-4)
 
 
+_EXTREME_LOGITS = [0.0, -0.0, 1e-8, -1e-8, 20.0, -20.0, 86.9, -86.9, 87.5, -87.5, 200.0, -200.0,
+                   float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5, 9])
+@pytest.mark.parametrize("rows", [0, 1, 3, 70])
+def test_c_kernel_sigmoid_of_logits_matches_torch_sigmoid(depth, rows):
+    """Mode 3 of fff_cpu.c computes σ(z) itself (a vectorised exp): the leaf probabilities and
+    the gradient equal mode 0 given torch.sigmoid(z), for ordinary and extreme logits."""
+    require_native()
+    from sparseffn.ops import kernels, native
+    N, L = 2 ** depth - 1, 2 ** depth
+    z = 4 * torch.randn(rows, N)
+    extreme = torch.tensor(_EXTREME_LOGITS)
+    z.view(-1)[:min(z.numel(), extreme.numel())] = extreme[:z.numel()]
+    p = torch.sigmoid(z)
+    got = native.fff_expand(z, depth, kernels.FFF_PRODUCT_OF_LOGITS)
+    want = native.fff_expand(p, depth, kernels.FFF_PRODUCT)
+    assert got.shape == (rows, L)
+    torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-6)
+    grad = torch.randn(rows, L)
+    got_g = native.fff_expand_backward(grad, got, z, depth, kernels.FFF_PRODUCT_OF_LOGITS)
+    want_g = native.fff_expand_backward(grad, want, p, depth, kernels.FFF_PRODUCT)
+    torch.testing.assert_close(got_g, want_g, atol=1e-6, rtol=1e-5)
+
+
+def test_c_kernel_sigmoid_saturates_exactly():
+    """σ(±inf) and σ(±200) are exactly 1 and 0 (as torch.sigmoid gives), σ(0) exactly 1/2."""
+    require_native()
+    from sparseffn.ops import kernels, native
+    z = torch.tensor([[-float("inf")], [float("inf")], [-200.0], [200.0], [0.0]])
+    probs = native.fff_expand(z, 1, kernels.FFF_PRODUCT_OF_LOGITS)
+    assert probs.tolist() == [[0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.5, 0.5]]
+    assert torch.equal(probs[:, 0], torch.sigmoid(z[:, 0]))
+
+
+def test_c_kernel_sigmoid_keeps_nan_in_its_subtree():
+    """A NaN logit at node n makes NaN exactly the leaves under n, in the probabilities and,
+    through them, in the gradient; every other leaf keeps its value."""
+    require_native()
+    from sparseffn.ops import kernels, native
+    z = torch.randn(2, 15)
+    z[0, 2] = float("nan")          # node 2: the root's right child, leaves 8..15
+    probs = native.fff_expand(z, 4, kernels.FFF_PRODUCT_OF_LOGITS)
+    assert probs[0, 8:].isnan().all() and not probs[0, :8].isnan().any()
+    assert not probs[1].isnan().any()
+    torch.testing.assert_close(probs[1], fff._levelwise_torch(z[1:], 4, "logsigmoid")[0])
+
+
+@pytest.mark.parametrize("rows", [3, 40])     # below and above the kernels' one-thread limit
+def test_fff_c_kernels_are_thread_independent(rows):
+    require_native()
+    from sparseffn.ops import kernels, native
+    z, x, w = torch.randn(rows, 511), torch.randn(rows, 33), torch.randn(511, 33)
+    grad = torch.randn(rows, 512)
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            probs = native.fff_expand(z, 9, kernels.FFF_PRODUCT_OF_LOGITS)
+            results.append((probs, native.fff_expand_backward(grad, probs, z, 9, 3),
+                            native.fff_descend(x, w, None, 9)))
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_identity_matrices_recover_the_softmax_moe_router():
     """Chaunin & Mikhailovskiy (matrix FFF) §2.2: T = S = I and a = identity give softmax(W x)."""
     z = torch.randn(16, 8)

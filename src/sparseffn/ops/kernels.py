@@ -537,8 +537,9 @@ def _(x, indices, gates, w1, w2, activation, b1, b2, w_gate, keep):
 # Modes of the expansion: how a node's two children get their values from the parent's value
 # ``cur`` (see ``fff_cpu.c``): 0 product, p = σ(z): (cur·p, cur - cur·p); 1 sum with
 # a(-z) = a(z) - z: (cur + a, cur + a - z); 2 sum with a(-z) = -a(z): (cur + a, cur - a);
-# 3 the product of mode 0 given the logits z themselves (σ computed inside: on a GPU one
-# launch instead of two, and the backward keeps z instead of σ(z)).
+# 3 the product of mode 0 given the logits z themselves (σ computed inside, by every kernel:
+# on a GPU one launch instead of two, on a CPU no [T, N] tensor of sigmoids written and read
+# again; the backward keeps z instead of σ(z)).
 FFF_PRODUCT, FFF_SUM_SHIFTED, FFF_SUM_ODD, FFF_PRODUCT_OF_LOGITS = 0, 1, 2, 3
 
 
@@ -550,8 +551,6 @@ def fff_expand(node_values: Tensor, depth: int, mode: int,
     if triton_tree.usable(depth, node_values, node_logits):
         return triton_tree.expand(node_values, depth, mode, node_logits)
     if _fused(node_values, node_logits):
-        if mode == FFF_PRODUCT_OF_LOGITS:   # the C kernel takes σ(z)
-            node_values, mode = torch.sigmoid(node_values), FFF_PRODUCT
         return native.fff_expand(node_values, depth, mode, node_logits=node_logits)
     return fff_expand_torch(node_values, depth, mode, node_logits)
 
@@ -590,10 +589,10 @@ def fff_expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Op
     mode 3, a'(z) in mode 1, see ``fff_cpu.c``); in the gradient's dtype."""
     if triton_tree.usable(depth, grad_leaf, leaf, node_data):
         return triton_tree.expand_backward(grad_leaf, leaf, node_data, depth, mode)
-    if mode == FFF_PRODUCT_OF_LOGITS:
-        node_data, mode = torch.sigmoid(node_data), FFF_PRODUCT
     if _fused(grad_leaf, leaf, node_data):
         return native.fff_expand_backward(grad_leaf, leaf, node_data, depth, mode)
+    if mode == FFF_PRODUCT_OF_LOGITS:
+        node_data, mode = torch.sigmoid(node_data), FFF_PRODUCT
     return _fff_expand_backward_torch(grad_leaf, leaf, node_data, depth, mode)
 
 

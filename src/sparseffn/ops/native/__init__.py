@@ -271,7 +271,7 @@ def fff_expand(node_values: torch.Tensor, depth: int, mode: int,
                node_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Leaf values [T, 2^depth] from node values [T, 2^depth - 1], level by level (modes in
     fff_cpu.c: 0 sigmoid products, 1 sums with a(-z) = a(z) - z (needs ``node_logits``),
-    2 sums with a(-z) = -a(z))."""
+    2 sums with a(-z) = -a(z), 3 sigmoid products given the logits)."""
     lib = _load()
     nodes = (1 << depth) - 1
     a = _unit_rows("node_values", node_values, nodes)
