@@ -69,30 +69,35 @@ class Routing:
         return Routing(indices=indices, weights=weights, dense=True, **kwargs)
 
 
-@torch.no_grad()
 def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
                  dispatched: torch.Tensor | None = None, counts: torch.Tensor | None = None,
                  mass: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per expert: the number of dispatched (token, slot) pairs and their total selection
-    weight, float32 [E] each. ``counts`` (integer [E]) and ``mass`` ([E]): either when already
-    known (a :class:`~sparseffn.ops.DispatchPlan`'s counts, a router's mass), not summed
-    again. Reads nothing on the host."""
+    weight, float32 [E] each, outside the autograd graph. ``counts`` (integer [E]) and
+    ``mass`` ([E]): either when already known (a :class:`~sparseffn.ops.DispatchPlan`'s counts,
+    a router's mass), not summed again; when both are summed, one ``index_add_`` into a
+    [2, E] buffer does it (each row contiguous). Reads nothing on the host."""
     if mass is not None:
         mass = mass.detach().float()
         if counts is not None:
             return counts.float(), mass
     flat = indices.reshape(-1)
     keep = None if dispatched is None else dispatched.reshape(-1)
-    if counts is None:
-        ones = torch.ones(flat.shape, device=flat.device) if keep is None else keep.float()
-        counts = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
-        counts = counts.index_add_(0, flat, ones)
+    mass_each = None
     if mass is None:
         mass_each = weights.detach().reshape(-1).float()
         if keep is not None:
             mass_each = torch.where(keep, mass_each, torch.zeros_like(mass_each))
-        mass = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
-        mass = mass.index_add_(0, flat, mass_each)
+    if counts is None:
+        ones = torch.ones(flat.shape, device=flat.device) if keep is None else keep.float()
+        if mass_each is None:
+            counts = flat.new_zeros(num_experts, dtype=torch.float32).index_add_(0, flat, ones)
+        else:   # both: one scatter of the (1, weight) columns
+            both = flat.new_zeros((2, num_experts), dtype=torch.float32).index_add_(
+                1, flat, torch.stack((ones, mass_each)))
+            return both[0], both[1]
+    if mass is None:
+        mass = flat.new_zeros(num_experts, dtype=torch.float32).index_add_(0, flat, mass_each)
     return counts.float(), mass
 
 
@@ -195,11 +200,24 @@ class SparseFFN(nn.Module):
             raise ValueError(f"{type(self).__name__} expects input of shape [..., d_model="
                              f"{self.d_model}], got {tuple(x.shape)}")
         if not torch.is_autocast_enabled(x.device.type):
-            dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), x.dtype)
+            dtype = self._parameter_dtype(x.dtype)
             if x.dtype != dtype:
                 raise TypeError(f"{type(self).__name__} holds {dtype} parameters and got "
                                 f"{x.dtype} input: convert one to the other (layer.to(dtype)) "
                                 f"or run under torch.autocast")
+
+    def _parameter_dtype(self, default: torch.dtype) -> torch.dtype:
+        """The dtype of the first floating-point parameter (``default`` when none), in the
+        order of ``parameters()``. The layer's own parameters and its first child's are looked
+        at directly: ``parameters()`` walks every submodule, microseconds on every forward."""
+        children = iter(self._modules.values())
+        first_child = next(children, None)
+        for params in (self._parameters,
+                       {} if first_child is None else first_child._parameters):
+            for p in params.values():
+                if p is not None and p.is_floating_point():
+                    return p.dtype
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), default)
 
     def _init_usage(self, num_experts: int) -> None:
         """Register the usage buffers for ``num_experts`` experts (at construction)."""
@@ -241,20 +259,21 @@ class SparseFFN(nn.Module):
             return y
         return _AddAuxLossGradient.apply(y, torch.stack(weighted).sum())
 
-    @torch.no_grad()
     def _record_usage(self, counts: torch.Tensor, mass: torch.Tensor,
                       stats: dict[str, torch.Tensor]) -> None:
-        """Keep this forward's per-expert ``counts`` and ``mass`` (float32 [E]) and other
-        ``stats`` in ``routing_stats``, and add them to the accumulated usage."""
+        """Keep this forward's per-expert ``counts`` and ``mass`` (float32 [E], outside the
+        autograd graph) and other ``stats`` in ``routing_stats``, and add them to the
+        accumulated usage."""
         self.routing_stats = {"counts": counts, "mass": mass, **stats}
-        usage = getattr(self, "usage_counts", None)
+        usage = self._buffers.get("usage_counts")    # not Module.__getattr__: every forward
         if usage is None:
             return
         if usage.shape != counts.shape:
             raise ValueError(f"{type(self).__name__}: routing over {counts.shape[0]} experts, "
                              f"but usage is kept for {usage.shape[0]}")
-        self.usage_counts.add_(counts.to(self.usage_counts.dtype))
-        self.usage_mass.add_(mass.to(self.usage_mass.dtype))
+        usage_mass = self._buffers["usage_mass"]
+        usage.add_(counts.to(usage.dtype))
+        usage_mass.add_(mass.to(usage_mass.dtype))
 
     def sparse_grad_parameters(self) -> list[nn.Parameter]:
         """Parameters whose gradients are sparse tensors (none, unless a layer says so)."""

@@ -114,6 +114,29 @@ def test_wrong_input_shape_is_a_clear_error(layer):
         layer(torch.ones(3, 8, dtype=torch.long))
 
 
+@pytest.mark.parametrize("make", [
+    lambda: DenseMLP(d_model=8, d_ff=16), lambda: TopKMLP(d_model=8, d_ff=16, k=4),
+    lambda: SigmaMoE(d_model=8, num_experts=4, expert_size=4, k=2),
+    lambda: sparseffn.FastFeedForward(d_model=8, depth=2, leaf_width=3),
+    lambda: sparseffn.ProductKeyMemory(d_model=8, num_subkeys=4, heads=2, k=3)])
+def test_input_dtype_against_parameter_dtype_is_a_clear_error(make):
+    """The parameter dtype the input check compares with is the first floating parameter's
+    (found without walking every submodule), after ``.to`` and after a parameter is replaced."""
+    layer = make()
+    assert layer._parameter_dtype(torch.float16) == next(layer.parameters()).dtype
+    layer.to(torch.bfloat16)
+    with pytest.raises(TypeError, match="holds torch.bfloat16 parameters and got torch.float32"):
+        layer(torch.randn(3, 8))
+    assert layer(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    layer.float()
+    name, first = next(layer.named_parameters())
+    owner = layer.get_submodule(name.rpartition(".")[0])
+    setattr(owner, name.rpartition(".")[2], nn.Parameter(first.detach().double()))
+    assert layer._parameter_dtype(torch.float16) == torch.float64
+    with pytest.raises(TypeError, match="holds torch.float64 parameters"):
+        layer(torch.randn(3, 8))
+
+
 @pytest.mark.slow
 def test_layers_replace_the_mlp_of_a_model_and_train():
     """A sparse layer drops into a small network and reduces a regression loss."""
