@@ -13,6 +13,8 @@
 #                                                   #   breaks, host syncs, operators per eager step
 #   bash scripts/gpu_session.sh rows                # product-key top-k (merge vs exact), PEER step
 #   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
+#   bash scripts/gpu_session.sh decode              # host-bound sizes: bench layers at 1 token,
+#                                                   #   no bf16 (decoding), configs a and b
 #
 # fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
 # /.peers/ in .git/info/exclude, so that it travels as an ignored, carried folder). Peers from
@@ -56,6 +58,8 @@ for what in "$@"; do
                  --json "$OUT/lm-graphs.json" ;;
     layers) stage layers 400 $PY -m sparseffn bench layers --device cuda --dtype bfloat16 \
               --tokens 32768 --json "$OUT/layers.json" ;;
+    decode) stage decode 300 $PY -m sparseffn bench layers --device cuda --tokens 1 --configs a b \
+              --no-routers --json "$OUT/decode.json" ;;
     routers) stage routers 300 $PY -m sparseffn bench routers --device cuda --json "$OUT/routers.json" ;;
     productkeys) stage productkeys 400 $PY -m sparseffn bench productkeys --device cuda \
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
@@ -66,6 +70,6 @@ for what in "$@"; do
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
-            "productkeys profile cvmm rows compile train)"; exit 2 ;;
+            "productkeys profile cvmm rows compile train decode)"; exit 2 ;;
   esac
 done
