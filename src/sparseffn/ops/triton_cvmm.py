@@ -107,11 +107,10 @@ def usable(num_experts: int, *tensors: Optional[Tensor]) -> bool:
     """True when the Triton kernels take these tensors: Triton present and enabled, every
     tensor on a CUDA device (or on the CPU under :func:`set_interpreter_for_cpu`) in fp32,
     fp16 or bf16 (the index tensors aside), at most ``MAX_EXPERTS`` experts."""
-    if not _enabled or triton is None or num_experts > MAX_EXPERTS:
+    if not triton_enabled() or num_experts > MAX_EXPERTS:
         return False
     for t in tensors:   # a loop, not all(<generator>): this runs in every operator call
-        if t is not None and not ((t.is_cuda or (_on_cpu and t.device.type == "cpu"))
-                                  and t.dtype in _DTYPES):
+        if t is not None and not ((t.is_cuda or (_on_cpu and t.is_cpu)) and t.dtype in _DTYPES):
             return False
     return True
 

@@ -97,14 +97,12 @@ def _written(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     what it returns, tested). Under deterministic algorithms PyTorch fills each new tensor with
     NaN (``torch.utils.deterministic.fill_uninitialized_memory``), a whole pass over memory the
     kernel then writes again; these outputs skip it."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return torch.empty(*shape, dtype=dtype)
     settings = torch.utils.deterministic
-    if not settings.fill_uninitialized_memory:
+    if not (torch.are_deterministic_algorithms_enabled() and settings.fill_uninitialized_memory):
         return torch.empty(*shape, dtype=dtype)
     settings.fill_uninitialized_memory = False
     try:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(*shape, dtype=dtype)
     finally:
         settings.fill_uninitialized_memory = True
 

@@ -52,9 +52,7 @@ def native_enabled() -> bool:
 
 def available() -> bool:
     """True when the fused kernels are built and loaded (building them if needed)."""
-    if not _enabled:
-        return False
-    return (_lib if _lib is not None else _load()) is not None
+    return _enabled and _load() is not None
 
 
 def bf16_available() -> bool:
