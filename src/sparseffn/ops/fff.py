@@ -42,6 +42,7 @@ from torch.nn import functional as F
 
 from . import kernels, native, triton_tree
 from .kernels import descend_from_logits_fn
+from .precision import autocast_off
 
 TREE_ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
 SOFT_FORMULATIONS = ("orig", "logs", "matrix", "matrix_sparse", "levelwise")
@@ -286,7 +287,7 @@ def leaf_probs_matrix_sparse(z: torch.Tensor, activation: str = "logsigmoid") ->
     tokens = z.shape[0]
     pairs = torch.stack(_branches(z, activation), dim=-1).reshape(tokens, 2 * z.shape[-1])    # a(S z) [T, 2N]
     if z.device.type == "cpu" and z.dtype == torch.float32:
-        with torch.autocast("cpu", enabled=False):   # CSR products have no bfloat16 kernel
+        with autocast_off("cpu"):   # CSR products have no bfloat16 kernel
             leaf_logits = torch.sparse.mm(_sparse_T(depth), pairs.float().T).T     # [T, L]
     else:   # the same sums as a gather of each leaf's d path columns
         leaf_logits = pairs[:, path_columns(depth).to(z.device)].sum(dim=-1)

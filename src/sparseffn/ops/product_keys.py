@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels, triton_rows
+from .precision import autocast_off
 from .rows import gather_dot
 
 # Sub-key scores of at most this many floats (per half) exist at once during retrieval.
@@ -90,7 +91,7 @@ def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
     idx = torch.empty(tokens, heads, k, dtype=torch.int64, device=query_a.device)
     flat_a, flat_b = keys_a.reshape(heads * n_a, d_a), keys_b.reshape(heads * n_b, -1)
     step = max(1, _SCORE_CHUNK_ELEMENTS // (heads * max(n_a, n_b)))
-    with torch.no_grad(), torch.autocast(query_a.device.type, enabled=False):
+    with torch.no_grad(), autocast_off(query_a.device.type):
         qa, qb = query_a.to(score_dtype), query_b.to(score_dtype)
         ka, kb = keys_a.to(score_dtype), keys_b.to(score_dtype)
         fa, fb = ka.reshape(heads * n_a, d_a), kb.reshape(heads * n_b, -1)
@@ -148,7 +149,7 @@ class _SelectedScores(torch.autograd.Function):
         tokens, heads, k = grad.shape
         n_a = keys_a.shape[1]
         grads = [None] * 6
-        with torch.autocast(grad.device.type, enabled=False):
+        with autocast_off(grad.device.type):
             for side, (query, keys, sub) in enumerate(((query_a, keys_a, idx % n_a),
                                                         (query_b, keys_b, idx // n_a))):
                 if not (ctx.needs_input_grad[1 + side] or ctx.needs_input_grad[3 + side]):
