@@ -210,11 +210,10 @@ class SparseFFN(nn.Module):
         """The dtype of the first floating-point parameter (``default`` when none), in the
         order of ``parameters()``. The layer's own parameters and its first child's are looked
         at directly: ``parameters()`` walks every submodule, microseconds on every forward."""
-        children = iter(self._modules.values())
-        first_child = next(children, None)
-        for params in (self._parameters,
-                       {} if first_child is None else first_child._parameters):
-            for p in params.values():
+        first_child = next(iter(self._modules.values()), None)
+        nearest = [self] if first_child is None else [self, first_child]
+        for module in nearest:
+            for p in module._parameters.values():
                 if p is not None and p.is_floating_point():
                     return p.dtype
         return next((p.dtype for p in self.parameters() if p.is_floating_point()), default)

@@ -591,12 +591,12 @@ def fff_expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Op
         return triton_tree.expand_backward(grad_leaf, leaf, node_data, depth, mode)
     if _fused(grad_leaf, leaf, node_data):
         return native.fff_expand_backward(grad_leaf, leaf, node_data, depth, mode)
-    if mode == FFF_PRODUCT_OF_LOGITS:
-        node_data, mode = torch.sigmoid(node_data), FFF_PRODUCT
     return _fff_expand_backward_torch(grad_leaf, leaf, node_data, depth, mode)
 
 
 def _fff_expand_backward_torch(grad_leaf, leaf, node_data, depth, mode):
+    if mode == FFF_PRODUCT_OF_LOGITS:   # as fff_expand_torch: σ(z), then the product
+        node_data, mode = torch.sigmoid(node_data), FFF_PRODUCT
     g = grad_leaf * leaf.to(grad_leaf.dtype) if mode == FFF_PRODUCT else grad_leaf
     out = grad_leaf.new_empty(grad_leaf.shape[0], (1 << depth) - 1)
     for level in reversed(range(depth)):
