@@ -20,14 +20,24 @@ def _sorted_problem(E, counts, m, n):
     return counts, P, expert_of_row, torch.randn(E, m, n)
 
 
-def _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, out_rows):
-    rows = src if in_idx is None else src[in_idx]
-    y = torch.einsum("pm,pmn->pn", rows, weight[expert_of_row])
+def _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, out_rows, group=1):
+    """The rows y_r in float64; with out_idx (slots), out[i] = Σ of the rows whose slot // group
+    is i, added in slot order."""
+    rows = (src if in_idx is None else src[in_idx]).double()
+    y = torch.einsum("pm,pmn->pn", rows, weight[expert_of_row].double())
     if scale is not None:
-        y = y * scale[:, None]
+        y = y * scale[:, None].double()
     if out_idx is None:
-        return y
-    return y.new_zeros(out_rows, y.shape[1]).index_add_(0, out_idx, y)
+        return y.to(src.dtype)
+    out = y.new_zeros(out_rows, y.shape[1])
+    for r in out_idx.argsort().tolist():
+        out[out_idx[r] // group] += y[r]
+    return out.to(src.dtype)
+
+
+def _slots(P, out_rows, group, generator=None):
+    """P distinct slots below out_rows · group: the token and slot of each sorted row."""
+    return torch.randperm(out_rows * group, generator=generator)[:P]
 
 
 @pytest.mark.parametrize("gather", [False, True])
@@ -43,13 +53,16 @@ def test_cvmm_rows_matches_reference(gather, scatter, scaled, transposed_weight)
         assert weight.stride(2) != 1
     src = torch.randn(R if gather else P, m)
     in_idx = torch.randint(0, R, (P,)) if gather else None
-    out_idx = torch.randint(0, R, (P,)) if scatter else None
+    # 12 slots per output row and 459 rows: most of the R outputs get several rows, and the
+    # last 3 output rows get none (they must come back zero, not garbage)
+    out_idx = _slots(P, R, 12) if scatter else None
     scale = torch.rand(P) if scaled else None
-    # out has 3 more rows than any index reaches: they must come back zero, not garbage
     got = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx, scale=scale,
-                           out_rows=R + 3)
-    want = _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R + 3)
+                           out_rows=R + 3, group=12)
+    want = _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R + 3, 12)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+    if scatter:
+        assert torch.all(got[R:] == 0)
 
 
 @pytest.mark.parametrize("scatter", [False, True])
@@ -57,14 +70,14 @@ def test_cvmm_rows_dots_with_unscaled_rows(scatter):
     E, m, n, R = 3, 24, 10, 12
     counts, P, expert_of_row, weight = _sorted_problem(E, [20, 0, 9], m, n)
     src, in_idx = torch.randn(R, m), torch.randint(0, R, (P,))
-    out_idx = torch.randint(0, R, (P,)) if scatter else None
+    out_idx = _slots(P, R, 3) if scatter else None
     scale, other = torch.rand(P), torch.randn(P, n)
     got, dots = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx,
-                                 scale=scale, out_rows=R, dot_with=other)
+                                 scale=scale, out_rows=R, group=3, dot_with=other)
     unscaled = _rows_reference(src, weight, expert_of_row, in_idx, None, None, R)
     torch.testing.assert_close(dots, (unscaled * other).sum(1))
     torch.testing.assert_close(
-        got, _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R))
+        got, _rows_reference(src, weight, expert_of_row, in_idx, out_idx, scale, R, 3))
 
 
 def _with_threads(n, fn):
@@ -153,7 +166,9 @@ def _mixture_step(threads: int, deterministic: bool):
         torch.use_deterministic_algorithms(False)
 
 
-def test_deterministic_mode_keeps_the_fused_kernels_and_is_thread_independent(monkeypatch):
+def test_fused_kernels_give_the_same_bits_in_every_mode_and_thread_count(monkeypatch):
+    """The k rows of a token are added in slot order, one slot per pass: the same bits with
+    or without deterministic algorithms, at any thread count."""
     require_native()
     calls = []
     original = native.cvmm_rows
@@ -162,13 +177,13 @@ def test_deterministic_mode_keeps_the_fused_kernels_and_is_thread_independent(mo
         calls.append(1)
         return original(*args, **kwargs)
     monkeypatch.setattr(native, "cvmm_rows", counting)
-    one, two, again = (_mixture_step(1, True), _mixture_step(2, True), _mixture_step(2, True))
-    assert calls, "deterministic mode left the fused kernels"
-    for a, b, c in zip(one, two, again):
-        assert torch.equal(a, b) and torch.equal(b, c)     # bitwise, any thread count
-    fast = _mixture_step(2, False)                           # the same numbers, up to rounding
-    for a, b in zip(fast, two):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    runs = [_mixture_step(threads, deterministic)
+            for threads, deterministic in [(1, True), (2, True), (2, True), (1, False),
+                                           (2, False), (3, False), (8, False)]]
+    assert len(calls) == 4 * len(runs), "a mode left the fused kernels"
+    for results in runs[1:]:
+        for a, b in zip(runs[0], results):
+            assert torch.equal(a, b)
 
 
 def test_weight_gradient_is_the_same_for_any_thread_count():
@@ -274,12 +289,12 @@ def test_bf16_cvmm_rows_is_the_float32_product_rounded_once(_bf16, gather, scatt
         weight = weight.transpose(1, 2).contiguous().transpose(1, 2)
     src = torch.randn(R if gather else P, m).bfloat16()
     in_idx = torch.randint(0, R, (P,)) if gather else None
-    out_idx = torch.randint(0, R, (P,)) if scatter else None
+    out_idx = _slots(P, R, 12) if scatter else None
     scale = torch.rand(P) if scaled else None
     got = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx, scale=scale,
-                           out_rows=R + 3)
+                           out_rows=R + 3, group=12)
     want = _rows_reference(src.double(), weight.double(), expert_of_row, in_idx, out_idx,
-                           None if scale is None else scale.double(), R + 3).float()
+                           None if scale is None else scale.double(), R + 3, 12).float()
     _rounded_once(got, want)
     if scatter:
         assert torch.all(got[R:] == 0)   # rows no pair lands on: written, as zeros
@@ -365,10 +380,9 @@ def test_bf16_cvmm_takes_the_fused_path_and_mixed_dtypes_do_not(_bf16, monkeypat
     assert native.cvmm_usable(x, weight, scale=torch.ones(3))
 
 
-def test_bf16_deterministic_scatter_also_sums_in_float32_and_rounds_once(_bf16):
-    """Under deterministic algorithms the k rows of a token are summed outside the kernel, in
-    slot order: in float32 too, so the result is rounded once and the same for any thread
-    count."""
+def test_bf16_scatter_sums_in_float32_and_rounds_once(_bf16):
+    """The k rows of a token are summed in float32, in slot order, so the result is rounded
+    once and the same for any thread count and with or without deterministic algorithms."""
     gen = torch.Generator().manual_seed(0)
     T, k, E, m, n = 300, 3, 4, 96, 40
     indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
@@ -383,24 +397,57 @@ def test_bf16_deterministic_scatter_also_sums_in_float32_and_rounds_once(_bf16):
             results.append(_with_threads(threads, lambda: cvmm(x, plan, weight, gates)))
         finally:
             torch.use_deterministic_algorithms(False)
-    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], results[1]) and torch.equal(results[1], results[2])
     want = cvmm_reference(x.double(), indices, weight.double(), gates.double()).float()
     for got in results:
         _rounded_once(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_adds_a_tokens_rows_in_slot_order(dtype):
+    """y_r = scale_r exactly (one-wide rows of ones, weights of ones); token 0's slots hold
+    1, 1e8 and -1e8 and its rows sort in the reverse order (experts 2, 1, 0). In float32 the
+    slot order gives (1 + 1e8) - 1e8 = 0, and the sorted-row order would give 1."""
+    if dtype == torch.bfloat16 and not native.bf16_available():
+        pytest.skip("PyTorch's BLAS is not MKL: no bf16 GEMM for the fused kernels")
+    counts = torch.tensor([2, 2, 2])
+    src, weight = torch.ones(6, 1, dtype=dtype), torch.ones(3, 1, 4, dtype=dtype)
+    # sorted rows: expert 0 (token 0 slot 2, token 1 slot 0), expert 1 (slots 1 and 4),
+    # expert 2 (token 0 slot 0, token 1 slot 2)
+    slots = torch.tensor([2, 3, 1, 4, 0, 5])
+    scale = torch.tensor([-1e8, 5.0, 1e8, 7.0, 1.0, 11.0])
+    for threads in (1, 2):
+        got = _with_threads(threads, lambda: native.cvmm_rows(
+            src, weight, counts, out_idx=slots, scale=scale, out_rows=2, group=3))
+        assert got.dtype == dtype
+        assert torch.equal(got.float(), torch.tensor([[0.0] * 4, [23.0] * 4]))
+
+
+def test_scatter_refuses_slots_out_of_range():
+    counts, P, _, weight = _sorted_problem(2, [2, 1], 4, 3)
+    src = torch.randn(P, 4)
+    for bad in ([0, 1, 6], [0, -1, 2]):          # 2 output rows of 3 slots: slots 0-5
+        with pytest.raises(IndexError, match="sf_cvmm.*out of range"):
+            native.cvmm_rows(src, weight, counts, out_idx=torch.tensor(bad), out_rows=2,
+                             group=3)
+    with pytest.raises(ValueError, match="group must be at least 1"):
+        native.cvmm_rows(src, weight, counts, out_idx=torch.tensor([0, 1, 2]), out_rows=3,
+                         group=0)
 
 
 def test_deterministic_mode_keeps_its_nan_fill_for_everything_but_kernel_outputs():
     """The kernels' outputs skip deterministic mode's NaN fill (they are written in full), and
     the setting is back on for every other allocation afterwards."""
     counts, P, expert_of_row, weight = _sorted_problem(3, [5, 0, 4], 8, 6)
-    src, out_idx = torch.randn(P, 8), torch.tensor([0, 2, 2, 5, 1, 0, 2, 2, 1])
+    # four slots per output row: outputs 0, 2, 2, 5, 1, 0, 2, 2, 1
+    src, out_idx = torch.randn(P, 8), torch.tensor([0, 8, 9, 20, 4, 1, 10, 11, 5])
     torch.use_deterministic_algorithms(True)
     try:
-        got = native.cvmm_rows(src, weight, counts, out_idx=out_idx, out_rows=7)
+        got = native.cvmm_rows(src, weight, counts, out_idx=out_idx, out_rows=7, group=4)
         assert torch.utils.deterministic.fill_uninitialized_memory
         assert torch.isnan(torch.empty(3)).all()            # PyTorch's fill, still on
     finally:
         torch.use_deterministic_algorithms(False)
-    want = _rows_reference(src, weight, expert_of_row, None, out_idx, None, 7)
+    want = _rows_reference(src, weight, expert_of_row, None, out_idx, None, 7, 4)
     torch.testing.assert_close(got, want)
     assert torch.all(got[[3, 4, 6]] == 0)                   # rows no pair lands on: zeros

@@ -15,10 +15,8 @@ None of them reads a tensor on the host on its way in: counts and offsets arrive
 operator when ``torch._grouped_mm`` cannot take the problem; that is invisible to the
 compiler, and on a GPU it is one synchronisation.)
 
-On CPU every operator gives the same result for any thread count and schedule, with one
-exception: ``cvmm_rows`` scattering several rows onto one output row adds them in thread order;
-under ``torch.use_deterministic_algorithms(True)`` it computes the sorted rows with the kernel
-and sums them in row order instead (one extra [rows, n] buffer while it runs).
+On CPU every operator gives the same result for any thread count and schedule
+(``cvmm_rows`` adds a token's k rows in slot order, one slot per pass over the rows).
 
 Rows are *expert-sorted*: row r of a product belongs to expert e(r), rows
 ``[offset_{e-1}, offset_e)`` to expert e, with ``offset_e = Σ_{i<=e} counts[i]``. The first
@@ -187,38 +185,15 @@ def _dispatched(counts: Tensor, *per_row: Optional[Tensor]) -> list[Optional[Ten
 def _cvmm_rows_native(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu,
                       mask_with, dot_with):
     rows = _num_sorted_rows(src, in_idx, out_idx)
-    slots = None              # the slot of each sorted row, when the sum runs after the kernel
-    if out_idx is not None and group > 1:
-        if torch.are_deterministic_algorithms_enabled():
-            # Several rows land on one output row, and the kernel adds them in thread order.
-            # Under deterministic algorithms: the sorted rows from the kernel, unrounded, then
-            # summed in slot order in float32 (a bf16 sum rounded once, as the scatter does).
-            slots, out_idx = out_idx, None
-        else:                 # the C kernel scatters onto output (token) rows
-            out_idx = torch.div(out_idx, group, rounding_mode="floor")
     in_idx, out_idx, scale, dot_with, mask_with = _dispatched(
         counts, in_idx, out_idx, scale, dot_with, mask_with)
     result = native.cvmm_rows(src, weight, counts, in_idx=in_idx, out_idx=out_idx, scale=scale,
-                              out_rows=out_rows if out_idx is not None else None,
-                              dot_with=dot_with, relu=relu, mask_with=mask_with,
-                              float_rows=slots is not None)
+                              out_rows=out_rows if out_idx is not None else None, group=group,
+                              dot_with=dot_with, relu=relu, mask_with=mask_with)
     out, dots = result if dot_with is not None else (result, src.new_empty(0))
     if out_idx is None:                     # the rows of dropped pairs: written, as zeros
         out = pad_rows(out, rows)
-    if slots is not None:
-        out = _sum_slots_native(out, slots, out_rows, group).to(
-            torch.promote_types(src.dtype, weight.dtype))
     return out, (dots if dot_with is None else pad_rows(dots, rows))
-
-
-def _sum_slots_native(rows: Tensor, out_idx: Tensor, out_rows: int, group: int) -> Tensor:
-    """:func:`sum_slots` of float32 CPU rows by the C gather-sum over the inverse permutation
-    (in float32, slot order): no [P, n] permuted copy, and no deterministic ``index_copy_`` of
-    rows, several times slower than the gather on CPU."""
-    row_of_slot = torch.empty_like(out_idx).index_copy_(
-        0, out_idx, torch.arange(rows.shape[0], device=out_idx.device))
-    return native.gather_sum(row_of_slot.view(out_rows, group), torch.ones(out_rows, group),
-                             rows)
 
 
 def sum_slots(rows: Tensor, out_idx: Tensor, out_rows: int, group: int) -> Tensor:

@@ -69,9 +69,7 @@ def _chunk(width: int) -> int:
 def usable(*tensors: torch.Tensor | None) -> bool:
     """True when the fused kernels are available and can take these tensors: CPU float32.
 
-    Every kernel gives the same result for any thread count and schedule, except a
-    ``cvmm_rows`` scatter of several rows onto one output row (the operator
-    ``sparseffn::cvmm_rows`` handles that case under deterministic algorithms)."""
+    Every kernel gives the same result for any thread count and schedule."""
     for t in tensors:   # is_cpu: a tenth of the time of device.type, in every operator call
         if t is not None and (not t.is_cpu or t.dtype != torch.float32):
             return False
@@ -174,18 +172,21 @@ def _sorted_rows(name: str, t: torch.Tensor | None, rows: int, width: int, dtype
 
 def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
               in_idx: torch.Tensor | None = None, out_idx: torch.Tensor | None = None,
-              scale: torch.Tensor | None = None, out_rows: int | None = None,
+              scale: torch.Tensor | None = None, out_rows: int | None = None, group: int = 1,
               dot_with: torch.Tensor | None = None, relu: bool = False,
-              mask_with: torch.Tensor | None = None, float_rows: bool = False):
+              mask_with: torch.Tensor | None = None):
     """``y_r = scale[r] · z_r`` with ``z_r = src[in_idx[r]] @ weight[e(r)]``, for
     expert-sorted rows r.
 
     src: [R, m]; weight: [E, m, n] (a transposed view is fine); counts: [E] rows per expert
     (P in all); in_idx: int64 [P] rows of src (None: row r); scale: [P] in sorted order or
-    None. Without ``out_idx`` returns the rows ``y`` [P, n]; with it returns
-    ``out [out_rows, n]`` with ``out[i] = Σ_{r: out_idx[r] = i} y_r`` (zero where no row
-    lands). With ``dot_with`` [P, n] returns ``(y or out, dots)`` where
-    ``dots[r] = <z_r, dot_with[r]>`` (the unscaled rows: a gate's gradient).
+    None. Without ``out_idx`` returns the rows ``y`` [P, n]. With it (distinct slots
+    ``s_r < out_rows · group``) returns ``out [out_rows, n]`` with
+    ``out[i] = Σ_{r: s_r // group = i} y_r`` added in slot order (zero where no row lands): the
+    same sum for any thread count, without locks or atomics. A slot out of range raises
+    IndexError; repeated slots are not allowed (not checked: they race). With ``dot_with``
+    [P, n] returns ``(y or out, dots)`` where ``dots[r] = <z_r, dot_with[r]>`` (the unscaled
+    rows: a gate's gradient).
 
     Epilogues, without ``out_idx`` only: ``relu`` returns ``max(y, 0)``; ``mask_with`` [P, n]
     zeroes ``y`` where ``mask_with <= 0`` (backward through a ReLU whose output it is).
@@ -194,8 +195,7 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     then the products accumulate in float32, the scale, the epilogues, the dots and the sum
     over ``out_idx`` are applied in float32, and each output element is rounded to bf16 once
     (to nearest even, as PyTorch rounds). MKL's bf16 GEMM on AMX reads subnormal bf16 inputs
-    (below 1.2e-38 in magnitude) as zero. ``float_rows`` returns bf16 products' sorted rows in
-    float32, unrounded (for a sum of them that rounds once).
+    (below 1.2e-38 in magnitude) as zero.
     """
     lib = _load()
     dtype = _kernel_dtype(src)
@@ -211,24 +211,24 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
         raise ValueError("out_rows is required with out_idx")
     if out_idx is not None and (relu or mask_with is not None):
         raise ValueError("relu and mask_with apply to sorted output rows, not with out_idx")
+    if group < 1:
+        raise ValueError(f"group must be at least 1, got {group}")
     dot_with = _sorted_rows("dot_with", dot_with, num_rows, n, dtype)
     mask_with = _sorted_rows("mask_with", mask_with, num_rows, n, dtype)
     dots = _written(num_rows) if dot_with is not None else None
     # a scatter sums its rows into float32 whatever the dtype (rounded to bf16 after)
-    wide = out_idx is not None or float_rows
-    out = _written(out_rows, n, dtype=torch.float32 if wide else dtype)
+    out = _written(out_rows, n, dtype=dtype if out_idx is None else torch.float32)
     if num_rows and n:
         call(lib, "sf_cvmm", src.data_ptr(), src.stride(0), _ptr(in_idx), weight.data_ptr(), se,
                   ld, trans, counts.data_ptr(), E, m, n, out.data_ptr(), out_rows, _ptr(out_idx),
-                  _ptr(scale), _ptr(dot_with), _ptr(dots), int(relu), _ptr(mask_with),
-                  int(dtype == torch.bfloat16), int(wide), torch.get_num_threads(),
+                  group, _ptr(scale), _ptr(dot_with), _ptr(dots), int(relu), _ptr(mask_with),
+                  int(dtype == torch.bfloat16), torch.get_num_threads(),
                   _chunk(max(m, n)))
     else:
         out.zero_()
         if dots is not None:
             dots.zero_()
-    if not float_rows:
-        out = out.to(dtype)
+    out = out.to(dtype)
     return out if dot_with is None else (out, dots.to(dtype))
 
 

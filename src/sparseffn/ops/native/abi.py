@@ -3,7 +3,7 @@
 Every exported function is listed once in :data:`SIGNATURES` with its argument types; calls
 go through :func:`call`, which checks the return code and raises an error that names the
 kernel and the cause. Return codes shared by the kernels: 0 success, -1 no BLAS, -2 an
-epilogue the kernel cannot apply, -3 or 1 an allocation failed.
+epilogue the kernel cannot apply, -3 or 1 an allocation failed, -4 an index out of range.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ INT = ctypes.c_int
 # name -> argument types (every function returns int, except sf_init)
 SIGNATURES: dict[str, list] = {
     # src, src_ld, in_idx, w, wse, w_ld, w_trans, counts, E, m, n, out, out_rows, out_idx,
-    # scale, dot_with, dots, relu, mask_with, bf16, out_f32, nthreads, chunk
-    "sf_cvmm": [P, I64, P, P, I64, INT, INT, P, INT, INT, INT, P, I64, P, P, P, P, INT, P, INT,
+    # group, scale, dot_with, dots, relu, mask_with, bf16, nthreads, chunk
+    "sf_cvmm": [P, I64, P, P, I64, INT, INT, P, INT, INT, INT, P, I64, P, INT, P, P, P, INT, P,
                 INT, INT, INT],
     # a_src, a_ld, a_idx, scale, b_src, b_ld, b_idx, counts, E, ma, nb, out, bf16, nthreads,
     # chunk
@@ -45,9 +45,10 @@ SIGNATURES: dict[str, list] = {
                      P, I64, INT, INT, INT, INT, P, INT],
 }
 
+_NO_MEMORY = "it could not allocate its scratch memory"
 _CAUSES = {-1: "no BLAS routine was registered for its dtype",
            -2: "an epilogue it cannot apply was asked for",
-           -3: "it could not allocate its scratch memory", 1: "it could not allocate its scratch memory"}
+           -3: _NO_MEMORY, 1: _NO_MEMORY, -4: "an index was out of range"}
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -61,9 +62,10 @@ def declare(lib: ctypes.CDLL) -> None:
 
 
 def call(lib: ctypes.CDLL, name: str, *args) -> None:
-    """Call kernel ``name``; a nonzero return code raises (MemoryError for allocation)."""
+    """Call kernel ``name``; a nonzero return code raises (MemoryError for allocation,
+    IndexError for an index out of range)."""
     status = getattr(lib, name)(*args)
     if status:
         cause = _CAUSES.get(status, f"it returned {status}")
-        error = MemoryError if status in (-3, 1) else RuntimeError
+        error = {-3: MemoryError, 1: MemoryError, -4: IndexError}.get(status, RuntimeError)
         raise error(f"sparseffn: the C kernel {name} failed: {cause}")

@@ -103,39 +103,72 @@ static void gemm_rm(int bf, int M, int N, int K, float alpha, operand A, operand
 
 typedef struct { int64_t start; int rows; int expert; } item;
 
-/* Split each expert's block into chunks of at most `chunk` rows, in row order (threads take
- * them one at a time, so uneven experts still balance). Returns the count; caller frees. */
-static int make_items(const int64_t *counts, int E, int chunk, item **out) {
+/* The number of pieces of at most `chunk` rows that `rows` rows are cut into */
+static int64_t pieces_of(int64_t rows, int chunk) { return (rows + chunk - 1) / chunk; }
+
+/* Split each block of rows into chunks of at most `chunk` rows, in row order (threads take
+ * them one at a time, so uneven experts still balance). counts[b] is the size of block b, the
+ * blocks lie one after the other, and block b belongs to expert b % E. Returns the count;
+ * caller frees. */
+static int make_items(const int64_t *counts, int blocks, int E, int chunk, item **out) {
     int64_t n = 0;
-    for (int e = 0; e < E; e++) n += (counts[e] + chunk - 1) / chunk;
+    for (int b = 0; b < blocks; b++) n += pieces_of(counts[b], chunk);
     item *items = (item *)malloc(sizeof(item) * (n ? n : 1));
     if (!items) { *out = 0; return -1; }
     int64_t start = 0, i = 0;
-    for (int e = 0; e < E; e++) {
-        for (int64_t r = 0; r < counts[e]; r += chunk) {
-            int64_t rows = counts[e] - r < chunk ? counts[e] - r : chunk;
-            items[i].start = start + r; items[i].rows = (int)rows; items[i].expert = e; i++;
+    for (int b = 0; b < blocks; b++) {
+        /* pieces of equal size (within a row): no short last piece of a few rows */
+        int64_t pieces = pieces_of(counts[b], chunk), r = 0;
+        for (int64_t q = 0; q < pieces; q++) {
+            int64_t rows = counts[b] / pieces + (q < counts[b] % pieces);
+            items[i].start = start + r; items[i].rows = (int)rows; items[i].expert = b % E; i++;
+            r += rows;
         }
-        start += counts[e];
+        start += counts[b];
     }
     *out = items;
     return (int)n;
 }
 
+/* The sorted rows of a scatter regrouped by pass: pass j holds the rows whose slot is j modulo
+ * `group` (at most one row per output row when the slots are distinct). On return order[] lists
+ * the rows pass by pass, within a pass expert by expert, within an expert in sorted order, and
+ * block_counts[j * E + e] counts the rows of expert e in pass j. Returns 0, -3 when out of
+ * memory, -4 when a slot is outside [0, out_rows * group). */
+static int pass_order(const int64_t *counts, int E, const int64_t *slots, int group,
+                      int64_t out_rows, int64_t *order, int64_t *block_counts) {
+    int64_t blocks = (int64_t)group * E, rows = 0, limit = out_rows * group;
+    int64_t *cursor = (int64_t *)calloc(blocks ? blocks : 1, sizeof(int64_t));
+    if (!cursor) return -3;
+    memset(block_counts, 0, sizeof(int64_t) * blocks);
+    for (int e = 0; e < E; e++) {
+        for (int64_t r = rows; r < rows + counts[e]; r++) {
+            if (slots[r] < 0 || slots[r] >= limit) { free(cursor); return -4; }
+            block_counts[(slots[r] % group) * E + e]++;
+        }
+        rows += counts[e];
+    }
+    for (int64_t b = 1; b < blocks; b++) cursor[b] = cursor[b - 1] + block_counts[b - 1];
+    rows = 0;
+    for (int e = 0; e < E; e++) {
+        for (int64_t r = rows; r < rows + counts[e]; r++)
+            order[cursor[(slots[r] % group) * E + e]++] = r;
+        rows += counts[e];
+    }
+    free(cursor);
+    return 0;
+}
+
+/* Copy rows [start, start + rows) of the item into dst: sorted row q = order[start + r] (or
+ * start + r without order) reads src row idx[q] (or q without idx). */
 static void gather_rows(void *dst, const void *src, int64_t src_ld, const int64_t *idx,
-                        int64_t start, int rows, int width, int bf) {
+                        const int64_t *order, int64_t start, int rows, int width, int bf) {
     for (int r = 0; r < rows; r++) {
-        int64_t s = idx ? idx[start + r] : start + r;
+        int64_t q = order ? order[start + r] : start + r;
+        int64_t s = idx ? idx[q] : q;
         memcpy((char *)dst + (int64_t)r * width * elem(bf), offset(src, s * src_ld, bf),
                elem(bf) * width);
     }
-}
-
-static void lock_row(volatile char *locks, int64_t i) {
-    while (__atomic_test_and_set(&locks[i], __ATOMIC_ACQUIRE)) { }
-}
-static void unlock_row(volatile char *locks, int64_t i) {
-    __atomic_clear(&locks[i], __ATOMIC_RELEASE);
 }
 
 /* Each thread's BLAS call runs single-threaded (the threads already split the work). The
@@ -147,92 +180,127 @@ static void unlock_row(volatile char *locks, int64_t i) {
  *
  *   z_r = src[in_idx[r], :] @ W[e(r)],   y_r = scale[r] * z_r      src: [*, m], W[e]: [m, n]
  *
- * With out_idx NULL, y_r is written to out[r] (out: [P, n], element type bf, or float32 when
- * out_f32 is set). Otherwise out is float32 [out_rows, n] whatever bf is, and out[i] is the
- * sum of the y_r with out_idx[r] = i
- * (fully overwritten: rows no pair lands on are zero). The first row to land on out[i] is
- * stored and later ones added, under a per-row lock, since the k pairs of one token belong to
- * different experts and threads.
+ * With out_idx NULL, y_r is written to out[r] (out: [P, n], element type bf). Otherwise
+ * out_idx holds distinct slots s_r < out_rows * group, out is float32 [out_rows, n] whatever
+ * bf is, and out[i] is the sum of the y_r with s_r / group = i, added in slot order (fully
+ * overwritten: rows no pair lands on are zero).
+ * The k pairs of one token belong to different experts and threads, so the rows run in
+ * `group` passes, pass j taking the slots j modulo group: within a pass each output row
+ * receives at most one row, stored by the first pass that reaches it and added by later ones.
+ * No locks, and the same sum for any thread count and schedule.
  * If dot_with is given ([P, n], sorted, element type bf), dots[r] = <z_r, dot_with[r]> in
  * float32 (the gate gradient <dy W^T, x>). in_idx NULL reads src row r; scale NULL means 1.
  * Epilogues on y (sorted output only): relu != 0 applies max(y, 0); mask_with ([P, n], type
- * bf) zeroes y where mask_with <= 0 (the ReLU derivative, given the ReLU's output). */
+ * bf) zeroes y where mask_with <= 0 (the ReLU derivative, given the ReLU's output).
+ * Returns -4 when a slot is out of range (nothing written). */
 int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
             const void *w, int64_t wse, int w_ld, int w_trans,
             const int64_t *counts, int E, int m, int n,
-            void *out, int64_t out_rows, const int64_t *out_idx, const float *scale,
+            void *out, int64_t out_rows, const int64_t *out_idx, int group, const float *scale,
             const void *dot_with, float *dots, int relu, const void *mask_with,
-            int bf, int out_f32, int nthreads, int chunk) {
+            int bf, int nthreads, int chunk) {
     if (bf ? !g_gemm_bf16 : !g_sgemm) return -1;
     if (out_idx && (relu || mask_with)) return -2;
-    item *items; int n_items = make_items(counts, E, chunk, &items);
-    if (n_items < 0) return -3;
-    /* locks[i]: bit 0 is the lock, written[i] says whether out row i holds a value yet */
-    char *locks = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
+    if (group < 1) return -4;
+    int passes = out_idx ? group : 1;
+    int64_t rows_total = 0;
+    for (int e = 0; e < E; e++) rows_total += counts[e];
+    /* the scatter's rows regrouped by pass (order), and the rows of each (pass, expert) */
+    int64_t *order = 0, *block_counts = 0;
+    if (out_idx) {
+        order = (int64_t *)malloc(sizeof(int64_t) * (rows_total ? rows_total : 1));
+        block_counts = (int64_t *)malloc(sizeof(int64_t) * passes * (E ? E : 1));
+        int status = order && block_counts
+            ? pass_order(counts, E, out_idx, group, out_rows, order, block_counts) : -3;
+        if (status) { free(order); free(block_counts); return status; }
+        if (group == 1) { free(order); order = 0; }   /* one pass: the rows as sorted */
+    }
+    item *items;
+    int n_items = make_items(out_idx ? block_counts : counts, passes * E, E, chunk, &items);
+    /* pass j runs items [pass_first[j], pass_first[j + 1]) */
+    int *pass_first = n_items >= 0 ? (int *)malloc(sizeof(int) * (passes + 1)) : 0;
+    /* written[i] says whether out row i holds a value yet */
     char *written = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
-    if (out_idx && (!locks || !written)) { free(locks); free(written); free(items); return -3; }
+    if (n_items < 0 || !pass_first || (out_idx && !written)) {
+        free(order); free(block_counts); free(items); free(pass_first); free(written);
+        return -3;
+    }
+    pass_first[0] = 0;
+    for (int j = 0; j < passes; j++) {
+        int items_in_pass = 0;
+        for (int e = 0; e < E; e++) {
+            int64_t c = out_idx ? block_counts[(int64_t)j * E + e] : counts[e];
+            items_in_pass += (int)pieces_of(c, chunk);
+        }
+        pass_first[j + 1] = pass_first[j] + items_in_pass;
+    }
     /* the float32 products go to a buffer before a scatter or a rounding to bf16 */
-    int rounded = bf && !out_f32, buffered = out_idx || rounded;
+    int rounded = bf && !out_idx, buffered = out_idx || rounded;
+    int gathered = in_idx || order;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
         THREAD_SETUP();
-        void *in_buf = in_idx ? malloc(elem(bf) * (int64_t)chunk * m) : 0;
+        void *in_buf = gathered ? malloc(elem(bf) * (int64_t)chunk * m) : 0;
         float *c_buf = buffered ? (float *)malloc(sizeof(float) * (int64_t)chunk * n) : 0;
-        if ((in_idx && !in_buf) || (buffered && !c_buf)) {
+        if ((gathered && !in_buf) || (buffered && !c_buf)) {
             #pragma omp atomic write
             failed = 1;
         }
-        #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < n_items; i++) {
-            if (failed) continue;
-            item it = items[i];
-            operand A;
-            if (in_idx) { gather_rows(in_buf, src, src_ld, in_idx, it.start, it.rows, m, bf);
-                          A.p = in_buf; A.ld = m; }
-            else { A.p = offset(src, it.start * src_ld, bf); A.ld = (int)src_ld; }
-            A.trans = 0;
-            float *C = buffered ? c_buf : (float *)out + it.start * n;
-            gemm_rm(bf, it.rows, n, m, 1.0f, A,
-                    expert_matrix(w, wse, w_ld, w_trans, it.expert, bf), 0.0f, C, n);
-            for (int r = 0; r < it.rows; r++) {
-                int64_t p = it.start + r;
-                float s = scale ? scale[p] : 1.0f;
-                float *c = C + (int64_t)r * n;
-                if (dot_with) {
-                    float acc = 0.0f;
-                    if (bf) {
-                        const bf16 *d = (const bf16 *)dot_with + p * n;
-                        for (int j = 0; j < n; j++) acc += c[j] * bf16_to_f32(d[j]);
-                    } else {
-                        const float *d = (const float *)dot_with + p * n;
-                        for (int j = 0; j < n; j++) acc += c[j] * d[j];
-                    }
-                    dots[p] = acc;
+        for (int j = 0; j < passes; j++) {
+            /* the loop's implicit barrier ends each pass before the next adds to its rows */
+            #pragma omp for schedule(dynamic, 1)
+            for (int i = pass_first[j]; i < pass_first[j + 1]; i++) {
+                if (failed) continue;
+                item it = items[i];
+                operand A;
+                if (gathered) {
+                    gather_rows(in_buf, src, src_ld, in_idx, order, it.start, it.rows, m, bf);
+                    A.p = in_buf; A.ld = m;
                 }
-                if (!out_idx) {
-                    if (scale) for (int j = 0; j < n; j++) c[j] *= s;
-                    /* max(y, 0) that keeps NaN, as torch.relu does */
-                    if (relu) for (int j = 0; j < n; j++) c[j] = c[j] <= 0.0f ? 0.0f : c[j];
-                    if (mask_with && bf) {
-                        const bf16 *mk = (const bf16 *)mask_with + p * n;
-                        for (int j = 0; j < n; j++) c[j] = bf16_to_f32(mk[j]) > 0.0f ? c[j] : 0.0f;
-                    } else if (mask_with) {
-                        const float *mk = (const float *)mask_with + p * n;
-                        for (int j = 0; j < n; j++) c[j] = mk[j] > 0.0f ? c[j] : 0.0f;
+                else { A.p = offset(src, it.start * src_ld, bf); A.ld = (int)src_ld; }
+                A.trans = 0;
+                float *C = buffered ? c_buf : (float *)out + it.start * n;
+                gemm_rm(bf, it.rows, n, m, 1.0f, A,
+                        expert_matrix(w, wse, w_ld, w_trans, it.expert, bf), 0.0f, C, n);
+                for (int r = 0; r < it.rows; r++) {
+                    int64_t p = order ? order[it.start + r] : it.start + r;
+                    float s = scale ? scale[p] : 1.0f;
+                    float *c = C + (int64_t)r * n;
+                    if (dot_with) {
+                        float acc = 0.0f;
+                        if (bf) {
+                            const bf16 *d = (const bf16 *)dot_with + p * n;
+                            for (int q = 0; q < n; q++) acc += c[q] * bf16_to_f32(d[q]);
+                        } else {
+                            const float *d = (const float *)dot_with + p * n;
+                            for (int q = 0; q < n; q++) acc += c[q] * d[q];
+                        }
+                        dots[p] = acc;
                     }
-                    if (rounded) {
-                        bf16 *o = (bf16 *)out + p * n;
-                        for (int j = 0; j < n; j++) o[j] = f32_to_bf16(c[j]);
+                    if (!out_idx) {
+                        if (scale) for (int q = 0; q < n; q++) c[q] *= s;
+                        /* max(y, 0) that keeps NaN, as torch.relu does */
+                        if (relu) for (int q = 0; q < n; q++) c[q] = c[q] <= 0.0f ? 0.0f : c[q];
+                        if (mask_with && bf) {
+                            const bf16 *mk = (const bf16 *)mask_with + p * n;
+                            for (int q = 0; q < n; q++)
+                                c[q] = bf16_to_f32(mk[q]) > 0.0f ? c[q] : 0.0f;
+                        } else if (mask_with) {
+                            const float *mk = (const float *)mask_with + p * n;
+                            for (int q = 0; q < n; q++) c[q] = mk[q] > 0.0f ? c[q] : 0.0f;
+                        }
+                        if (rounded) {
+                            bf16 *o = (bf16 *)out + p * n;
+                            for (int q = 0; q < n; q++) o[q] = f32_to_bf16(c[q]);
+                        }
+                        continue;
                     }
-                    continue;
+                    int64_t dst = out_idx[p] / group;
+                    float *o = (float *)out + dst * n;
+                    if (written[dst]) for (int q = 0; q < n; q++) o[q] += s * c[q];
+                    else { for (int q = 0; q < n; q++) o[q] = s * c[q]; written[dst] = 1; }
                 }
-                int64_t dst = out_idx[p];
-                float *o = (float *)out + dst * n;
-                lock_row(locks, dst);
-                if (written[dst]) for (int j = 0; j < n; j++) o[j] += s * c[j];
-                else { for (int j = 0; j < n; j++) o[j] = s * c[j]; written[dst] = 1; }
-                unlock_row(locks, dst);
             }
         }
         free(in_buf); free(c_buf);
@@ -242,8 +310,10 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
         for (int64_t i = 0; i < out_rows; i++)
             if (!written[i]) memset((float *)out + i * n, 0, sizeof(float) * n);
     free(written);
-    free(locks);
+    free(pass_first);
     free(items);
+    free(order);
+    free(block_counts);
     return failed ? -3 : 0;
 }
 
@@ -269,7 +339,7 @@ int sf_weight_grad(const void *a_src, int64_t a_ld, const int64_t *a_idx, const 
     slab = (slab + chunk - 1) / chunk * chunk;
     if (slab < chunk) slab = chunk;
     if (slab > (1 << 30)) slab = 1 << 30;
-    item *items; int n_items = make_items(counts, E, (int)slab, &items);
+    item *items; int n_items = make_items(counts, E, E, (int)slab, &items);
     if (n_items < 0) return -3;
     /* part_of[i]: the buffer of split item i (-1 for an item that is its expert's whole) */
     int *part_of = (int *)malloc(sizeof(int) * (n_items ? n_items : 1));
@@ -302,7 +372,7 @@ int sf_weight_grad(const void *a_src, int64_t a_ld, const int64_t *a_idx, const 
                 int rows = it.rows - c < chunk ? it.rows - c : chunk;
                 operand A, B;
                 if (a_idx || scale) {
-                    gather_rows(abuf, a_src, a_ld, a_idx, start, rows, ma, bf);
+                    gather_rows(abuf, a_src, a_ld, a_idx, 0, start, rows, ma, bf);
                     if (scale)
                         for (int r = 0; r < rows; r++) {
                             float s = scale[start + r];
@@ -318,7 +388,7 @@ int sf_weight_grad(const void *a_src, int64_t a_ld, const int64_t *a_idx, const 
                     A.p = abuf; A.ld = ma;
                 }
                 else { A.p = offset(a_src, start * a_ld, bf); A.ld = (int)a_ld; }
-                if (b_idx) { gather_rows(bbuf, b_src, b_ld, b_idx, start, rows, nb, bf);
+                if (b_idx) { gather_rows(bbuf, b_src, b_ld, b_idx, 0, start, rows, nb, bf);
                              B.p = bbuf; B.ld = nb; }
                 else { B.p = offset(b_src, start * b_ld, bf); B.ld = (int)b_ld; }
                 A.trans = 1; B.trans = 0;
@@ -335,7 +405,7 @@ int sf_weight_grad(const void *a_src, int64_t a_ld, const int64_t *a_idx, const 
             int64_t j1 = j0 + 4096 < mat ? j0 + 4096 : mat;
             int64_t first_item = 0;
             for (int e = 0; e < E; e++) {
-                int64_t pieces = (counts[e] + slab - 1) / slab;
+                int64_t pieces = pieces_of(counts[e], (int)slab);
                 if (counts[e] > slab) {
                     float *o = out + (int64_t)e * mat;
                     const float *p0 = parts + (int64_t)part_of[first_item] * mat;
