@@ -357,6 +357,49 @@ def test_bench_lm_rejects_an_unknown_preset_and_a_bad_size(capsys):
     assert "--context must be positive" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bench", ["lm", "fig2"])
+def test_bench_deterministic_times_under_deterministic_algorithms_and_restores(
+        bench, tmp_path, capsys, monkeypatch):
+    """--deterministic times the steps as `sparseffn train` runs them by default, says so in
+    the header and the records, and leaves the process's setting as it found it."""
+    from sparseffn.bench import fig2, lm_step
+    module = {"lm": lm_step, "fig2": fig2}[bench]
+    seen, original = [], module.interleaved_times
+
+    def timed(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, "interleaved_times", timed)
+    sizes = (["--presets", "sigma_moe", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+              "--context", "8", "--batch", "2", "--d-ff", "256"] if bench == "lm" else
+             ["--d-models", "128", "--tokens", "32", "--dtype", "float32"])
+    path = tmp_path / "out.json"
+    for flag in ([], ["--deterministic"]):
+        assert cli.main(["bench", bench, *sizes, "--repeats", "1", "--device", "cpu",
+                         "--json", str(path), *flag]) == 0
+        records = json.loads(path.read_text())
+        assert {r["deterministic"] for r in records} == {bool(flag)}
+        assert ("deterministic algorithms" in capsys.readouterr().out) == bool(flag)
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert seen == [False, True]
+
+
+def test_deterministic_algorithms_restores_the_previous_setting():
+    from sparseffn.runtime import deterministic_algorithms
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with deterministic_algorithms(False, torch.device("cpu")):
+            assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        with pytest.raises(KeyError), deterministic_algorithms(True, torch.device("cpu")):
+            assert not torch.is_deterministic_algorithms_warn_only_enabled()
+            raise KeyError("an error inside the block")
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_bench_fig2_rejects_widths_it_cannot_split_into_k_experts_of_128(capsys):
     assert cli.main(["bench", "fig2", "--d-models", "512,200", "--device", "cpu"]) == 2
     assert "--d-models must be multiples of 32" in capsys.readouterr().err

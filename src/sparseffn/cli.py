@@ -55,7 +55,8 @@ def _bench_fig2(args: argparse.Namespace) -> int:
         return 2
     fig2.run(args.d_models, tokens=args.tokens, repeats=args.repeats, device=args.device,
              dtype=args.dtype, peers=args.peers, peers_dir=args.peers_dir, json_path=args.json,
-             compile=args.compile, router_precision=args.router_precision)
+             compile=args.compile, router_precision=args.router_precision,
+             deterministic=args.deterministic)
     return 0
 
 
@@ -65,7 +66,8 @@ def _bench_lm(args: argparse.Namespace) -> int:
         lm_step.run(args.presets, d_model=args.d_model, n_layers=args.n_layers,
                     n_heads=args.n_heads, context=args.context, batch=args.batch, d_ff=args.d_ff,
                     repeats=args.repeats, device=args.device, dtype=args.dtype,
-                    json_path=args.json, compile=args.compile)
+                    json_path=args.json, compile=args.compile,
+                    deterministic=args.deterministic)
     except ValueError as error:   # a preset that does not fit these sizes, an unknown name
         print(f"sparseffn bench lm: {error}", file=sys.stderr)
         return 2
@@ -182,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the σ-MoE router's selection product: in the autocast dtype like the "
                            "peers' routers (autocast, default here) or float32 (the library's "
                            "default, Switch's selective precision)")
+    fig2.add_argument("--deterministic", action="store_true",
+                      help="under torch.use_deterministic_algorithms(True), as sparseffn train "
+                           "runs by default")
     fig2.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     fig2.set_defaults(func=_bench_fig2)
 
@@ -206,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--compile", choices=COMPILE_MODES, default="none",
                     help="run each model's forward and loss eagerly (none), under torch.compile "
                          "(default) or torch.compile with CUDA graphs (reduce-overhead)")
+    lm.add_argument("--deterministic", action="store_true",
+                    help="under torch.use_deterministic_algorithms(True), as sparseffn train "
+                         "runs by default")
     lm.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     lm.set_defaults(func=_bench_lm)
 

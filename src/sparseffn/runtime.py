@@ -1,18 +1,24 @@
-"""Process-level settings that make the CPU paths fast.
+"""Process-level settings: the CPU allocator's tuning, and deterministic algorithms.
 
 glibc serves large allocations with mmap and unmaps them on free, so every training step
 page-faults its big temporaries back in: a 64 MB gather measured 25 ms instead of 4 ms. The
 ``sparseffn`` command calls :func:`tune_cpu_allocator` at start-up so that its users get the
 remedy without setting anything; library users can call it once themselves. Set
 ``SPARSEFFN_NO_ALLOCATOR_TUNING=1`` to leave the allocator alone.
+
+:func:`deterministic_algorithms` turns on ``torch.use_deterministic_algorithms`` the way
+``sparseffn train`` does (``train.deterministic``, on by default) and the benchmarks'
+``--deterministic`` flag does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
+from typing import Iterator
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -48,3 +54,29 @@ def tune_cpu_allocator() -> bool:
     _tuned = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1)) \
         and bool(mallopt(_M_TOP_PAD, 64 << 20))
     return _tuned
+
+
+def use_deterministic_algorithms(enabled: bool, device) -> None:
+    """``torch.use_deterministic_algorithms(enabled)`` for work on ``device`` (a
+    ``torch.device``). On CUDA cuBLAS needs a fixed workspace for it (set here before first
+    use unless the user set one), and the ops with no deterministic CUDA kernel warn instead of
+    failing (reported in the warnings, not hidden)."""
+    import torch
+    if enabled and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        torch.use_deterministic_algorithms(enabled)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool, device) -> Iterator[None]:
+    """:func:`use_deterministic_algorithms` inside the block; the previous setting after."""
+    import torch
+    previous = (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())
+    use_deterministic_algorithms(enabled, device)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])

@@ -57,6 +57,7 @@ from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
+from ..runtime import deterministic_algorithms
 from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
                       dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
                       new_graph_step, paired_ratio, peak_mib, write_json)
@@ -284,7 +285,10 @@ def format_table(records: list[dict]) -> str:
 def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str = "cuda",
         dtype: str = "bfloat16", peers: bool = False, peers_dir: str | None = None,
         json_path: str | None = None, compile: str = "none",
-        router_precision: str = "autocast") -> list[dict]:
+        router_precision: str = "autocast", deterministic: bool = False) -> list[dict]:
+    """Time each width's contenders (see the module's docstring), print the table and return
+    one record per width. ``deterministic`` times them under
+    ``torch.use_deterministic_algorithms(True)``, as ``sparseffn train`` runs by default."""
     check_compile_mode(compile)
     dev = torch.device(device)
     autocast_dtype = autocast_dtype_of(dtype)
@@ -300,12 +304,15 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
                                           autocast_dtype))
     print(f"sparseffn bench fig2: {describe_device(dev)}, {dtype}, {tokens} tokens, "
           f"expert size {EXPERT_SIZE}, k={K}, router precision {router_precision}, "
-          f"compile {compile}, torch {torch.__version__}", flush=True)
+          f"compile {compile}, torch {torch.__version__}"
+          + (", deterministic algorithms" if deterministic else ""), flush=True)
     records = []
-    for d_model in d_models:
-        print(f"d_model {d_model} ...", flush=True)
-        records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype, builders,
-                                   compile, router_precision))
+    with deterministic_algorithms(deterministic, dev):
+        for d_model in d_models:
+            print(f"d_model {d_model} ...", flush=True)
+            records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype, builders,
+                                       compile, router_precision))
+            records[-1]["deterministic"] = deterministic
     print(format_table(records))
     if json_path:
         write_json(records, json_path)

@@ -27,6 +27,7 @@ import torch
 
 from ..auxiliary import aux_loss, dense_grad_parameters, sparse_grad_parameters
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
+from ..runtime import deterministic_algorithms
 from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
                       first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
                       peak_mib, write_json)
@@ -70,11 +71,13 @@ def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
 def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         n_heads: int = 4, context: int | None = None, batch: int | None = None,
         d_ff: int = 2048, repeats: int = 10, device: str = "cpu", dtype: str = "float32",
-        json_path: str | None = None, compile: str = "none") -> list[dict]:
+        json_path: str | None = None, compile: str = "none",
+        deterministic: bool = False) -> list[dict]:
     """Time one training step of the LM with each preset (``dense`` always included); print a
     table and return one record per preset. ``compile``: ``"none"``, ``"default"`` or
     ``"reduce-overhead"`` (CUDA graphs) for every model; one that does not compile is timed
-    eagerly and its record says so."""
+    eagerly and its record says so. ``deterministic`` times the steps under
+    ``torch.use_deterministic_algorithms(True)``, as ``sparseffn train`` runs by default."""
     check_compile_mode(compile)
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
@@ -88,34 +91,37 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     autocast_dtype = autocast_dtype_of(dtype)
     print(f"sparseffn bench lm: {describe_device(dev)}, {dtype}, d_model {d_model}, {n_layers} blocks, context "
           f"{context}, batch {batch}, FFNs sized to a dense d_ff {d_ff}, torch "
-          f"{torch.__version__}, compile {compile}", flush=True)
+          f"{torch.__version__}, compile {compile}"
+          + (", deterministic algorithms" if deterministic else ""), flush=True)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (batch, context + 1), generator=generator).to(dev)
-    steps, costs, is_compiled = {}, {}, {}
-    for name in names:
-        torch.manual_seed(0)
-        config = lm_config(name, d_model, n_layers, n_heads, context, d_ff)
-        model = TransformerLM(config).to(dev).train()
-        steps[name] = training_step_fn(model, tokens, autocast_dtype, compile)
-        is_compiled[name] = False
-        if compile != "none":
-            steps[name], is_compiled[name] = first_call_or_eager(
-                steps[name], lambda: training_step_fn(model, tokens, autocast_dtype), name)
-        costs[name] = config.cost()
-    times = interleaved_times(steps, repeats, warmup=2, device=dev)
-    records = []
-    for name in names:
-        ms = statistics.median(times[name])
-        records.append({
-            "preset": name, "device": str(dev), "dtype": dtype, "d_model": d_model,
-            "n_layers": n_layers, "context": context, "batch": batch, "d_ff": d_ff,
-            "compile": compile, "compiled": is_compiled[name],
-            "total_params": costs[name]["total_params"],
-            "active_params": costs[name]["active_params"],
-            "flops_per_token": costs[name]["flops_per_token"],
-            "ms": ms, "tokens_per_s": batch * context / ms * 1e3,
-            "over_dense": paired_ratio(times[name], times["dense"]),
-            "peak_mib": peak_mib(steps[name], dev)})
+    with deterministic_algorithms(deterministic, dev):
+        steps, costs, is_compiled = {}, {}, {}
+        for name in names:
+            torch.manual_seed(0)
+            config = lm_config(name, d_model, n_layers, n_heads, context, d_ff)
+            model = TransformerLM(config).to(dev).train()
+            steps[name] = training_step_fn(model, tokens, autocast_dtype, compile)
+            is_compiled[name] = False
+            if compile != "none":
+                steps[name], is_compiled[name] = first_call_or_eager(
+                    steps[name], lambda: training_step_fn(model, tokens, autocast_dtype), name)
+            costs[name] = config.cost()
+        times = interleaved_times(steps, repeats, warmup=2, device=dev)
+        records = []
+        for name in names:
+            ms = statistics.median(times[name])
+            records.append({
+                "preset": name, "device": str(dev), "dtype": dtype, "d_model": d_model,
+                "n_layers": n_layers, "context": context, "batch": batch, "d_ff": d_ff,
+                "compile": compile, "compiled": is_compiled[name],
+                "deterministic": deterministic,
+                "total_params": costs[name]["total_params"],
+                "active_params": costs[name]["active_params"],
+                "flops_per_token": costs[name]["flops_per_token"],
+                "ms": ms, "tokens_per_s": batch * context / ms * 1e3,
+                "over_dense": paired_ratio(times[name], times["dense"]),
+                "peak_mib": peak_mib(steps[name], dev)})
     print(format_table(records))
     if json_path:
         write_json(records, json_path)

@@ -40,6 +40,7 @@ from ..analysis.summary import collapse_warning, usage_health
 from ..auxiliary import (aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage,
                          sparse_grad_parameters)
 from ..optim import param_groups
+from ..runtime import use_deterministic_algorithms
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
 from ..models.lm import TransformerLM
@@ -179,17 +180,6 @@ def _config_errors(section: str):
         raise ConfigError(f"{section}: {error}") from None
 
 
-def _deterministic(enabled: bool, device: torch.device) -> None:
-    """``torch.use_deterministic_algorithms`` for the run. On CUDA cuBLAS needs a fixed
-    workspace for it (set here before first use unless the user set one), and the ops with no
-    deterministic CUDA kernel warn instead of failing (reported in the warnings, not hidden)."""
-    if enabled and device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    else:
-        torch.use_deterministic_algorithms(enabled)
-
-
 class Trainer:
     """Trains ``run`` in ``out_dir``. ``train(resume=True)`` continues from the checkpoint."""
 
@@ -206,7 +196,7 @@ class Trainer:
     def _setup(self, state: dict | None) -> None:
         run = self.run
         self.device = self.parallel.device   # under torchrun with cuda: cuda:LOCAL_RANK
-        _deterministic(run.train.deterministic, self.device)
+        use_deterministic_algorithms(run.train.deterministic, self.device)
         torch.manual_seed(run.seed)
         np.random.seed(run.seed % 2**32)
         tokenizer = state.get("tokenizer") if state else None
