@@ -423,6 +423,22 @@ def test_scatter_adds_a_tokens_rows_in_slot_order(dtype):
         assert torch.equal(got.float(), torch.tensor([[0.0] * 4, [23.0] * 4]))
 
 
+def test_scatter_cuts_a_pass_of_an_expert_into_several_pieces():
+    """8192-wide rows make 16-row chunks (32 in a pass), so each pass of the 150-row expert
+    spans three pieces, shared out between threads: the same bits at 1, 2 and 3 threads."""
+    gen = torch.Generator().manual_seed(2)
+    E, m, n, T, group = 2, 8192, 5, 160, 2
+    counts, P, expert_of_row, weight = _sorted_problem(E, [150, 3], m, n)
+    src, scale = torch.randn(P, m, generator=gen), torch.rand(P, generator=gen)
+    slots = _slots(P, T, group, generator=gen)
+    results = [_with_threads(t, lambda: native.cvmm_rows(src, weight, counts, out_idx=slots,
+                                                         scale=scale, out_rows=T, group=group))
+               for t in (1, 2, 3)]
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    want = _rows_reference(src, weight, expert_of_row, None, slots, scale, T, group)
+    torch.testing.assert_close(results[0], want, atol=1e-3, rtol=1e-4)
+
+
 def test_scatter_refuses_slots_out_of_range():
     counts, P, _, weight = _sorted_problem(2, [2, 1], 4, 3)
     src = torch.randn(P, 4)

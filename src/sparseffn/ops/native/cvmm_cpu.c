@@ -203,6 +203,9 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
     if (out_idx && (relu || mask_with)) return -2;
     if (group < 1) return -4;
     int passes = out_idx ? group : 1;
+    /* A pass holds about 1/group of an expert's rows: pieces of up to twice the chunk keep its
+     * products about as tall as a single pass's (fewer, taller GEMM calls) */
+    if (passes > 1) chunk *= 2;
     int64_t rows_total = 0;
     for (int e = 0; e < E; e++) rows_total += counts[e];
     /* the scatter's rows regrouped by pass (order), and the rows of each (pass, expert) */
