@@ -108,15 +108,19 @@ static int64_t pieces_of(int64_t rows, int chunk) { return (rows + chunk - 1) / 
 
 /* Split each block of rows into chunks of at most `chunk` rows, in row order (threads take
  * them one at a time, so uneven experts still balance). counts[b] is the size of block b, the
- * blocks lie one after the other, and block b belongs to expert b % E. Returns the count;
- * caller frees. */
-static int make_items(const int64_t *counts, int blocks, int E, int chunk, item **out) {
+ * blocks lie one after the other, and block b belongs to expert b % E. With `first` given
+ * ([blocks / E + 1]), first[j] is the first item of blocks j E .. j E + E - 1 and the last
+ * entry the item count. Returns the count; caller frees. */
+static int make_items(const int64_t *counts, int blocks, int E, int chunk, item **out,
+                      int *first) {
     int64_t n = 0;
     for (int b = 0; b < blocks; b++) n += pieces_of(counts[b], chunk);
     item *items = (item *)malloc(sizeof(item) * (n ? n : 1));
     if (!items) { *out = 0; return -1; }
     int64_t start = 0, i = 0;
+    if (first) first[0] = 0;
     for (int b = 0; b < blocks; b++) {
+        if (first && b % E == 0) first[b / E] = (int)i;
         /* pieces of equal size (within a row): no short last piece of a few rows */
         int64_t pieces = pieces_of(counts[b], chunk), r = 0;
         for (int64_t q = 0; q < pieces; q++) {
@@ -126,6 +130,7 @@ static int make_items(const int64_t *counts, int blocks, int E, int chunk, item 
         }
         start += counts[b];
     }
+    if (first && E) first[blocks / E] = (int)n;
     *out = items;
     return (int)n;
 }
@@ -192,7 +197,7 @@ static void gather_rows(void *dst, const void *src, int64_t src_ld, const int64_
  * float32 (the gate gradient <dy W^T, x>). in_idx NULL reads src row r; scale NULL means 1.
  * Epilogues on y (sorted output only): relu != 0 applies max(y, 0); mask_with ([P, n], type
  * bf) zeroes y where mask_with <= 0 (the ReLU derivative, given the ReLU's output).
- * Returns -4 when a slot is out of range (nothing written). */
+ * Returns -4 when a slot is out of range or group < 1 (nothing written). */
 int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
             const void *w, int64_t wse, int w_ld, int w_trans,
             const int64_t *counts, int E, int m, int n,
@@ -218,24 +223,16 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
         if (status) { free(order); free(block_counts); return status; }
         if (group == 1) { free(order); order = 0; }   /* one pass: the rows as sorted */
     }
-    item *items;
-    int n_items = make_items(out_idx ? block_counts : counts, passes * E, E, chunk, &items);
-    /* pass j runs items [pass_first[j], pass_first[j + 1]) */
-    int *pass_first = n_items >= 0 ? (int *)malloc(sizeof(int) * (passes + 1)) : 0;
+    /* pass j runs items [pass_first[j], pass_first[j + 1]) (all zero without experts) */
+    int *pass_first = (int *)calloc(passes + 1, sizeof(int));
+    item *items = 0;
+    int n_items = pass_first ? make_items(out_idx ? block_counts : counts, passes * E, E, chunk,
+                                          &items, pass_first) : -1;
     /* written[i] says whether out row i holds a value yet */
     char *written = out_idx ? (char *)calloc(out_rows ? out_rows : 1, 1) : 0;
-    if (n_items < 0 || !pass_first || (out_idx && !written)) {
+    if (n_items < 0 || (out_idx && !written)) {
         free(order); free(block_counts); free(items); free(pass_first); free(written);
         return -3;
-    }
-    pass_first[0] = 0;
-    for (int j = 0; j < passes; j++) {
-        int items_in_pass = 0;
-        for (int e = 0; e < E; e++) {
-            int64_t c = out_idx ? block_counts[(int64_t)j * E + e] : counts[e];
-            items_in_pass += (int)pieces_of(c, chunk);
-        }
-        pass_first[j + 1] = pass_first[j] + items_in_pass;
     }
     /* the float32 products go to a buffer before a scatter or a rounding to bf16 */
     int rounded = bf && !out_idx, buffered = out_idx || rounded;
@@ -342,7 +339,7 @@ int sf_weight_grad(const void *a_src, int64_t a_ld, const int64_t *a_idx, const 
     slab = (slab + chunk - 1) / chunk * chunk;
     if (slab < chunk) slab = chunk;
     if (slab > (1 << 30)) slab = 1 << 30;
-    item *items; int n_items = make_items(counts, E, E, (int)slab, &items);
+    item *items; int n_items = make_items(counts, E, E, (int)slab, &items, 0);
     if (n_items < 0) return -3;
     /* part_of[i]: the buffer of split item i (-1 for an item that is its expert's whole) */
     int *part_of = (int *)malloc(sizeof(int) * (n_items ? n_items : 1));
