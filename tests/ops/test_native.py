@@ -442,10 +442,11 @@ def test_scatter_cuts_a_pass_of_an_expert_into_several_pieces():
 def test_scatter_refuses_slots_out_of_range():
     counts, P, _, weight = _sorted_problem(2, [2, 1], 4, 3)
     src = torch.randn(P, 4)
-    for bad in ([0, 1, 6], [0, -1, 2]):          # 2 output rows of 3 slots: slots 0-5
+    # 2 output rows of 3 slots (slots 0-5), or of 1 slot (one pass: slots 0-1)
+    for group, bad in [(3, [0, 1, 6]), (3, [0, -1, 2]), (1, [0, 1, 2]), (1, [1, -1, 0])]:
         with pytest.raises(IndexError, match="sf_cvmm.*out of range"):
             native.cvmm_rows(src, weight, counts, out_idx=torch.tensor(bad), out_rows=2,
-                             group=3)
+                             group=group)
     with pytest.raises(ValueError, match="group must be at least 1"):
         native.cvmm_rows(src, weight, counts, out_idx=torch.tensor([0, 1, 2]), out_rows=3,
                          group=0)

@@ -138,8 +138,9 @@ static int make_items(const int64_t *counts, int blocks, int E, int chunk, item 
 /* The sorted rows of a scatter regrouped by pass: pass j holds the rows whose slot is j modulo
  * `group` (at most one row per output row when the slots are distinct). On return order[] lists
  * the rows pass by pass, within a pass expert by expert, within an expert in sorted order, and
- * block_counts[j * E + e] counts the rows of expert e in pass j. Returns 0, -3 when out of
- * memory, -4 when a slot is outside [0, out_rows * group). */
+ * block_counts[j * E + e] counts the rows of expert e in pass j (order NULL: only the counts
+ * and the range check). Returns 0, -3 when out of memory, -4 when a slot is outside
+ * [0, out_rows * group). */
 static int pass_order(const int64_t *counts, int E, const int64_t *slots, int group,
                       int64_t out_rows, int64_t *order, int64_t *block_counts) {
     int64_t blocks = (int64_t)group * E, rows = 0, limit = out_rows * group;
@@ -153,6 +154,7 @@ static int pass_order(const int64_t *counts, int E, const int64_t *slots, int gr
         }
         rows += counts[e];
     }
+    if (!order) { free(cursor); return 0; }
     for (int64_t b = 1; b < blocks; b++) cursor[b] = cursor[b - 1] + block_counts[b - 1];
     rows = 0;
     for (int e = 0; e < E; e++) {
@@ -215,13 +217,13 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
     for (int e = 0; e < E; e++) rows_total += counts[e];
     /* the scatter's rows regrouped by pass (order), and the rows of each (pass, expert) */
     int64_t *order = 0, *block_counts = 0;
-    if (out_idx) {
-        order = (int64_t *)malloc(sizeof(int64_t) * (rows_total ? rows_total : 1));
+    if (out_idx) {   /* one pass (group 1) runs the rows as sorted: no order */
+        order = group > 1 ? (int64_t *)malloc(sizeof(int64_t) * (rows_total ? rows_total : 1))
+                          : 0;
         block_counts = (int64_t *)malloc(sizeof(int64_t) * passes * (E ? E : 1));
-        int status = order && block_counts
+        int status = (order || group == 1) && block_counts
             ? pass_order(counts, E, out_idx, group, out_rows, order, block_counts) : -3;
         if (status) { free(order); free(block_counts); return status; }
-        if (group == 1) { free(order); order = 0; }   /* one pass: the rows as sorted */
     }
     /* pass j runs items [pass_first[j], pass_first[j + 1]) (all zero without experts) */
     int *pass_first = (int *)calloc(passes + 1, sizeof(int));
