@@ -56,26 +56,20 @@ def tune_cpu_allocator() -> bool:
     return _tuned
 
 
-def use_deterministic_algorithms(enabled: bool, device) -> None:
-    """``torch.use_deterministic_algorithms(enabled)`` for work on ``device`` (a
-    ``torch.device``). On CUDA cuBLAS needs a fixed workspace for it (set here before first
-    use unless the user set one), and the ops with no deterministic CUDA kernel warn instead of
-    failing (reported in the warnings, not hidden)."""
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool, device) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(enabled)`` inside the block for work on ``device``
+    (a ``torch.device``), the previous setting after. On CUDA cuBLAS needs a fixed workspace
+    for it (set here before first use unless the user set one), and the ops with no
+    deterministic CUDA kernel warn instead of failing (reported in the warnings, not hidden)."""
     import torch
+    previous = (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())
     if enabled and device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     else:
         torch.use_deterministic_algorithms(enabled)
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(enabled: bool, device) -> Iterator[None]:
-    """:func:`use_deterministic_algorithms` inside the block; the previous setting after."""
-    import torch
-    previous = (torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled())
-    use_deterministic_algorithms(enabled, device)
     try:
         yield
     finally:

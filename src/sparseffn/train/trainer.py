@@ -40,7 +40,7 @@ from ..analysis.summary import collapse_warning, usage_health
 from ..auxiliary import (aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage,
                          sparse_grad_parameters)
 from ..optim import param_groups
-from ..runtime import use_deterministic_algorithms
+from ..runtime import deterministic_algorithms
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
 from ..models.lm import TransformerLM
@@ -196,7 +196,6 @@ class Trainer:
     def _setup(self, state: dict | None) -> None:
         run = self.run
         self.device = self.parallel.device   # under torchrun with cuda: cuda:LOCAL_RANK
-        use_deterministic_algorithms(run.train.deterministic, self.device)
         torch.manual_seed(run.seed)
         np.random.seed(run.seed % 2**32)
         tokenizer = state.get("tokenizer") if state else None
@@ -329,11 +328,10 @@ class Trainer:
                 raise ConfigError(f"--resume: the checkpoint in {self.out} was written by a "
                                   f"different config; resume with the same config or use a new "
                                   f"--out")
-        previous_deterministic = torch.are_deterministic_algorithms_enabled()
-        previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         device = training_device(self.device_name)   # a bad --device touches nothing
         self.parallel = Parallel.from_environment(self.run.train.expert_parallel, device)
-        try:
+        # the process's setting comes back after the run, however it ends
+        with deterministic_algorithms(self.run.train.deterministic, self.parallel.device):
             self._setup(state)   # data and model first: a run that cannot start touches no file
             # rank 0 owns the folder; the other ranks write nothing
             lock = folder_lock(self.out, "training run") if self.parallel.main \
@@ -345,9 +343,6 @@ class Trainer:
                         self._trim_metrics(self.step)
                 with self._interrupts_at_step_boundaries():
                     return self._loop()
-        finally:
-            torch.use_deterministic_algorithms(previous_deterministic,
-                                               warn_only=previous_warn_only)
 
     def _prepare_folder(self, fresh: bool) -> None:
         """Create the run folder and write config.json. A fresh run in a folder that holds
