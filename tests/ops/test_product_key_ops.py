@@ -85,8 +85,12 @@ def test_product_key_topk_rejects_impossible_k():
         product_keys.product_key_topk(torch.randn(2, 3), torch.randn(2, 3), 10)
 
 
+@pytest.mark.parametrize("backward", ["dense", "gathered"])
 @pytest.mark.parametrize("shared", [False, True])
-def test_retrieve_matches_full_scoring_with_gradients(rows_path, shared):
+def test_retrieve_matches_full_scoring_with_gradients(rows_path, shared, backward, monkeypatch):
+    """Both backwards: the full score GEMMs (small tables) and the selected rows (large)."""
+    if backward == "gathered":
+        monkeypatch.setattr(product_keys, "_DENSE_BACKWARD_ROWS", 0)
     T, H, n, d = 6, 3, 9, 10
     dtype = torch.float32 if rows_path == "native" else torch.float64
     keys_a = torch.randn(H, n, d // 2, dtype=dtype, requires_grad=True)
@@ -96,6 +100,7 @@ def test_retrieve_matches_full_scoring_with_gradients(rows_path, shared):
     scores, idx = product_keys.retrieve(q[:, :d // 2] if shared else q3[..., :d // 2],
                                         q[:, d // 2:] if shared else q3[..., d // 2:],
                                         keys_a, keys_b, k=5)
+    assert (type(scores.grad_fn).__name__ == "_SelectedScoresBackward") == (backward == "dense")
     grad = torch.randn_like(scores)
     got = torch.autograd.grad((scores * grad).sum(), (q, keys_a, keys_b))
     qe = q3.expand(T, H, d)
