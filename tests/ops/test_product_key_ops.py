@@ -36,6 +36,37 @@ def test_topk_lowest_index_matches_sorted_reference(rows_path, n, k, ties):
         assert torch.equal(values[r], scores[r, expect])
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 62, 127, 128, 129])
+def test_topk_rows_counts_ranks_exactly_at_block_and_length_edges(rows_path, n):
+    """Rows of at most 128 take the C kernel's rank count (16 lanes at a time), longer ones the
+    scan: both give the sorted order, with ties (signed zeros equal) and infinities."""
+    gen = torch.Generator().manual_seed(n)
+    pool = torch.tensor([0.0, -0.0, 1.5, -2.0, float("inf"), float("-inf"), 3.0])
+    scores = torch.cat([pool[torch.randint(0, 7, (20, n), generator=gen)],
+                        torch.randn(20, n, generator=gen)])
+    for k in sorted({1, max(1, n // 2), n}):
+        values, idx = kernels.topk_rows(scores, k)
+        for r in range(scores.shape[0]):
+            expect = _sorted_topk(scores[r].tolist(), k)
+            assert idx[r].tolist() == expect
+            assert torch.equal(values[r], scores[r, expect])
+
+
+def test_native_topk_rows_with_nan_still_writes_every_slot():
+    """NaN has no rank: the operator refuses it, and the C kernel called directly leaves such a
+    row to the scan, which still fills all k slots with entries of the row."""
+    require_native()
+    scores = torch.randn(3, 40)
+    scores[1, 7] = float("nan")
+    values, idx = native.topk_rows(scores, 10)
+    assert bool(((idx >= 0) & (idx < 40)).all())
+    torch.testing.assert_close(values, scores.gather(1, idx), rtol=0, atol=0, equal_nan=True)
+    for r in (0, 2):
+        assert idx[r].tolist() == _sorted_topk(scores[r].tolist(), 10)
+    with pytest.raises(ValueError, match="NaN"):
+        kernels.topk_rows(scores, 10)
+
+
 def test_topk_lowest_index_all_equal_takes_the_first_k(rows_path):
     values, idx = product_keys.topk_lowest_index(torch.zeros(3, 50), 5)
     assert idx.tolist() == [[0, 1, 2, 3, 4]] * 3
