@@ -99,6 +99,28 @@ def test_native_and_torch_retrieval_agree_bitwise():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("n", [9, 62, 200])
+def test_native_product_key_topk_ranks_and_sums_non_finite_and_huge_scores_as_pytorch(n):
+    """The C kernel maps scores as ``rankable`` does inside its loads (NaN and -inf lowest, +inf
+    highest, finite scores beyond FLT_MAX/4 clamped, so they tie) and returns the sums of the
+    original scores: the same bits as the PyTorch path, whose sums may overflow or be NaN."""
+    require_native()
+    gen = torch.Generator().manual_seed(n)
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 1e38])
+    s_a, s_b = torch.randn(64, n, generator=gen), torch.randn(64, n, generator=gen)
+    for s in (s_a, s_b):
+        where = torch.rand(s.shape, generator=gen) < 0.15
+        s[where] = special[torch.randint(0, 6, (int(where.sum()),), generator=gen)]
+    got = product_keys.product_key_topk(s_a, s_b, 16)
+    native.set_native_enabled(False)
+    try:
+        want = product_keys.product_key_topk(s_a, s_b, 16)
+    finally:
+        native.set_native_enabled(True)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)
+
+
 def test_product_key_topk_ranks_non_finite_scores_the_same_on_every_path(rows_path):
     """The operator itself (the C kernel and the PyTorch path alike) ranks NaN and -inf last
     and +inf first, ties to the lower index, and returns the original sums."""

@@ -423,19 +423,19 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
 
     On every device and without a host read, NaN and -inf scores rank below every finite one
     and +inf above (as :func:`rankable` maps them), and the values are the sums of the
-    *original* scores, so a NaN selected stays NaN. (One launch on a GPU: the Triton kernel
-    ranks and sums in its loads.)"""
+    *original* scores, so a NaN selected stays NaN. (One call: the Triton kernel on a GPU and
+    the C kernel on the CPU rank and sum in their loads; the PyTorch path maps and gathers.)"""
     if triton_rows.product_key_topk_usable(scores_a, scores_b, k):
         return triton_rows.product_key_topk(scores_a, scores_b, k)
+    if _fused(scores_a, scores_b):       # ranks as rankable does in its loads, sums the originals
+        return native.product_key_topk(scores_a, scores_b, k)
     n_a = scores_a.shape[1]
     indices = _product_key_topk_indices(rankable(scores_a), rankable(scores_b), k)
     return scores_a.gather(1, indices % n_a) + scores_b.gather(1, indices // n_a), indices
 
 
 def _product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> Tensor:
-    """The indices of :func:`product_key_topk` for scores without NaN (C kernel or PyTorch)."""
-    if _fused(scores_a, scores_b):
-        return native.product_key_topk(scores_a, scores_b, k)[1]
+    """The indices of :func:`product_key_topk` for scores without NaN, in PyTorch."""
     rows, n_a = scores_a.shape
     n_b = scores_b.shape[1]
     val_a, idx_a = topk_rows(scores_a, min(k, n_a))

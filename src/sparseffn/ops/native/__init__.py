@@ -383,8 +383,10 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Csordás et al. 2023 Eq. 15 with top-k: the top k of ``scores_a[r, i] + scores_b[r, j]`` over all
-    (i, j), full index ``i + n_a · j``, ordered by (sum desc, index asc). scores_a: [R, n_a];
-    scores_b: [R, n_b]. Returns (values [R, k], int64 indices [R, k])."""
+    (i, j), full index ``i + n_a · j``, ordered by (sum desc, index asc), NaN and -inf ranked
+    below every finite score and +inf above (as ``kernels.rankable`` maps them); the values are
+    the sums of the original scores. scores_a: [R, n_a]; scores_b: [R, n_b]. Returns (values
+    [R, k], int64 indices [R, k])."""
     lib = _load()
     a, b = _rows("scores_a", scores_a), _rows("scores_b", scores_b)
     vals = _written(a.shape[0], k)

@@ -16,10 +16,13 @@
  *                  go to the lower index, deterministically.
  * sf_pk_topk       product-key top-k (Csordás et al. 2023 Eq. 15): the top ka of row a, the top kb of row
  *                  b, and the top k of the ka * kb sums, with full index ia + na * ib, ordered
- *                  by (sum desc, index asc).
+ *                  by (sum desc, index asc). Scores are ranked as sparseffn.ops.kernels.rankable
+ *                  maps them (NaN and -inf below every finite score, +inf above) and the values
+ *                  returned are the sums of the original scores, so a selected NaN stays NaN.
  *
  * Rows are independent; OpenMP threads take blocks of rows.
  */
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -226,6 +229,13 @@ int sf_topk_rows(const float *s, int64_t lds, int64_t rows, int64_t n, int64_t k
     return 0;
 }
 
+/* A score as kernels.rankable maps it: NaN and -inf to -FLT_MAX/4, +inf to FLT_MAX/4, finite
+ * scores clamped to that range (so that a sum of two cannot overflow). */
+static inline float rankable(float v) {
+    const float big = FLT_MAX / 4;
+    return v != v ? -big : (v > big ? big : (v < -big ? -big : v));
+}
+
 int sf_pk_topk(const float *sa, int64_t lda, const float *sb, int64_t ldb, int64_t rows,
                int64_t na, int64_t nb, int64_t k, float *out_vals, int64_t *out_idx,
                int nthreads) {
@@ -233,17 +243,22 @@ int sf_pk_topk(const float *sa, int64_t lda, const float *sb, int64_t ldb, int64
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(|:failed)
     {
-        float *va = malloc((size_t)(ka + kb) * sizeof(float));
+        /* per thread: the two rows as ranked, then their top ka and kb */
+        float *ra = malloc((size_t)(na + nb + ka + kb) * sizeof(float));
         int64_t *ia = malloc((size_t)(ka + kb) * sizeof(int64_t));
-        failed = !va || !ia;   /* every thread reaches the loop; one without buffers skips */
+        failed = !ra || !ia;   /* every thread reaches the loop; one without buffers skips */
         {
-            float *vb = va ? va + ka : NULL;
+            float *rb = ra ? ra + na : NULL, *va = ra ? ra + na + nb : NULL;
+            float *vb = ra ? va + ka : NULL;
             int64_t *ib = ia ? ia + ka : NULL;
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
                 if (failed) continue;
-                topk_row(sa + r * lda, na, ka, va, ia);
-                topk_row(sb + r * ldb, nb, kb, vb, ib);
+                const float *a = sa + r * lda, *b = sb + r * ldb;
+                for (int64_t i = 0; i < na; i++) ra[i] = rankable(a[i]);
+                for (int64_t j = 0; j < nb; j++) rb[j] = rankable(b[j]);
+                topk_row(ra, na, ka, va, ia);
+                topk_row(rb, nb, kb, vb, ib);
                 float *vals = out_vals + r * k;
                 int64_t *ids = out_idx + r * k, count = 0;
                 /* a and b are sorted descending and float addition is monotone, so once a sum
@@ -261,9 +276,11 @@ int sf_pk_topk(const float *sa, int64_t lda, const float *sb, int64_t ldb, int64
                         insert_ordered(vals, ids, &count, k, s, full);
                     }
                 }
+                for (int64_t j = 0; j < k; j++)      /* the sums of the original scores */
+                    vals[j] = a[ids[j] % na] + b[ids[j] / na];
             }
         }
-        free(va);
+        free(ra);
         free(ia);
     }
     return failed;
