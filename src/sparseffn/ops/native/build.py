@@ -29,6 +29,8 @@ from .abi import declare
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c", "rows_cpu.c",
                                                               "pairs_cpu.c")]
+# included by the sources: part of the build's hash, not compiled on their own
+_HEADERS = [Path(__file__).with_name("bf16.h")]
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -143,7 +145,7 @@ def _load() -> ctypes.CDLL | None:
             flags = [*_FLAGS, "-march=native"] if platform.machine() in ("x86_64", "AMD64") \
                 else list(_FLAGS)
             key = hashlib.sha256(
-                b"".join(src.read_bytes() for src in _SOURCES)
+                b"".join(src.read_bytes() for src in [*_SOURCES, *_HEADERS])
                 + repr((flags, compiler, _machine_tag())).encode()
             ).hexdigest()[:16]
             name = f"sparseffn_cpu-{key}.so"

@@ -26,7 +26,8 @@
 #include <string.h>
 #include <omp.h>
 
-typedef uint16_t bf16;
+#include "bf16.h"
+
 typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int *n,
                          const int *k, const float *alpha, const float *a, const int *lda,
                          const float *b, const int *ldb, const float *beta, float *c,
@@ -46,22 +47,6 @@ void sf_init(void *sgemm, void *blas_threads_local, void *gemm_bf16) {
     g_sgemm = (sgemm_fn)sgemm;
     g_blas_threads_local = (set_threads_fn)blas_threads_local;
     g_gemm_bf16 = (gemm_bf16_fn)gemm_bf16;
-}
-
-static inline float bf16_to_f32(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as PyTorch's float -> bfloat16 conversion does; NaN stays NaN. */
-static inline bf16 f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
 }
 
 static inline size_t elem(int bf) { return bf ? sizeof(bf16) : sizeof(float); }
