@@ -196,10 +196,76 @@ def test_gather_dot_and_gather_sum_match_indexing_with_gradients(rows_path):
         torch.testing.assert_close(a, b, **tol)
 
 
-def test_scatter_rows_is_independent_of_thread_count():
+def _bf16_round(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 13])
+def test_bf16_row_kernels_sum_in_float32_and_round_once(tokens):
+    """The C row kernels read bf16 tables and write bf16 results (gather_sum's, scatter_rows'):
+    every element is the float64 sum of the same bf16 operands rounded once, within one bf16
+    rounding of it (the float32 partial sums), at an odd width, with table rows no pair reads
+    (zero rows of the scatter) and an empty batch; NaN reaches only its token's outputs."""
+    require_native()
+    gen = torch.Generator().manual_seed(tokens)
+    n, d, m = 23, 37, 5
+    table = torch.randn(n, d, generator=gen).to(torch.bfloat16)
+    x = torch.randn(tokens, d, generator=gen)
+    w = torch.randn(tokens, m, generator=gen)
+    src = torch.randn(tokens, d, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, n - 3, (tokens, m), generator=gen)      # rows n-3.. never read
+    if tokens:
+        x[0, 4] = float("nan")
+        idx[-1, :2] = 7                                            # a repeated row
+    t64, x64, w64, s64 = table.double(), x.double(), w.double(), src.double()
+    dot = rows.gather_dot(x, table, idx)
+    bag = rows.gather_sum(idx, w, table)
+    scat = rows.scatter_rows(idx, w, src, n)
+    assert (dot.dtype, bag.dtype, scat.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    want_dot = (t64[idx] * x64[:, None]).sum(-1)
+    want_bag = (w64[..., None] * t64[idx]).sum(1)
+    want_scat = torch.zeros(n, d, dtype=torch.float64).index_add_(
+        0, idx.reshape(-1), (w64[..., None] * s64[:, None]).reshape(-1, d))
+    torch.testing.assert_close(dot.double(), want_dot, rtol=1e-5, atol=1e-5, equal_nan=True)
+    for got, want in ((bag, want_bag), (scat, want_scat)):
+        assert torch.equal(got.isnan(), want.isnan())
+        err = (got.double() - want).abs()
+        assert bool((err <= (want.abs() * 2 ** -8 + 1e-30)).all()), err.max()   # one rounding
+    assert torch.count_nonzero(scat[n - 3:]) == 0
+    if tokens:
+        assert bool(dot[0].isnan().all()) and not bool(dot[1:].isnan().any())
+    assert torch.equal(bag.double(), _bf16_round(bag.float()))
+
+
+def test_bf16_row_kernels_through_autograd_match_the_float32_products():
+    """gather_dot and gather_sum on a bf16 table (as PKM and PEER read theirs under CPU bf16
+    autocast): outputs and every gradient match the float64 products of the same bf16
+    operands to bf16 precision, and the table's gradient comes back bf16."""
+    require_native()
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn(31, 19, generator=gen).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(9, 19, generator=gen, requires_grad=True)
+    w = torch.randn(9, 4, generator=gen, requires_grad=True)
+    idx = torch.randint(0, 31, (9, 4), generator=gen)
+    g1, g2 = torch.randn(9, 4, generator=gen), torch.randn(9, 19, generator=gen)
+    got = (rows.gather_dot(x, table, idx) * g1).sum() \
+        + (rows.gather_sum(idx, w, table).float() * g2).sum()
+    t64 = table.detach().double().requires_grad_()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = ((t64[idx] * x64[:, None]).sum(-1) * g1.double()).sum() \
+        + (((w64[..., None] * t64[idx]).sum(1)) * g2.double()).sum()
+    grads = torch.autograd.grad(got, (x, table, w))
+    assert grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads, torch.autograd.grad(want, (x64, t64, w64))):
+        torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_rows_is_independent_of_thread_count(dtype):
     require_native()
     idx = torch.randint(0, 50, (400, 16))
-    w, src = torch.randn(400, 16), torch.randn(400, 33)
+    w, src = torch.randn(400, 16), torch.randn(400, 33).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

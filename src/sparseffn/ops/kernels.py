@@ -279,7 +279,7 @@ def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: int64 [T, m]."""
     if triton_rows.usable(x, table):
         return triton_rows.gather_dot(x, table, idx)
-    if _fused(x, table):
+    if native.rows_usable(x, table):
         return native.gather_dot(x, table, idx)
     out = x.new_empty(idx.shape, dtype=torch.promote_types(x.dtype, table.dtype))
     for part in _chunks(idx.shape[0], idx.shape[1] * table.shape[1]):
@@ -300,7 +300,7 @@ def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     returns [T, d] in the table's dtype."""
     if triton_rows.usable(weights, table):
         return triton_rows.gather_sum(idx, weights, table)
-    if _fused(weights, table):
+    if native.rows_usable(weights, table):
         return native.gather_sum(idx, weights, table)
     if idx.shape[0] == 0:
         return table.new_zeros(0, table.shape[1])
@@ -325,7 +325,7 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
     if triton_rows.usable(weights, src):
         row_index = (order, offsets) if order is not None and offsets is not None else None
         return triton_rows.scatter_rows(idx, weights, src, num_rows, row_index)
-    if _fused(weights, src):
+    if native.rows_usable(weights, src):
         return native.scatter_rows(idx, weights, src, num_rows)
     out = src.new_zeros(num_rows, src.shape[1])
     for part in _chunks(idx.shape[0], idx.shape[1] * src.shape[1]):

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..activations import activation_fn
+from ..ops import native
 from ..ops.precision import autocast_dtype
 from ..ops.rows import gather_dot, gather_sum, shared_row_index
 from ..routing import Routing
@@ -15,9 +16,12 @@ from .base import ExpertStore
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype the gathered products run in, as ``nn.Linear``'s do (fp32
-    accumulation inside the kernels): under autocast off the CPU, else None (the tables'
-    own dtype; on the CPU the fused kernels take fp32)."""
-    return None if x.device.type == "cpu" else autocast_dtype(x)
+    accumulation inside the kernels), or None (the tables' own dtype): under autocast, except
+    a CPU autocast dtype the C row kernels do not read (they take fp32 and bf16 tables)."""
+    dtype = autocast_dtype(x)
+    if dtype is not None and x.device.type == "cpu" and dtype not in native.ROW_DTYPES:
+        return None
+    return dtype
 
 
 class ValueRows(ExpertStore):
@@ -27,8 +31,8 @@ class ValueRows(ExpertStore):
 
     Parameters: ``values`` [num_rows, d_model], initialised ``N(0, std)``. With
     ``sparse_grad`` their gradient is a sparse tensor holding only the rows a batch read.
-    Under autocast on a GPU the rows are read in the autocast dtype (fp32 accumulation), as
-    ``nn.Linear`` reads its weight.
+    Under autocast (bf16 only on the CPU) the rows are read in the autocast dtype (fp32
+    accumulation), as ``nn.Linear`` reads its weight.
 
     forward(x: [T, d_model], routing) -> [T, d_model]
     """
@@ -66,8 +70,8 @@ class NeuronExperts(ExpertStore):
     Parameters: ``w_in`` [N, d_model] (rows u_i, ``N(0, in_std)``) and ``w_out`` [N, d_model]
     (rows v_i, ``N(0, out_std)``). Per token only the selected rows are read: ``u_iᵀ x`` as
     gathered dot products and the sum as a gathered sum, neither materialising
-    [T, k, d_model] weights. Under autocast on a GPU both run in the autocast dtype (fp32
-    accumulation), as ``nn.Linear`` does.
+    [T, k, d_model] weights. Under autocast (bf16 only on the CPU) both run in the autocast
+    dtype (fp32 accumulation), as ``nn.Linear`` does.
 
     forward(x: [T, d_model], routing) -> [T, d_model]
     """
@@ -109,7 +113,8 @@ class NeuronExperts(ExpertStore):
         return [self.w_in, self.w_out] if self.sparse_grad else []
 
     def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
-        """Under autocast off the CPU, the autocast dtype (the gathered dot products' x)."""
+        """Under autocast, the dtype the gathered dot products read x in (see
+        :func:`_compute_dtype`)."""
         return _compute_dtype(x)
 
     def extra_repr(self) -> str:

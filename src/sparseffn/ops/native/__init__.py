@@ -32,7 +32,7 @@ from .build import (_load, available, bf16_available, native_enabled, set_native
 __all__ = ["available", "bf16_available", "cvmm_rows", "cvmm_usable", "fff_descend",
            "fff_expand", "fff_expand_backward",
            "gather_dot", "gather_sum", "mlp_pairs", "mlp_pairs_usable", "native_enabled",
-           "product_key_topk", "scatter_rows",
+           "product_key_topk", "rows_usable", "scatter_rows",
            "set_native_enabled", "topk_rows", "unavailable_reason", "usable", "weight_grad"]
 
 # ---------------------------------------------------------------------------------------------
@@ -328,41 +328,72 @@ def _pairs(idx: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.int64).contiguous()
 
 
+#: The element types the row kernels (gather_dot, gather_sum, scatter_rows) take.
+ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rows_usable(*tensors: torch.Tensor | None) -> bool:
+    """True when :func:`gather_dot`, :func:`gather_sum` and :func:`scatter_rows` can take these
+    tensors: CPU, float32 or bfloat16 (a bf16 table is read, and a bf16 result written, by the
+    kernels themselves; the other operands are read in float32)."""
+    for t in tensors:
+        if t is not None and (not t.is_cpu or t.dtype not in ROW_DTYPES):
+            return False
+    return available()
+
+
+def _table(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A table [N, d] the row kernels read in place (float32 or bf16), and its bf16 flag."""
+    bf = int(t.dtype == torch.bfloat16)
+    return _rows(name, t, torch.bfloat16 if bf else torch.float32), bf
+
+
+def _float_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` [rows, width] as the float32 matrix the row kernels read (bf16 converted
+    exactly)."""
+    return _rows(name, t if t.dtype != torch.bfloat16 else t.float())
+
+
 def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: [T, m]."""
+    """``out[t, j] = <x[t], table[idx[t, j]]>``, summed in float32. x: [T, d]; table: [N, d];
+    idx: [T, m]. Returns [T, m] in the promoted dtype of x and table (rounded once)."""
     lib = _load()
-    x, table, idx = _rows("x", x), _rows("table", table), _pairs(idx)
+    out_dtype = torch.promote_types(x.dtype, table.dtype)
+    x, (table, bf), idx = _float_rows("x", x), _table("table", table), _pairs(idx)
     out = _written(*idx.shape)
     if out.numel():
         call(lib, "sf_gather_dot", x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
-                  idx.data_ptr(), idx.shape[0], idx.shape[1], x.shape[1], out.data_ptr(),
+                  bf, idx.data_ptr(), idx.shape[0], idx.shape[1], x.shape[1], out.data_ptr(),
                   torch.get_num_threads())
-    return out
+    return out.to(out_dtype)
 
 
 def gather_sum(idx: torch.Tensor, weights: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``. idx, weights: [T, m]; table: [N, d]."""
+    """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``, summed in float32. idx, weights:
+    [T, m]; table: [N, d]. Returns [T, d] in the table's dtype (rounded once)."""
     lib = _load()
-    idx, table = _pairs(idx), _rows("table", table)
+    idx, (table, bf) = _pairs(idx), _table("table", table)
     weights = weights.to(torch.float32).contiguous()
-    out = _written(idx.shape[0], table.shape[1])
+    out = _written(idx.shape[0], table.shape[1], dtype=table.dtype)
     if idx.shape[0]:
         call(lib, "sf_gather_sum", idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
-                  table.data_ptr(), table.stride(0), table.shape[1], out.data_ptr(), out.stride(0),
-                  torch.get_num_threads())
+                  table.data_ptr(), table.stride(0), bf, table.shape[1], out.data_ptr(),
+                  out.stride(0), torch.get_num_threads())
     return out
 
 
 def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
                  num_rows: int) -> torch.Tensor:
-    """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, a dense [num_rows, d]
-    with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]."""
+    """``out[i] = Σ_{(t, j): idx[t, j] = i} weights[t, j] · src[t]``, summed in float32, a dense
+    [num_rows, d] in src's dtype (rounded once) with zero rows where no pair lands. idx,
+    weights: [T, m]; src: [T, d]."""
     lib = _load()
-    idx, src = _pairs(idx), _rows("src", src)
+    bf = int(src.dtype == torch.bfloat16)
+    idx, src = _pairs(idx), _float_rows("src", src)
     weights = weights.to(torch.float32).contiguous()
-    out = _written(num_rows, src.shape[1])
+    out = _written(num_rows, src.shape[1], dtype=torch.bfloat16 if bf else torch.float32)
     call(lib, "sf_scatter_rows", idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
-              src.data_ptr(), src.stride(0), num_rows, src.shape[1], out.data_ptr(),
+              src.data_ptr(), src.stride(0), num_rows, src.shape[1], out.data_ptr(), bf,
               torch.get_num_threads())
     return out
 

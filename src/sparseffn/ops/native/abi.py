@@ -29,12 +29,12 @@ SIGNATURES: dict[str, list] = {
     "sf_fff_expand_backward": [P, I64, P, I64, P, I64, I64, INT, INT, P, INT],
     # x, ldx, w, ldw, bias, rows, dim, depth, out, nthreads
     "sf_fff_descend": [P, I64, P, I64, P, I64, INT, INT, P, INT],
-    # x, ldx, table, ldt, idx, rows, m, d, out, nthreads
-    "sf_gather_dot": [P, I64, P, I64, P, I64, I64, I64, P, INT],
-    # idx, w, rows, m, table, ldt, d, out, ldo, nthreads
-    "sf_gather_sum": [P, P, I64, I64, P, I64, I64, P, I64, INT],
-    # idx, w, rows, m, src, lds, n_rows, d, out, nthreads
-    "sf_scatter_rows": [P, P, I64, I64, P, I64, I64, I64, P, INT],
+    # x, ldx, table, ldt, bf16 table, idx, rows, m, d, out, nthreads
+    "sf_gather_dot": [P, I64, P, I64, INT, P, I64, I64, I64, P, INT],
+    # idx, w, rows, m, table, ldt, bf16 table and out, d, out, ldo, nthreads
+    "sf_gather_sum": [P, P, I64, I64, P, I64, INT, I64, P, I64, INT],
+    # idx, w, rows, m, src, lds, n_rows, d, out, bf16 out, nthreads
+    "sf_scatter_rows": [P, P, I64, I64, P, I64, I64, I64, P, INT, INT],
     # s, lds, rows, n, k, vals, ids, nthreads
     "sf_topk_rows": [P, I64, I64, I64, I64, P, P, INT],
     # sa, lda, sb, ldb, rows, n_a, n_b, k, vals, ids, nthreads

@@ -20,6 +20,12 @@
  *                  maps them (NaN and -inf below every finite score, +inf above) and the values
  *                  returned are the sums of the original scores, so a selected NaN stays NaN.
  *
+ * The tables of sf_gather_dot and sf_gather_sum, the output of sf_gather_sum and the output of
+ * sf_scatter_rows may be bfloat16 (flag `bf`): their rows are read and summed in float32 and
+ * each output element is rounded once (bf16.h). At PKM's table sizes (3,844 rows of 256) the
+ * halved bytes made gather_dot 1.2x and gather_sum 1.4x faster; tables of a million rows gain
+ * nothing (the reads are latency-bound). x, the weights and src are float32.
+ *
  * Rows are independent; OpenMP threads take blocks of rows.
  */
 #include <float.h>
@@ -28,38 +34,67 @@
 #include <string.h>
 #include <omp.h>
 
-int sf_gather_dot(const float *x, int64_t ldx, const float *table, int64_t ldt,
+#include "bf16.h"
+
+int sf_gather_dot(const float *x, int64_t ldx, const void *table, int64_t ldt, int bf,
                   const int64_t *idx, int64_t rows, int64_t m, int64_t d, float *out,
                   int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < rows; t++) {
         const float *xt = x + t * ldx;
         for (int64_t j = 0; j < m; j++) {
-            const float *row = table + idx[t * m + j] * ldt;
             float s = 0.0f;
-            #pragma omp simd reduction(+:s)
-            for (int64_t c = 0; c < d; c++) s += xt[c] * row[c];
+            if (bf) {
+                const bf16 *row = (const bf16 *)table + idx[t * m + j] * ldt;
+                #pragma omp simd reduction(+:s)
+                for (int64_t c = 0; c < d; c++) s += xt[c] * bf16_to_f32(row[c]);
+            } else {
+                const float *row = (const float *)table + idx[t * m + j] * ldt;
+                #pragma omp simd reduction(+:s)
+                for (int64_t c = 0; c < d; c++) s += xt[c] * row[c];
+            }
             out[t * m + j] = s;
         }
     }
     return 0;
 }
 
+/* Round a float32 row to the bf16 row `dst` (n elements). */
+static void round_row(const float *src, bf16 *dst, int64_t n) {
+    for (int64_t c = 0; c < n; c++) dst[c] = f32_to_bf16(src[c]);
+}
+
 int sf_gather_sum(const int64_t *idx, const float *w, int64_t rows, int64_t m,
-                  const float *table, int64_t ldt, int64_t d, float *out, int64_t ldo,
+                  const void *table, int64_t ldt, int bf, int64_t d, void *out, int64_t ldo,
                   int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < rows; t++) {
-        float *o = out + t * ldo;
-        memset(o, 0, (size_t)d * sizeof(float));
-        for (int64_t j = 0; j < m; j++) {
-            const float wj = w[t * m + j];
-            const float *row = table + idx[t * m + j] * ldt;
-            #pragma omp simd
-            for (int64_t c = 0; c < d; c++) o[c] += wj * row[c];
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+    {
+        /* bf16: a float32 row per thread, rounded once into out */
+        float *acc = bf ? malloc((size_t)(d > 0 ? d : 1) * sizeof(float)) : NULL;
+        failed = bf && !acc;
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++) {
+            if (failed) continue;
+            float *o = bf ? acc : (float *)out + t * ldo;
+            memset(o, 0, (size_t)d * sizeof(float));
+            for (int64_t j = 0; j < m; j++) {
+                const float wj = w[t * m + j];
+                if (bf) {
+                    const bf16 *row = (const bf16 *)table + idx[t * m + j] * ldt;
+                    #pragma omp simd
+                    for (int64_t c = 0; c < d; c++) o[c] += wj * bf16_to_f32(row[c]);
+                } else {
+                    const float *row = (const float *)table + idx[t * m + j] * ldt;
+                    #pragma omp simd
+                    for (int64_t c = 0; c < d; c++) o[c] += wj * row[c];
+                }
+            }
+            if (bf) round_row(acc, (bf16 *)out + t * ldo, d);
         }
+        free(acc);
     }
-    return 0;
+    return failed;
 }
 
 /* Stable counting sort of the pairs by table row: offsets[N + 1], order[pairs]. */
@@ -89,26 +124,35 @@ static int group_pairs(const int64_t *idx, int64_t pairs, int64_t n_rows, int64_
 }
 
 int sf_scatter_rows(const int64_t *idx, const float *w, int64_t rows, int64_t m,
-                    const float *src, int64_t lds, int64_t n_rows, int64_t d, float *out,
+                    const float *src, int64_t lds, int64_t n_rows, int64_t d, void *out, int bf,
                     int nthreads) {
     int64_t *offsets, *order;
     if (group_pairs(idx, rows * m, n_rows, &offsets, &order)) return 1;
+    int failed = 0;
     /* Every output row is written exactly once (zeros included), by the thread that owns it. */
-    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 256)
-    for (int64_t i = 0; i < n_rows; i++) {
-        float *o = out + i * d;
-        memset(o, 0, (size_t)d * sizeof(float));
-        for (int64_t q = offsets[i]; q < offsets[i + 1]; q++) {
-            const int64_t p = order[q];
-            const float wp = w[p];
-            const float *s = src + (p / m) * lds;
-            #pragma omp simd
-            for (int64_t c = 0; c < d; c++) o[c] += wp * s[c];
+    #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+    {
+        float *acc = bf ? malloc((size_t)(d > 0 ? d : 1) * sizeof(float)) : NULL;
+        failed = bf && !acc;
+        #pragma omp for schedule(dynamic, 256)
+        for (int64_t i = 0; i < n_rows; i++) {
+            if (failed) continue;
+            float *o = bf ? acc : (float *)out + i * d;
+            memset(o, 0, (size_t)d * sizeof(float));
+            for (int64_t q = offsets[i]; q < offsets[i + 1]; q++) {
+                const int64_t p = order[q];
+                const float wp = w[p];
+                const float *s = src + (p / m) * lds;
+                #pragma omp simd
+                for (int64_t c = 0; c < d; c++) o[c] += wp * s[c];
+            }
+            if (bf) round_row(acc, (bf16 *)out + i * d, d);
         }
+        free(acc);
     }
     free(offsets);
     free(order);
-    return 0;
+    return failed;
 }
 
 /* Insert (v, i) into vals/ids[0..*count) kept sorted by (value desc, index asc), capacity k. */
