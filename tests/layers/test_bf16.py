@@ -143,3 +143,34 @@ def test_a_router_and_store_that_both_read_in_bf16_cast_the_input_once(router, m
     if router != "peer":
         assert _cast_count(build("float32"), x, True, monkeypatch)[3] == 1, \
             "a float32 router reads x as it comes; only the experts cast it"
+
+
+@pytest.mark.parametrize("layer_type", ["PKM", "PEER"])
+def test_sparse_gradient_tables_train_under_bf16_autocast(layer_type):
+    """Tables with sparse gradients are read as they are under autocast (a cast's backward
+    cannot carry a sparse gradient to the parameter): the step gives the fp32 sparse
+    gradients of the same layer without autocast, to bf16 precision of the other products,
+    and SparseAdam takes them."""
+    torch.manual_seed(0)
+    if layer_type == "PKM":
+        layer = sparseffn.ProductKeyMemory(d_model=32, num_subkeys=16, heads=2, k=4,
+                                           sparse_grad=True)
+    else:
+        layer = sparseffn.PEER(d_model=32, num_experts=256, heads=2, k=4, sparse_grad=True)
+    x = torch.randn(20, 32)
+
+    def sparse_grads(autocast: bool):
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        y.float().square().sum().backward()
+        return {n: p.grad for n, p in layer.named_parameters()
+                if p in set(sparseffn.sparse_grad_parameters(layer))}
+
+    want, got = sparse_grads(False), sparse_grads(True)
+    assert got and got.keys() == want.keys()
+    for name, grad in got.items():
+        assert grad.is_sparse and grad.dtype == torch.float32, name
+        torch.testing.assert_close(grad.to_dense(), want[name].to_dense(), rtol=0.05,
+                                   atol=0.05 * want[name].to_dense().abs().max().item())
+    torch.optim.SparseAdam(list(sparseffn.sparse_grad_parameters(layer))).step()

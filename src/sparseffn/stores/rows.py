@@ -14,12 +14,14 @@ from ..routing import Routing
 from .base import ExpertStore
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype | None:
+def _compute_dtype(x: torch.Tensor, sparse_grad: bool) -> torch.dtype | None:
     """The autocast dtype the gathered products run in, as ``nn.Linear``'s do (fp32
     accumulation inside the kernels), or None (the tables' own dtype): under autocast, except
-    a CPU autocast dtype the C row kernels do not read (they take fp32 and bf16 tables)."""
+    a CPU autocast dtype the C row kernels do not read (they take fp32 and bf16 tables), and
+    for tables with sparse gradients (the backward of a cast cannot carry a sparse gradient
+    to the parameter: such tables are read as they are)."""
     dtype = autocast_dtype(x)
-    if dtype is not None and x.device.type == "cpu" and dtype not in native.ROW_DTYPES:
+    if dtype is None or sparse_grad or (x.device.type == "cpu" and dtype not in native.ROW_DTYPES):
         return None
     return dtype
 
@@ -31,8 +33,8 @@ class ValueRows(ExpertStore):
 
     Parameters: ``values`` [num_rows, d_model], initialised ``N(0, std)``. With
     ``sparse_grad`` their gradient is a sparse tensor holding only the rows a batch read.
-    Under autocast (bf16 only on the CPU) the rows are read in the autocast dtype (fp32
-    accumulation), as ``nn.Linear`` reads its weight.
+    Under autocast (bf16 only on the CPU; not with ``sparse_grad``) the rows are read in the
+    autocast dtype (fp32 accumulation), as ``nn.Linear`` reads its weight.
 
     forward(x: [T, d_model], routing) -> [T, d_model]
     """
@@ -50,7 +52,7 @@ class ValueRows(ExpertStore):
         self.values.normal_(0.0, self.std)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        dtype = _compute_dtype(x)
+        dtype = _compute_dtype(x, self.sparse_grad)
         values = self.values if dtype is None else self.values.to(dtype)
         y = gather_sum(routing.indices, routing.weights, values, sparse_grad=self.sparse_grad)
         return y.to(x.dtype)
@@ -70,8 +72,8 @@ class NeuronExperts(ExpertStore):
     Parameters: ``w_in`` [N, d_model] (rows u_i, ``N(0, in_std)``) and ``w_out`` [N, d_model]
     (rows v_i, ``N(0, out_std)``). Per token only the selected rows are read: ``u_iᵀ x`` as
     gathered dot products and the sum as a gathered sum, neither materialising
-    [T, k, d_model] weights. Under autocast (bf16 only on the CPU) both run in the autocast
-    dtype (fp32 accumulation), as ``nn.Linear`` does.
+    [T, k, d_model] weights. Under autocast (bf16 only on the CPU; not with ``sparse_grad``)
+    both run in the autocast dtype (fp32 accumulation), as ``nn.Linear`` does.
 
     forward(x: [T, d_model], routing) -> [T, d_model]
     """
@@ -95,7 +97,7 @@ class NeuronExperts(ExpertStore):
         self.w_out.normal_(0.0, self.out_std)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        dtype = _compute_dtype(x)
+        dtype = _compute_dtype(x, self.sparse_grad)
         w_in, w_out, inputs = self.w_in, self.w_out, x
         if dtype is not None:
             w_in, w_out, inputs = w_in.to(dtype), w_out.to(dtype), x.to(dtype)
@@ -115,7 +117,7 @@ class NeuronExperts(ExpertStore):
     def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """Under autocast, the dtype the gathered dot products read x in (see
         :func:`_compute_dtype`)."""
-        return _compute_dtype(x)
+        return _compute_dtype(x, self.sparse_grad)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, d_model={self.d_model}, "
