@@ -87,15 +87,20 @@ def test_product_key_topk_is_exactly_the_top_k_of_all_sums(rows_path, n_a, n_b, 
         assert torch.equal(values[r], full[r, expect])
 
 
+def _native_and_torch(fn, *args):
+    """``fn(*args)`` through the C kernels, then through the PyTorch path."""
+    got = fn(*args)
+    native.set_native_enabled(False)
+    try:
+        return got, fn(*args)
+    finally:
+        native.set_native_enabled(True)
+
+
 def test_native_and_torch_retrieval_agree_bitwise():
     require_native()
     s_a, s_b = torch.randn(500, 128).round(decimals=1), torch.randn(500, 128).round(decimals=1)
-    got = product_keys.product_key_topk(s_a, s_b, 16)
-    native.set_native_enabled(False)
-    try:
-        want = product_keys.product_key_topk(s_a, s_b, 16)
-    finally:
-        native.set_native_enabled(True)
+    got, want = _native_and_torch(product_keys.product_key_topk, s_a, s_b, 16)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -111,12 +116,7 @@ def test_native_product_key_topk_ranks_and_sums_non_finite_and_huge_scores_as_py
     for s in (s_a, s_b):
         where = torch.rand(s.shape, generator=gen) < 0.15
         s[where] = special[torch.randint(0, 6, (int(where.sum()),), generator=gen)]
-    got = product_keys.product_key_topk(s_a, s_b, 16)
-    native.set_native_enabled(False)
-    try:
-        want = product_keys.product_key_topk(s_a, s_b, 16)
-    finally:
-        native.set_native_enabled(True)
+    got, want = _native_and_torch(product_keys.product_key_topk, s_a, s_b, 16)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)
 
