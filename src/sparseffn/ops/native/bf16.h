@@ -24,4 +24,9 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+/* Round the float32 row src to the bf16 row dst (n elements). */
+static inline void round_row_to_bf16(const float *src, bf16 *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
 #endif

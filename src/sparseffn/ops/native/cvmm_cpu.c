@@ -277,10 +277,7 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
                             const float *mk = (const float *)mask_with + p * n;
                             for (int q = 0; q < n; q++) c[q] = mk[q] > 0.0f ? c[q] : 0.0f;
                         }
-                        if (rounded) {
-                            bf16 *o = (bf16 *)out + p * n;
-                            for (int q = 0; q < n; q++) o[q] = f32_to_bf16(c[q]);
-                        }
+                        if (rounded) round_row_to_bf16(c, (bf16 *)out + p * n, n);
                         continue;
                     }
                     int64_t dst = out_idx[p] / group;

@@ -59,11 +59,6 @@ int sf_gather_dot(const float *x, int64_t ldx, const void *table, int64_t ldt, i
     return 0;
 }
 
-/* Round a float32 row to the bf16 row `dst` (n elements). */
-static void round_row(const float *src, bf16 *dst, int64_t n) {
-    for (int64_t c = 0; c < n; c++) dst[c] = f32_to_bf16(src[c]);
-}
-
 int sf_gather_sum(const int64_t *idx, const float *w, int64_t rows, int64_t m,
                   const void *table, int64_t ldt, int bf, int64_t d, void *out, int64_t ldo,
                   int nthreads) {
@@ -90,7 +85,7 @@ int sf_gather_sum(const int64_t *idx, const float *w, int64_t rows, int64_t m,
                     for (int64_t c = 0; c < d; c++) o[c] += wj * row[c];
                 }
             }
-            if (bf) round_row(acc, (bf16 *)out + t * ldo, d);
+            if (bf) round_row_to_bf16(acc, (bf16 *)out + t * ldo, d);
         }
         free(acc);
     }
@@ -146,7 +141,7 @@ int sf_scatter_rows(const int64_t *idx, const float *w, int64_t rows, int64_t m,
                 #pragma omp simd
                 for (int64_t c = 0; c < d; c++) o[c] += wp * s[c];
             }
-            if (bf) round_row(acc, (bf16 *)out + i * d, d);
+            if (bf) round_row_to_bf16(acc, (bf16 *)out + i * d, d);
         }
         free(acc);
     }
