@@ -81,9 +81,9 @@ def cvmm_usable(*tensors: torch.Tensor | None, scale: torch.Tensor | None = None
     one dtype, float32 or (where PyTorch's BLAS is MKL) bfloat16; ``scale`` any floating CPU
     tensor (it is read in float32)."""
     present = [t for t in tensors if t is not None]
-    if scale is not None and (scale.device.type != "cpu" or not scale.is_floating_point()):
+    if scale is not None and (not scale.is_cpu or not scale.is_floating_point()):
         return False
-    if any(t.device.type != "cpu" or t.dtype != present[0].dtype for t in present):
+    if any(not t.is_cpu or t.dtype != present[0].dtype for t in present):
         return False
     if present and present[0].dtype == torch.bfloat16:
         return bf16_available()
