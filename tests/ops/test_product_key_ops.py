@@ -150,9 +150,7 @@ def test_retrieve_matches_full_scoring_with_gradients(rows_path, shared, backwar
     keys_b = torch.randn(H, n, d // 2, dtype=dtype, requires_grad=True)
     q = torch.randn(T, d if shared else H * d, dtype=dtype, requires_grad=True)
     q3 = q.view(T, -1, d)
-    scores, idx = product_keys.retrieve(q[:, :d // 2] if shared else q3[..., :d // 2],
-                                        q[:, d // 2:] if shared else q3[..., d // 2:],
-                                        keys_a, keys_b, k=5)
+    scores, idx = product_keys.retrieve(q if shared else q3, keys_a, keys_b, k=5)
     assert (type(scores.grad_fn).__name__ == "_SelectedScoresBackward") == (backward == "dense")
     grad = torch.randn_like(scores)
     got = torch.autograd.grad((scores * grad).sum(), (q, keys_a, keys_b))
@@ -167,12 +165,66 @@ def test_retrieve_matches_full_scoring_with_gradients(rows_path, shared, backwar
         torch.testing.assert_close(g, w, **tol)
 
 
+@pytest.mark.parametrize("backward", ["dense", "gathered"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_retrieve_splits_the_query_where_the_first_sub_keys_end(shared, backward, monkeypatch):
+    """Halves of different widths: the first keys_a.shape[-1] units of the query score
+    against keys_a, the rest against keys_b, and the query's gradient is one tensor."""
+    if backward == "gathered":
+        monkeypatch.setattr(product_keys, "_DENSE_BACKWARD_ROWS", 0)
+    T, H, n_a, n_b, d_a, d_b = 5, 2, 7, 4, 3, 6
+    keys_a = torch.randn(H, n_a, d_a, dtype=torch.float64, requires_grad=True)
+    keys_b = torch.randn(H, n_b, d_b, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(T, d_a + d_b if shared else H * (d_a + d_b), dtype=torch.float64,
+                    requires_grad=True)
+    q3 = q.view(T, -1, d_a + d_b)
+    scores, idx = product_keys.retrieve(q if shared else q3, keys_a, keys_b, k=6)
+    grad = torch.randn_like(scores)
+    got = torch.autograd.grad((scores * grad).sum(), (q, keys_a, keys_b))
+    qe = q3.expand(T, H, d_a + d_b)
+    ref_scores, ref_idx = product_key_reference(qe[..., :d_a], qe[..., d_a:], keys_a, keys_b, 6)
+    want = torch.autograd.grad((ref_scores * grad).sum(), (q, keys_a, keys_b))
+    assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_retrieve_gives_a_bf16_query_its_gradient_in_bf16(shared):
+    """A bf16 query (PEER's query network under autocast) is scored in float32; its gradient
+    comes back in bf16, the float32 gradient rounded once."""
+    T, H, n, d = 9, 3, 6, 8
+    keys_a, keys_b = (torch.randn(H, n, d // 2, requires_grad=True) for _ in range(2))
+    q = torch.randn(T, d if shared else H * d).to(torch.bfloat16).requires_grad_()
+    q32 = q.detach().float().requires_grad_()
+    grad = torch.randn(T, H, 4)
+
+    def gradients(query):
+        scores, _ = product_keys.retrieve(query if shared else query.view(T, H, d),
+                                          keys_a, keys_b, 4)
+        return torch.autograd.grad((scores * grad).sum(), (query, keys_a, keys_b))
+
+    got, want = gradients(q), gradients(q32)
+    assert got[0].dtype == torch.bfloat16
+    assert torch.equal(got[0], want[0].to(torch.bfloat16))
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("shape", [(4, 7), (4, 3, 7), (4, 2, 8), (8,)])
+def test_retrieve_names_a_query_that_does_not_fit_the_sub_keys(shape):
+    keys_a, keys_b = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
+    with pytest.raises(ValueError, match=r"retrieve: the query must be \[tokens, 8\] or"):
+        product_keys.retrieve(torch.randn(*shape), keys_a, keys_b, 2)
+
+
 def test_retrieve_chunks_tokens_without_changing_results(monkeypatch):
-    q_a, q_b = torch.randn(50, 2, 4), torch.randn(50, 2, 4)
+    query = torch.randn(50, 2, 8)
     keys_a, keys_b = torch.randn(2, 16, 4), torch.randn(2, 16, 4)
-    whole = product_keys.retrieve(q_a, q_b, keys_a, keys_b, 8)
+    whole = product_keys.retrieve(query, keys_a, keys_b, 8)
     monkeypatch.setattr(product_keys, "_SCORE_CHUNK_ELEMENTS", 64)   # two tokens per chunk
-    chunked = product_keys.retrieve(q_a, q_b, keys_a, keys_b, 8)
+    chunked = product_keys.retrieve(query, keys_a, keys_b, 8)
     assert torch.equal(whole[1], chunked[1])
     torch.testing.assert_close(whole[0], chunked[0])    # a GEMM's last bit depends on its size
 

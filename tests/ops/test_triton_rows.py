@@ -286,8 +286,8 @@ def test_retrieval_dense_backward_matches_the_gathered_one(shared, monkeypatch):
     half); it gives the gradients of the gathered-row backward."""
     gen = torch.Generator().manual_seed(3)
     heads, n, d, tokens, k = 3, 11, 6, 29, 5
-    qshape = (tokens, d) if shared else (tokens, heads, d)
-    leaves = [torch.randn(*qshape, generator=gen), torch.randn(*qshape, generator=gen),
+    qshape = (tokens, 2 * d) if shared else (tokens, heads, 2 * d)
+    leaves = [torch.randn(*qshape, generator=gen),
               torch.randn(heads, n, d, generator=gen), torch.randn(heads, n, d, generator=gen)]
     leaves = [t.to(DEVICE).requires_grad_() for t in leaves]
     grad = torch.randn(tokens, heads, k, device=DEVICE)

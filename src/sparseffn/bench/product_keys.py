@@ -81,7 +81,7 @@ def _scaling_point(exponent: int, tokens: int, repeats: int,
 
     def product_keys():
         with torch.no_grad():
-            return retrieve(query[..., :half], query[..., half:], keys_a, keys_b, K)[1]
+            return retrieve(query, keys_a, keys_b, K)[1]
 
     def naive():
         rows = max(1, NAIVE_SCORE_ELEMENTS // n_experts)

@@ -14,7 +14,7 @@ beating i would give k keys beating (i, j)).
 
     topk_lowest_index(scores, k)                   top k of each row, ties to the lower index
     product_key_topk(scores_a, scores_b, k)        the top k of all sums, from the two halves
-    retrieve(query_a, query_b, keys_a, keys_b, k)  scores and indices per head, differentiable
+    retrieve(query, keys_a, keys_b, k)             scores and indices per head, differentiable
 """
 
 from __future__ import annotations
@@ -62,15 +62,20 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
     return kernels.product_key_topk(scores_a, scores_b, k)
 
 
-def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
-             keys_b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def retrieve(query: torch.Tensor, keys_a: torch.Tensor, keys_b: torch.Tensor,
+             k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Product-key retrieval for every head: the k keys of each head's table with the highest
-    scores ``<q_a, keys_a[h, i]> + <q_b, keys_b[h, j]>``.
+    scores ``<q_a, keys_a[h, i]> + <q_b, keys_b[h, j]>``, where ``q = [q_a | q_b]``.
 
-    query_a: [T, H, d_a] or [T, d_a] (one query shared by every head); query_b likewise with
-    d_b; keys_a: [H, n_a, d_a]; keys_b: [H, n_b, d_b].
-    Returns scores [T, H, k] (differentiable in the queries and keys) and int64 indices
+    query: [T, H, d_a + d_b], or [T, d_a + d_b] (one query shared by every head); its first
+    d_a units are scored against keys_a [H, n_a, d_a], the rest against keys_b [H, n_b, d_b].
+    Returns scores [T, H, k] (differentiable in the query and keys) and int64 indices
     [T, H, k] into the head's n_a · n_b keys (``i + n_a · j``).
+
+    The query is taken whole, not as two halves, so that its gradient is one tensor: two
+    slices would each get a zero-filled gradient of the full query, added afterwards (in a
+    PEER layer step on the CPU that, with the halves' casts, was a quarter of the retrieval's
+    backward).
 
     The sub-key scores are computed chunk by chunk of tokens and dropped. The backward reads
     only the selected sub-keys (``gather_dot``: O(k · d) per query, not the O(n · d) of
@@ -80,21 +85,26 @@ def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
     [T, heads · n] rows (``kernels.dense_rows``) and the gradients two GEMMs each.
     """
     heads, n_a, d_a = keys_a.shape
-    n_b = keys_b.shape[1]
-    shared = query_a.dim() == 2
-    tokens = query_a.shape[0]
+    n_b, d_b = keys_b.shape[1:]
+    shared = query.dim() == 2
+    if query.shape[-1] != d_a + d_b or query.dim() not in (2, 3) or (
+            not shared and query.shape[1] != heads):
+        raise ValueError(f"retrieve: the query must be [tokens, {d_a + d_b}] or [tokens, "
+                         f"{heads}, {d_a + d_b}] for sub-keys {tuple(keys_a.shape)} and "
+                         f"{tuple(keys_b.shape)}, got {tuple(query.shape)}")
+    tokens = query.shape[0]
     # The scores that choose keys are computed and compared in float32 whatever the module's
     # dtype or autocast (as the MoE routers do): in bfloat16 about 9% of retrievals at 64
     # sub-keys picked other keys than in float32.
-    score_dtype = torch.float64 if query_a.dtype == torch.float64 else torch.float32
-    vals = torch.empty(tokens, heads, k, dtype=score_dtype, device=query_a.device)
-    idx = torch.empty(tokens, heads, k, dtype=torch.int64, device=query_a.device)
-    flat_a, flat_b = keys_a.reshape(heads * n_a, d_a), keys_b.reshape(heads * n_b, -1)
+    score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    vals = torch.empty(tokens, heads, k, dtype=score_dtype, device=query.device)
+    idx = torch.empty(tokens, heads, k, dtype=torch.int64, device=query.device)
     step = max(1, _SCORE_CHUNK_ELEMENTS // (heads * max(n_a, n_b)))
-    with torch.no_grad(), autocast_off(query_a.device.type):
-        qa, qb = query_a.to(score_dtype), query_b.to(score_dtype)
+    with torch.no_grad(), autocast_off(query.device.type):
+        q = query.to(score_dtype)                 # one cast of the whole query, then views
+        qa, qb = q[..., :d_a], q[..., d_a:]
         ka, kb = keys_a.to(score_dtype), keys_b.to(score_dtype)
-        fa, fb = ka.reshape(heads * n_a, d_a), kb.reshape(heads * n_b, -1)
+        fa, fb = ka.reshape(heads * n_a, d_a), kb.reshape(heads * n_b, d_b)
         for start in range(0, tokens, step):
             part = slice(start, min(tokens, start + step))
             if shared:      # one GEMM for every head; rows (t, h)
@@ -109,24 +119,23 @@ def retrieve(query_a: torch.Tensor, query_b: torch.Tensor, keys_a: torch.Tensor,
                 vals[part] = v.view(heads, -1, k).transpose(0, 1)
                 idx[part] = i.view(heads, -1, k).transpose(0, 1)
     needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query_a, query_b, keys_a, keys_b))
+        t.requires_grad for t in (query, keys_a, keys_b))
     if not needs_grad:
         return vals, idx
-    if _dense_backward(heads * max(n_a, n_b), query_a, query_b, keys_a, keys_b):
-        return _SelectedScores.apply(vals, query_a, query_b, keys_a, keys_b, idx), idx
+    if _dense_backward(heads * max(n_a, n_b), query, keys_a, keys_b):
+        return _SelectedScores.apply(vals, query, keys_a, keys_b, idx), idx
     # The same scores again, as gathered dot products that autograd can follow; their values
     # are discarded (the GEMM's are kept, exactly the ones the selection compared).
     head_a = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_a
     head_b = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_b
     rows_a, rows_b = idx % n_a + head_a, idx // n_a + head_b
-    if shared:
-        again = (gather_dot(query_a, flat_a, rows_a.view(tokens, heads * k))
-                 + gather_dot(query_b, flat_b, rows_b.view(tokens, heads * k))).view(tokens, heads, k)
-    else:
-        again = (gather_dot(query_a.reshape(tokens * heads, d_a), flat_a,
-                            rows_a.view(tokens * heads, k))
-                 + gather_dot(query_b.reshape(tokens * heads, query_b.shape[-1]), flat_b,
-                              rows_b.view(tokens * heads, k))).view(tokens, heads, k)
+    flat_a, flat_b = keys_a.reshape(heads * n_a, d_a), keys_b.reshape(heads * n_b, d_b)
+    rows = tokens if shared else tokens * heads
+    per_row = heads * k if shared else k
+    query_a = query[..., :d_a].reshape(rows, d_a)
+    query_b = query[..., d_a:].reshape(rows, d_b)
+    again = (gather_dot(query_a, flat_a, rows_a.view(rows, per_row))
+             + gather_dot(query_b, flat_b, rows_b.view(rows, per_row))).view(tokens, heads, k)
     return vals + (again - again.detach()).to(vals.dtype), idx
 
 
@@ -145,43 +154,52 @@ def _dense_backward(sub_keys: int, *tensors: torch.Tensor) -> bool:
 
 class _SelectedScores(torch.autograd.Function):
     """The selected scores ``vals`` [T, H, k] (returned unchanged) as a function of the
-    queries and sub-keys, for autograd: the backward differentiates the full score GEMMs
+    query and sub-keys, for autograd: the backward differentiates the full score GEMMs
     ``s = q · keysᵀ`` of each half (Eq. 15 of Csordás et al. 2023), the gradient of the
     selected scores scattered into dense [T, H, n] score rows (zero where nothing was
-    selected; a (token, head)'s k keys reach only its head's n sub-keys)."""
+    selected; a (token, head)'s k keys reach only its head's n sub-keys). The query's
+    gradient is written half by half into one tensor of the query's dtype."""
 
     @staticmethod
-    def forward(ctx, vals, query_a, query_b, keys_a, keys_b, idx):
-        ctx.save_for_backward(query_a, query_b, keys_a, keys_b, idx)
+    def forward(ctx, vals, query, keys_a, keys_b, idx):
+        ctx.save_for_backward(query, keys_a, keys_b, idx)
         return vals.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        query_a, query_b, keys_a, keys_b, idx = ctx.saved_tensors
+        query, keys_a, keys_b, idx = ctx.saved_tensors
         tokens, heads, k = grad.shape
-        n_a = keys_a.shape[1]
-        grads = [None] * 6
+        n_a, d_a = keys_a.shape[1:]
+        shared = query.dim() == 2
+        needs_query, needs_keys = ctx.needs_input_grad[1], ctx.needs_input_grad[2:4]
+        grad_query = torch.empty_like(query) if needs_query else None
+        grad_keys = [None, None]
         with autocast_off(grad.device.type):
-            for side, (query, keys, sub) in enumerate(((query_a, keys_a, idx % n_a),
-                                                        (query_b, keys_b, idx // n_a))):
-                if not (ctx.needs_input_grad[1 + side] or ctx.needs_input_grad[3 + side]):
+            q = query.to(grad.dtype) if any(needs_keys) else None    # one cast, then views
+            for side, (keys, sub, cols) in enumerate(((keys_a, idx % n_a, slice(None, d_a)),
+                                                      (keys_b, idx // n_a, slice(d_a, None)))):
+                if not (needs_query or needs_keys[side]):
                     continue
                 n = keys.shape[1]
-                q, table = query.to(grad.dtype), keys.to(grad.dtype)
+                table = keys.to(grad.dtype)
                 g = kernels.dense_rows(sub.reshape(tokens * heads, k),
                                        grad.reshape(tokens * heads, k), n)
-                if query.dim() == 2:          # shared: [T, H·n] against all heads' keys
+                if shared:                     # [T, H·n] against all heads' keys
                     g = g.view(tokens, heads * n)
-                    grad_q = g @ table.reshape(heads * n, -1)
-                    grad_keys = (g.t() @ q).view_as(keys)
+                    if needs_query:
+                        grad_query[:, cols] = g @ table.reshape(heads * n, -1)
+                    if needs_keys[side]:
+                        grad_keys[side] = (g.t() @ q[:, cols]).view_as(keys)
                 else:                          # per head: [T, H, n] against the head's keys
                     g = g.view(tokens, heads, n)
-                    grad_q = torch.bmm(g.transpose(0, 1), table).transpose(0, 1)   # [T, H, d]
-                    # one GEMM per head: cuBLAS's batched kernel for this skinny, long-K
-                    # product took 0.6 ms on an H100 (n 38, T 16384); the 2-D ones split K
-                    grad_keys = torch.stack([g[:, h].t() @ q[:, h] for h in range(heads)])
-                if ctx.needs_input_grad[1 + side]:
-                    grads[1 + side] = grad_q.to(query.dtype)
-                if ctx.needs_input_grad[3 + side]:
-                    grads[3 + side] = grad_keys.to(keys.dtype)
-        return tuple(grads)
+                    if needs_query:            # [H, T, d] written as [T, H, d]
+                        grad_query[..., cols] = torch.bmm(g.transpose(0, 1), table
+                                                          ).transpose(0, 1)
+                    if needs_keys[side]:
+                        # one GEMM per head: cuBLAS's batched kernel for this skinny, long-K
+                        # product took 0.6 ms on an H100 (n 38, T 16384); the 2-D ones split K
+                        grad_keys[side] = torch.stack([g[:, h].t() @ q[:, h, cols]
+                                                       for h in range(heads)])
+        grad_a, grad_b = (None if grad is None else grad.to(keys.dtype)
+                          for grad, keys in zip(grad_keys, (keys_a, keys_b)))
+        return None, grad_query, grad_a, grad_b, None

@@ -166,8 +166,7 @@ class ProductKeyRouter(nn.Module):
             q = self.query_norm(q)
         if self.query is not None:
             q = q.view(q.shape[0], self.spec.heads, self.spec.key_dim)
-        return retrieve(q[..., :self.half], q[..., self.half:], self.keys_a, self.keys_b,
-                        self.spec.k)
+        return retrieve(q, self.keys_a, self.keys_b, self.spec.k)
 
     def forward(self, x: torch.Tensor) -> Routing:
         scores, indices = self.retrieve(x)
