@@ -73,9 +73,13 @@ def test_topk_lowest_index_all_equal_takes_the_first_k(rows_path):
 
 
 @pytest.mark.parametrize("n_a,n_b,k", [(8, 8, 4), (16, 8, 16), (5, 7, 9), (3, 3, 9), (32, 32, 32),
-                                       (1, 6, 2)])
+                                       (1, 6, 2), (62, 62, 32), (50, 5, 40), (20, 20, 100),
+                                       (40, 40, 200)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_product_key_topk_is_exactly_the_top_k_of_all_sums(rows_path, n_a, n_b, k, ties):
+    """The C kernel merges the two halves' top k by counting the ranks of the sums above a
+    bound, or by inserts where sums tie or too many (more than 256) are above it: about 2k
+    are for random scores, so the last two sizes take one path each."""
     s_a, s_b = torch.randn(30, n_a), torch.randn(30, n_b)
     if ties:
         s_a, s_b = s_a.round(), s_b.round()

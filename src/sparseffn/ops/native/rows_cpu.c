@@ -175,22 +175,10 @@ static void topk_row_scan(const float *s, int64_t n, int64_t k, float *vals, int
 #define RANK_ROW_MAX 128
 #define RANK_BLOCK 16
 
-/* The same result for a short row (n <= RANK_ROW_MAX), by counting ranks: in the order
- * (value desc, index asc) element c is preceded by the earlier elements >= it and the later
- * ones > it. The ranks are a permutation of 0..n-1, so each element of rank < k goes
- * straight to its slot. The n² comparisons run RANK_BLOCK elements c at a time in vector
- * lanes, with no branch; the scan's inserts branch unpredictably and took twice the time at
- * n 62, k 32. NaN has no rank: a row holding one is left to the scan (returns 0). */
-static int topk_row_ranks(const float *s, int64_t n, int64_t k, float *vals, int64_t *ids) {
-    float row[RANK_ROW_MAX] = {0};       /* whole blocks; lanes past n are computed, unused */
-    int rank[RANK_ROW_MAX];
-    int nan = 0;
-    #pragma omp simd reduction(|:nan)
-    for (int64_t c = 0; c < n; c++) {
-        row[c] = s[c];
-        nan |= s[c] != s[c];
-    }
-    if (nan) return 0;
+/* Ranks of a short row (n <= RANK_ROW_MAX) in the order (value desc, index asc): element c
+ * is preceded by the earlier elements >= it and the later ones > it. RANK_BLOCK elements c
+ * at a time in vector lanes, with no branch. */
+static void ranks_with_ties(const float *row, int64_t n, int *rank) {
     for (int64_t b = 0; b < n; b += RANK_BLOCK) {
         const float *c = row + b;
         int r[RANK_BLOCK] = {0};
@@ -212,11 +200,55 @@ static int topk_row_ranks(const float *s, int64_t n, int64_t k, float *vals, int
         }
         memcpy(rank + b, r, sizeof r);
     }
-    for (int64_t c = 0; c < n; c++)
-        if (rank[c] < k) {
-            vals[rank[c]] = row[c];
-            ids[rank[c]] = c;
+}
+
+/* rank[c] = the number of elements of row larger than row[c], for c < n; row is padded with
+ * anything to a whole number of RANK_BLOCKs. RANK_BLOCK elements c at a time in vector lanes,
+ * one comparison per pair, no branch. These counts are the ranks in the order (value desc,
+ * index asc) exactly when no two values are equal; then they add up to n(n-1)/2, and each
+ * equal pair makes the sum one less. Returns whether no two values are equal. */
+static int count_larger(const float *row, int64_t n, int *rank) {
+    for (int64_t b = 0; b < n; b += RANK_BLOCK) {
+        const float *c = row + b;
+        int r[RANK_BLOCK] = {0};
+        for (int64_t j = 0; j < n; j++) {
+            const float w = row[j];
+            #pragma omp simd
+            for (int l = 0; l < RANK_BLOCK; l++) r[l] += w > c[l];
         }
+        memcpy(rank + b, r, sizeof r);
+    }
+    int64_t rank_sum = 0;
+    #pragma omp simd reduction(+:rank_sum)
+    for (int64_t c = 0; c < n; c++) rank_sum += rank[c];
+    return rank_sum == n * (n - 1) / 2;
+}
+
+/* The top k of a short row (n <= RANK_ROW_MAX) by counting ranks, with ties ordered by index
+ * only when the row has any. The ranks are a permutation of 0..n-1, so each element goes
+ * straight to its slot. The scan's inserts branch unpredictably and took twice the time at
+ * n 62, k 32. NaN has no rank: a row holding one is left to the scan (returns 0). */
+static int topk_row_ranks(const float *s, int64_t n, int64_t k, float *vals, int64_t *ids) {
+    float row[RANK_ROW_MAX] = {0};       /* whole blocks; lanes past n are computed, unused */
+    int rank[RANK_ROW_MAX];
+    int nan = 0;
+    #pragma omp simd reduction(|:nan)
+    for (int64_t c = 0; c < n; c++) {
+        row[c] = s[c];
+        nan |= s[c] != s[c];
+    }
+    if (nan) return 0;
+    if (!count_larger(row, n, rank)) ranks_with_ties(row, n, rank);
+    /* the whole permutation without a branch (whether rank < k is a coin toss), then the
+     * first k */
+    float sorted_vals[RANK_ROW_MAX];
+    int64_t sorted_ids[RANK_ROW_MAX];
+    for (int64_t c = 0; c < n; c++) {
+        sorted_vals[rank[c]] = row[c];
+        sorted_ids[rank[c]] = c;
+    }
+    memcpy(vals, sorted_vals, (size_t)k * sizeof(float));
+    memcpy(ids, sorted_ids, (size_t)k * sizeof(int64_t));
     return 1;
 }
 
@@ -275,10 +307,87 @@ static inline float rankable(float v) {
     return v != v ? -big : (v > big ? big : (v < -big ? -big : v));
 }
 
+#define MERGE_MAX 256
+
+/* The product-key merge: the top k of the sums va[i] + vb[j] (i < ka, j < kb; va and vb
+ * sorted descending, their sub-key indices ia and ib) by (sum desc, full index asc), full
+ * index ia[i] + na * ib[j]. vals gets the sums of the original scores a[ia[i]] + b[ib[j]].
+ *
+ * By ranks: every sum of the corner i < x, j < ceil(k / x) (corner[x - 1]) is at least its last
+ * (float addition is monotone), so the k-th largest sum is at least the largest such bound.
+ * Only the sums at or above it are candidates, a prefix of each row; about 2k of the k² for
+ * random scores. Their ranks are counted; returns 0 (and the inserts merge) when more than
+ * MERGE_MAX sums are candidates or two are equal (their order needs the full indices). At
+ * 8192 rows of 62 sub-keys, k 32, the merge took 3.1 ms by inserts. */
+static int merge_by_ranks(const float *va, const int64_t *ia, int64_t ka, const float *vb,
+                          const int64_t *ib, int64_t kb, int64_t k, const int64_t *corner,
+                          const float *a, const float *b, int64_t na, float *vals,
+                          int64_t *ids) {
+    float bound = va[ka - 1] + vb[kb - 1];
+    for (int64_t x = 0; x < ka; x++) {
+        const int64_t y = corner[x];
+        if (y <= kb && va[x] + vb[y - 1] > bound) bound = va[x] + vb[y - 1];
+    }
+    float sums[MERGE_MAX];
+    int rank[MERGE_MAX];
+    int32_t pi[MERGE_MAX], pj[MERGE_MAX];
+    int64_t m = 0;
+    for (int64_t i = 0; i < ka && va[i] + vb[0] >= bound; i++) {
+        int64_t len = 0;
+        #pragma omp simd reduction(+:len)
+        for (int64_t j = 0; j < kb; j++) len += va[i] + vb[j] >= bound;
+        if (m + len > MERGE_MAX) return 0;
+        for (int64_t j = 0; j < len; j++) {
+            sums[m + j] = va[i] + vb[j];
+            pi[m + j] = (int32_t)i;
+            pj[m + j] = (int32_t)j;
+        }
+        m += len;
+    }
+    if (m < k) return 0;                  /* cannot happen (the bound's corner has k sums) */
+    for (int64_t c = m; c % RANK_BLOCK; c++) sums[c] = 0;    /* the last block's spare lanes */
+    if (!count_larger(sums, m, rank)) return 0;
+    uint16_t by_rank[MERGE_MAX];      /* candidate of each rank: the permutation, no branch */
+    for (int64_t c = 0; c < m; c++) by_rank[rank[c]] = (uint16_t)c;
+    for (int64_t r = 0; r < k; r++) {
+        const int64_t c = by_rank[r];
+        vals[r] = a[ia[pi[c]]] + b[ib[pj[c]]];
+        ids[r] = ia[pi[c]] + na * ib[pj[c]];
+    }
+    return 1;
+}
+
+/* The same merge by inserting the sums row by row into the sorted top k: a and b are sorted
+ * descending and float addition is monotone, so once a sum falls strictly below the k-th,
+ * the rest of the row (or column) cannot enter. */
+static void merge_by_inserts(const float *va, const int64_t *ia, int64_t ka, const float *vb,
+                             const int64_t *ib, int64_t kb, int64_t k, const float *a,
+                             const float *b, int64_t na, float *vals, int64_t *ids) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < ka; i++) {
+        if (count == k && va[i] + vb[0] < vals[k - 1]) break;
+        for (int64_t j = 0; j < kb; j++) {
+            const float s = va[i] + vb[j];
+            const int64_t full = ia[i] + na * ib[j];
+            if (count == k && (s < vals[k - 1] ||
+                               (s == vals[k - 1] && full > ids[k - 1]))) {
+                if (s < vals[k - 1]) break;
+                continue;
+            }
+            insert_ordered(vals, ids, &count, k, s, full);
+        }
+    }
+    for (int64_t j = 0; j < k; j++)      /* the sums of the original scores */
+        vals[j] = a[ids[j] % na] + b[ids[j] / na];
+}
+
 int sf_pk_topk(const float *sa, int64_t lda, const float *sb, int64_t ldb, int64_t rows,
                int64_t na, int64_t nb, int64_t k, float *out_vals, int64_t *out_idx,
                int nthreads) {
     const int64_t ka = k < na ? k : na, kb = k < nb ? k : nb;
+    int64_t *corner = malloc((size_t)ka * sizeof(int64_t));     /* see merge_by_ranks */
+    if (!corner) return 1;
+    for (int64_t x = 1; x <= ka; x++) corner[x - 1] = (k + x - 1) / x;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(|:failed)
     {
@@ -299,28 +408,14 @@ int sf_pk_topk(const float *sa, int64_t lda, const float *sb, int64_t ldb, int64
                 topk_row(ra, na, ka, va, ia);
                 topk_row(rb, nb, kb, vb, ib);
                 float *vals = out_vals + r * k;
-                int64_t *ids = out_idx + r * k, count = 0;
-                /* a and b are sorted descending and float addition is monotone, so once a sum
-                 * falls strictly below the k-th, the rest of the row (or column) cannot enter. */
-                for (int64_t i = 0; i < ka; i++) {
-                    if (count == k && va[i] + vb[0] < vals[k - 1]) break;
-                    for (int64_t j = 0; j < kb; j++) {
-                        const float s = va[i] + vb[j];
-                        const int64_t full = ia[i] + na * ib[j];
-                        if (count == k && (s < vals[k - 1] ||
-                                           (s == vals[k - 1] && full > ids[k - 1]))) {
-                            if (s < vals[k - 1]) break;
-                            continue;
-                        }
-                        insert_ordered(vals, ids, &count, k, s, full);
-                    }
-                }
-                for (int64_t j = 0; j < k; j++)      /* the sums of the original scores */
-                    vals[j] = a[ids[j] % na] + b[ids[j] / na];
+                int64_t *ids = out_idx + r * k;
+                if (!merge_by_ranks(va, ia, ka, vb, ib, kb, k, corner, a, b, na, vals, ids))
+                    merge_by_inserts(va, ia, ka, vb, ib, kb, k, a, b, na, vals, ids);
             }
         }
         free(ra);
         free(ia);
     }
+    free(corner);
     return failed;
 }
