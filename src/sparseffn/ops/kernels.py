@@ -429,9 +429,17 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
         return triton_rows.product_key_topk(scores_a, scores_b, k)
     if _fused(scores_a, scores_b):       # ranks as rankable does in its loads, sums the originals
         return native.product_key_topk(scores_a, scores_b, k)
-    n_a = scores_a.shape[1]
     indices = _product_key_topk_indices(rankable(scores_a), rankable(scores_b), k)
-    return scores_a.gather(1, indices % n_a) + scores_b.gather(1, indices // n_a), indices
+    sub_a, sub_b = sub_key_indices(indices, scores_a.shape[1])
+    return scores_a.gather(1, sub_a) + scores_b.gather(1, sub_b), indices
+
+
+def sub_key_indices(indices: Tensor, n_a: int) -> tuple[Tensor, Tensor]:
+    """The sub-key indices ``(i, j)`` of product-key indices ``i + n_a·j`` (any shape, int64).
+    One integer division: PyTorch's ``%`` and ``//`` are one each, and on the CPU an int64
+    division took 0.5 ms at 2048 tokens × 4 heads × 32 keys."""
+    sub_b = indices // n_a
+    return indices - sub_b * n_a, sub_b
 
 
 def _product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> Tensor:

@@ -128,7 +128,8 @@ def retrieve(query: torch.Tensor, keys_a: torch.Tensor, keys_b: torch.Tensor,
     # are discarded (the GEMM's are kept, exactly the ones the selection compared).
     head_a = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_a
     head_b = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_b
-    rows_a, rows_b = idx % n_a + head_a, idx // n_a + head_b
+    sub_a, sub_b = kernels.sub_key_indices(idx, n_a)
+    rows_a, rows_b = sub_a + head_a, sub_b + head_b
     flat_a, flat_b = keys_a.reshape(heads * n_a, d_a), keys_b.reshape(heads * n_b, d_b)
     rows = tokens if shared else tokens * heads
     per_row = heads * k if shared else k
@@ -176,8 +177,9 @@ class _SelectedScores(torch.autograd.Function):
         grad_keys = [None, None]
         with autocast_off(grad.device.type):
             q = query.to(grad.dtype) if any(needs_keys) else None    # one cast, then views
-            for side, (keys, sub, cols) in enumerate(((keys_a, idx % n_a, slice(None, d_a)),
-                                                      (keys_b, idx // n_a, slice(d_a, None)))):
+            sub_a, sub_b = kernels.sub_key_indices(idx, n_a)
+            for side, (keys, sub, cols) in enumerate(((keys_a, sub_a, slice(None, d_a)),
+                                                      (keys_b, sub_b, slice(d_a, None)))):
                 if not (needs_query or needs_keys[side]):
                     continue
                 n = keys.shape[1]
