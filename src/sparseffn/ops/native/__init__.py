@@ -388,8 +388,8 @@ def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
     [num_rows, d] in src's dtype (rounded once) with zero rows where no pair lands. idx,
     weights: [T, m]; src: [T, d]."""
     lib = _load()
-    bf = int(src.dtype == torch.bfloat16)
-    idx, src = _pairs(idx), _float_rows("src", src)
+    src, bf = _table("src", src)
+    idx = _pairs(idx)
     weights = weights.to(torch.float32).contiguous()
     out = _written(num_rows, src.shape[1], dtype=torch.bfloat16 if bf else torch.float32)
     call(lib, "sf_scatter_rows", idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],

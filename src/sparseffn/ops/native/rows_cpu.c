@@ -20,11 +20,11 @@
  *                  maps them (NaN and -inf below every finite score, +inf above) and the values
  *                  returned are the sums of the original scores, so a selected NaN stays NaN.
  *
- * The tables of sf_gather_dot and sf_gather_sum, the output of sf_gather_sum and the output of
- * sf_scatter_rows may be bfloat16 (flag `bf`): their rows are read and summed in float32 and
- * each output element is rounded once (bf16.h). At PKM's table sizes (3,844 rows of 256) the
- * halved bytes made gather_dot 1.2x and gather_sum 1.4x faster; tables of a million rows gain
- * nothing (the reads are latency-bound). x, the weights and src are float32.
+ * The tables of sf_gather_dot and sf_gather_sum, the output of sf_gather_sum and both src and
+ * output of sf_scatter_rows may be bfloat16 (flag `bf`): their rows are read and summed in
+ * float32 and each output element is rounded once (bf16.h). At PKM's table sizes (3,844 rows
+ * of 256) the halved bytes made gather_dot 1.2x and gather_sum 1.4x faster; tables of a
+ * million rows gain nothing (the reads are latency-bound). x and the weights are float32.
  *
  * Rows are independent; OpenMP threads take blocks of rows.
  */
@@ -119,7 +119,7 @@ static int group_pairs(const int64_t *idx, int64_t pairs, int64_t n_rows, int64_
 }
 
 int sf_scatter_rows(const int64_t *idx, const float *w, int64_t rows, int64_t m,
-                    const float *src, int64_t lds, int64_t n_rows, int64_t d, void *out, int bf,
+                    const void *src, int64_t lds, int64_t n_rows, int64_t d, void *out, int bf,
                     int nthreads) {
     int64_t *offsets, *order;
     if (group_pairs(idx, rows * m, n_rows, &offsets, &order)) return 1;
@@ -137,9 +137,15 @@ int sf_scatter_rows(const int64_t *idx, const float *w, int64_t rows, int64_t m,
             for (int64_t q = offsets[i]; q < offsets[i + 1]; q++) {
                 const int64_t p = order[q];
                 const float wp = w[p];
-                const float *s = src + (p / m) * lds;
-                #pragma omp simd
-                for (int64_t c = 0; c < d; c++) o[c] += wp * s[c];
+                if (bf) {
+                    const bf16 *s = (const bf16 *)src + (p / m) * lds;
+                    #pragma omp simd
+                    for (int64_t c = 0; c < d; c++) o[c] += wp * bf16_to_f32(s[c]);
+                } else {
+                    const float *s = (const float *)src + (p / m) * lds;
+                    #pragma omp simd
+                    for (int64_t c = 0; c < d; c++) o[c] += wp * s[c];
+                }
             }
             if (bf) round_row_to_bf16(acc, (bf16 *)out + i * d, d);
         }
