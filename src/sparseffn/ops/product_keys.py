@@ -72,10 +72,10 @@ def retrieve(query: torch.Tensor, keys_a: torch.Tensor, keys_b: torch.Tensor,
     Returns scores [T, H, k] (differentiable in the query and keys) and int64 indices
     [T, H, k] into the head's n_a · n_b keys (``i + n_a · j``).
 
-    The query is taken whole, not as two halves, so that its gradient is one tensor: two
-    slices would each get a zero-filled gradient of the full query, added afterwards (in a
-    PEER layer step on the CPU that, with the halves' casts, was a quarter of the retrieval's
-    backward).
+    The query is taken whole, not as two halves, so that it is cast once and its gradient is
+    one tensor: two slices would each get a zero-filled gradient of the full query, added
+    afterwards. With each half's casts, that was about 5 ms of a PEER layer's bf16 training
+    step on a 2-core CPU (2,048 tokens, 4 heads, 256-wide queries).
 
     The sub-key scores are computed chunk by chunk of tokens and dropped. The backward reads
     only the selected sub-keys (``gather_dot``: O(k · d) per query, not the O(n · d) of
