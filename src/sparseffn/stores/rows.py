@@ -21,7 +21,7 @@ def _compute_dtype(x: torch.Tensor, sparse_grad: bool) -> torch.dtype | None:
     for tables with sparse gradients (the backward of a cast cannot carry a sparse gradient
     to the parameter: such tables are read as they are)."""
     dtype = autocast_dtype(x)
-    if dtype is None or sparse_grad or (x.device.type == "cpu" and dtype not in native.ROW_DTYPES):
+    if dtype is None or sparse_grad or (x.is_cpu and dtype not in native.ROW_DTYPES):
         return None
     return dtype
 

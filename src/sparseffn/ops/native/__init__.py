@@ -334,8 +334,8 @@ ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 def rows_usable(*tensors: torch.Tensor | None) -> bool:
     """True when :func:`gather_dot`, :func:`gather_sum` and :func:`scatter_rows` can take these
-    tensors: CPU, float32 or bfloat16 (a bf16 table is read, and a bf16 result written, by the
-    kernels themselves; the other operands are read in float32)."""
+    tensors: CPU, float32 or bfloat16 (a bf16 table or scatter source is read, and a bf16
+    result written, by the kernels themselves; the other operands are read in float32)."""
     for t in tensors:
         if t is not None and (not t.is_cpu or t.dtype not in ROW_DTYPES):
             return False
@@ -442,9 +442,12 @@ def mlp_pairs_usable(x: torch.Tensor, gates: torch.Tensor | None, w1: torch.Tens
     """True when :func:`mlp_pairs` takes these tensors: CPU float32 (:func:`usable`), an
     activation it knows, and the expert tensors (weights, biases) with a unit last stride, so
     that they are read in place."""
-    experts = (w1, w2, b1, b2, w_gate)
-    return activation in PAIR_ACTIVATIONS and usable(x, gates, *experts) and all(
-        t is None or t.stride(-1) == 1 for t in experts)
+    if activation not in PAIR_ACTIVATIONS:
+        return False
+    for t in (w1, w2, b1, b2, w_gate):   # a loop, not all(<generator>): every decoding call
+        if t is not None and t.stride(-1) != 1:
+            return False
+    return usable(x, gates, w1, w2, b1, b2, w_gate)
 
 
 def _expert_rows(name: str, t: torch.Tensor | None, experts: int, rows: int, width: int
@@ -454,8 +457,7 @@ def _expert_rows(name: str, t: torch.Tensor | None, experts: int, rows: int, wid
     if t is None:
         return None, 0, 0
     shape = (experts, rows, width) if rows else (experts, width)
-    if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device.type != "cpu" \
-            or t.stride(-1) != 1:
+    if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_cpu or t.stride(-1) != 1:
         raise ValueError(f"{name} must be a float32 CPU tensor of shape {shape} with a unit "
                          f"last stride, got {tuple(t.shape)} {t.dtype} on {t.device} with "
                          f"strides {t.stride()}")
