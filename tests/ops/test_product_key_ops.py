@@ -317,6 +317,49 @@ def test_bf16_row_kernels_through_autograd_match_the_float32_products():
         torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2)
 
 
+def _scatter_in_pair_order(idx, w, src, num_rows):
+    """scatter_rows' contract in float32 PyTorch ops: each output row is the sum of its pairs'
+    ``w · src`` in pair order, every product and every sum rounded to float32."""
+    flat, weights = idx.reshape(-1), w.reshape(-1)
+    order = torch.argsort(flat, stable=True)                     # by row, then pair order
+    rows_sorted = flat[order]
+    rank = torch.arange(flat.numel()) - torch.searchsorted(rows_sorted, rows_sorted)
+    out = torch.zeros(num_rows, src.shape[1])
+    for r in range(int(rank.max()) + 1 if flat.numel() else 0):
+        pairs = order[rank == r]                                 # each row at most once
+        out[flat[pairs]] += weights[pairs, None] * src[pairs // idx.shape[1]].float()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [1, 15, 31, 32, 33, 64, 127, 128, 129, 200, 257])
+def test_row_kernels_sum_each_column_in_pair_order_at_every_width(dtype, d):
+    """The C row kernels hold blocks of columns in vector registers (steps of 2 vectors, a
+    bf16 step split into even and odd columns, a scalar tail): at widths around every block
+    edge, gather_sum and scatter_rows give the bits of a float32 sum in pair order (rounded
+    once to bf16), and gather_dot the float64 dot product to float32 precision, for 9 pairs a
+    token (groups of 4 and a remainder). 500 tokens give the scatter's sort several threads."""
+    require_native()
+    gen = torch.Generator().manual_seed(d)
+    tokens, n, m = 500, 23, 9
+    table = torch.randn(n, d, generator=gen).to(dtype)
+    x, src = torch.randn(tokens, d, generator=gen), torch.randn(tokens, d, generator=gen).to(dtype)
+    w = torch.randn(tokens, m, generator=gen)
+    idx = torch.randint(0, n - 3, (tokens, m), generator=gen)   # rows n-3.. never read
+    idx[0, :3] = 5                                              # a repeated row
+
+    want_bag = torch.zeros(tokens, d)
+    for j in range(m):                                          # pair order, float32
+        want_bag += w[:, j, None] * table[idx[:, j]].float()
+    assert torch.equal(rows.gather_sum(idx, w, table), want_bag.to(dtype))
+    assert torch.equal(rows.scatter_rows(idx, w, src, n),
+                       _scatter_in_pair_order(idx, w, src, n).to(dtype))
+    want_dot = (table.double()[idx] * x.double()[:, None]).sum(-1)
+    scale = (table.double()[idx].abs() * x.double().abs()[:, None]).sum(-1)
+    err = (rows.gather_dot(x, table, idx).double() - want_dot).abs()
+    assert bool((err <= 1e-6 * scale + 1e-30).all()), (err / scale).max()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scatter_rows_is_independent_of_thread_count(dtype):
     require_native()

@@ -31,7 +31,10 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c
                                                               "pairs_cpu.c")]
 # included by the sources: part of the build's hash, not compiled on their own
 _HEADERS = [Path(__file__).with_name("bf16.h")]
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99"]
+# -ffp-contract=off: no multiply-add fused into an FMA behind the sources' back (GCC's -std=c99
+# implies it, Clang's default does not), so a kernel's sums round as its source reads, the same
+# bits with either compiler (the row kernels' sums are tested bit for bit against PyTorch's)
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99", "-ffp-contract=off"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
