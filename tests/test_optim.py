@@ -1,4 +1,4 @@
-"""sparseffn.param_groups: which parameters get weight decay."""
+"""sparseffn.param_groups: which parameters get weight decay; sparseffn.adam_optimizers."""
 
 import pytest
 import torch
@@ -100,3 +100,49 @@ def test_a_module_can_declare_its_own_biases():
 def test_weight_decay_is_checked(bad):
     with pytest.raises(ValueError, match="weight_decay must be a non-negative finite number"):
         sparseffn.param_groups(nn.Linear(2, 2), bad)
+
+
+def _pkm_block(sparse_grad: bool) -> nn.Module:
+    return _Block(sparseffn.build_layer(PKMConfig(d_model=8, num_subkeys=4, heads=2, k=3,
+                                                  query="linear", key_dim=6,
+                                                  sparse_grad=sparse_grad)))
+
+
+def test_adam_optimizers_fuse_adam_and_give_sparse_gradients_sparse_adam():
+    model = _pkm_block(sparse_grad=True)
+    adam, sparse_adam = sparseffn.adam_optimizers(model, lr=1e-3, betas=(0.8, 0.9))
+    assert isinstance(adam, torch.optim.Adam) and adam.defaults["fused"] is True
+    assert isinstance(sparse_adam, torch.optim.SparseAdam)
+    assert _ids(sparse_adam.param_groups[0]["params"]) == _ids(sparseffn.sparse_grad_parameters(model))
+    assert _ids(adam.param_groups[0]["params"]) == _ids(sparseffn.dense_grad_parameters(model))
+    assert adam.defaults["betas"] == sparse_adam.defaults["betas"] == (0.8, 0.9)
+    assert len(sparseffn.adam_optimizers(_pkm_block(sparse_grad=False), lr=1e-3)) == 1
+    decay, keep = sparseffn.adam_optimizers(model, lr=1e-3, weight_decay=0.1)[0].param_groups
+    assert (decay["name"], decay["weight_decay"], keep["weight_decay"]) == ("decay", 0.1, 0.0)
+
+
+def test_fused_adam_takes_the_steps_of_pytorchs_default_adam():
+    torch.manual_seed(0)
+    model = _pkm_block(sparse_grad=False)
+    twin = _pkm_block(sparse_grad=False)
+    twin.load_state_dict(model.state_dict())
+    start = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fused = sparseffn.adam_optimizers(model, lr=1e-2)[0]
+    plain = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 11, (4, 5))
+    for _ in range(3):
+        for m, opt in ((model, fused), (twin, plain)):
+            opt.zero_grad()
+            m(tokens).square().mean().backward()
+            opt.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert not torch.equal(a, start[name]), name          # every parameter moved
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_adam_is_not_fused_where_a_parameter_has_no_fused_kernel():
+    model = nn.Linear(3, 2)
+    assert sparseffn.adam_optimizers(model, lr=1e-3)[0].defaults["fused"] is True
+    meta = nn.Linear(3, 2, device="meta")
+    assert not sparseffn.optim.fused_adam_fits(list(meta.parameters()))
+    assert sparseffn.adam_optimizers(meta, lr=1e-3)[0].defaults["fused"] is None

@@ -8,11 +8,11 @@ arXiv:2310.10837 §6), so ``dense`` is the parameter-equal baseline of all the o
 
 A step is what a user's training loop pays: the forward pass and the loss (next-token
 cross-entropy plus the layers' auxiliary losses), under autocast when a reduced ``dtype`` is
-asked for, the backward pass, and an Adam update (SparseAdam for parameters with sparse
-gradients, as the trainer does). The models are timed in rotation, one step of each per round
-(CUDA events on a GPU, the wall clock on a CPU); a model's ratio to ``dense`` is the median of
-the per-round ratios. Peak MiB (CUDA only) is the allocator's peak during one step above what
-was allocated before it. The tokens are random bytes: only the time is measured.
+asked for, the backward pass, and the trainer's Adam update (:func:`sparseffn.adam_optimizers`:
+fused Adam, SparseAdam for parameters with sparse gradients). The models are timed in rotation,
+one step of each per round (CUDA events on a GPU, the wall clock on a CPU); a model's ratio to
+``dense`` is the median of the per-round ratios. Peak MiB (CUDA only) is the allocator's peak
+during one step above what was allocated before it. The tokens are random bytes: only the time is measured.
 
 Defaults follow the measurement in the GPU issue (d_model 256, 6 blocks, context 256, batch
 64, d_ff 2048) on a GPU; on a CPU the batch is 4 and the context 128 unless given.
@@ -25,8 +25,9 @@ from typing import Callable
 
 import torch
 
-from ..auxiliary import aux_loss, dense_grad_parameters, sparse_grad_parameters
+from ..auxiliary import aux_loss
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
+from ..optim import adam_optimizers
 from ..runtime import deterministic_algorithms
 from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
                       first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
@@ -49,10 +50,7 @@ def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
     with the loss's forward compiled as ``compile`` says (see :func:`measure.compiled`).
     Returns a function that runs it (and returns nothing read from the device)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    sparse = sparse_grad_parameters(model)
-    optimizers = [torch.optim.Adam(dense_grad_parameters(model), lr=1e-4)]
-    if sparse:
-        optimizers.append(torch.optim.SparseAdam(sparse, lr=1e-4))
+    optimizers = adam_optimizers(model, lr=1e-4)     # as the trainer's
     device_type = tokens.device.type
     loss_of = compiled(model.loss, compile)
 

@@ -37,9 +37,8 @@ import torch
 from torch import nn
 
 from ..analysis.summary import collapse_warning, usage_health
-from ..auxiliary import (aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage,
-                         sparse_grad_parameters)
-from ..optim import param_groups
+from ..auxiliary import aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage
+from ..optim import adam_optimizers
 from ..runtime import deterministic_algorithms
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
@@ -215,14 +214,10 @@ class Trainer:
         parallel.shard(self.model)
         if parallel.active:      # different dropout and routing noise on every rank
             torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))   # (CUDA's too)
-        sparse = sparse_grad_parameters(self.model)
         self.dense_params = dense_grad_parameters(self.model)
         t = run.train
         # with weight decay, weights only: no biases, norm gains or expert/leaf biases
-        params = param_groups(self.model, t.weight_decay) if t.weight_decay else self.dense_params
-        self.optimizers = [torch.optim.Adam(params, lr=t.lr, betas=t.betas)]
-        if sparse:   # PKM values / PEER experts with sparse gradients (sparse_grad = true)
-            self.optimizers.append(torch.optim.SparseAdam(sparse, lr=t.lr, betas=t.betas))
+        self.optimizers = adam_optimizers(self.model, t.lr, t.betas, t.weight_decay)
         self.step, self.train_time = 0, 0.0
         if state is not None:
             for opt, opt_state in zip(self.optimizers, state["optimizers"]):
