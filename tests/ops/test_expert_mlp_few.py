@@ -170,12 +170,38 @@ def test_the_store_keeps_the_plan_where_the_few_path_does_not_pay(monkeypatch):
         store(x, routing)
     monkeypatch.undo()
     monkeypatch.setattr(native, "mlp_pairs", lambda *a, **kw: pytest.fail("few path taken"))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):       # autocast
-        store(x, Routing(routing.indices, routing.weights))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):       # bf16 weights
+        store.to(torch.bfloat16)(x, Routing(routing.indices, routing.weights))
+    store.float()
     store.train()
     store.hidden_dropout.p = 0.5                                             # dropout
     with torch.no_grad():
         store(x, Routing(routing.indices, routing.weights))
+
+
+def test_under_cpu_autocast_the_few_path_runs_in_float32_on_the_weights(monkeypatch):
+    """Decoding under CPU bf16 autocast reads the float32 weights in place (no cast of every
+    expert's weights): the result is the float32 one rounded once to bf16, and within bf16
+    precision of the plan's path, whose products run in bf16."""
+    require_native()
+    store, x, routing = _store_and_routing(T=3, bias=True)
+    seen = []
+    original = native.mlp_pairs
+    monkeypatch.setattr(native, "mlp_pairs",
+                        lambda x, *a, **kw: seen.append(x.dtype) or original(x, *a, **kw))
+    with torch.no_grad():
+        want = store(x, Routing(routing.indices, routing.weights))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = store(x.bfloat16(), Routing(routing.indices, routing.weights))
+    assert seen == [torch.float32, torch.float32] and got.dtype == torch.bfloat16
+    with torch.no_grad():
+        exact = store(x.bfloat16().float(), Routing(routing.indices, routing.weights))
+    assert torch.equal(got, exact.to(torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):     # gradients wanted: the plan, in bf16
+        planned = store(x, Routing(routing.indices, routing.weights))
+    assert planned.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), planned.detach().float(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_the_choice_follows_the_gradient_and_the_tensors():
