@@ -121,8 +121,10 @@ def test_a_router_and_store_that_both_read_in_bf16_cast_the_input_once(router, m
     def build(precision):
         torch.manual_seed(0)
         if router == "peer":   # its query networks are nn.Linear: autocast precision
+            # 16 experts: 45 tokens read each more than CAST_READS_PER_ROW times, so the
+            # tables are cast to bf16 too, as at a training batch
             return sparseffn.build_layer(sparseffn.PEERConfig(
-                d_model=64, num_experts=81, heads=2, k=4)).train()
+                d_model=64, num_experts=16, heads=2, k=4)).train()
         if router == "sigma":
             config = sparseffn.SigmaMoEConfig(d_model=64, num_experts=8, expert_size=16, k=2,
                                               router=SigmaRouterConfig(precision=precision))
@@ -174,3 +176,45 @@ def test_sparse_gradient_tables_train_under_bf16_autocast(layer_type):
         torch.testing.assert_close(grad.to_dense(), want[name].to_dense(), rtol=0.05,
                                    atol=0.05 * want[name].to_dense().abs().max().item())
     torch.optim.SparseAdam(list(sparseffn.sparse_grad_parameters(layer))).step()
+
+
+@pytest.mark.parametrize("store_type", ["values", "neurons"])
+def test_under_autocast_a_small_batch_reads_the_tables_in_place(store_type, monkeypatch):
+    """PKM's value rows and PEER's neurons under CPU bf16 autocast: a batch that reads each
+    table row fewer than ``CAST_READS_PER_ROW`` times on average (decoding) reads the float32
+    tables in place, so output and gradients are the float32 ones (of x rounded to bf16 where
+    the products read x in bf16); a batch that reads each row more often casts them."""
+    from sparseffn.routing import Routing
+    from sparseffn.stores import NeuronExperts, ValueRows
+    from sparseffn.stores import rows as store_rows
+
+    torch.manual_seed(0)
+    rows, d, k = 50, 8, 4
+    store = ValueRows(rows, d, std=1.0) if store_type == "values" else \
+        NeuronExperts(rows, d, in_std=1.0, out_std=1.0)
+    casts = []
+    original = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: (
+        casts.append(1) if t.shape[0] == rows else None) or original(t, *a, **kw))
+
+    def step(tokens, autocast):
+        gen = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, d, generator=gen).requires_grad_()
+        routing = Routing(torch.randint(0, rows, (tokens, k), generator=gen),
+                          torch.rand(tokens, k, generator=gen))
+        store.zero_grad(set_to_none=True)
+        casts.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = store(x if autocast or store_type == "values" else x.bfloat16().float(), routing)
+        y.float().square().sum().backward()
+        return y, [p.grad for p in store.parameters()], len(casts)
+
+    few = rows * store_rows.CAST_READS_PER_ROW // k - 1        # tokens just under the bound
+    y, grads, table_casts = step(few, autocast=True)
+    want, want_grads, _ = step(few, autocast=False)
+    assert table_casts == 0 and torch.equal(y, want)
+    assert all(g.dtype == torch.float32 and torch.equal(g, w) for g, w in zip(grads, want_grads))
+    y, grads, table_casts = step(few + 1, autocast=True)       # at the bound: cast
+    want, _, _ = step(few + 1, autocast=False)
+    assert table_casts == len(grads) and not torch.equal(y.float(), want.float())
+    torch.testing.assert_close(y.float(), want.float(), rtol=5e-2, atol=5e-2)
