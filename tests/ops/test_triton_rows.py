@@ -302,3 +302,19 @@ def test_retrieval_dense_backward_matches_the_gathered_one(shared, monkeypatch):
     assert torch.equal(got[1], want[1])
     for g, w in zip(got[:1] + got[2:], want[:1] + want[2:]):
         close(g, w, torch.float32)
+
+
+def test_reduced_precision_x_and_weights_read_a_float32_table():
+    """PKM and PEER under autocast read a table in place, in float32, for a batch that reads
+    each row fewer than ``CAST_READS_PER_ROW`` times (decoding): the kernels then get x and
+    the weights in the reduced dtype and the table in float32, and return float32 (gather_dot:
+    the promoted dtype; gather_sum: the table's), as the PyTorch implementation does."""
+    low = DTYPES[-1]                       # bf16 on a GPU, fp16 in the interpreter
+    idx, w, table, x = _pairs(37, 5, 23, 19)
+    assert triton_rows.usable(x.to(low), w.to(low), table)          # the kernels run
+    got = [kernels.gather_dot(x.to(low), table, idx), kernels.gather_sum(idx, w.to(low), table)]
+    want = _torch_path(lambda: [kernels.gather_dot(x.to(low).float(), table, idx),
+                                kernels.gather_sum(idx, w.to(low).float(), table)])
+    for g, ref in zip(got, want):
+        assert g.dtype == torch.float32
+        close(g, ref, torch.float32)
