@@ -113,7 +113,8 @@ def test_adam_optimizers_fuse_adam_and_give_sparse_gradients_sparse_adam():
     adam, sparse_adam = sparseffn.adam_optimizers(model, lr=1e-3, betas=(0.8, 0.9))
     assert isinstance(adam, torch.optim.Adam) and adam.defaults["fused"] is True
     assert isinstance(sparse_adam, torch.optim.SparseAdam)
-    assert _ids(sparse_adam.param_groups[0]["params"]) == _ids(sparseffn.sparse_grad_parameters(model))
+    assert _ids(sparse_adam.param_groups[0]["params"]) == _ids(
+        sparseffn.sparse_grad_parameters(model))
     assert _ids(adam.param_groups[0]["params"]) == _ids(sparseffn.dense_grad_parameters(model))
     assert adam.defaults["betas"] == sparse_adam.defaults["betas"] == (0.8, 0.9)
     assert len(sparseffn.adam_optimizers(_pkm_block(sparse_grad=False), lr=1e-3)) == 1

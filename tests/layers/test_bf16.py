@@ -112,9 +112,9 @@ def _cast_count(layer, x, cast_once: bool, monkeypatch):
 @pytest.mark.parametrize("router", ["sigma", "switch", "peer"])
 def test_a_router_and_store_that_both_read_in_bf16_cast_the_input_once(router, monkeypatch):
     """With ``precision="autocast"`` the router and the experts both read x in bf16 (PEER: its
-    query networks and its gathered dot products): the layer casts it once (one [T, d] copy made and kept, not two). The output and the
-    parameters' gradients are unchanged to the bit; the input gradient is the two parts summed
-    in bf16."""
+    query networks and its gathered dot products): the layer casts it once (one [T, d] copy
+    made and kept, not two). The output and the parameters' gradients are unchanged to the
+    bit; the input gradient is the two parts summed in bf16."""
     from sparseffn.routers.sigma import SigmaRouterConfig
     from sparseffn.routers.switch import SwitchRouterConfig
 

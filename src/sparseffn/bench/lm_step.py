@@ -12,7 +12,8 @@ asked for, the backward pass, and the trainer's Adam update (:func:`sparseffn.ad
 fused Adam, SparseAdam for parameters with sparse gradients). The models are timed in rotation,
 one step of each per round (CUDA events on a GPU, the wall clock on a CPU); a model's ratio to
 ``dense`` is the median of the per-round ratios. Peak MiB (CUDA only) is the allocator's peak
-during one step above what was allocated before it. The tokens are random bytes: only the time is measured.
+during one step above what was allocated before it. The tokens are random bytes: only the time
+is measured.
 
 Defaults follow the measurement in the GPU issue (d_model 256, 6 blocks, context 256, batch
 64, d_ff 2048) on a GPU; on a CPU the batch is 4 and the context 128 unless given.

@@ -391,7 +391,7 @@ def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
     src, bf = _table("src", src)
     idx = _pairs(idx)
     weights = weights.to(torch.float32).contiguous()
-    out = _written(num_rows, src.shape[1], dtype=torch.bfloat16 if bf else torch.float32)
+    out = _written(num_rows, src.shape[1], dtype=src.dtype)
     call(lib, "sf_scatter_rows", idx.data_ptr(), weights.data_ptr(), idx.shape[0], idx.shape[1],
               src.data_ptr(), src.stride(0), num_rows, src.shape[1], out.data_ptr(), bf,
               torch.get_num_threads())

@@ -45,10 +45,11 @@ SIGNATURES: dict[str, list] = {
                      P, I64, INT, INT, INT, INT, P, INT],
 }
 
-_NO_MEMORY = "it could not allocate its scratch memory"
-_CAUSES = {-1: "no BLAS routine was registered for its dtype",
-           -2: "an epilogue it cannot apply was asked for",
-           -3: _NO_MEMORY, 1: _NO_MEMORY, -4: "an index was out of range"}
+_NO_MEMORY = (MemoryError, "it could not allocate its scratch memory")
+# return code -> (the error raised, its cause)
+_ERRORS = {-1: (RuntimeError, "no BLAS routine was registered for its dtype"),
+           -2: (RuntimeError, "an epilogue it cannot apply was asked for"),
+           -3: _NO_MEMORY, 1: _NO_MEMORY, -4: (IndexError, "an index was out of range")}
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -66,6 +67,5 @@ def call(lib: ctypes.CDLL, name: str, *args) -> None:
     IndexError for an index out of range)."""
     status = getattr(lib, name)(*args)
     if status:
-        cause = _CAUSES.get(status, f"it returned {status}")
-        error = {-3: MemoryError, 1: MemoryError, -4: IndexError}.get(status, RuntimeError)
+        error, cause = _ERRORS.get(status, (RuntimeError, f"it returned {status}"))
         raise error(f"sparseffn: the C kernel {name} failed: {cause}")

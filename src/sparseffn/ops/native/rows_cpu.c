@@ -47,10 +47,11 @@
  * instead of reading and writing the output row once per pair, and prefetch the row
  * PREFETCH_PAIRS pairs ahead. Each column is still summed in pair order with separate
  * multiplies and adds (the build's -ffp-contract=off fuses no FMA), so the results are the
- * bits of the column-at-a-time loops they replaced. The dot products read x's step once for DOT_GROUP
- * rows and prefetch the next group's rows. At PKM's shapes (2,048 tokens x 128 pairs into
- * 3,844 rows of 256, bf16, 2 AVX-512 cores) this took gather_dot from 3.4 to 2.0 ms,
- * gather_sum from 3.1 to 1.6 and scatter_rows (with its sort on both threads) from 4.5 to 2.8.
+ * bits of the column-at-a-time loops they replaced. The dot products read x's step once for
+ * DOT_GROUP rows and prefetch the next group's rows. At PKM's shapes (2,048 tokens x 128
+ * pairs into 3,844 rows of 256, bf16, 2 AVX-512 cores) this took gather_dot from 3.4 to 2.0
+ * ms, gather_sum from 3.1 to 1.6 and scatter_rows (with its sort on both threads) from 4.5 to
+ * 2.8.
  */
 #if defined(__AVX512F__)
 #define VECTOR_BYTES 64
