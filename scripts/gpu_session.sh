@@ -13,6 +13,8 @@
 #                                                   #   breaks, host syncs, operators per eager step
 #   bash scripts/gpu_session.sh rows                # product-key top-k (merge vs exact), PEER step
 #   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
+#   bash scripts/gpu_session.sh lm-sync             # ~1 min: each preset's whole LM step (fused Adam
+#                                                   #   included) under set_sync_debug_mode("error")
 #   bash scripts/gpu_session.sh decode              # host-bound sizes: bench layers at 1 token,
 #                                                   #   no bf16 (decoding), configs a and b
 #
@@ -65,11 +67,12 @@ for what in "$@"; do
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
     train) stage train 540 $PY scripts/gpu_train_check.py --json "$OUT/train.json" ;;
+    lm-sync) stage lm-sync 240 $PY scripts/gpu_lm_sync.py ;;
     cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
     rows) stage rows 300 $PY scripts/gpu_rows_calls.py ;;
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
-            "productkeys profile cvmm rows compile train decode)"; exit 2 ;;
+            "productkeys profile cvmm rows compile train decode lm-sync)"; exit 2 ;;
   esac
 done
