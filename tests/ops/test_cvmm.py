@@ -216,3 +216,22 @@ def test_grouped_mm_probe_leaves_the_global_rng_alone(monkeypatch):
     before = torch.get_rng_state()
     grouped_mm._grouped_mm_usable(torch.device("cpu"), torch.float32)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_grouped_mm_probe_inside_cuda_graph_capture_is_a_clear_error(monkeypatch):
+    """The probe copies to the device and reads the result on the host, which CUDA graph
+    capture forbids (PyTorch's own error names neither sparseffn nor the probe). It runs at
+    the first call of the PyTorch path, normally an eager warm-up; a graph that reaches that
+    path only when it is captured (seen when the Triton path was switched off after an earlier
+    capture) gets this error, and a probed (device, dtype) needs no check at all."""
+    import importlib
+    grouped_mm = importlib.import_module("sparseffn.ops.grouped_mm")
+    monkeypatch.setattr(grouped_mm, "_GROUPED_MM_OK", {("cuda", torch.float32): True})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(grouped_mm, "_probe_grouped_mm", lambda *a: pytest.fail("probed"))
+    cuda = torch.device("cuda")
+    assert grouped_mm._grouped_mm_usable(cuda, torch.float32)
+    with pytest.raises(RuntimeError, match="grouped_mm has not yet been checked on cuda "
+                                           "in torch.bfloat16.*graph capture"):
+        grouped_mm._grouped_mm_usable(cuda, torch.bfloat16)
+    assert not grouped_mm._GROUPED_MM_OK.get(("cuda", torch.bfloat16))

@@ -68,8 +68,10 @@ K = 4
 # A SwiGLU expert of intermediate size I holds 3·I·d_model weights: I = 88 ≈ 2·128 / 3.
 LIGER_INTERMEDIATE = 88
 # Timed eagerly under every --compile: the loop's shapes depend on the routing (a host read
-# and a recompilation per expert and batch), so compiling it only measures the compiler.
-EAGER_PEERS = frozenset({"mixtral_loop"})
+# and a recompilation per expert and batch), so compiling it only measures the compiler; the
+# Liger fused MoE reads its tile count on the host (``.item()``), so a graph breaks there and
+# cannot be captured, and on an H100 compiling it under reduce-overhead took minutes a width.
+EAGER_PEERS = frozenset({"mixtral_loop", "liger_fused_moe"})
 
 
 def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dtype | None,
@@ -215,7 +217,14 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
     if device.type == "cuda" and triton_cvmm.triton_enabled():
         triton_cvmm.set_triton_enabled(False)   # the choice is made inside the operators
         try:
-            torch_run, is_compiled["sparseffn_torch"] = _timed_step(sigma_moe(), x, aux_loss,
+            torch_layer = sigma_moe()
+            if compile != "none":
+                # The compiled step reuses the graph compiled for the first layer (same
+                # class), so its first call is captured at once, with no eager warm-up; the
+                # PyTorch path's one-time check of torch._grouped_mm reads the device, which
+                # capture forbids. One eager step first makes that check.
+                forward_backward_fn(torch_layer, x, aux_loss, dtype)()
+            torch_run, is_compiled["sparseffn_torch"] = _timed_step(torch_layer, x, aux_loss,
                                                                     dtype, compile)
         finally:
             triton_cvmm.set_triton_enabled(True)

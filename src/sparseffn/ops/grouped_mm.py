@@ -29,6 +29,12 @@ def _grouped_mm_usable(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"sparseffn: torch._grouped_mm has not yet been checked on {device.type} in "
+                f"{dtype}, and the check reads its result on the host, which CUDA graph "
+                f"capture forbids; run one step of the PyTorch path (without Triton) eagerly "
+                f"before capturing it")
         _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype)
     return _GROUPED_MM_OK[key]
 
