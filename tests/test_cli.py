@@ -347,6 +347,15 @@ def test_a_step_that_does_not_compile_is_timed_eagerly(capsys):
     assert not ok and built == [1] and step is not broken
     assert "layer: does not compile (RuntimeError: no graph for you); timed eagerly" in \
         capsys.readouterr().out
+    calls = []
+
+    def fails_when_captured():   # CUDA graphs: the first call warms up, the second records
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during capture")
+    step, ok = first_call_or_eager(fails_when_captured, make_eager, "peer")
+    assert not ok and built == [1, 1] and step is not fails_when_captured
+    assert "peer: does not compile (RuntimeError: Cannot copy" in capsys.readouterr().out
 
 
 def test_bench_lm_rejects_an_unknown_preset_and_a_bad_size(capsys):

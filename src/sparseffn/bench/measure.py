@@ -104,11 +104,14 @@ def new_graph_step(mode: str) -> None:
 
 def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Callable[[], object]],
                         what: str) -> tuple[Callable[[], object], bool]:
-    """Run ``step`` (a compiled step) once; if it fails, report it and return the eager step
+    """Run ``step`` (a compiled step) twice; if it fails, report it and return the eager step
     ``make_eager()`` builds (only then). Returns (the step to time, whether it is the
-    compiled one)."""
+    compiled one). Twice, because under ``"reduce-overhead"`` the first call warms up and the
+    second records the CUDA graph: a step that cannot be captured (a host read or a copy from
+    host memory in it, as in ScatterMoE) fails only at the second."""
     try:
-        step()
+        for _ in range(2):
+            step()
     except Exception as error:
         print(f"  {what}: does not compile ({type(error).__name__}: "
               f"{str(error).splitlines()[0][:160]}); timed eagerly")
