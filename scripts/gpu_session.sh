@@ -5,7 +5,9 @@
 #
 #   bash scripts/gpu_session.sh tests check        # ~4-5 + ~7 min
 #   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ~2 min (fig2 with both peers)
-#   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs)
+#   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs;
+#                                                   #   fig2-graphs ran past 8 min once, while it
+#                                                   #   still compiled Liger's MoE: give it a call)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
 #   bash scripts/gpu_session.sh cvmm                # ~1-2 min (the six CVMM calls, one by one,
 #                                                   #   and the routing's bookkeeping, now/before)
