@@ -20,12 +20,12 @@ import argparse
 import copy
 import json
 import sys
-import traceback
 
 import torch
 
 import sparseffn
 from sparseffn.bench.compiled import layer_configs
+from sparseffn.bench.measure import host_sync_in
 from sparseffn.ops import native
 
 _NOISY = {"noisy_topk", "gshard", "switch"}   # noise, sampling or jitter in training
@@ -95,18 +95,8 @@ def check_layer(name, config, tokens, results, device="cuda"):
                          (("no host sync fp32", None), ("no host sync bf16", torch.bfloat16))):
         _step(cuda_layer, xg, gg, dtype)     # warm up: lazy inits may synchronise once
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            _step(cuda_layer, xg, gg, dtype)
-            record(label, True)
-        except RuntimeError as error:
-            frame = traceback.extract_tb(error.__traceback__)
-            where = next((f"{f.filename.split('sparseffn/')[-1]}:{f.lineno}" for f in reversed(frame)
-                          if "sparseffn" in f.filename), "?")
-            record(label, False, f"at {where}: {str(error).splitlines()[0][:150]}")
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            torch.cuda.synchronize()
+        found = host_sync_in(lambda: _step(cuda_layer, xg, gg, dtype), xg.device)
+        record(label, found is None, f"at {found}" if found else "")
 
     try:
         if name in _NOISY:

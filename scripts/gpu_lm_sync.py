@@ -17,19 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
 import torch
 
 from sparseffn.bench.lm_step import lm_config, training_step_fn
+from sparseffn.bench.measure import host_sync_in
 from sparseffn.models import PRESETS, TransformerLM
-
-
-def synchronising_frame(error: BaseException) -> str:
-    """``file:line`` of the innermost sparseffn frame in ``error``'s traceback (else ``?``)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return next((f"{f.filename.split('sparseffn/')[-1]}:{f.lineno}" for f in reversed(frames)
-                 if "sparseffn" in f.filename and "gpu_lm_sync" not in f.filename), "?")
 
 
 def check(preset: str, batch: int, dtype: torch.dtype | None, device: torch.device) -> str:
@@ -42,15 +35,8 @@ def check(preset: str, batch: int, dtype: torch.dtype | None, device: torch.devi
     for _ in range(2):    # lazy initialisation (the optimizer's state) may synchronise once
         step()
     torch.cuda.synchronize(device)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-        return "ok"
-    except RuntimeError as error:
-        return f"SYNC at {synchronising_frame(error)}: {str(error).splitlines()[0][:150]}"
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize(device)
+    found = host_sync_in(step, device)
+    return "ok" if found is None else f"SYNC at {found}"
 
 
 def main() -> None:

@@ -15,8 +15,8 @@
 #                                                   #   breaks, host syncs, operators per eager step
 #   bash scripts/gpu_session.sh rows                # product-key top-k (merge vs exact), PEER step
 #   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
-#   bash scripts/gpu_session.sh lm-sync             # ~1 min: each preset's whole LM step (fused Adam
-#                                                   #   included) under set_sync_debug_mode("error")
+#   bash scripts/gpu_session.sh lm-sync             # ~1 min: each preset's whole LM step (fused
+#                                                   #   Adam included) under sync debug "error"
 #   bash scripts/gpu_session.sh decode              # host-bound sizes: bench layers at 1 token,
 #                                                   #   no bf16 (decoding), configs a and b
 #

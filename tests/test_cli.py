@@ -358,6 +358,34 @@ def test_a_step_that_does_not_compile_is_timed_eagerly(capsys):
     assert "peer: does not compile (RuntimeError: Cannot copy" in capsys.readouterr().out
 
 
+def test_host_sync_in_names_the_sparseffn_line_that_synchronised(monkeypatch):
+    """The check of scripts/gpu_check.py, gpu_lm_sync.py and ``bench compile``: the step runs
+    under sync debug mode "error" (faked here: no CUDA), which is set back afterwards, and a
+    RuntimeError raised below sparseffn code is reported at that code's line."""
+    import importlib
+    from sparseffn.bench.measure import host_sync_in
+    grouped_mm = importlib.import_module("sparseffn.ops.grouped_mm")
+    modes = ["default"]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert host_sync_in(lambda: None, torch.device("cuda")) is None
+    assert modes == ["default", "error", "default"]
+    monkeypatch.setattr(grouped_mm, "_GROUPED_MM_OK", {})   # the probe, inside a capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    found = host_sync_in(lambda: grouped_mm._grouped_mm_usable(torch.device("cuda"),
+                                                                torch.float16),
+                         torch.device("cuda"))
+    assert found.startswith("ops/grouped_mm.py:") and "CUDA graph capture" in found
+    found = host_sync_in(lambda: grouped_mm._loop_mm(torch.ones(3, 2), torch.ones(2, 2, 2),
+                                                     [1, 1]), torch.device("cuda"))
+    assert found.startswith("ops/grouped_mm.py:"), found     # not torch's frame below it
+    assert modes[-1] == "default"
+    with pytest.raises(ValueError):        # only RuntimeErrors are host synchronisations
+        host_sync_in(lambda: int("x"), torch.device("cuda"))
+    assert modes[-1] == "default"
+
+
 def test_bench_lm_rejects_an_unknown_preset_and_a_bad_size(capsys):
     assert cli.main(["bench", "lm", "--presets", "dense", "nope", "--device", "cpu",
                      "--d-model", "32", "--n-heads", "2", "--d-ff", "64"]) == 2

@@ -25,7 +25,8 @@ from ..config import (DenseMLPConfig, FFFConfig, MoEConfig, PEERConfig, PKMConfi
 from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRouterConfig,
                              SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig,
                              TreeRouterConfig)
-from .measure import forward_backward_fn, interleaved_times, paired_ratio, write_json
+from .measure import (forward_backward_fn, host_sync_in, interleaved_times, paired_ratio,
+                      write_json)
 from .op_count import count_ops
 
 
@@ -58,19 +59,10 @@ LAYER_NAMES = tuple(layer_configs(256))
 
 
 def _host_syncs(step: Callable[[], object], device: torch.device) -> str:
-    """"none", or the first synchronising call, with sync debug mode set to error."""
+    """"none", or where and what the first synchronising call was (:func:`host_sync_in`)."""
     if device.type != "cuda":
         return "n/a"
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-        return "none"
-    except RuntimeError as error:
-        return str(error).split("\n")[0][:120]
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-        torch.cuda.synchronize(device)
+    return host_sync_in(step, device) or "none"
 
 
 def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = "cpu",

@@ -7,6 +7,7 @@ import json
 import os
 import statistics
 import time
+import traceback
 from typing import Callable
 
 import torch
@@ -176,6 +177,29 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor, extra_loss=None) -> int:
     del out
     gc.collect()
     return sum(storages.values())
+
+
+def host_sync_in(step: Callable[[], object], device: torch.device) -> str | None:
+    """None when ``step()`` runs on the CUDA ``device`` without a host synchronisation, else
+    the first one: ``file:line`` of the innermost frame in the sparseffn package (``?`` if
+    none) and the error's first line. The step runs under ``torch.cuda.set_sync_debug_mode("error")``,
+    which raises at any operation that would wait for the device (what CUDA graphs cannot
+    capture); warm the step up first, since lazy initialisation may synchronise once."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return None
+    except RuntimeError as error:
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        where = next((f"{os.path.relpath(f.filename, package)}:{f.lineno}"
+                      for f in reversed(traceback.extract_tb(error.__traceback__))
+                      if f.filename.startswith(package + os.sep) and f.filename != __file__),
+                     "?")
+        return f"{where}: {str(error).splitlines()[0][:150]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize(device)
 
 
 def write_json(records: list[dict], path: str) -> None:
