@@ -182,9 +182,10 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor, extra_loss=None) -> int:
 def host_sync_in(step: Callable[[], object], device: torch.device) -> str | None:
     """None when ``step()`` runs on the CUDA ``device`` without a host synchronisation, else
     the first one: ``file:line`` of the innermost frame in the sparseffn package (``?`` if
-    none) and the error's first line. The step runs under ``torch.cuda.set_sync_debug_mode("error")``,
-    which raises at any operation that would wait for the device (what CUDA graphs cannot
-    capture); warm the step up first, since lazy initialisation may synchronise once."""
+    none) and the error's first line. The step runs under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises at any operation that would wait
+    for the device (what CUDA graphs cannot capture); warm the step up first, since lazy
+    initialisation may synchronise once."""
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
