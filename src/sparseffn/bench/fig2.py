@@ -219,10 +219,11 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
         try:
             torch_layer = sigma_moe()
             if compile != "none":
-                # The compiled step reuses the graph compiled for the first layer (same
-                # class), so its first call is captured at once, with no eager warm-up; the
-                # PyTorch path's one-time check of torch._grouped_mm reads the device, which
-                # capture forbids. One eager step first makes that check.
+                # On an H100 this step failed CUDA-graph capture at every width, while alone
+                # it captured: it likely reuses the graph compiled for the first layer (same
+                # class), so that its first call is a capture with no eager warm-up, and the
+                # PyTorch path's one-time check of torch._grouped_mm (a copy from host memory
+                # and a host read) ran inside it. One eager step first makes that check.
                 forward_backward_fn(torch_layer, x, aux_loss, dtype)()
             torch_run, is_compiled["sparseffn_torch"] = _timed_step(torch_layer, x, aux_loss,
                                                                     dtype, compile)
