@@ -171,6 +171,13 @@ static void sum_rows(const struct pair_list *L, const void *base, int64_t ld, in
     }
 }
 
+/* A thread's float32 row of d columns (at least one) when `bf` is set, else NULL: where a bf16
+ * kernel splits x or sums a row in float32 before it rounds once. NULL with `bf` set means
+ * malloc failed; each caller turns that into its error flag. */
+static float *float_row_if(int bf, int64_t d) {
+    return bf ? malloc((size_t)(d > 0 ? d : 1) * sizeof(float)) : NULL;
+}
+
 /* x as the dot products' steps read it: split into the even and odd columns of each step for a
  * bf16 table (its steps are read so), as it is for a float32 one. */
 static void split_steps(const float *x, int64_t d, float *xs) {
@@ -224,7 +231,7 @@ int sf_gather_dot(const float *x, int64_t ldx, const void *table, int64_t ldt, i
     int failed = 0;
     #pragma omp parallel num_threads(nthreads) reduction(|:failed)
     {
-        float *split = bf ? malloc((size_t)(d > 0 ? d : 1) * sizeof(float)) : NULL;
+        float *split = float_row_if(bf, d);
         failed = bf && !split;
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++) {
@@ -254,7 +261,7 @@ int sf_gather_sum(const int64_t *idx, const float *w, int64_t rows, int64_t m,
     #pragma omp parallel num_threads(nthreads) reduction(|:failed)
     {
         /* bf16: a float32 row per thread, rounded once into out */
-        float *acc = bf ? malloc((size_t)(d > 0 ? d : 1) * sizeof(float)) : NULL;
+        float *acc = float_row_if(bf, d);
         failed = bf && !acc;
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++) {
@@ -323,7 +330,7 @@ int sf_scatter_rows(const int64_t *idx, const float *w, int64_t rows, int64_t m,
     /* Every output row is written exactly once (zeros included), by the thread that owns it. */
     #pragma omp parallel num_threads(nthreads) reduction(|:failed)
     {
-        float *acc = bf ? malloc((size_t)(d > 0 ? d : 1) * sizeof(float)) : NULL;
+        float *acc = float_row_if(bf, d);
         failed = bf && !acc;
         #pragma omp for schedule(dynamic, 256)
         for (int64_t i = 0; i < n_rows; i++) {
