@@ -63,6 +63,7 @@ def test_bench_compile_rejects_an_unknown_layer(capsys):
     assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.unpoisoned   # counts every operator, the fills of fresh memory would be too
 def test_moved_bytes_are_what_computing_operators_read_and_write():
     x = torch.randn(4, 8)                             # 128 bytes
     with OpCounter() as counter:

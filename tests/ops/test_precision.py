@@ -1,5 +1,6 @@
 """The one cast a layer makes for its router and its store (``ops.precision.cast_for_two``)."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -24,6 +25,7 @@ def _readers(a, b, w_a, w_b):
     return (a @ w_a).float().square().sum() + (b @ w_b).float().sin().sum()
 
 
+@pytest.mark.unpoisoned   # counts every operator the backward dispatches
 def test_the_input_gradient_is_the_bits_of_one_tensor_read_twice_in_one_operator():
     torch.manual_seed(0)
     x = torch.randn(37, 19)

@@ -1,0 +1,39 @@
+"""The fresh-memory fill every test runs under (tests/poison.py) does what the kernel tests
+rely on: fresh memory holds the poison, and a compiled test gets the real allocators back."""
+
+import pytest
+import torch
+
+from .poison import poison_value, poisoned_allocations
+
+
+def test_fresh_memory_holds_the_poison_of_its_dtype():
+    x = torch.ones(2)
+    for fresh in (torch.empty(5), torch.empty_like(x), torch.empty_strided((2, 3), (3, 1)),
+                  x.new_empty(4), x.new_empty_strided((3,), (1,))):
+        assert torch.all(fresh == torch.finfo(torch.float32).min)
+    assert torch.all(torch.empty(3, dtype=torch.int64) == torch.iinfo(torch.int64).min)
+    assert torch.all(torch.empty(3, dtype=torch.bfloat16) == poison_value(torch.bfloat16))
+    assert torch.all(torch.empty(3, dtype=torch.bool))
+    assert torch.empty(0).numel() == 0 and torch.empty(4, device="meta").is_meta
+
+
+def test_an_output_left_partly_unwritten_no_longer_matches_by_luck():
+    def half_written_relu(x):       # a "kernel" that forgets the rows after the first half
+        out = torch.empty_like(x)
+        out[: x.shape[0] // 2] = x[: x.shape[0] // 2].relu()
+        return out
+    # all negative, so the right answer is all zeros: what fresh memory from the OS holds, and
+    # what this large a block gets unpoisoned
+    x = -torch.rand(1 << 16, 4)
+    assert not torch.equal(half_written_relu(x), x.relu())
+
+
+@pytest.mark.unpoisoned
+def test_the_allocators_are_restored_on_exit_and_at_the_first_compile():
+    originals = (torch.empty, torch.empty_like, torch.Tensor.new_empty, torch.compile)
+    with poisoned_allocations():
+        assert torch.empty is not originals[0]
+        torch.compile(lambda t: t + 1, backend="eager")
+        assert (torch.empty, torch.empty_like, torch.Tensor.new_empty) == originals[:3]
+    assert (torch.empty, torch.empty_like, torch.Tensor.new_empty, torch.compile) == originals
