@@ -1,31 +1,50 @@
-"""Where each layer's training step spends its device time: the top kernels by self time.
+"""Where a training step spends its device time: the top kernels by self time.
 
     python scripts/gpu_profile.py [--layers sigma_moe,pkm] [--tokens 16384] [--d-model 256]
                                   [--fp32] [--top 8] [--device cuda]
+    python scripts/gpu_profile.py --lm dense,sigma_moe [--compile default] [--batch 64] ...
+    python scripts/gpu_profile.py --fig2 512,2048 [--compile default] [--tokens 32768]
 
-For each layer of ``sparseffn bench compile`` (at ``--d-model``, bf16 autocast unless
-``--fp32``), one warmed-up forward+backward is profiled with ``torch.profiler``; prints the
-step's total device time and the ``--top`` kernels by self device time with their share. A
-tool for finding what to speed up, not a benchmark (``sparseffn bench`` does the timing).
+Layers (the default): for each layer of ``sparseffn bench compile`` (at ``--d-model``, bf16
+autocast unless ``--fp32``), one warmed-up eager forward+backward is profiled with
+``torch.profiler``.
+
+``--lm``: the whole training step that ``sparseffn bench lm`` times (its LM with each named
+FFN preset: forward, loss and auxiliary losses, backward, Adam), compiled as ``--compile``
+says. ``default`` (the default here) runs the kernels that ``--compile reduce-overhead`` puts
+in a CUDA graph, without the graph, so each shows up on its own; ``none`` is the eager step.
+Read a preset's list beside dense's: the GPU issue asks for the MoE presets' steps to be no
+slower than dense's.
+
+``--fig2``: the σ-MoE step of ``sparseffn bench fig2`` at each d_model (its router in autocast,
+experts of 128, k 4) beside the dense MLP of equal parameters, compiled as ``--compile`` says
+(``--tokens`` defaults to Fig. 2's 32,768 there).
+
+For each profiled step: its total device time, how many kernels it launched (at the LM's small
+sizes a launch, even inside a CUDA graph, costs a few microseconds whatever it computes), and
+the ``--top`` kernels by self device time, with their share and launches. On a CPU the same
+lists the operators by self CPU time. A tool for finding what to speed up, not a benchmark
+(``sparseffn bench`` does the timing).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import sparseffn
 from sparseffn.bench.compiled import layer_configs
+from sparseffn.bench.fig2 import fig2_sigma_moe, timed_step
+from sparseffn.bench.lm_step import lm_config, training_step_fn
 from sparseffn.bench.measure import forward_backward_fn
+from sparseffn.models import PRESETS, TransformerLM
 
 
-def profile_layer(name, config, tokens, device, dtype, top):
-    torch.manual_seed(0)
-    layer = sparseffn.build_layer(config).to(device).train()
-    x = torch.randn(tokens, config.d_model, device=device)
-    step = forward_backward_fn(layer, x, sparseffn.aux_loss, dtype)
+def profile_step(name: str, step: Callable[[], object], device: torch.device, top: int) -> None:
+    """Warm ``step`` up, profile one call, print its device time, launches and top kernels."""
     for _ in range(3):
         step()
     if device.type == "cuda":
@@ -41,30 +60,100 @@ def profile_layer(name, config, tokens, device, dtype, top):
     if device.type == "cuda":   # kernels only (no CPU-side operator rows)
         events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(getattr(e, attr) for e in events) or 1.0
+    launches = sum(e.count for e in events)
     events.sort(key=lambda e: -getattr(e, attr))
-    print(f"{name}: {total / 1e3:.2f} ms device time, {len(events)} kernel kinds")
+    what = ("kernel launches" if device.type == "cuda"
+            else "operator calls (nested ones included)")
+    print(f"{name}: {total / 1e3:.2f} ms {'device' if device.type == 'cuda' else 'CPU'} time, "
+          f"{launches} {what} of {len(events)} kinds")
     for e in events[:top]:
         share = getattr(e, attr) / total
         print(f"   {share:6.1%} {getattr(e, attr) / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:90]}")
 
 
+def layer_step(config, tokens: int, device: torch.device, dtype: torch.dtype | None):
+    """One eager forward+backward of the layer ``config`` on ``tokens`` random tokens."""
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(config).to(device).train()
+    x = torch.randn(tokens, config.d_model, device=device)
+    return forward_backward_fn(layer, x, sparseffn.aux_loss, dtype)
+
+
+def lm_step(preset: str, args, device: torch.device, dtype: torch.dtype | None):
+    """``sparseffn bench lm``'s training step of its LM with the FFN ``preset``."""
+    torch.manual_seed(0)
+    config = lm_config(preset, args.d_model, args.n_layers, args.n_heads, args.context,
+                       args.d_ff)
+    model = TransformerLM(config).to(device).train()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (args.batch, args.context + 1), generator=generator)
+    return training_step_fn(model, tokens.to(device), dtype, args.compile)
+
+
+def fig2_step(layer: str, d_model: int, tokens: int, device: torch.device,
+              dtype: torch.dtype | None, compile: str) -> Callable[[], object]:
+    """``bench fig2``'s step at ``d_model`` of its σ-MoE (``layer="sigma_moe"``) or of its
+    dense MLP of equal parameters (``"dense_param"``)."""
+    torch.manual_seed(0)
+    x = torch.randn(tokens, d_model, device=device)
+    if layer == "sigma_moe":
+        return timed_step(fig2_sigma_moe(d_model).to(device).train(), x, sparseffn.aux_loss,
+                          dtype, compile)[0]
+    dense = sparseffn.DenseMLP(sparseffn.DenseMLPConfig(d_model=d_model, d_ff=4 * d_model))
+    return timed_step(dense.to(device).train(), x, None, dtype, compile)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", default=None)
-    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--layers", default=None, help="bench compile's layers (default: all)")
+    parser.add_argument("--lm", default=None, help="profile the LM step instead, with these "
+                        f"presets ({', '.join(PRESETS)})")
+    parser.add_argument("--fig2", default=None,
+                        help="profile bench fig2's σ-MoE and dense steps at these d_models")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="layers, --fig2: tokens per step (16,384; --fig2 32,768)")
     parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--compile", default="default", choices=("none", "default"),
+                        help="--lm, --fig2: how the step is compiled")
+    parser.add_argument("--batch", type=int, default=64, help="--lm: sequences per step")
+    parser.add_argument("--context", type=int, default=256, help="--lm")
+    parser.add_argument("--n-layers", type=int, default=6, help="--lm: blocks")
+    parser.add_argument("--n-heads", type=int, default=4, help="--lm")
+    parser.add_argument("--d-ff", type=int, default=2048, help="--lm: the dense FFN's width")
     parser.add_argument("--fp32", action="store_true")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    configs = layer_configs(args.d_model)
-    names = args.layers.split(",") if args.layers else list(configs)
+    device = torch.device(args.device)
     dtype = None if args.fp32 else torch.bfloat16
-    for name in names:
+    if args.lm and args.fig2:
+        parser.error("--lm and --fig2 profile different steps: give one")
+    if args.fig2:
+        tokens = args.tokens or 32768
+        steps = {f"{layer} d_model {d}": (lambda layer=layer, d=d: fig2_step(
+                     layer, d, tokens, device, dtype, args.compile))
+                 for d in (int(d) for d in args.fig2.split(","))
+                 for layer in ("sigma_moe", "dense_param")}
+        print(f"bench fig2 steps: {tokens} tokens, compile {args.compile}, "
+              f"{'fp32' if dtype is None else 'bf16 autocast'}")
+    elif args.lm:
+        unknown = [p for p in args.lm.split(",") if p not in PRESETS]
+        if unknown:
+            parser.error(f"unknown preset(s) {', '.join(unknown)}; presets are "
+                         f"{', '.join(PRESETS)}")
+        steps = {p: (lambda p=p: lm_step(p, args, device, dtype)) for p in args.lm.split(",")}
+        print(f"LM steps: d_model {args.d_model}, {args.n_layers} blocks, batch {args.batch} x "
+              f"{args.context}, FFNs sized to a dense d_ff {args.d_ff}, compile {args.compile}, "
+              f"{'fp32' if dtype is None else 'bf16 autocast'}")
+    else:
+        configs = layer_configs(args.d_model)
+        names = args.layers.split(",") if args.layers else list(configs)
+        steps = {n: (lambda n=n: layer_step(configs[n], args.tokens or 16384, device, dtype))
+                 for n in names}
+    for name, make_step in steps.items():
         try:
-            profile_layer(name, configs[name], args.tokens, torch.device(args.device), dtype,
-                          args.top)
-        except Exception as error:   # one failing layer does not hide the others
+            profile_step(name, make_step(), device, args.top)
+        except Exception as error:   # one failing step does not hide the others
             print(f"{name}: FAILED {type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 

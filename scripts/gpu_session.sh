@@ -9,6 +9,11 @@
 #                                                   #   fig2-graphs ran past 8 min once, while it
 #                                                   #   still compiled Liger's MoE: give it a call)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
+#   bash scripts/gpu_session.sh profile-lm          # the LM step of bench lm per preset, compiled
+#                                                   #   without graphs: device time, launches,
+#                                                   #   top kernels (why one is slower than dense)
+#   bash scripts/gpu_session.sh profile-fig2        # the same for bench fig2's σ-MoE and dense
+#                                                   #   steps at d_model 512 and 2048
 #   bash scripts/gpu_session.sh cvmm                # ~1-2 min (the six CVMM calls, one by one,
 #                                                   #   and the routing's bookkeeping, now/before)
 #   bash scripts/gpu_session.sh compile             # every layer compiled vs eager, bf16: graph
@@ -68,6 +73,9 @@ for what in "$@"; do
     productkeys) stage productkeys 400 $PY -m sparseffn bench productkeys --device cuda \
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
+    profile-lm) stage profile-lm 540 $PY scripts/gpu_profile.py --top 15 \
+                  --lm dense,sigma_moe,switch,glam,fff,pkm,peer ;;
+    profile-fig2) stage profile-fig2 400 $PY scripts/gpu_profile.py --top 15 --fig2 512,2048 ;;
     train) stage train 540 $PY scripts/gpu_train_check.py --json "$OUT/train.json" ;;
     lm-sync) stage lm-sync 240 $PY scripts/gpu_lm_sync.py ;;
     cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
@@ -75,6 +83,6 @@ for what in "$@"; do
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
-            "productkeys profile cvmm rows compile train decode lm-sync)"; exit 2 ;;
+            "productkeys profile profile-lm profile-fig2 cvmm rows compile train decode lm-sync)"; exit 2 ;;
   esac
 done

@@ -74,8 +74,8 @@ LIGER_INTERMEDIATE = 88
 EAGER_PEERS = frozenset({"mixtral_loop", "liger_fused_moe"})
 
 
-def _timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dtype | None,
-                compile: str, name: str | None = None) -> tuple[Callable[[], None], bool]:
+def timed_step(module: nn.Module, x: torch.Tensor, extra_loss, dtype: torch.dtype | None,
+               compile: str, name: str | None = None) -> tuple[Callable[[], None], bool]:
     """A forward+backward of ``module`` (compiled as ``compile`` says) and whether it
     compiled: a module that fails to compile (at the first call) runs eagerly."""
     def eager():
@@ -198,6 +198,14 @@ def peer_builders(peers_dir: str, dtype: torch.dtype | None = None
     return builders
 
 
+def fig2_sigma_moe(d_model: int, router_precision: str = "autocast") -> SigmaMoE:
+    """The σ-MoE of Fig. 2 at ``d_model``: d_ff = 4·d_model in experts of ``EXPERT_SIZE``,
+    ``K`` of them per token."""
+    return SigmaMoE(SigmaMoEConfig(
+        d_model=d_model, num_experts=4 * d_model // EXPERT_SIZE, expert_size=EXPERT_SIZE, k=K,
+        router=SigmaRouterConfig(precision=router_precision)))
+
+
 def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
                 dtype: torch.dtype | None, peers: dict[str, Callable[[int, int], nn.Module]],
                 compile: str = "none", router_precision: str = "autocast") -> dict:
@@ -207,13 +215,11 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
     x = torch.randn(tokens, d_model, device=device)
 
     def sigma_moe():
-        return SigmaMoE(SigmaMoEConfig(
-            d_model=d_model, num_experts=num_experts, expert_size=EXPERT_SIZE, k=K,
-            router=SigmaRouterConfig(precision=router_precision))).to(device).train()
+        return fig2_sigma_moe(d_model, router_precision).to(device).train()
     contenders: dict[str, Callable[[], None]] = {}
     is_compiled: dict[str, bool] = {}
-    contenders["sparseffn"], is_compiled["sparseffn"] = _timed_step(sigma_moe(), x, aux_loss,
-                                                                    dtype, compile)
+    contenders["sparseffn"], is_compiled["sparseffn"] = timed_step(sigma_moe(), x, aux_loss,
+                                                                   dtype, compile)
     if device.type == "cuda" and triton_cvmm.triton_enabled():
         triton_cvmm.set_triton_enabled(False)   # the choice is made inside the operators
         try:
@@ -225,8 +231,8 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
                 # PyTorch path's one-time check of torch._grouped_mm (a copy from host memory
                 # and a host read) ran inside it. One eager step first makes that check.
                 forward_backward_fn(torch_layer, x, aux_loss, dtype)()
-            torch_run, is_compiled["sparseffn_torch"] = _timed_step(torch_layer, x, aux_loss,
-                                                                    dtype, compile)
+            torch_run, is_compiled["sparseffn_torch"] = timed_step(torch_layer, x, aux_loss,
+                                                                   dtype, compile)
         finally:
             triton_cvmm.set_triton_enabled(True)
 
@@ -239,10 +245,10 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
         contenders["sparseffn_torch"] = torch_path
     for name, d_ff in (("dense_param", 4 * d_model), ("dense_active", K * EXPERT_SIZE)):
         dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
-        contenders[name], is_compiled[name] = _timed_step(dense, x, None, dtype, compile)
+        contenders[name], is_compiled[name] = timed_step(dense, x, None, dtype, compile)
     for name, build in peers.items():
         try:
-            contenders[name], is_compiled[name] = _timed_step(
+            contenders[name], is_compiled[name] = timed_step(
                 build(d_model, num_experts).to(device).train(), x, None, dtype,
                 "none" if name in EAGER_PEERS else compile, name)
             contenders[name]()
