@@ -164,6 +164,7 @@ def test_bench_routers_writes_json_plot_and_table_2(tmp_path, capsys):
                     and not (method == "matrix" and depth == 3)
                 assert ((method, depth, pass_name) in keys) == expected, (method, depth, pass_name)
     assert all(r["ms"] > 0 for r in records)
+    assert {(r["device"], r["dtype"]) for r in records} == {("cpu", "float32")}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "Table 2" in out and "7.27 / 4.55" in out and "target: auto within 1.5x" in out
@@ -231,7 +232,8 @@ def test_bad_depths_are_rejected(capsys):
     assert "depths must lie in 1..20" in capsys.readouterr().err
 
 
-PRODUCT_KEY_FIELDS = {"case", "n_experts", "method", "pass", "ms", "peak_bytes"}
+PRODUCT_KEY_FIELDS = {"case", "n_experts", "method", "pass", "ms", "peak_bytes", "device",
+                      "dtype"}
 
 
 def test_bench_productkeys_writes_the_issue_fields_and_plot(tmp_path, capsys):
@@ -241,6 +243,7 @@ def test_bench_productkeys_writes_the_issue_fields_and_plot(tmp_path, capsys):
                      "--json", str(path), "--plot", str(png)]) == 0
     records = json.loads(path.read_text())
     assert all(PRODUCT_KEY_FIELDS <= set(r) for r in records)
+    assert {(r["device"], r["dtype"]) for r in records} == {("cpu", "float32")}
     cases = {(r["case"], r["method"], r["n_experts"]) for r in records}
     assert {("scaling", "product_keys", 64), ("scaling", "naive", 128),
             ("pkm", "sparseffn", 512 ** 2)} <= cases

@@ -387,7 +387,9 @@ def run(exponents: list[int], tokens: int = 4096, scaling_tokens: int = 1024, re
             continue
         print(f"{name} ...", flush=True)
         recs, msgs = step()
-        records += recs
+        # what each record ran on: the training run stays on the CPU, the rest on ``device``
+        records += [{**r, "device": "cpu" if name == "train" else str(dev),
+                     "dtype": "float32"} for r in recs]
         notes += msgs
         if json_path:                       # what is measured is never lost to a later failure
             write_json(records, json_path)

@@ -140,7 +140,7 @@ def bench_tree_routers(depths: list[int], batch: int = 2048, dim: int = 1024, re
             for name, ts in times.items():
                 records.append({"method": name, "depth": depth, "pass": pass_name,
                                 "ms": statistics.median(ts), "batch": batch, "dim": dim,
-                                "device": str(device), "round_ms": ts})
+                                "device": str(device), "dtype": "float32", "round_ms": ts})
             if progress:
                 progress(f"depth {depth:2d} {pass_name:16s} {time.perf_counter() - start:6.1f} s")
     return records
