@@ -44,8 +44,9 @@ def poison_value(dtype: torch.dtype) -> float | int | bool:
 def _poisoning(allocate):
     def allocate_poisoned(*args, **kwargs):
         out = allocate(*args, **kwargs)
-        if out.numel() and not out.is_meta:
-            out.fill_(poison_value(out.dtype))
+        if out.numel() and not out.is_meta and out.layout == torch.strided:
+            with torch.no_grad():      # also for an allocation made with requires_grad=True
+                out.fill_(poison_value(out.dtype))
         return out
     return allocate_poisoned
 

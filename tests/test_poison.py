@@ -16,6 +16,9 @@ def test_fresh_memory_holds_the_poison_of_its_dtype():
     assert torch.all(torch.empty(3, dtype=torch.bfloat16) == poison_value(torch.bfloat16))
     assert torch.all(torch.empty(3, dtype=torch.bool))
     assert torch.empty(0).numel() == 0 and torch.empty(4, device="meta").is_meta
+    leaf = torch.empty(3, requires_grad=True)
+    assert leaf.is_leaf and leaf.requires_grad and torch.all(leaf == poison_value(leaf.dtype))
+    assert torch.empty(2, 3, layout=torch.sparse_coo).layout == torch.sparse_coo
 
 
 def test_an_output_left_partly_unwritten_no_longer_matches_by_luck():
