@@ -83,6 +83,7 @@ for what in "$@"; do
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
-            "productkeys profile profile-lm profile-fig2 cvmm rows compile train decode lm-sync)"; exit 2 ;;
+            "productkeys profile profile-lm profile-fig2 cvmm rows compile train decode" \
+            "lm-sync)"; exit 2 ;;
   esac
 done
