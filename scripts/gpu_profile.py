@@ -20,8 +20,9 @@ slower than dense's.
 experts of 128, k 4) beside the dense MLP of equal parameters, compiled as ``--compile`` says
 (``--tokens`` defaults to Fig. 2's 32,768 there).
 
-For each profiled step: its total device time, how many kernels it launched (at the LM's small
-sizes a launch, even inside a CUDA graph, costs a few microseconds whatever it computes), and
+For each profiled step: its total device time, how many launches it made on the device
+(kernels, and the copies and memsets the profiler lists beside them; at the LM's small sizes
+a launch, even inside a CUDA graph, costs a few microseconds whatever it computes), and
 the ``--top`` kernels by self device time, with their share and launches. On a CPU the same
 lists the operators by self CPU time. A tool for finding what to speed up, not a benchmark
 (``sparseffn bench`` does the timing).
@@ -62,7 +63,7 @@ def profile_step(name: str, step: Callable[[], object], device: torch.device, to
     total = sum(getattr(e, attr) for e in events) or 1.0
     launches = sum(e.count for e in events)
     events.sort(key=lambda e: -getattr(e, attr))
-    what = ("kernel launches" if device.type == "cuda"
+    what = ("device launches (kernels, copies, memsets)" if device.type == "cuda"
             else "operator calls (nested ones included)")
     print(f"{name}: {total / 1e3:.2f} ms {'device' if device.type == 'cuda' else 'CPU'} time, "
           f"{launches} {what} of {len(events)} kinds")
