@@ -20,18 +20,15 @@ import sys
 
 import torch
 
-from sparseffn.bench.lm_step import lm_config, training_step_fn
+from sparseffn.bench.lm_step import byte_tokens, lm_model, training_step_fn
 from sparseffn.bench.measure import host_sync_in
-from sparseffn.models import PRESETS, TransformerLM
+from sparseffn.models import PRESETS
 
 
 def check(preset: str, batch: int, dtype: torch.dtype | None, device: torch.device) -> str:
     """``"ok"``, or where the step synchronised and what it said."""
-    torch.manual_seed(0)
-    model = TransformerLM(lm_config(preset, d_model=256, n_layers=6, n_heads=4, context=256,
-                                    d_ff=2048)).to(device).train()
-    tokens = torch.randint(0, 256, (batch, 257), device=device)
-    step = training_step_fn(model, tokens, dtype)
+    step = training_step_fn(lm_model(preset, device=device), byte_tokens(batch, 256, device),
+                            dtype)
     for _ in range(2):    # lazy initialisation (the optimizer's state) may synchronise once
         step()
     torch.cuda.synchronize(device)

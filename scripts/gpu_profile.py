@@ -39,9 +39,9 @@ from torch.profiler import ProfilerActivity, profile
 import sparseffn
 from sparseffn.bench.compiled import layer_configs
 from sparseffn.bench.fig2 import fig2_sigma_moe, timed_step
-from sparseffn.bench.lm_step import lm_config, training_step_fn
+from sparseffn.bench.lm_step import byte_tokens, lm_model, training_step_fn
 from sparseffn.bench.measure import forward_backward_fn
-from sparseffn.models import PRESETS, TransformerLM
+from sparseffn.models import PRESETS
 
 
 def profile_step(name: str, step: Callable[[], object], device: torch.device, top: int) -> None:
@@ -82,13 +82,10 @@ def layer_step(config, tokens: int, device: torch.device, dtype: torch.dtype | N
 
 def lm_step(preset: str, args, device: torch.device, dtype: torch.dtype | None):
     """``sparseffn bench lm``'s training step of its LM with the FFN ``preset``."""
-    torch.manual_seed(0)
-    config = lm_config(preset, args.d_model, args.n_layers, args.n_heads, args.context,
-                       args.d_ff)
-    model = TransformerLM(config).to(device).train()
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (args.batch, args.context + 1), generator=generator)
-    return training_step_fn(model, tokens.to(device), dtype, args.compile)
+    model = lm_model(preset, args.d_model, args.n_layers, args.n_heads, args.context, args.d_ff,
+                     device)
+    return training_step_fn(model, byte_tokens(args.batch, args.context, device), dtype,
+                            args.compile)
 
 
 def fig2_step(layer: str, d_model: int, tokens: int, device: torch.device,

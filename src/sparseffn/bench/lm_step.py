@@ -44,6 +44,23 @@ def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: i
                     dense_ffn=layout.dense_ffn)
 
 
+def lm_model(preset: str, d_model: int = 256, n_layers: int = 6, n_heads: int = 4,
+             context: int = 256, d_ff: int = 2048,
+             device: torch.device | str = "cpu") -> TransformerLM:
+    """The benchmark's LM with the FFN ``preset`` (:func:`lm_config`), initialised from seed 0,
+    on ``device``, in training mode."""
+    torch.manual_seed(0)
+    config = lm_config(preset, d_model, n_layers, n_heads, context, d_ff)
+    return TransformerLM(config).to(device).train()
+
+
+def byte_tokens(batch: int, context: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Random bytes [batch, context + 1] from seed 0 (inputs and next-token targets): the
+    benchmark measures time only."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (batch, context + 1), generator=generator).to(device)
+
+
 def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
                      autocast_dtype: torch.dtype | None, compile: str = "none"
                      ) -> Callable[[], None]:
@@ -92,20 +109,17 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
           f"{context}, batch {batch}, FFNs sized to a dense d_ff {d_ff}, torch "
           f"{torch.__version__}, compile {compile}"
           + (", deterministic algorithms" if deterministic else ""), flush=True)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (batch, context + 1), generator=generator).to(dev)
+    tokens = byte_tokens(batch, context, dev)
     with deterministic_algorithms(deterministic, dev):
         steps, costs, is_compiled = {}, {}, {}
         for name in names:
-            torch.manual_seed(0)
-            config = lm_config(name, d_model, n_layers, n_heads, context, d_ff)
-            model = TransformerLM(config).to(dev).train()
+            model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev)
             steps[name] = training_step_fn(model, tokens, autocast_dtype, compile)
             is_compiled[name] = False
             if compile != "none":
                 steps[name], is_compiled[name] = first_call_or_eager(
                     steps[name], lambda: training_step_fn(model, tokens, autocast_dtype), name)
-            costs[name] = config.cost()
+            costs[name] = model.config.cost()
         times = interleaved_times(steps, repeats, warmup=2, device=dev)
         records = []
         for name in names:
