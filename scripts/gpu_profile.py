@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import sparseffn
 from sparseffn.bench.compiled import layer_configs
-from sparseffn.bench.fig2 import fig2_sigma_moe, timed_step
+from sparseffn.bench.fig2 import fig2_dense_widths, fig2_sigma_moe, timed_step
 from sparseffn.bench.lm_step import byte_tokens, lm_model, training_step_fn
 from sparseffn.bench.measure import forward_backward_fn
 from sparseffn.models import PRESETS
@@ -97,7 +97,8 @@ def fig2_step(layer: str, d_model: int, tokens: int, device: torch.device,
     if layer == "sigma_moe":
         return timed_step(fig2_sigma_moe(d_model).to(device).train(), x, sparseffn.aux_loss,
                           dtype, compile)[0]
-    dense = sparseffn.DenseMLP(sparseffn.DenseMLPConfig(d_model=d_model, d_ff=4 * d_model))
+    d_ff = fig2_dense_widths(d_model)["dense_param"]
+    dense = sparseffn.DenseMLP(sparseffn.DenseMLPConfig(d_model=d_model, d_ff=d_ff))
     return timed_step(dense.to(device).train(), x, None, dtype, compile)[0]
 
 

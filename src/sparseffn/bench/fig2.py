@@ -206,6 +206,12 @@ def fig2_sigma_moe(d_model: int, router_precision: str = "autocast") -> SigmaMoE
         router=SigmaRouterConfig(precision=router_precision)))
 
 
+def fig2_dense_widths(d_model: int) -> dict[str, int]:
+    """The d_ff of the dense MLPs each σ-MoE is set beside: equal parameters (``dense_param``,
+    4·d_model) and equal active hidden units (``dense_active``, K·EXPERT_SIZE)."""
+    return {"dense_param": 4 * d_model, "dense_active": K * EXPERT_SIZE}
+
+
 def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
                 dtype: torch.dtype | None, peers: dict[str, Callable[[int, int], nn.Module]],
                 compile: str = "none", router_precision: str = "autocast") -> dict:
@@ -243,7 +249,7 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
             finally:
                 triton_cvmm.set_triton_enabled(True)
         contenders["sparseffn_torch"] = torch_path
-    for name, d_ff in (("dense_param", 4 * d_model), ("dense_active", K * EXPERT_SIZE)):
+    for name, d_ff in fig2_dense_widths(d_model).items():
         dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
         contenders[name], is_compiled[name] = timed_step(dense, x, None, dtype, compile)
     for name, build in peers.items():
