@@ -9,6 +9,8 @@
 #                                                   #   fig2-graphs ran past 8 min once, while it
 #                                                   #   still compiled Liger's MoE: give it a call)
 #   bash scripts/gpu_session.sh layers routers productkeys profile
+#   bash scripts/gpu_session.sh routers-graphs      # Table 2 again, each method's calls replayed
+#                                                   #   from one CUDA graph (no host launch cost)
 #   bash scripts/gpu_session.sh profile-lm          # the LM step of bench lm per preset, compiled
 #                                                   #   without graphs: device time, launches,
 #                                                   #   top kernels (why one is slower than dense)
@@ -56,7 +58,8 @@ for what in "$@"; do
   case $what in
     tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 420 $PY -m pytest -q -p no:cacheprovider \
              tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py tests/ops/test_triton_tree.py \
-             tests/ops/test_operator_autocast.py tests/layers/test_no_host_sync.py ;;
+             tests/ops/test_operator_autocast.py tests/layers/test_no_host_sync.py \
+             tests/test_bench_graphs.py ;;
     check) stage check 540 $PY scripts/gpu_check.py --json "$OUT/check.json" ;;
     fig2) stage fig2 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
             --json "$OUT/fig2.json" ;;
@@ -70,6 +73,8 @@ for what in "$@"; do
     decode) stage decode 300 $PY -m sparseffn bench layers --device cuda --tokens 1 --configs a b \
               --no-routers --json "$OUT/decode.json" ;;
     routers) stage routers 300 $PY -m sparseffn bench routers --device cuda --json "$OUT/routers.json" ;;
+    routers-graphs) stage routers-graphs 300 $PY -m sparseffn bench routers --device cuda --graphs \
+                      --json "$OUT/routers-graphs.json" ;;
     productkeys) stage productkeys 400 $PY -m sparseffn bench productkeys --device cuda \
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
@@ -83,6 +88,7 @@ for what in "$@"; do
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
+            "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 cvmm rows compile train decode" \
             "lm-sync)"; exit 2 ;;
   esac

@@ -164,7 +164,8 @@ def test_bench_routers_writes_json_plot_and_table_2(tmp_path, capsys):
                     and not (method == "matrix" and depth == 3)
                 assert ((method, depth, pass_name) in keys) == expected, (method, depth, pass_name)
     assert all(r["ms"] > 0 for r in records)
-    assert {(r["device"], r["dtype"]) for r in records} == {("cpu", "float32")}
+    assert {(r["device"], r["dtype"], r["timing"]) for r in records} == {("cpu", "float32",
+                                                                           "eager")}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "Table 2" in out and "7.27 / 4.55" in out and "target: auto within 1.5x" in out

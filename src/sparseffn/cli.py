@@ -76,9 +76,14 @@ def _bench_lm(args: argparse.Namespace) -> int:
 
 def _bench_routers(args: argparse.Namespace) -> int:
     from .bench import tree_routers
-    tree_routers.run(args.depths, batch=args.batch, dim=args.dim, repeats=args.repeats,
-                     max_matrix_depth=args.max_matrix_depth, json_path=args.json,
-                     plot_path=args.plot, forward_only=args.forward_only, device=args.device)
+    try:
+        tree_routers.run(args.depths, batch=args.batch, dim=args.dim, repeats=args.repeats,
+                         max_matrix_depth=args.max_matrix_depth, json_path=args.json,
+                         plot_path=args.plot, forward_only=args.forward_only,
+                         device=args.device, graphs=args.graphs)
+    except ValueError as error:   # --graphs on a device without CUDA graphs
+        print(f"sparseffn bench routers: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -229,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     routers.add_argument("--forward-only", action="store_true", help="skip forward+backward")
     routers.add_argument("--device", default="cpu",
                          help="cpu (default) or cuda (Table 2's GPU columns beside)")
+    routers.add_argument("--graphs", action="store_true",
+                         help="with --device cuda: time each method's calls replayed from one "
+                              "CUDA graph (the device's time, without the host's launch cost)")
     routers.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     routers.add_argument("--plot", metavar="PATH", help="draw time vs depth to this PNG")
     routers.set_defaults(func=_bench_routers)

@@ -277,3 +277,50 @@ def per_call_times(fns: dict[str, Callable[[], object]], rounds: int, calls: int
     loops = {name: (lambda fn=fn: [fn() for _ in range(calls)]) for name, fn in fns.items()}
     times = interleaved_times(loops, rounds, warmup=1, device=device)
     return {name: [ms / calls for ms in per_round] for name, per_round in times.items()}
+
+
+def capture_calls(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    """``calls`` calls of ``fn`` recorded as one CUDA graph; returns the graph's replay.
+
+    ``fn`` runs three times first on a side stream, as PyTorch's CUDA-graph notes prescribe:
+    what cannot happen inside a capture (compiling and autotuning a Triton kernel, cuBLAS
+    creating its workspace, the autograd engine's first use) happens there. A function that
+    synchronises with the host or copies from host memory raises here, as the capture does.
+    """
+    if calls < 1:
+        raise ValueError(f"calls must be at least 1, got {calls}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay     # the bound method keeps the graph (and its memory pool) alive
+
+
+def graph_call_times(fns: dict[str, Callable[[], object]], rounds: int,
+                     calls: dict[str, int], device: torch.device | str
+                     ) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Per-round ms per call of each function on a CUDA ``device``, its ``calls[name]`` calls
+    captured as one CUDA graph (:func:`capture_calls`) and the replays timed in rotation
+    (:func:`interleaved_times`): the device's own time per call, with none of the host's
+    launch cost between kernels, as a step replayed by CUDA graphs (``torch.compile``'s
+    ``"reduce-overhead"``) pays it.
+
+    Returns (times, failures): a function that cannot be captured is left out of the times,
+    and ``failures[name]`` says why (the error's first line)."""
+    replays, failures = {}, {}
+    for name, fn in fns.items():
+        try:
+            replays[name] = capture_calls(fn, calls[name])
+        except Exception as error:   # a host read or copy in the function: report, go on
+            torch.cuda.synchronize(device)
+            first_line = (str(error).splitlines() or [""])[0][:160]
+            failures[name] = f"{type(error).__name__}: {first_line}"
+    times = interleaved_times(replays, rounds, warmup=1, device=device) if replays else {}
+    per_call = {name: [ms / calls[name] for ms in ts] for name, ts in times.items()}
+    return per_call, failures

@@ -33,7 +33,8 @@ import torch
 from ..ops import fff
 from ..router_config import TreeRouterConfig
 from ..routers.tree import TreeRouter
-from .measure import describe_device, interleaved_times, paired_ratio, write_json
+from .measure import (describe_device, graph_call_times, interleaved_times, paired_ratio,
+                      write_json)
 
 METHODS = ("moe", "matrix", "hard", "logs", "orig", "levelwise", "matrix_sparse", "auto")
 PAPER_NAMES = {"moe": "MoE", "matrix": "FFF T,S", "hard": "FFF Inference", "logs": "FFF Logs",
@@ -104,14 +105,28 @@ def _timed(fn: Callable, weight: torch.Tensor, x: torch.Tensor, backward: bool) 
     return run_backward
 
 
+# Under ``graphs=True``: each method's calls captured in one CUDA graph, as many as fit in
+# about this much device time (judged from its first, eager call), at most GRAPH_CALLS.
+GRAPH_CALLS = 20
+GRAPH_BUDGET_MS = 50.0
+
+
 def bench_tree_routers(depths: list[int], batch: int = 2048, dim: int = 1024, repeats: int = 5,
                        max_matrix_depth: int = 13, methods: tuple[str, ...] = METHODS,
                        passes: tuple[str, ...] = PASSES, seed: int = 0,
                        progress: Callable[[str], None] | None = None,
-                       device: torch.device | str = "cpu") -> list[dict]:
+                       device: torch.device | str = "cpu", graphs: bool = False) -> list[dict]:
     """One record per (method, depth, pass): ``ms`` is the median over ``repeats`` rounds
-    (fewer for a method slower than a second per call), on ``device``."""
+    (fewer for a method slower than a second per call), on ``device``.
+
+    ``graphs=True`` (CUDA only) times each method's calls replayed from one CUDA graph
+    (:func:`~sparseffn.bench.measure.graph_call_times`): the device's time per call without
+    the host's launch cost, which at these sizes is most of an eager call on a GPU (see
+    docs/performance.md). Records then say ``"timing": "cuda_graph"`` and how many ``calls``
+    the graph holds; a method that cannot be captured is reported and left out."""
     device = torch.device(device)
+    if graphs and device.type != "cuda":
+        raise ValueError(f"graphs=True times CUDA graphs and needs a CUDA device, got {device}")
 
     def sync():
         if device.type == "cuda":
@@ -127,20 +142,31 @@ def bench_tree_routers(depths: list[int], batch: int = 2048, dim: int = 1024, re
                     if not (backward and m in FORWARD_ONLY)
                     and not (m == "matrix" and depth > max_matrix_depth)}
             start = time.perf_counter()
-            slow = {}
-            for name, run in list(runs.items()):     # one untimed call each; find the slow ones
+            first_ms = {}
+            for name, run in runs.items():     # one untimed call each; find the slow ones
                 sync()
                 t0 = time.perf_counter()
                 run()
                 sync()
-                if time.perf_counter() - t0 > 1.0:
-                    slow[name] = runs.pop(name)
-            times = interleaved_times(runs, repeats, warmup=1, device=device) if runs else {}
-            times.update(interleaved_times(slow, 2, warmup=0, device=device) if slow else {})
+                first_ms[name] = (time.perf_counter() - t0) * 1e3
+            extra: dict[str, dict] = {}
+            if graphs:
+                calls = {name: max(1, min(GRAPH_CALLS, int(GRAPH_BUDGET_MS / max(ms, 1e-3))))
+                         for name, ms in first_ms.items()}
+                times, failures = graph_call_times(runs, repeats, calls, device)
+                for name, why in failures.items():
+                    print(f"  depth {depth} {pass_name} {name}: not captured in a CUDA graph "
+                          f"({why}); left out", flush=True)
+                extra = {name: {"timing": "cuda_graph", "calls": calls[name]} for name in times}
+            else:
+                slow = {name: runs.pop(name) for name in list(runs) if first_ms[name] > 1e3}
+                times = interleaved_times(runs, repeats, warmup=1, device=device) if runs else {}
+                times.update(interleaved_times(slow, 2, warmup=0, device=device) if slow else {})
             for name, ts in times.items():
                 records.append({"method": name, "depth": depth, "pass": pass_name,
                                 "ms": statistics.median(ts), "batch": batch, "dim": dim,
-                                "device": str(device), "dtype": "float32", "round_ms": ts})
+                                "device": str(device), "dtype": "float32", "round_ms": ts,
+                                **extra.get(name, {"timing": "eager"})})
             if progress:
                 progress(f"depth {depth:2d} {pass_name:16s} {time.perf_counter() - start:6.1f} s")
     return records
@@ -184,10 +210,12 @@ def format_table(records: list[dict]) -> str:
     methods = [m for m in METHODS if any(r["method"] == m for r in records)]
     depths = sorted({r["depth"] for r in records})
     ms = _ms(records)
+    graphed = any(r.get("timing") == "cuda_graph" for r in records)
+    unit = "ms per call of the device's time, replayed from CUDA graphs" if graphed else "ms"
     for pass_name in PASSES:
         if not any(r["pass"] == pass_name for r in records):
             continue
-        lines.append(f"\n{pass_name} (ms):")
+        lines.append(f"\n{pass_name} ({unit}):")
         lines.append("depth " + "".join(f"{m:>14s}" for m in methods))
         for d in depths:
             cells = "".join(f"{ms[(m, d, pass_name)]:14.2f}" if (m, d, pass_name) in ms else f"{'-':>14s}"
@@ -282,17 +310,22 @@ def plot(records: list[dict], path: str) -> None:
 
 def run(depths: list[int], batch: int = 2048, dim: int = 1024, repeats: int = 5,
         max_matrix_depth: int = 13, json_path: str | None = None, plot_path: str | None = None,
-        forward_only: bool = False, device: str = "cpu") -> list[dict]:
-    """Run, print the per-depth times and Table 2, write JSON / PNG if asked."""
+        forward_only: bool = False, device: str = "cpu", graphs: bool = False) -> list[dict]:
+    """Run, print the per-depth times and Table 2, write JSON / PNG if asked (``graphs``: see
+    :func:`bench_tree_routers`)."""
     dev = torch.device(device)
+    if graphs and dev.type != "cuda":
+        raise ValueError(f"--graphs times CUDA graphs and needs --device cuda, got {device}")
     if plot_path:
         from .plotting import pyplot
         pyplot()   # fail before the long run if matplotlib is missing
     print(f"sparseffn bench routers: batch {batch}, dim {dim}, depths {depths[0]}..{depths[-1]}, "
-          f"fp32, {describe_device(dev)}, torch {torch.__version__}", flush=True)
+          f"fp32, {describe_device(dev)}, torch {torch.__version__}"
+          + (", each method's calls replayed from one CUDA graph" if graphs else ""), flush=True)
     records = bench_tree_routers(depths, batch, dim, repeats, max_matrix_depth,
                                  passes=("forward",) if forward_only else PASSES,
-                                 progress=lambda line: print(line, flush=True), device=dev)
+                                 progress=lambda line: print(line, flush=True), device=dev,
+                                 graphs=graphs)
     print(format_table(records))
     if json_path:
         write_json(records, json_path)
