@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from tests.ops.reference import cvmm_reference
 from sparseffn.ops import DispatchPlan, cvmm
+from sparseffn.ops.ids import id_dtype
 
 
 def _inputs(T, k, E, m, n, per_slot=False, dtype=torch.float32, gated=False):
@@ -148,6 +149,28 @@ def test_plan_counts_and_block_ends_match_bincount_with_dropped_pairs_and_empty_
     assert plan.counts.tolist() == expected.tolist()
     assert plan.offsets.tolist() == expected.cumsum(0).tolist()
     assert sorted(plan.order.tolist()) == list(range(tokens * 3))
+
+
+@pytest.mark.parametrize("num_experts", [1, 254, 255, 256, 32766, 32767, 40000])
+def test_plan_order_is_a_stable_sort_at_every_key_width(num_experts):
+    """The keys are sorted as the narrowest integers that hold 0..E (E: the dropped pairs);
+    at each width's edge the plan is the stable int64 sort."""
+    torch.manual_seed(num_experts)
+    indices = torch.randint(0, num_experts, (300, 3))
+    indices[:5] = num_experts - 1                          # the largest expert id is used
+    dispatched = torch.rand(300, 3) < 0.8
+    plan = DispatchPlan.build(indices, num_experts, dispatched=dispatched)
+    keys = indices.reshape(-1).masked_fill(~dispatched.reshape(-1), num_experts)
+    assert plan.order.tolist() == torch.argsort(keys, stable=True).tolist()
+    expected = torch.bincount(indices[dispatched], minlength=num_experts)
+    assert plan.counts.tolist() == expected.tolist()
+
+
+def test_ids_take_the_narrowest_integer_dtype_that_holds_them():
+    assert id_dtype(0, 255) == torch.uint8 and id_dtype(0, 256) == torch.int16
+    assert id_dtype(-1, 127) == torch.int8 and id_dtype(-1, 128) == torch.int16
+    assert id_dtype(0, 2 ** 15 - 1) == torch.int16 and id_dtype(0, 2 ** 15) == torch.int32
+    assert id_dtype(-1, 2 ** 31 - 1) == torch.int32 and id_dtype(0, 2 ** 31) == torch.int64
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -85,6 +85,21 @@ def test_scatter_rows_is_deterministic_and_the_reverse_index_is_exact():
             "a row's pairs, in (token, slot) order"
 
 
+@pytest.mark.parametrize("num_rows", [126, 127, 128, 32767])
+def test_the_reverse_index_is_exact_at_every_key_width(num_rows):
+    """Rows are sorted as the narrowest integers that hold [-1, num_rows]; out-of-range
+    indices (clamped to -1 or num_rows) belong to no row."""
+    torch.manual_seed(num_rows)
+    idx = torch.randint(0, num_rows, (200, 5))
+    idx[0] = torch.tensor([num_rows - 1, -7, num_rows, num_rows + 300, 0])
+    order, offsets = triton_rows.sorted_reverse_index(idx.to(DEVICE), num_rows)
+    flat = idx.reshape(-1)
+    assert (offsets[-1] - offsets[0]).item() == int(((flat >= 0) & (flat < num_rows)).sum())
+    for row in (0, 1, num_rows // 2, num_rows - 1):
+        mine = order[offsets[row]:offsets[row + 1]].long()
+        assert torch.equal(mine.cpu(), torch.nonzero(flat == row).flatten())
+
+
 def test_a_given_row_index_gives_the_same_table_gradient():
     idx, w, _, x = _pairs(tokens=300, m=16, num_rows=50, d=33)
     order, offsets = kernels.row_index(idx, 50)

@@ -27,6 +27,7 @@ import torch
 
 from . import kernels
 from .debug import checks_enabled
+from .ids import id_dtype
 from .precision import autocast_dtype
 
 
@@ -135,10 +136,9 @@ def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:
 
 
 def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stable sort of integer ids in ``[0, bound)``: (sorted ids, int64 order), the ids as
-    int32 where ``bound`` allows (a radix sort, CUDA's, makes one pass per key byte)."""
-    narrow = torch.int32 if bound <= torch.iinfo(torch.int32).max + 1 else keys.dtype
-    return torch.sort(keys.to(narrow), stable=True)
+    """A stable sort of integer ids in ``[0, bound)``: (sorted ids, int64 order), the ids in
+    the narrowest dtype that holds them (:func:`~.ids.id_dtype`)."""
+    return torch.sort(keys.to(id_dtype(0, max(bound - 1, 0))), stable=True)
 
 
 def _expert_counts(sorted_keys: torch.Tensor, num_experts: int) -> torch.Tensor:

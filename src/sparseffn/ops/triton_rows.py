@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import triton_cvmm
+from .ids import id_dtype
 from .triton_cvmm import _rowwise, cdiv, next_power_of_2, tl, triton
 
 # The product-key top-k keeps each half's scores (next power of two of n) and the k_a·k_b
@@ -311,12 +312,13 @@ def sorted_reverse_index(idx: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     ``order`` [T·m] (pair numbers t·m + j sorted by row, stable) and ``offsets``
     [num_rows + 1] (row i's pairs are ``order[offsets[i]:offsets[i+1]]``; pairs whose row is
     outside [0, num_rows) belong to no row). Both are int32 when they fit
-    (:func:`fits_int32_index`; half the radix passes of int64 keys, half the memory), else
-    int64."""
+    (:func:`fits_int32_index`; half the memory of int64), else int64. The rows are sorted as
+    the narrowest integers that hold ``[-1, num_rows]`` (:func:`~.ids.id_dtype`: a radix sort
+    makes one pass per key byte)."""
     flat = idx.reshape(-1)
     small = fits_int32_index(idx, num_rows)
     if small:
-        flat = flat.clamp(-1, num_rows).to(torch.int32)
+        flat = flat.clamp(-1, num_rows).to(id_dtype(-1, num_rows))
     sorted_rows, order = torch.sort(flat, stable=True)
     bounds = torch.arange(num_rows + 1, device=idx.device, dtype=sorted_rows.dtype)
     offsets = torch.searchsorted(sorted_rows, bounds, out_int32=small)
