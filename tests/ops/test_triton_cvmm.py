@@ -3,6 +3,7 @@ and the loop references: on the GPU when there is one, else in Triton's CPU inte
 (fp32 and fp16; the interpreter has no bf16)."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from sparseffn.ops import DispatchPlan, expert_mlp, kernels, native, triton_cvmm
 from tests.ops.triton_cases import DEVICE, DTYPES, close   # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_on_cpu")
+# the module (``sparseffn.ops.expert_mlp`` is also the name of its function)
+expert_mlp_module = importlib.import_module("sparseffn.ops.expert_mlp")
 
 
 class _KernelChoice:
@@ -181,6 +184,79 @@ def test_relu_expert_mlp_matches_the_loop_reference(dtype, cvmm_kernel):
     want.backward(grad)
     for got, ref in zip((x, w1, w2, gates), ref_in):
         close(got.grad, ref.grad, dtype)
+
+
+def _record_products(monkeypatch):
+    """The (m, n) of every product the Triton CVMM kernels are launched on."""
+    shapes = []
+    original = triton_cvmm.cvmm_rows
+
+    def spy(src, weight, *rest):
+        shapes.append(tuple(weight.shape[1:]))
+        return original(src, weight, *rest)
+    monkeypatch.setattr(triton_cvmm, "cvmm_rows", spy)
+    return shapes
+
+
+@pytest.mark.parametrize("G", [13, 21])
+@pytest.mark.parametrize("variant", ["relu", "gelu_biased", "swiglu"])
+def test_odd_expert_sizes_are_padded_to_whole_vectors_and_match_the_reference(
+        G, variant, monkeypatch):
+    """Experts of a size not a multiple of 16 run as 16-multiples with zero units (the
+    kernels then move the hidden rows in vectors): the output and every gradient, the
+    unpadded weights' included, are the reference's; a token with NaN input stays alone."""
+    products = _record_products(monkeypatch)
+    torch.manual_seed(G)
+    T, k, E, d = 19, 2, 5, 24
+    indices = torch.randint(0, E - 1, (T, k), device=DEVICE)          # expert E-1 gets nothing
+    x = torch.randn(T, d, device=DEVICE)
+    x[4, 3] = float("nan")
+    w1 = torch.randn(E, G, d, device=DEVICE) / d ** 0.5
+    w2 = torch.randn(E, G, d, device=DEVICE) / G ** 0.5
+    w_gate = torch.randn(E, G, d, device=DEVICE) / d ** 0.5 if variant == "swiglu" else None
+    b1 = torch.randn(E, G, device=DEVICE) if variant == "gelu_biased" else None
+    b2 = torch.randn(E, d, device=DEVICE) if variant == "gelu_biased" else None
+    gates = torch.rand(T, k, device=DEVICE)
+    activation = {"relu": "relu", "gelu_biased": "gelu", "swiglu": "silu"}[variant]
+    leaves = [t.requires_grad_() for t in (x, w1, w2, gates, w_gate, b1, b2) if t is not None]
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    assert expert_mlp_module.hidden_padding(x, w1, w2) == -G % 16
+    y = expert_mlp(x, DispatchPlan.build(indices, E), w1, w2, gates, activation=activation,
+                   b1=b1, b2=b2, indices=indices, w_gate=w_gate)
+    padded = G + (-G % 16)
+    assert products and all(padded in shape and G not in shape for shape in products), \
+        "every product ran on the padded width"
+    named = dict(zip(["x", "w1", "w2", "gates", *(["w_gate"] if w_gate is not None else []),
+                      *(["b1", "b2"] if b1 is not None else [])], ref_leaves))
+    act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu,
+           "silu": torch.nn.functional.silu}[activation]
+    want = expert_mlp_reference(
+        named["x"], indices, named["gates"], named["w1"].transpose(1, 2), named["w2"], act,
+        w_gate=None if w_gate is None else named["w_gate"].transpose(1, 2),
+        b1=named.get("b1"), b2=named.get("b2"))
+    nan_rows = torch.zeros(T, dtype=torch.bool)
+    nan_rows[4] = True
+    assert bool(y[4].isnan().all()) and bool(y[~nan_rows].isfinite().all())
+    close(y[~nan_rows], want[~nan_rows], torch.float32)
+    grad = torch.randn_like(want)
+    grad[4] = 0
+    y[~nan_rows].backward(grad[~nan_rows])
+    want[~nan_rows].backward(grad[~nan_rows])
+    for got, ref in zip(leaves, ref_leaves):
+        assert got.grad.shape == ref.grad.shape
+        if got is not x:   # the NaN token's input gradient is NaN in both, the rest is not
+            close(got.grad, ref.grad, torch.float32)
+    close(x.grad[~nan_rows], ref_leaves[0].grad[~nan_rows], torch.float32)
+
+
+def test_the_cpu_paths_keep_odd_expert_sizes_as_they_are():
+    triton_cvmm.set_interpreter_for_cpu(False)
+    try:
+        x, w = torch.randn(3, 8), torch.randn(2, 13, 8)
+        assert expert_mlp_module.hidden_padding(x, w, w) == 0
+    finally:
+        triton_cvmm.set_interpreter_for_cpu(not torch.cuda.is_available())
+    assert expert_mlp_module.hidden_padding(x.to(DEVICE), w.to(DEVICE), w.to(DEVICE)) == 3
 
 
 CVMM_LAYERS = ["layer:sigma_moe", "layer:moe", "router:switch", "router:sbase",

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..activations import activation_fn
-from . import kernels, native
+from . import kernels, native, triton_cvmm
 from .cvmm import DispatchPlan, _pairs_to_slots, check_expert_indices, cvmm
 from .precision import autocast_dtype
 from .rows import gather_sum
@@ -32,6 +32,38 @@ _FUSED_ACTIVATIONS = {"relu"}
 # inference forward without / with the plan, interleaved with a dense MLP as in
 # ``bench layers`` (2-core AVX-512 CPU): 0.86 at 1 token, 0.96 at 4, 1.02 at 8, 1.13 at 16.
 FEW_PAIRS_MACS = 1 << 21
+
+# On the GPU paths each expert's hidden units are padded with zero units to a multiple of this
+# (see :func:`hidden_padding`).
+HIDDEN_MULTIPLE = 16
+
+
+def hidden_padding(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> int:
+    """How many hidden units of zero weight :func:`expert_mlp` adds to each expert: enough to
+    make ``expert_size`` a multiple of ``HIDDEN_MULTIPLE`` where the kernels that will run
+    need it, else 0.
+
+    The Triton kernels load and store the [pairs, expert_size] hidden units (and their
+    gradient) in 16-byte vectors, and pipeline those loads, only when the row length and
+    stride are multiples of 16 elements: Triton specialises an integer argument on
+    divisibility by 16, and a mask ``cols < 255`` proves nothing about a vector of 8. At
+    the byte LM's σ-MoE shapes (8 experts of 255 at d_model 256, parameter-matched to a
+    dense d_ff of 2048) all six products compiled for sm_90 stored or loaded the hidden
+    units 2 bytes at a time (``scripts/ptx_memory_ops.py``). ``torch._grouped_mm``, the
+    PyTorch path on CUDA, needs 16-byte aligned rows too. A padded unit has zero in- and
+    out-weights, so it adds exactly zero to the output and gets no gradient that is kept
+    (``act(0) · 0``; NaN only where the token's input is not finite). On the CPU's C and
+    PyTorch paths nothing is padded (unaligned vectors cost them nothing)."""
+    pad = -w1.shape[1] % HIDDEN_MULTIPLE
+    if pad and x.is_cpu and not triton_cvmm.usable(w1.shape[0], x, w1, w2):
+        return 0
+    return pad
+
+
+def _pad_units(weight: torch.Tensor, pad: int) -> torch.Tensor:
+    """[E, G, ·] -> [E, G + pad, ·] with zero rows after each expert's G (differentiable:
+    the gradient of the padded rows is dropped)."""
+    return torch.nn.functional.pad(weight, (0, 0, 0, pad))
 
 
 def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.Tensor,
@@ -66,6 +98,11 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
     if dtype is not None:   # both CVMMs in the autocast dtype
         x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         w_gate = None if w_gate is None else w_gate.to(dtype)
+    pad = hidden_padding(x, w1, w2)
+    if pad:   # zero hidden units, so the GPU kernels move the hidden rows in vectors
+        w1, w2 = _pad_units(w1, pad), _pad_units(w2, pad)
+        w_gate = None if w_gate is None else _pad_units(w_gate, pad)
+        b1 = None if b1 is None else torch.nn.functional.pad(b1, (0, pad))
     if activation in _FUSED_ACTIVATIONS and hidden_dropout is None and not biased \
             and w_gate is None \
             and x.dim() == 2 and x.dtype == w1.dtype == w2.dtype:
