@@ -150,6 +150,11 @@ if triton is not None:
                               num_stages=stages)
                 for m, n, k, warps, stages in (tuned if _AUTOTUNE else [fixed])]
 
+    # The configs under SPARSEFFN_TRITON_AUTOTUNE=0 (and those scripts/ptx_memory_ops.py
+    # compiles): (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); the row tile's without BLOCK_K.
+    CVMM_UNTUNED = (128, 64, 64, 4, 3)
+    WEIGHT_GRAD_UNTUNED = (64, 64, 64, 4, 3)
+    ROW_TILE_UNTUNED = (64, 64, 4, 3)
     _CVMM_TILES = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
                    (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 32, 4, 4)]
     _WEIGHT_GRAD_TILES = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
@@ -206,7 +211,7 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
     # Every config writes its own column tiles' partial dots: zeroed between tuning runs.
-    @triton.autotune(configs=_tile_configs((128, 64, 64, 4, 3), _CVMM_TILES),
+    @triton.autotune(configs=_tile_configs(CVMM_UNTUNED, _CVMM_TILES),
                      reset_to_zero=["dots_ptr"],
                      key=["m", "n", "HAS_IN_IDX", "HAS_OUT_IDX", "HAS_DOT", "HAS_MASK"])
     @triton.jit
@@ -252,7 +257,7 @@ if triton is not None:
         if interpreting():
             return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})]
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
-                for m, n, warps, stages in (_ROW_TILES if _AUTOTUNE else [(64, 64, 4, 3)])]
+                for m, n, warps, stages in (_ROW_TILES if _AUTOTUNE else [ROW_TILE_UNTUNED])]
 
     # A config's column splits depend on its BLOCK_N, and each split writes its own row of
     # partial dots: zeroed between tuning runs, as for _cvmm_kernel.
@@ -301,7 +306,7 @@ if triton is not None:
         if HAS_DOT:
             tl.store(dots_ptr + split * num_rows + rows64, dot_sum, mask=computed)
 
-    @triton.autotune(configs=_tile_configs((64, 64, 64, 4, 3), _WEIGHT_GRAD_TILES),
+    @triton.autotune(configs=_tile_configs(WEIGHT_GRAD_UNTUNED, _WEIGHT_GRAD_TILES),
                      key=["ma", "nb", "HAS_A_IDX", "HAS_B_IDX", "HAS_SCALE"])
     @triton.jit
     def _weight_grad_kernel(a_ptr, stride_a, a_idx_ptr, b_ptr, stride_b, b_idx_ptr, scale_ptr,

@@ -1,0 +1,248 @@
+"""How wide the global memory accesses of the Triton kernels of a training step are on a GPU,
+read off their PTX, on a machine without one.
+
+Runs one forward+backward of an LM preset's FFN layer (the byte LM of ``bench lm``: d_model
+256, parameter-matched to a dense d_ff of 2048) on the CPU with the Triton kernels in Triton's
+interpreter, records every kernel launch with its arguments, and compiles each distinct
+launch for a CUDA architecture (sm_90, the H100, by default) with the specialisation those
+arguments get on a GPU (integers and pointers divisible by 16). For each kernel it counts the
+global loads, stores and asynchronous copies in the PTX by the bytes one instruction moves:
+a kernel that moves its tiles 2 bytes at a time where it could move 16 issues eight times the
+memory instructions and, for asynchronous copies, cannot pipeline them.
+
+These are static instruction counts (a loop body counts once), not timings; they say which
+kernels move data in narrow accesses, not how long those take.
+
+    python scripts/ptx_memory_ops.py --lm sigma_moe,pkm
+    python scripts/ptx_memory_ops.py --lm sigma_moe --no-padding   # before the hidden padding
+
+Needs Triton (``pip install -e '.[gpu]'``); fp16 stands in for bf16 (the interpreter has no
+bf16; both are 2 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+# Recording runs the kernels in Triton's interpreter; compiling needs real JIT functions, so it
+# runs in a child process without it (the variable is read when triton is imported).
+_COMPILING = "--compile" in sys.argv
+os.environ["TRITON_INTERPRET"] = "0" if _COMPILING else "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch  # noqa: E402
+
+import sparseffn  # noqa: E402
+from sparseffn.bench.measure import forward_backward_fn  # noqa: E402
+from sparseffn.models.presets import ffn_preset  # noqa: E402
+from sparseffn.ops import triton_cvmm, triton_rows, triton_tree  # noqa: E402
+
+_ACCESS = re.compile(r"^(?:@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async\.c[ag]\.shared\.global)"
+                     r"([.\w:]*)\s+(.*);")
+
+
+def access_widths(ptx: str) -> dict[str, collections.Counter]:
+    """{"load" | "store" | "async copy": Counter(bytes per instruction -> instructions)} of
+    the global memory instructions in ``ptx``."""
+    found: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in ptx.splitlines():
+        match = _ACCESS.match(line.strip())
+        if not match:
+            continue
+        op, suffix, operands = match.groups()
+        if op.startswith("cp.async"):   # cp.async [dst], [src], cp-size{, src-size}
+            found["async copy"][int(operands.split(",")[2].strip(), 0)] += 1
+            continue
+        vector = re.search(r"\.v(\d)", suffix)
+        bits = re.search(r"\.[bufs](\d+)", suffix)
+        width = (int(vector.group(1)) if vector else 1) * int(bits.group(1)) // 8
+        found["load" if op == "ld.global" else "store"][width] += 1
+    return found
+
+
+def _kernels() -> dict[str, object]:
+    """Every Triton kernel of the three kernel modules, by name (autotuned ones included)."""
+    import triton
+    found = {}
+    for module in (triton_cvmm, triton_rows, triton_tree):
+        for name, value in vars(module).items():
+            if isinstance(value, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
+                found[name] = (module, value)
+    return found
+
+
+def _untuned(name: str) -> dict:
+    """The block sizes and launch options an autotuned kernel has without autotuning."""
+    if name == "_cvmm_row_tile_kernel":
+        m, n, warps, stages = triton_cvmm.ROW_TILE_UNTUNED
+        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+    m, n, k, warps, stages = (triton_cvmm.CVMM_UNTUNED if name == "_cvmm_kernel"
+                              else triton_cvmm.WEIGHT_GRAD_UNTUNED)
+    return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
+
+
+class LaunchRecorder:
+    """Replaces each kernel of :func:`_kernels` by a proxy that records ``(name, args,
+    kwargs)`` at every launch and then launches it (in the interpreter)."""
+
+    def __init__(self):
+        self.launches: list[tuple[str, tuple, dict]] = []
+        self._saved = []
+
+    def __enter__(self):
+        recorder = self
+        for name, (module, kernel) in _kernels().items():
+            class Proxy:
+                def __getitem__(self, grid, _kernel=kernel, _name=name):
+                    launch = _kernel[grid]
+
+                    def run(*args, **kwargs):
+                        recorder.launches.append((_name, args, kwargs))
+                        return launch(*args, **kwargs)
+                    return run
+            self._saved.append((module, name, kernel))
+            setattr(module, name, Proxy())
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, kernel in self._saved:
+            setattr(module, name, kernel)
+
+
+def describe(value):
+    """A launch argument as JSON: a tensor by its dtype and 16-byte alignment (all that
+    specialises a kernel), anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return {"dtype": str(value.dtype).replace("torch.", ""),
+                "aligned": value.data_ptr() % 16 == 0}
+    return value
+
+
+def rebuild(value):
+    """A stand-in argument for :func:`describe`'s description: a CPU tensor of that dtype,
+    16-byte aligned or not."""
+    if isinstance(value, dict):
+        base = torch.empty(64, dtype=getattr(torch, value["dtype"]))
+        return base if value["aligned"] else base[1:]   # one element on: not 16-byte aligned
+    return value
+
+
+def compile_launch(name: str, args: tuple, kwargs: dict, arch: int):
+    """The kernel ``name`` compiled for sm_<arch> as these arguments specialise it on a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    kernel = _kernels()[name][1]
+    kwargs = dict(kwargs)
+    if isinstance(kernel, triton.runtime.Autotuner):
+        kwargs.update(_untuned(name))
+        kernel = kernel.fn
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
+    plain = {k: v for k, v in kwargs.items() if k in constexpr_names or k in bound}
+    options, signature, constexprs, attrs = kernel._pack_args(backend, plain, bound,
+                                                              specialization, options)
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options.__dict__)
+
+
+def _key(name: str, args: list, kwargs: dict) -> str:
+    """What decides a launch's specialisation: dtypes, alignment, 16-divisibility, flags."""
+    def part(a):
+        if isinstance(a, int) and not isinstance(a, bool):
+            return ["int", a % 16 == 0, a == 1]
+        return a
+    return json.dumps([name, [part(a) for a in args], sorted(kwargs.items())])
+
+
+def _cell(counter: collections.Counter) -> str:
+    return " ".join(f"{count}x{width}B" for width, count in sorted(counter.items())) or "-"
+
+
+def report(preset: str, tokens: int, arch: int, padding: bool) -> int:
+    """Print the table for one preset; returns its kernels' 2-byte global loads and stores."""
+    expert_mlp = importlib.import_module("sparseffn.ops.expert_mlp")
+    saved_multiple = expert_mlp.HIDDEN_MULTIPLE
+    if not padding:
+        expert_mlp.HIDDEN_MULTIPLE = 1
+    try:
+        torch.manual_seed(0)
+        layer = sparseffn.build_layer(ffn_preset(preset, 256, 2048, 6).ffn).half().train()
+        step = forward_backward_fn(layer, torch.randn(tokens, 256).half(), sparseffn.aux_loss)
+        with LaunchRecorder() as recorder:
+            step()
+    finally:
+        expert_mlp.HIDDEN_MULTIPLE = saved_multiple
+    distinct: dict[str, list] = {}
+    for name, args, kwargs in recorder.launches:
+        launch = [name, [describe(a) for a in args], {k: describe(v) for k, v in kwargs.items()}]
+        distinct.setdefault(_key(*launch), launch)
+    print(f"\n{preset}: {len(recorder.launches)} launches, {len(distinct)} distinct "
+          f"(sm_{arch}, {'padded' if padding else 'unpadded'} hidden units)", flush=True)
+    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile",
+                            "--arch", str(arch)], input=json.dumps(list(distinct.values())),
+                           capture_output=True, text=True, check=False)
+    if child.returncode:
+        raise RuntimeError(f"compiling for sm_{arch} failed:\n{child.stderr[-3000:]}")
+    print(f"  {'kernel':26s} {'loads':28s} {'stores':22s} async copies")
+    narrow = 0
+    for name, widths in json.loads(child.stdout):
+        widths = {kind: collections.Counter({int(w): c for w, c in counts.items()})
+                  for kind, counts in widths.items()}
+        narrow += sum(widths.get(kind, {}).get(2, 0) for kind in ("load", "store"))
+        print(f"  {name:26s} {_cell(widths.get('load', {})):28s} "
+              f"{_cell(widths.get('store', {})):22s} {_cell(widths.get('async copy', {}))}")
+    return narrow
+
+
+def compile_all(arch: int) -> int:
+    """The child process: compile the launches described on stdin, print their widths as
+    JSON on stdout."""
+    out = []
+    for name, args, kwargs in json.load(sys.stdin):
+        kernel = compile_launch(name, tuple(rebuild(a) for a in args),
+                                {k: rebuild(v) for k, v in kwargs.items()}, arch)
+        out.append([name, access_widths(kernel.asm["ptx"])])
+    json.dump(out, sys.stdout)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lm", default="sigma_moe",
+                        help="LM presets, comma-separated (default sigma_moe)")
+    parser.add_argument("--tokens", type=int, default=16,
+                        help="tokens in the step (16: a multiple of 16, as the LM's 16,384)")
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90)")
+    parser.add_argument("--no-padding", action="store_true",
+                        help="keep odd expert sizes unpadded (as before HIDDEN_MULTIPLE)")
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.compile:
+        return compile_all(args.arch)
+    if importlib.util.find_spec("triton") is None:
+        parser.error("needs Triton: pip install -e '.[gpu]'")
+    if not triton_cvmm.interpreting():
+        parser.error("set TRITON_INTERPRET=1 before Python starts (it is read at import)")
+    triton_cvmm.set_interpreter_for_cpu(True)
+    total = 0
+    for preset in args.lm.split(","):
+        total += report(preset, args.tokens, args.arch, not args.no_padding)
+    print(f"\n2-byte global loads and stores in all: {total}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
