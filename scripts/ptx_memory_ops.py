@@ -71,10 +71,12 @@ def access_widths(ptx: str) -> dict[str, collections.Counter]:
 def _kernels() -> dict[str, object]:
     """Every Triton kernel of the three kernel modules, by name (autotuned ones included)."""
     import triton
+    from triton.runtime.interpreter import InterpretedFunction   # what @triton.jit makes there
+    kinds = (triton.runtime.JITFunction, triton.runtime.Autotuner, InterpretedFunction)
     found = {}
     for module in (triton_cvmm, triton_rows, triton_tree):
         for name, value in vars(module).items():
-            if isinstance(value, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
+            if isinstance(value, kinds) and name.endswith("_kernel"):
                 found[name] = (module, value)
     return found
 
