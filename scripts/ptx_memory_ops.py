@@ -15,6 +15,7 @@ kernels move data in narrow accesses, not how long those take.
 
     python scripts/ptx_memory_ops.py --lm sigma_moe,pkm
     python scripts/ptx_memory_ops.py --lm sigma_moe --no-padding   # before the hidden padding
+    python scripts/ptx_memory_ops.py --lm '' --fig2 512             # bench fig2's σ-MoE
 
 Needs Triton (``pip install -e '.[gpu]'``); fp16 stands in for bf16 (the interpreter has no
 bf16; both are 2 bytes).
@@ -173,16 +174,23 @@ def _cell(counter: collections.Counter) -> str:
     return " ".join(f"{count}x{width}B" for width, count in sorted(counter.items())) or "-"
 
 
-def report(preset: str, tokens: int, arch: int, padding: bool) -> int:
-    """Print the table for one preset; returns its kernels' 2-byte global loads and stores."""
+def lm_layer(preset: str) -> torch.nn.Module:
+    """The FFN of the byte LM's preset (d_model 256, matched to a dense d_ff of 2048)."""
+    return sparseffn.build_layer(ffn_preset(preset, 256, 2048, 6).ffn)
+
+
+def report(preset: str, build, tokens: int, arch: int, padding: bool) -> int:
+    """Print the table for the layer ``build()`` makes; returns its kernels' 2-byte global
+    loads and stores."""
     expert_mlp = importlib.import_module("sparseffn.ops.expert_mlp")
     saved_multiple = expert_mlp.HIDDEN_MULTIPLE
     if not padding:
         expert_mlp.HIDDEN_MULTIPLE = 1
     try:
         torch.manual_seed(0)
-        layer = sparseffn.build_layer(ffn_preset(preset, 256, 2048, 6).ffn).half().train()
-        step = forward_backward_fn(layer, torch.randn(tokens, 256).half(), sparseffn.aux_loss)
+        layer = build().half().train()
+        x = torch.randn(tokens, layer.config.d_model).half()
+        step = forward_backward_fn(layer, x, sparseffn.aux_loss)
         with LaunchRecorder() as recorder:
             step()
     finally:
@@ -224,7 +232,9 @@ def compile_all(arch: int) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lm", default="sigma_moe",
-                        help="LM presets, comma-separated (default sigma_moe)")
+                        help="LM presets, comma-separated (default sigma_moe; '' for none)")
+    parser.add_argument("--fig2", default="",
+                        help="d_models of bench fig2's σ-MoE (experts of 128), e.g. 512,2048")
     parser.add_argument("--tokens", type=int, default=16,
                         help="tokens in the step (16: a multiple of 16, as the LM's 16,384)")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90)")
@@ -239,9 +249,13 @@ def main(argv=None) -> int:
     if not triton_cvmm.interpreting():
         parser.error("set TRITON_INTERPRET=1 before Python starts (it is read at import)")
     triton_cvmm.set_interpreter_for_cpu(True)
+    from sparseffn.bench.fig2 import fig2_sigma_moe
+    layers = [(p, lambda p=p: lm_layer(p)) for p in args.lm.split(",") if p]
+    layers += [(f"fig2 σ-MoE, d_model {d}", lambda d=int(d): fig2_sigma_moe(d))
+               for d in args.fig2.split(",") if d]
     total = 0
-    for preset in args.lm.split(","):
-        total += report(preset, args.tokens, args.arch, not args.no_padding)
+    for name, build in layers:
+        total += report(name, build, args.tokens, args.arch, not args.no_padding)
     print(f"\n2-byte global loads and stores in all: {total}")
     return 0
 
