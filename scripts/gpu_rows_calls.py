@@ -28,8 +28,8 @@ import statistics
 import torch
 
 from sparseffn import build_layer
+from sparseffn.bench.lm_step import lm_ffn
 from sparseffn.bench.measure import kernel_script_device, per_call_times
-from sparseffn.models import ffn_preset
 from sparseffn.ops import kernels, native, triton_cvmm, triton_rows
 from sparseffn.stores import rows as row_stores
 
@@ -63,7 +63,7 @@ def _two_sorts():
 
 
 def _topk(preset: str, tokens: int, rounds: int, calls: int, device: torch.device) -> None:
-    cfg = ffn_preset(preset, 256, 2048, 6).ffn
+    cfg = lm_ffn(preset)
     n = cfg.num_subkeys if preset == "pkm" else round(cfg.num_experts ** 0.5)
     rows = tokens * cfg.heads
     gen = torch.Generator(device=device).manual_seed(0)
@@ -87,7 +87,7 @@ def _topk(preset: str, tokens: int, rounds: int, calls: int, device: torch.devic
 
 
 def _peer(tokens: int, rounds: int, calls: int, device: torch.device) -> None:
-    cfg = ffn_preset("peer", 256, 2048, 6).ffn
+    cfg = lm_ffn("peer")
     layer = build_layer(cfg).to(device).train()
     x = torch.randn(tokens, cfg.d_model, device=device, requires_grad=True)
     grad = torch.randn(tokens, cfg.d_model, device=device)

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 import sparseffn  # noqa: E402
 from sparseffn.bench.measure import forward_backward_fn  # noqa: E402
-from sparseffn.models.presets import ffn_preset  # noqa: E402
+from sparseffn.bench.lm_step import lm_ffn  # noqa: E402
 from sparseffn.ops import triton_cvmm, triton_rows, triton_tree  # noqa: E402
 
 _ACCESS = re.compile(r"^(?:@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async\.c[ag]\.shared\.global)"
@@ -174,11 +174,6 @@ def _cell(counter: collections.Counter) -> str:
     return " ".join(f"{count}x{width}B" for width, count in sorted(counter.items())) or "-"
 
 
-def lm_layer(preset: str) -> torch.nn.Module:
-    """The FFN of the byte LM's preset (d_model 256, matched to a dense d_ff of 2048)."""
-    return sparseffn.build_layer(ffn_preset(preset, 256, 2048, 6).ffn)
-
-
 def report(preset: str, build, tokens: int, arch: int, padding: bool) -> int:
     """Print the table for the layer ``build()`` makes; returns its kernels' 2-byte global
     loads and stores."""
@@ -246,11 +241,9 @@ def main(argv=None) -> int:
         return compile_all(args.arch)
     if importlib.util.find_spec("triton") is None:
         parser.error("needs Triton: pip install -e '.[gpu]'")
-    if not triton_cvmm.interpreting():
-        parser.error("set TRITON_INTERPRET=1 before Python starts (it is read at import)")
     triton_cvmm.set_interpreter_for_cpu(True)
     from sparseffn.bench.fig2 import fig2_sigma_moe
-    layers = [(p, lambda p=p: lm_layer(p)) for p in args.lm.split(",") if p]
+    layers = [(p, lambda p=p: sparseffn.build_layer(lm_ffn(p))) for p in args.lm.split(",") if p]
     layers += [(f"fig2 σ-MoE, d_model {d}", lambda d=int(d): fig2_sigma_moe(d))
                for d in args.fig2.split(",") if d]
     total = 0

@@ -44,6 +44,12 @@ def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: i
                     dense_ffn=layout.dense_ffn)
 
 
+def lm_ffn(preset: str, d_model: int = 256, n_layers: int = 6, d_ff: int = 2048):
+    """The config of the FFN layer that :func:`lm_model` puts in its blocks for ``preset`` (at
+    the benchmark's sizes by default), for scripts that study one layer at the LM's shapes."""
+    return ffn_preset(preset, d_model, d_ff, n_layers).ffn
+
+
 def lm_model(preset: str, d_model: int = 256, n_layers: int = 6, n_heads: int = 4,
              context: int = 256, d_ff: int = 2048,
              device: torch.device | str = "cpu") -> TransformerLM:
