@@ -165,6 +165,91 @@ def test_out_of_range_indices_read_zero_rows_and_land_nowhere():
            kernels.scatter_rows(ok, w * keep, x, table.shape[0]), torch.float32)
 
 
+def _scatter_rows_dot_reference(idx, w, src, table):
+    """The two gradients of gather_sum from the two operators, through the PyTorch path."""
+    return _torch_path(lambda: (kernels.scatter_rows(idx, w.float(), src.float(), table.shape[0]),
+                                kernels.gather_dot(src.float(), table.float(), idx)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 5, 23, 19), (1, 1, 5, 1), (64, 40, 300, 130),
+                                   (900, 4, 5, 21), (6, 3, 7, 1030)])
+def test_scatter_rows_dot_is_the_table_gradient_and_the_dots(dtype, shape):
+    """Odd sizes, one pair, many rows, few rows with long segments (split into pieces), a row
+    wider than one program's usual tile (BLOCK_D 2048, two pairs at a time)."""
+    idx, w, table, src = _pairs(*shape, dtype=dtype)
+    table_grad, dots = kernels.scatter_rows_dot(idx, w, src, table)
+    want_grad, want_dots = _scatter_rows_dot_reference(idx, w, src, table)
+    assert table_grad.dtype == dots.dtype == dtype
+    close(table_grad, want_grad, dtype)
+    close(dots, want_dots, dtype)
+    unread = ~torch.isin(torch.arange(table.shape[0], device=DEVICE), idx)
+    assert bool((table_grad[unread] == 0).all())
+    again = kernels.scatter_rows_dot(idx, w, src, table)
+    assert torch.equal(again[0], table_grad) and torch.equal(again[1], dots), "deterministic"
+
+
+def test_scatter_rows_dot_takes_a_given_row_index_and_traces():
+    idx, w, table, src = _pairs(tokens=300, m=16, num_rows=50, d=33)
+    order, offsets = kernels.row_index(idx, 50)
+    given = kernels.scatter_rows_dot(idx, w, src, table, order, offsets)
+    for got, want in zip(given, kernels.scatter_rows_dot(idx, w, src, table)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(torch.ops.sparseffn.scatter_rows_dot.default,
+                          (idx, w, src, table, order, offsets))
+
+
+def test_scatter_rows_dot_of_an_empty_batch_no_slots_and_an_empty_table():
+    for tokens, m, num_rows in ((0, 5, 23), (37, 0, 23)):
+        idx, w, table, src = _pairs(tokens=tokens, m=m, num_rows=num_rows)
+        table_grad, dots = kernels.scatter_rows_dot(idx, w, src, table)
+        assert table_grad.shape == table.shape and bool((table_grad == 0).all())
+        assert dots.shape == idx.shape
+    idx, w, table, src = _pairs()
+    table_grad, dots = triton_rows.scatter_rows_dot(idx[:, :0], w[:, :0], src, table[:0])
+    assert table_grad.shape == (0, table.shape[1]) and dots.shape == (idx.shape[0], 0)
+
+
+def test_scatter_rows_dot_nan_reaches_only_the_pairs_that_read_it():
+    idx, w, table, src = _pairs()
+    src[5, 2] = float("nan")
+    table[idx[9, 1]] = float("nan")
+    table_grad, dots = kernels.scatter_rows_dot(idx, w, src, table)
+    bad_rows = torch.zeros(table.shape[0], dtype=torch.bool, device=DEVICE)
+    bad_rows[idx[5]] = True
+    assert bool(table_grad[bad_rows].isnan().any(1).all())
+    assert bool(table_grad[~bad_rows].isfinite().all())
+    bad_pairs = (idx == idx[9, 1])
+    bad_pairs[5] = True
+    assert bool(dots[bad_pairs].isnan().all()) and bool(dots[~bad_pairs].isfinite().all())
+
+
+def test_scatter_rows_dot_out_of_range_pairs_land_nowhere_and_dot_zero():
+    idx, w, table, src = _pairs()
+    bad = idx.clone()
+    bad[4, 0], bad[7, 2] = -1, table.shape[0] + 5
+    ok = bad.clamp(0, table.shape[0] - 1)
+    keep = ((bad >= 0) & (bad < table.shape[0])).to(w.dtype)
+    table_grad, dots = triton_rows.scatter_rows_dot(bad, w, src, table)
+    close(table_grad, kernels.scatter_rows(ok, w * keep, src, table.shape[0]), torch.float32)
+    assert dots[4, 0] == 0 and dots[7, 2] == 0
+    close(dots, triton_rows.gather_dot(src, table, bad), torch.float32)
+
+
+def test_rows_wider_than_the_fused_kernel_take_the_two_kernels(monkeypatch):
+    idx, w, table, src = _pairs(tokens=3, m=2, num_rows=4, d=21)
+    assert triton_rows.scatter_rows_dot_usable(w, src, table)
+    monkeypatch.setattr(triton_rows, "MAX_DOT_WIDTH", 16)
+    assert not triton_rows.scatter_rows_dot_usable(w, src, table)
+    fused = []
+    monkeypatch.setattr(triton_rows, "scatter_rows_dot", lambda *a: fused.append(1))
+    table_grad, dots = kernels.scatter_rows_dot(idx, w, src, table)
+    want_grad, want_dots = _scatter_rows_dot_reference(idx, w, src, table)
+    assert not fused
+    close(table_grad, want_grad, torch.float32)
+    close(dots, want_dots, torch.float32)
+
+
 def _sorted_topk(values, k):
     return sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
 
@@ -252,7 +337,8 @@ def test_layers_train_the_same_through_the_kernels(layer, monkeypatch):
     """A training forward+backward of PKM and PEER through the kernels gives the output and
     every gradient of the PyTorch path, and every kernel runs."""
     calls, sorts = set(), []
-    for fn in ("gather_dot", "gather_sum", "scatter_rows", "product_key_topk", "dense_rows"):
+    for fn in ("gather_dot", "gather_sum", "scatter_rows", "scatter_rows_dot", "product_key_topk",
+               "dense_rows"):
         original = getattr(triton_rows, fn)
         monkeypatch.setattr(triton_rows, fn, lambda *a, _f=original, _n=fn: calls.add(_n) or _f(*a))
     sort = triton_rows.sorted_reverse_index
@@ -275,7 +361,10 @@ def test_layers_train_the_same_through_the_kernels(layer, monkeypatch):
     want = _torch_path(step, copy.deepcopy(module))
     assert not calls
     got = step(module)
-    assert calls == {"gather_dot", "gather_sum", "scatter_rows", "product_key_topk", "dense_rows"}
+    # PKM's value gradients come from the fused kernel; PEER's v_i too, its u_i's from the
+    # two kernels (the gradient of a gather_dot)
+    fused = {"gather_sum", "scatter_rows_dot", "product_key_topk", "dense_rows"}
+    assert calls == (fused if layer == "pkm" else fused | {"gather_dot", "scatter_rows"})
     # PKM's value table and PEER's two tables (u_i and v_i, read with the same pairs): the
     # pairs are grouped by row once a step
     assert len(sorts) == 1

@@ -30,6 +30,7 @@ capacity) is never computed, and where it appears in an output it is exactly zer
     sparseffn::gather_dot         <x[t], table[idx[t, j]]>
     sparseffn::gather_sum         Σ_j w[t, j] · table[idx[t, j]]
     sparseffn::scatter_rows       the transpose of gather_sum (a table's gradient)
+    sparseffn::scatter_rows_dot   both gradients of gather_sum, in one pass over the pairs
     sparseffn::row_index          a batch's pairs grouped by table row (for scatter_rows)
     sparseffn::dense_rows         each row's pairs as one dense row (small tables' gradients)
     sparseffn::topk_rows          top-k per row, ties to the lower index
@@ -337,6 +338,33 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
 @scatter_rows.register_fake
 def _(idx, weights, src, num_rows, order=None, offsets=None):
     return src.new_empty(num_rows, src.shape[1])
+
+
+@operator("scatter_rows_dot")
+def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor,
+                     order: Optional[Tensor] = None, offsets: Optional[Tensor] = None
+                     ) -> tuple[Tensor, Tensor]:
+    """``(scatter_rows(idx, weights, src, N), gather_dot(src, table, idx))``: the two
+    gradients of ``gather_sum(idx, weights, table)`` for an output gradient ``src`` (the
+    table's [N, d] and the weights' [T, m]). The Triton kernel computes both in one pass over
+    the pairs grouped by row: each pair's src row, read once for the table gradient, also
+    gives its dot with the row's table row, which the program reads once, where the two
+    operators read a src row and a table row per pair each. Elsewhere it is those two
+    operators.
+
+    idx, weights: [T, m]; src: [T, d]; table: [N, d]; ``order``, ``offsets``: as for
+    :func:`scatter_rows`."""
+    if triton_rows.scatter_rows_dot_usable(weights, src, table):
+        row_index = (order, offsets) if order is not None and offsets is not None else None
+        return triton_rows.scatter_rows_dot(idx, weights, src, table, row_index)
+    return (scatter_rows(idx, weights, src, table.shape[0], order, offsets),
+            gather_dot(src, table, idx))
+
+
+@scatter_rows_dot.register_fake
+def _(idx, weights, src, table, order=None, offsets=None):
+    return (src.new_empty(table.shape[0], src.shape[1]),
+            src.new_empty(idx.shape, dtype=torch.promote_types(src.dtype, table.dtype)))
 
 
 @operator("row_index")

@@ -93,6 +93,12 @@ class _GatherSum(torch.autograd.Function):
         idx, weights, table, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
         grad_weights = grad_table = None
+        if ctx.needs_input_grad[1] and ctx.needs_input_grad[2] and not ctx.sparse:
+            # both from one pass over the pairs grouped by row (grad has the table's dtype:
+            # it is the gradient of gather_sum's output)
+            grad_table, grad_weights = kernels.scatter_rows_dot(
+                idx, weights, grad.to(table.dtype), table, *(row_index or (None, None)))
+            return None, grad_weights.to(weights.dtype), grad_table, None, None
         if ctx.needs_input_grad[1]:
             grad_weights = kernels.gather_dot(grad, table, idx).to(weights.dtype)
         if ctx.needs_input_grad[2]:

@@ -141,6 +141,40 @@ if triton is not None:
         tl.store(dest, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=d_ok)
 
     @triton.jit
+    def _scatter_rows_dot_kernel(order_ptr, offsets_ptr, w_ptr, src_ptr, table_ptr, out_ptr,
+                                 dots_ptr, m, d, num_rows, stride_src, stride_table, stride_out,
+                                 SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
+                                 BLOCK_D: tl.constexpr):
+        """Program (row, part), the whole width d in one BLOCK_D: as ``_scatter_rows_kernel``,
+        and for each pair p = t·m + j it visits, ``dots[p] = <src[t], table[row]>`` with the
+        src row already loaded for the sum and the table row loaded once per program."""
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        ds = tl.arange(0, BLOCK_D)
+        d_ok = ds < d
+        first = tl.load(offsets_ptr + row)
+        last = tl.load(offsets_ptr + row + 1)
+        piece = tl.cdiv(tl.cdiv(last - first, SPLIT), BLOCK_P) * BLOCK_P
+        start = first + part * piece
+        end = tl.minimum(last, start + piece)
+        v = tl.load(table_ptr + row.to(tl.int64) * stride_table + ds, mask=d_ok,
+                    other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
+        for p0 in range(start, end, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            p_ok = ps < end
+            pair = tl.load(order_ptr + ps, mask=p_ok, other=0).to(tl.int64)   # t·m + j
+            w = tl.load(w_ptr + pair, mask=p_ok, other=0.0).to(tl.float32)
+            t = pair // m
+            s = tl.load(src_ptr + t[:, None] * stride_src + ds[None, :],
+                        mask=p_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            acc += w[:, None] * s
+            tl.store(dots_ptr + pair, tl.sum(s * v[None, :], 1).to(dots_ptr.dtype.element_ty),
+                     mask=p_ok)
+        dest = out_ptr + (part.to(tl.int64) * num_rows + row) * stride_out + ds
+        tl.store(dest, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+    @triton.jit
     def _dense_rows_kernel(idx_ptr, w_ptr, out_ptr, T, m, n, stride_idx, stride_w, stride_out,
                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -357,6 +391,43 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
         src.stride(0), d if split > 1 else out.stride(0), SPLIT=split, BLOCK_P=32,
         BLOCK_D=block_d)
     return out if split == 1 else out.sum(0).to(src.dtype)
+
+
+# scatter_rows_dot keeps a whole row of d columns for BLOCK_P pairs in registers: up to
+# _ROW_TILE values a program (BLOCK_P = _ROW_TILE / BLOCK_D, at least 1), d up to MAX_DOT_WIDTH.
+MAX_DOT_WIDTH = 4096
+_ROW_TILE = 4096
+
+
+def scatter_rows_dot_usable(weights: Tensor, src: Tensor, table: Tensor) -> bool:
+    """The fused kernel takes rows of at most ``MAX_DOT_WIDTH`` columns (one program holds a
+    whole row) and the pairs and rows that the int32 reverse index numbers."""
+    return usable(weights, src, table) and src.shape[-1] <= MAX_DOT_WIDTH
+
+
+def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor,
+                     row_index: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
+    """``sparseffn::scatter_rows_dot`` in Triton: (the dense [N, d] ``scatter_rows`` of the
+    pairs, in src's dtype; [T, m] ``gather_dot(src, table, idx)``, in the promoted dtype), from
+    one pass over the pairs grouped by row. Out-of-range pairs belong to no row: their dots are
+    0, as ``gather_dot`` reads such a row as zeros. ``row_index``: as for :func:`scatter_rows`."""
+    weights, src, table = weights.contiguous(), _rowwise(src), _rowwise(table)
+    num_rows, d = table.shape
+    dots = torch.zeros(idx.shape, device=src.device,
+                       dtype=torch.promote_types(src.dtype, table.dtype))
+    if not (num_rows and d) or idx.numel() == 0:
+        return src.new_zeros(num_rows, d), dots
+    order, offsets = row_index if row_index is not None else sorted_reverse_index(idx, num_rows)
+    block_d = _block(d, MAX_DOT_WIDTH)
+    block_p = max(1, min(32, _ROW_TILE // block_d))
+    split = max(1, min(64, _SCATTER_PROGRAMS // num_rows, idx.numel() // num_rows // 256))
+    out = src.new_empty(num_rows, d) if split == 1 else \
+        torch.empty(split, num_rows, d, device=src.device, dtype=torch.float32)
+    _scatter_rows_dot_kernel[(num_rows, split)](
+        order, offsets, weights, src, table, out, dots, idx.shape[1], d, num_rows,
+        src.stride(0), table.stride(0), d if split > 1 else out.stride(0), SPLIT=split,
+        BLOCK_P=block_p, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4)
+    return (out if split == 1 else out.sum(0).to(src.dtype)), dots
 
 
 def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
