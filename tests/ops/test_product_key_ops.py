@@ -360,6 +360,77 @@ def test_row_kernels_sum_each_column_in_pair_order_at_every_width(dtype, d):
     assert bool((err <= 1e-6 * scale + 1e-30).all()), (err / scale).max()
 
 
+def _native_scatter_rows_dot(monkeypatch):
+    """kernels.scatter_rows_dot, failing the test unless the C kernel computes it."""
+    calls = []
+    fused = native.scatter_rows_dot
+    monkeypatch.setattr(native, "scatter_rows_dot", lambda *a: calls.append(1) or fused(*a))
+
+    def run(*args):
+        before = len(calls)
+        out = kernels.scatter_rows_dot(*args)
+        assert len(calls) == before + 1, "the C kernel ran"
+        return out
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [1, 15, 31, 32, 33, 64, 127, 128, 129, 200, 257])
+def test_scatter_rows_dot_is_both_gradients_of_gather_sum_at_every_width(dtype, d, monkeypatch):
+    """The C kernel's table gradient has the bits of scatter_rows (a float32 sum in pair
+    order, rounded once), and each pair's dot with its table row is the float64 dot product to
+    float32 precision (then rounded once to the dtype), at widths around every block edge
+    (each block of columns adds its part of the dot), whatever the thread count."""
+    require_native()
+    run = _native_scatter_rows_dot(monkeypatch)
+    gen = torch.Generator().manual_seed(d)
+    tokens, n, m = 500, 23, 9
+    table = torch.randn(n, d, generator=gen).to(dtype)
+    src = torch.randn(tokens, d, generator=gen).to(dtype)
+    w = torch.randn(tokens, m, generator=gen)
+    idx = torch.randint(0, n - 3, (tokens, m), generator=gen)   # rows n-3.. never read
+    idx[0, :3] = 5                                              # a repeated row
+    table_grad, dots = run(idx, w, src, table)
+    assert table_grad.dtype == dots.dtype == dtype
+    assert torch.equal(table_grad, _scatter_in_pair_order(idx, w, src, n).to(dtype))
+    want = (table.double()[idx] * src.double()[:, None]).sum(-1)
+    scale = (table.double()[idx].abs() * src.double().abs()[:, None]).sum(-1)
+    rounding = 2 ** -8 if dtype == torch.bfloat16 else 0.0
+    err = (dots.double() - want).abs()
+    assert bool((err <= 1e-6 * scale + rounding * want.abs() + 1e-30).all()), (err / scale).max()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(idx, w, src, table)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], table_grad) and torch.equal(one[1], dots)
+
+
+def test_scatter_rows_dot_nan_empty_batch_and_mixed_dtypes(monkeypatch):
+    """A NaN in a token's gradient reaches its pairs' dots and the table rows they land on, and
+    nothing else; an empty batch gives zeros; a bf16 src with a float32 table (no C kernel
+    takes it) gives the two operators' results."""
+    require_native()
+    run = _native_scatter_rows_dot(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 30, (40, 6), generator=gen)
+    w, src, table = (torch.randn(40, 6, generator=gen), torch.randn(40, 45, generator=gen),
+                     torch.randn(30, 45, generator=gen))
+    src[7, 44] = float("nan")
+    table_grad, dots = run(idx, w, src, table)
+    bad_rows = torch.isin(torch.arange(30), idx[7])
+    assert bool(table_grad[bad_rows].isnan().any(1).all())
+    assert bool(table_grad[~bad_rows].isfinite().all())
+    assert bool(dots[7].isnan().all()) and bool(dots[torch.arange(40) != 7].isfinite().all())
+    table_grad, dots = run(idx[:0], w[:0], src[:0], table)
+    assert dots.shape == (0, 6) and torch.count_nonzero(table_grad) == 0
+    half = src[:, :].nan_to_num().to(torch.bfloat16)
+    mixed = kernels.scatter_rows_dot(idx, w, half, table)
+    assert torch.equal(mixed[0], kernels.scatter_rows(idx, w, half, 30))
+    assert torch.equal(mixed[1], kernels.gather_dot(half, table, idx))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scatter_rows_is_independent_of_thread_count(dtype):
     require_native()

@@ -349,14 +349,16 @@ def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor,
     table's [N, d] and the weights' [T, m]). The Triton kernel computes both in one pass over
     the pairs grouped by row: each pair's src row, read once for the table gradient, also
     gives its dot with the row's table row, which the program reads once, where the two
-    operators read a src row and a table row per pair each. Elsewhere it is those two
-    operators.
+    operators read a src row and a table row per pair each; so does the C kernel (src and
+    table of one dtype). Elsewhere it is those two operators.
 
     idx, weights: [T, m]; src: [T, d]; table: [N, d]; ``order``, ``offsets``: as for
     :func:`scatter_rows`."""
     if triton_rows.scatter_rows_dot_usable(weights, src, table):
         row_index = (order, offsets) if order is not None and offsets is not None else None
         return triton_rows.scatter_rows_dot(idx, weights, src, table, row_index)
+    if native.rows_usable(weights, src, table) and src.dtype == table.dtype:
+        return native.scatter_rows_dot(idx, weights, src, table)
     return (scatter_rows(idx, weights, src, table.shape[0], order, offsets),
             gather_dot(src, table, idx))
 

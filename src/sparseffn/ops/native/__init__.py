@@ -398,6 +398,27 @@ def scatter_rows(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
     return out
 
 
+def scatter_rows_dot(idx: torch.Tensor, weights: torch.Tensor, src: torch.Tensor,
+                     table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scatter_rows` of (idx, weights, src, N) and :func:`gather_dot` of (src, table,
+    idx) from one read of each pair's src row, both summed in float32. src and table: [T, d]
+    and [N, d], both float32 or both bf16. Returns ([N, d] in their dtype, [T, m] in it)."""
+    if src.dtype != table.dtype:
+        raise ValueError(f"scatter_rows_dot: src ({src.dtype}) and table ({table.dtype}) must "
+                         f"have one dtype")
+    lib = _load()
+    (src, bf), (table, _) = _table("src", src), _table("table", table)
+    idx = _pairs(idx)
+    weights = weights.to(torch.float32).contiguous()
+    out = _written(*table.shape, dtype=src.dtype)
+    dots = _written(*idx.shape)
+    call(lib, "sf_scatter_rows_dot", idx.data_ptr(), weights.data_ptr(), idx.shape[0],
+         idx.shape[1], src.data_ptr(), src.stride(0), table.data_ptr(), table.stride(0),
+         table.shape[0], table.shape[1], out.data_ptr(), dots.data_ptr(), bf,
+         torch.get_num_threads())
+    return out, dots.to(src.dtype)
+
+
 def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row of ``scores`` [R, n], ordered by (value desc, index
     asc): (values [R, k], int64 indices [R, k])."""

@@ -35,6 +35,8 @@ SIGNATURES: dict[str, list] = {
     "sf_gather_sum": [P, P, I64, I64, P, I64, INT, I64, P, I64, INT],
     # idx, w, rows, m, src, lds, n_rows, d, out, bf16 out, nthreads
     "sf_scatter_rows": [P, P, I64, I64, P, I64, I64, I64, P, INT, INT],
+    # idx, w, rows, m, src, lds, table, ldt, n_rows, d, out, dots, bf16 src/table/out, nthreads
+    "sf_scatter_rows_dot": [P, P, I64, I64, P, I64, P, I64, I64, I64, P, P, INT, INT],
     # s, lds, rows, n, k, vals, ids, nthreads
     "sf_topk_rows": [P, I64, I64, I64, I64, P, P, INT],
     # sa, lda, sb, ldb, rows, n_a, n_b, k, vals, ids, nthreads

@@ -12,6 +12,8 @@
  *                  to the table. Pairs are grouped by row with a stable counting sort and each
  *                  row is summed by one thread in pair order, so the result does not depend on
  *                  the number of threads.
+ * sf_scatter_rows_dot  sf_scatter_rows and, for each pair, <src[t], table[idx[t, j]]>: both
+ *                  gradients of sf_gather_sum, from one read of each pair's src row.
  * sf_topk_rows     the k largest entries of each row, ordered by (value desc, index asc): ties
  *                  go to the lower index, deterministically.
  * sf_pk_topk       product-key top-k (Csordás et al. 2023 Eq. 15): the top ka of row a, the top kb of row
@@ -168,6 +170,71 @@ static void sum_rows(const struct pair_list *L, const void *base, int64_t ld, in
         const char *row = (const char *)base + list_row(L, q) * ld * (bf ? sizeof(bf16)
                                                                           : sizeof(float));
         for (c = tail; c < d; c++) out[c] += w * element(row, bf, c);
+    }
+}
+
+/* sum_steps, and for each pair q the lanes of the dot product of its row with trow over the
+ * same columns, added into part[q] (stored where `first`): each row step that the sum loads is
+ * multiplied by trow's step too, so no row is read twice. trow's steps are read again for each
+ * pair, from L1 (held in registers, they spilled the accumulators on AVX2's 16: 1.1x slower at
+ * PKM's shapes). The sum's arithmetic is sum_steps' own: the same bits. */
+static inline void sum_dot_steps(const struct pair_list *L, const void *base, int64_t ld,
+                                 const void *trow, int bf, int64_t c0, int steps, int first,
+                                 float *out, float *part) {
+    const size_t size = bf ? sizeof(bf16) : sizeof(float);
+    vf acc[2 * SUM_STEPS];
+    for (int s = 0; s < 2 * SUM_STEPS; s++) acc[s] = (vf){0};
+    for (int64_t q = 0; q < L->n; q++) {
+        const vf w = (vf){0} + list_weight(L, q);
+        const char *row = (const char *)base + list_row(L, q) * ld * size;
+        if (q + PREFETCH_PAIRS < L->n)
+            prefetch_span((const char *)base + (list_row(L, q + PREFETCH_PAIRS) * ld + c0) * size,
+                          steps * STEP * (int64_t)size);
+        vf da = (vf){0}, db = (vf){0};
+        for (int s = 0; s < SUM_STEPS && s < steps; s++) {
+            vf a, b, ta, tb;
+            load_step(row, bf, c0 + s * STEP, &a, &b);
+            load_step(trow, bf, c0 + s * STEP, &ta, &tb);
+            acc[2 * s] += w * a;
+            acc[2 * s + 1] += w * b;
+            da += a * ta;
+            db += b * tb;
+        }
+        vf_in *lanes = (vf_in *)(part + q * LANES);
+        if (first)
+            *lanes = da + db;
+        else
+            *lanes += da + db;
+    }
+    for (int s = 0; s < SUM_STEPS && s < steps; s++)
+        store_step(out, bf, c0 + s * STEP, acc[2 * s], acc[2 * s + 1]);
+}
+
+/* sum_rows over a list with `pick`, and dots[pick[q]] = <row_q, trow> over all d columns. The
+ * dot products are summed block by block in the lanes of part[0 .. n) (the list's order: the
+ * blocks' passes read and write it in sequence) and added up and written to dots once. */
+static void sum_dot_rows(const struct pair_list *L, const void *base, int64_t ld,
+                         const void *trow, int bf, int64_t d, float *out, float *part,
+                         float *dots) {
+    int64_t c = 0;
+    for (; c + SUM_STEPS * STEP <= d; c += SUM_STEPS * STEP)
+        sum_dot_steps(L, base, ld, trow, bf, c, SUM_STEPS, c == 0, out, part);
+    for (; c + STEP <= d; c += STEP) sum_dot_steps(L, base, ld, trow, bf, c, 1, c == 0, out, part);
+    const int64_t tail = c;                             /* the last d % STEP columns */
+    for (c = tail; c < d; c++) out[c] = 0.0f;
+    for (int64_t q = 0; q < L->n; q++) {
+        const float w = list_weight(L, q);
+        const char *row = (const char *)base + list_row(L, q) * ld * (bf ? sizeof(bf16)
+                                                                          : sizeof(float));
+        float dot = 0.0f;
+        for (c = tail; c < d; c++) {
+            const float e = element(row, bf, c);
+            out[c] += w * e;
+            dot += e * element(trow, bf, c);
+        }
+        if (tail > 0)
+            for (int l = 0; l < LANES; l++) dot += part[q * LANES + l];
+        dots[L->pick[q]] = dot;
     }
 }
 
@@ -342,6 +409,53 @@ int sf_scatter_rows(const int64_t *idx, const float *w, int64_t rows, int64_t m,
             if (bf) round_row_to_bf16(acc, (bf16 *)out + i * d, d);
         }
         free(acc);
+    }
+    free(offsets);
+    free(order);
+    return failed;
+}
+
+/* sf_scatter_rows, and dots[t * m + j] = <src[t], table[idx[t, j]]> for every pair (the
+ * gradient of sf_gather_sum's weights, where src is its output's gradient): the pair's src
+ * row, read for the row sum, gives the dot too, and the thread that owns table row i reads
+ * it once for all of the row's pairs. src and table are both float32 or both bf16 (`bf`);
+ * dots are float32. */
+int sf_scatter_rows_dot(const int64_t *idx, const float *w, int64_t rows, int64_t m,
+                        const void *src, int64_t lds, const void *table, int64_t ldt,
+                        int64_t n_rows, int64_t d, void *out, float *dots, int bf,
+                        int nthreads) {
+    int64_t *offsets, *order;
+    if (group_pairs(idx, rows * m, n_rows, nthreads, &offsets, &order)) return 1;
+    const size_t size = bf ? sizeof(bf16) : sizeof(float);
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(|:failed)
+    {
+        float *acc = float_row_if(bf, d);
+        float *part = NULL;                     /* a row's partial dots, LANES a pair, grown */
+        int64_t room = 0;
+        failed = bf && !acc;
+        #pragma omp for schedule(dynamic, 256)
+        for (int64_t i = 0; i < n_rows; i++) {
+            if (failed) continue;
+            const struct pair_list pairs = {order + offsets[i], NULL, m, w,
+                                            offsets[i + 1] - offsets[i]};
+            if (pairs.n > room) {
+                free(part);
+                room = 2 * pairs.n;
+                part = malloc((size_t)room * LANES * sizeof(float));
+                if (!part) {
+                    failed = 1;
+                    room = 0;
+                    continue;
+                }
+            }
+            float *o = bf ? acc : (float *)out + i * d;
+            sum_dot_rows(&pairs, src, lds, (const char *)table + i * ldt * size, bf, d, o,
+                         part, dots);
+            if (bf) round_row_to_bf16(acc, (bf16 *)out + i * d, d);
+        }
+        free(acc);
+        free(part);
     }
     free(offsets);
     free(order);
