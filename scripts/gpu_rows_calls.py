@@ -13,6 +13,10 @@ d_ff 2048 MLP; a batch of 64 × 256 tokens): the ``pkm`` and ``peer`` presets.
 - ``peer``: one PEER layer's forward and backward under bf16 autocast: ``one sort`` (the
   reverse index shared by both table gradients) against ``two sorts`` (each table gradient
   sorting the pairs itself, as before).
+- ``gather_sum backward``: a PKM and a PEER layer's forward and backward under bf16
+  autocast: ``fused`` (``scatter_rows_dot``: the table's and the weights' gradients of
+  ``gather_sum`` from one pass over the pairs) against ``two kernels`` (``scatter_rows`` and
+  ``gather_dot``, as before).
 
 A tool for finding what to speed up; ``sparseffn bench lm`` times the whole step. With
 ``--device cpu`` (and ``TRITON_INTERPRET=1``) it runs the kernels in Triton's interpreter at
@@ -52,6 +56,19 @@ def _torch_path():
 
 
 @contextlib.contextmanager
+def _two_kernels():
+    """gather_sum's two gradients from scatter_rows and gather_dot, as before scatter_rows_dot."""
+    fused = kernels.scatter_rows_dot
+    kernels.scatter_rows_dot = lambda idx, w, src, table, order=None, offsets=None: (
+        kernels.scatter_rows(idx, w, src, table.shape[0], order, offsets),
+        kernels.gather_dot(src, table, idx))
+    try:
+        yield
+    finally:
+        kernels.scatter_rows_dot = fused
+
+
+@contextlib.contextmanager
 def _two_sorts():
     """PEER as before the shared reverse index: each table gradient sorts the pairs."""
     shared = row_stores.shared_row_index
@@ -86,8 +103,9 @@ def _topk(preset: str, tokens: int, rounds: int, calls: int, device: torch.devic
         print(f"  {name:10s} {t:8.3f} ms   / exact {t / ms['exact']:.2f}", flush=True)
 
 
-def _peer(tokens: int, rounds: int, calls: int, device: torch.device) -> None:
-    cfg = lm_ffn("peer")
+def _layer_step(preset: str, tokens: int, device: torch.device):
+    """One forward+backward of the preset's layer (bf16 autocast on CUDA), and its config."""
+    cfg = lm_ffn(preset)
     layer = build_layer(cfg).to(device).train()
     x = torch.randn(tokens, cfg.d_model, device=device, requires_grad=True)
     grad = torch.randn(tokens, cfg.d_model, device=device)
@@ -98,6 +116,11 @@ def _peer(tokens: int, rounds: int, calls: int, device: torch.device) -> None:
         with autocast:
             y = layer(x)
         y.float().backward(grad)
+    return step, cfg
+
+
+def _peer(tokens: int, rounds: int, calls: int, device: torch.device) -> None:
+    step, cfg = _layer_step("peer", tokens, device)
 
     def step_two_sorts():
         with _two_sorts():
@@ -108,6 +131,21 @@ def _peer(tokens: int, rounds: int, calls: int, device: torch.device) -> None:
           f"forward+backward", flush=True)
     for name, t in ms.items():
         print(f"  {name:10s} {t:8.3f} ms   / two sorts {t / ms['two sorts']:.2f}", flush=True)
+
+
+def _gather_sum_backward(preset: str, tokens: int, rounds: int, calls: int,
+                         device: torch.device) -> None:
+    step, _ = _layer_step(preset, tokens, device)
+
+    def step_two_kernels():
+        with _two_kernels():
+            step()
+
+    ms = _median_ms({"fused": step, "two kernels": step_two_kernels}, rounds, calls, device)
+    print(f"gather_sum backward, {preset}: {tokens} tokens, forward+backward", flush=True)
+    for name, t in ms.items():
+        print(f"  {name:11s} {t:8.3f} ms   / two kernels {t / ms['two kernels']:.2f}",
+              flush=True)
 
 
 def main() -> None:
@@ -124,6 +162,8 @@ def main() -> None:
     for preset in ("pkm", "peer"):
         _topk(preset, tokens, args.rounds, args.calls, device)
     _peer(tokens, args.rounds, args.calls, device)
+    for preset in ("pkm", "peer"):
+        _gather_sum_backward(preset, tokens, args.rounds, args.calls, device)
 
 
 if __name__ == "__main__":
