@@ -113,6 +113,16 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=pair_ok)
 
     @triton.jit
+    def _segment_piece(offsets_ptr, row, part, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
+        """The sorted pairs ``[start, end)`` of piece ``part`` of the SPLIT equal pieces (whole
+        BLOCK_P blocks) of row ``row``'s segment."""
+        first = tl.load(offsets_ptr + row)
+        last = tl.load(offsets_ptr + row + 1)
+        piece = tl.cdiv(tl.cdiv(last - first, SPLIT), BLOCK_P) * BLOCK_P
+        start = first + part * piece
+        return start, tl.minimum(last, start + piece)
+
+    @triton.jit
     def _scatter_rows_kernel(order_ptr, offsets_ptr, w_ptr, src_ptr, out_ptr, m, d, num_rows,
                              stride_src, stride_out, SPLIT: tl.constexpr,
                              BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -122,11 +132,7 @@ if triton is not None:
         ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         part = tl.program_id(2)
         d_ok = ds < d
-        first = tl.load(offsets_ptr + row)
-        last = tl.load(offsets_ptr + row + 1)
-        piece = tl.cdiv(tl.cdiv(last - first, SPLIT), BLOCK_P) * BLOCK_P
-        start = first + part * piece
-        end = tl.minimum(last, start + piece)
+        start, end = _segment_piece(offsets_ptr, row, part, SPLIT, BLOCK_P)
         acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
         for p0 in range(start, end, BLOCK_P):
             ps = p0 + tl.arange(0, BLOCK_P)
@@ -152,11 +158,7 @@ if triton is not None:
         part = tl.program_id(1)
         ds = tl.arange(0, BLOCK_D)
         d_ok = ds < d
-        first = tl.load(offsets_ptr + row)
-        last = tl.load(offsets_ptr + row + 1)
-        piece = tl.cdiv(tl.cdiv(last - first, SPLIT), BLOCK_P) * BLOCK_P
-        start = first + part * piece
-        end = tl.minimum(last, start + piece)
+        start, end = _segment_piece(offsets_ptr, row, part, SPLIT, BLOCK_P)
         v = tl.load(table_ptr + row.to(tl.int64) * stride_table + ds, mask=d_ok,
                     other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
