@@ -402,8 +402,8 @@ _ROW_TILE = 4096
 
 
 def scatter_rows_dot_usable(weights: Tensor, src: Tensor, table: Tensor) -> bool:
-    """The fused kernel takes rows of at most ``MAX_DOT_WIDTH`` columns (one program holds a
-    whole row) and the pairs and rows that the int32 reverse index numbers."""
+    """The fused kernel takes the tensors the other row kernels take (:func:`usable`) with rows
+    of at most ``MAX_DOT_WIDTH`` columns: one program holds a whole row."""
     return usable(weights, src, table) and src.shape[-1] <= MAX_DOT_WIDTH
 
 
