@@ -1,5 +1,6 @@
 """Triton kernels for the gathered-row operators and the product-key top-k on GPUs
-(``sparseffn::gather_dot``, ``gather_sum``, ``scatter_rows``, ``product_key_topk``).
+(``sparseffn::gather_dot``, ``gather_sum``, ``scatter_rows``, ``scatter_rows_dot``,
+``product_key_topk``).
 
 These are the arithmetic of the product-key memory (Lample et al. 2019; Csordás et al. 2023,
 arXiv:2310.10837 §3.2, Eq. 14-15) and of PEER (He 2024, arXiv:2407.04153 §3.2), whose experts
@@ -15,6 +16,9 @@ are single rows of a table:
   segment is found by a binary search of the sorted rows, all on the device; then one program
   per (row, column block) sums its row's pairs in that fixed order. No atomics: the result is
   the same on every run, and every output row is written (zeros where no pair lands).
+- ``scatter_rows_dot``: the same kernel with the whole row in one program, which also writes
+  each pair's dot with the row's table row (``gather_dot(src, table, idx)``) from the src row
+  it loaded for the sum: both gradients of ``gather_sum`` from one read of each pair's row.
 - ``dense_rows``: the pairs of each token as one dense row (``out[t, i] = Σ_{j: idx[t,j]=i}
   w[t, j]``), summed in slot order; for small tables (product sub-keys) the gradients are then
   two GEMMs with it.
@@ -113,26 +117,27 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=pair_ok)
 
     @triton.jit
-    def _segment_piece(offsets_ptr, row, part, SPLIT: tl.constexpr, BLOCK_P: tl.constexpr):
-        """The sorted pairs ``[start, end)`` of piece ``part`` of the SPLIT equal pieces (whole
-        BLOCK_P blocks) of row ``row``'s segment."""
-        first = tl.load(offsets_ptr + row)
-        last = tl.load(offsets_ptr + row + 1)
-        piece = tl.cdiv(tl.cdiv(last - first, SPLIT), BLOCK_P) * BLOCK_P
-        start = first + part * piece
-        return start, tl.minimum(last, start + piece)
-
-    @triton.jit
-    def _scatter_rows_kernel(order_ptr, offsets_ptr, w_ptr, src_ptr, out_ptr, m, d, num_rows,
-                             stride_src, stride_out, SPLIT: tl.constexpr,
-                             BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _scatter_rows_kernel(order_ptr, offsets_ptr, w_ptr, src_ptr, table_ptr, out_ptr,
+                             dots_ptr, m, d, num_rows, stride_src, stride_table, stride_out,
+                             SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                             DOTS: tl.constexpr):
         """Program (row, column block, part): the sum over part ``part`` of the SPLIT equal
-        pieces of the row's segment of sorted pairs; with SPLIT > 1 into out[part]."""
+        pieces of the row's segment of sorted pairs; with SPLIT > 1 into out[part]. With
+        DOTS (one column block: BLOCK_D ≥ d), also ``dots[p] = <src[t], table[row]>`` for each
+        pair p = t·m + j it visits, from the src row already loaded for the sum and the table
+        row loaded once per program (``table_ptr`` and ``dots_ptr`` are unused without)."""
         row = tl.program_id(0)
         ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         part = tl.program_id(2)
         d_ok = ds < d
-        start, end = _segment_piece(offsets_ptr, row, part, SPLIT, BLOCK_P)
+        first = tl.load(offsets_ptr + row)
+        last = tl.load(offsets_ptr + row + 1)
+        piece = tl.cdiv(tl.cdiv(last - first, SPLIT), BLOCK_P) * BLOCK_P
+        start = first + part * piece
+        end = tl.minimum(last, start + piece)
+        if DOTS:
+            v = tl.load(table_ptr + row.to(tl.int64) * stride_table + ds, mask=d_ok,
+                        other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
         for p0 in range(start, end, BLOCK_P):
             ps = p0 + tl.arange(0, BLOCK_P)
@@ -143,36 +148,9 @@ if triton is not None:
             s = tl.load(src_ptr + t[:, None] * stride_src + ds[None, :],
                         mask=p_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             acc += w[:, None] * s
-        dest = out_ptr + (part.to(tl.int64) * num_rows + row) * stride_out + ds
-        tl.store(dest, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=d_ok)
-
-    @triton.jit
-    def _scatter_rows_dot_kernel(order_ptr, offsets_ptr, w_ptr, src_ptr, table_ptr, out_ptr,
-                                 dots_ptr, m, d, num_rows, stride_src, stride_table, stride_out,
-                                 SPLIT: tl.constexpr, BLOCK_P: tl.constexpr,
-                                 BLOCK_D: tl.constexpr):
-        """Program (row, part), the whole width d in one BLOCK_D: as ``_scatter_rows_kernel``,
-        and for each pair p = t·m + j it visits, ``dots[p] = <src[t], table[row]>`` with the
-        src row already loaded for the sum and the table row loaded once per program."""
-        row = tl.program_id(0)
-        part = tl.program_id(1)
-        ds = tl.arange(0, BLOCK_D)
-        d_ok = ds < d
-        start, end = _segment_piece(offsets_ptr, row, part, SPLIT, BLOCK_P)
-        v = tl.load(table_ptr + row.to(tl.int64) * stride_table + ds, mask=d_ok,
-                    other=0.0).to(tl.float32)
-        acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
-        for p0 in range(start, end, BLOCK_P):
-            ps = p0 + tl.arange(0, BLOCK_P)
-            p_ok = ps < end
-            pair = tl.load(order_ptr + ps, mask=p_ok, other=0).to(tl.int64)   # t·m + j
-            w = tl.load(w_ptr + pair, mask=p_ok, other=0.0).to(tl.float32)
-            t = pair // m
-            s = tl.load(src_ptr + t[:, None] * stride_src + ds[None, :],
-                        mask=p_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            acc += w[:, None] * s
-            tl.store(dots_ptr + pair, tl.sum(s * v[None, :], 1).to(dots_ptr.dtype.element_ty),
-                     mask=p_ok)
+            if DOTS:
+                tl.store(dots_ptr + pair,
+                         tl.sum(s * v[None, :], 1).to(dots_ptr.dtype.element_ty), mask=p_ok)
         dest = out_ptr + (part.to(tl.int64) * num_rows + row) * stride_out + ds
         tl.store(dest, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -377,22 +355,7 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
     written; the pairs of each row summed in a fixed order (the same result on every run).
     ``row_index``: :func:`sorted_reverse_index` of (idx, num_rows) when the caller has it
     (two tables read with the same pairs sort them once), else it is computed here."""
-    weights, src = weights.contiguous(), _rowwise(src)
-    d = src.shape[1]
-    if not (num_rows and d):
-        return src.new_zeros(num_rows, d)
-    order, offsets = row_index if row_index is not None else sorted_reverse_index(idx, num_rows)
-    block_d = _block(d, 64)
-    tiles = num_rows * cdiv(d, block_d)
-    per_row = idx.numel() // num_rows
-    split = max(1, min(64, _SCATTER_PROGRAMS // tiles, per_row // 256))
-    out = src.new_empty(num_rows, d) if split == 1 else \
-        torch.empty(split, num_rows, d, device=src.device, dtype=torch.float32)
-    _scatter_rows_kernel[(num_rows, cdiv(d, block_d), split)](
-        order, offsets, weights, src, out, max(1, idx.shape[1]), d, num_rows,
-        src.stride(0), d if split > 1 else out.stride(0), SPLIT=split, BLOCK_P=32,
-        BLOCK_D=block_d)
-    return out if split == 1 else out.sum(0).to(src.dtype)
+    return _scatter(idx, weights.contiguous(), _rowwise(src), num_rows, row_index)
 
 
 # scatter_rows_dot keeps a whole row of d columns for BLOCK_P pairs in registers: up to
@@ -413,23 +376,38 @@ def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor,
     pairs, in src's dtype; [T, m] ``gather_dot(src, table, idx)``, in the promoted dtype), from
     one pass over the pairs grouped by row. Out-of-range pairs belong to no row: their dots are
     0, as ``gather_dot`` reads such a row as zeros. ``row_index``: as for :func:`scatter_rows`."""
-    weights, src, table = weights.contiguous(), _rowwise(src), _rowwise(table)
-    num_rows, d = table.shape
-    dots = torch.zeros(idx.shape, device=src.device,
+    table = _rowwise(table)
+    dots = torch.zeros(idx.shape, device=table.device,
                        dtype=torch.promote_types(src.dtype, table.dtype))
-    if not (num_rows and d) or idx.numel() == 0:
-        return src.new_zeros(num_rows, d), dots
+    out = _scatter(idx, weights.contiguous(), _rowwise(src), table.shape[0], row_index,
+                   table, dots)
+    return out, dots
+
+
+def _scatter(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
+             row_index: Optional[tuple[Tensor, Tensor]], table: Optional[Tensor] = None,
+             dots: Optional[Tensor] = None) -> Tensor:
+    """The launch of ``_scatter_rows_kernel`` behind both wrappers: the table gradient, and
+    with ``table`` the dots written into ``dots`` (one column block a program)."""
+    d = src.shape[1]
+    if not (num_rows and d):
+        return src.new_zeros(num_rows, d)
     order, offsets = row_index if row_index is not None else sorted_reverse_index(idx, num_rows)
-    block_d = _block(d, MAX_DOT_WIDTH)
-    block_p = max(1, min(32, _ROW_TILE // block_d))
-    split = max(1, min(64, _SCATTER_PROGRAMS // num_rows, idx.numel() // num_rows // 256))
+    with_dots = table is not None
+    block_d = _block(d, MAX_DOT_WIDTH if with_dots else 64)
+    block_p = max(1, min(32, _ROW_TILE // block_d)) if with_dots else 32
+    tiles = num_rows * cdiv(d, block_d)
+    per_row = idx.numel() // num_rows
+    split = max(1, min(64, _SCATTER_PROGRAMS // tiles, per_row // 256))
     out = src.new_empty(num_rows, d) if split == 1 else \
         torch.empty(split, num_rows, d, device=src.device, dtype=torch.float32)
-    _scatter_rows_dot_kernel[(num_rows, split)](
-        order, offsets, weights, src, table, out, dots, idx.shape[1], d, num_rows,
-        src.stride(0), table.stride(0), d if split > 1 else out.stride(0), SPLIT=split,
-        BLOCK_P=block_p, BLOCK_D=block_d, num_warps=8 if block_d >= 2048 else 4)
-    return (out if split == 1 else out.sum(0).to(src.dtype)), dots
+    _scatter_rows_kernel[(num_rows, cdiv(d, block_d), split)](
+        order, offsets, weights, src, table if with_dots else src, out,
+        dots if with_dots else out, max(1, idx.shape[1]), d, num_rows, src.stride(0),
+        table.stride(0) if with_dots else 0, d if split > 1 else out.stride(0), SPLIT=split,
+        BLOCK_P=block_p, BLOCK_D=block_d, DOTS=with_dots,
+        num_warps=8 if block_d >= 2048 else 4)
+    return out if split == 1 else out.sum(0).to(src.dtype)
 
 
 def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
