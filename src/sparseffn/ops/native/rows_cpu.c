@@ -132,55 +132,18 @@ static inline float list_weight(const struct pair_list *L, int64_t q) {
     return L->w[L->pick ? L->pick[q] : q];
 }
 
-/* out[c0 .. c0 + steps * STEP) = sum_q w_q * row_q, steps <= SUM_STEPS, in registers. */
-static inline void sum_steps(const struct pair_list *L, const void *base, int64_t ld, int bf,
-                             int64_t c0, int steps, float *out) {
-    const size_t size = bf ? sizeof(bf16) : sizeof(float);
-    vf acc[2 * SUM_STEPS];
-    for (int s = 0; s < 2 * SUM_STEPS; s++) acc[s] = (vf){0};
-    for (int64_t q = 0; q < L->n; q++) {
-        const vf w = (vf){0} + list_weight(L, q);
-        const char *row = (const char *)base + list_row(L, q) * ld * size;
-        if (q + PREFETCH_PAIRS < L->n)
-            prefetch_span((const char *)base + (list_row(L, q + PREFETCH_PAIRS) * ld + c0) * size,
-                          steps * STEP * (int64_t)size);
-        for (int s = 0; s < SUM_STEPS && s < steps; s++) {
-            vf a, b;
-            load_step(row, bf, c0 + s * STEP, &a, &b);
-            acc[2 * s] += w * a;
-            acc[2 * s + 1] += w * b;
-        }
-    }
-    for (int s = 0; s < SUM_STEPS && s < steps; s++)
-        store_step(out, bf, c0 + s * STEP, acc[2 * s], acc[2 * s + 1]);
-}
-
-/* out[0 .. d) = sum_q w_q * row_q in float32, each column summed in pair order. */
-static void sum_rows(const struct pair_list *L, const void *base, int64_t ld, int bf, int64_t d,
-                     float *out) {
-    int64_t c = 0;
-    for (; c + SUM_STEPS * STEP <= d; c += SUM_STEPS * STEP)
-        sum_steps(L, base, ld, bf, c, SUM_STEPS, out);
-    for (; c + STEP <= d; c += STEP) sum_steps(L, base, ld, bf, c, 1, out);
-    if (c == d) return;
-    const int64_t tail = c;                             /* the last d % STEP columns */
-    for (c = tail; c < d; c++) out[c] = 0.0f;
-    for (int64_t q = 0; q < L->n; q++) {
-        const float w = list_weight(L, q);
-        const char *row = (const char *)base + list_row(L, q) * ld * (bf ? sizeof(bf16)
-                                                                          : sizeof(float));
-        for (c = tail; c < d; c++) out[c] += w * element(row, bf, c);
-    }
-}
-
-/* sum_steps, and for each pair q the lanes of the dot product of its row with trow over the
- * same columns, added into part[q] (stored where `first`): each row step that the sum loads is
- * multiplied by trow's step too, so no row is read twice. trow's steps are read again for each
- * pair, from L1 (held in registers, they spilled the accumulators on AVX2's 16: 1.1x slower at
- * PKM's shapes). The sum's arithmetic is sum_steps' own: the same bits. */
-static inline void sum_dot_steps(const struct pair_list *L, const void *base, int64_t ld,
-                                 const void *trow, int bf, int64_t c0, int steps, int first,
-                                 float *out, float *part) {
+/* out[c0 .. c0 + steps * STEP) = sum_q w_q * row_q, steps <= SUM_STEPS, in registers.
+ *
+ * With a table row `trow` (not NULL), also the lanes of each pair's dot product with trow over
+ * the same columns, added into part[q * LANES ..] (stored where `first`): each row step that
+ * the sum loads is multiplied by trow's step too, so no row is read twice (sf_scatter_rows_dot).
+ * trow's steps are read again for each pair, from L1 (held in registers, they spilled the
+ * accumulators on AVX2's 16: 1.1x slower at PKM's shapes). The sum's arithmetic is the same
+ * either way: the same bits. Both callers inline this with trow a constant NULL or not, so
+ * the plain sum keeps no dot code in its loop. */
+static inline __attribute__((always_inline)) void sum_steps(
+        const struct pair_list *L, const void *base, int64_t ld, const void *trow, int bf,
+        int64_t c0, int steps, int first, float *out, float *part) {
     const size_t size = bf ? sizeof(bf16) : sizeof(float);
     vf acc[2 * SUM_STEPS];
     for (int s = 0; s < 2 * SUM_STEPS; s++) acc[s] = (vf){0};
@@ -192,34 +155,42 @@ static inline void sum_dot_steps(const struct pair_list *L, const void *base, in
                           steps * STEP * (int64_t)size);
         vf da = (vf){0}, db = (vf){0};
         for (int s = 0; s < SUM_STEPS && s < steps; s++) {
-            vf a, b, ta, tb;
+            vf a, b;
             load_step(row, bf, c0 + s * STEP, &a, &b);
-            load_step(trow, bf, c0 + s * STEP, &ta, &tb);
             acc[2 * s] += w * a;
             acc[2 * s + 1] += w * b;
-            da += a * ta;
-            db += b * tb;
+            if (trow) {
+                vf ta, tb;
+                load_step(trow, bf, c0 + s * STEP, &ta, &tb);
+                da += a * ta;
+                db += b * tb;
+            }
         }
-        vf_in *lanes = (vf_in *)(part + q * LANES);
-        if (first)
-            *lanes = da + db;
-        else
-            *lanes += da + db;
+        if (trow) {
+            vf_in *lanes = (vf_in *)(part + q * LANES);
+            if (first)
+                *lanes = da + db;
+            else
+                *lanes += da + db;
+        }
     }
     for (int s = 0; s < SUM_STEPS && s < steps; s++)
         store_step(out, bf, c0 + s * STEP, acc[2 * s], acc[2 * s + 1]);
 }
 
-/* sum_rows over a list with `pick`, and dots[pick[q]] = <row_q, trow> over all d columns. The
- * dot products are summed block by block in the lanes of part[0 .. n) (the list's order: the
- * blocks' passes read and write it in sequence) and added up and written to dots once. */
-static void sum_dot_rows(const struct pair_list *L, const void *base, int64_t ld,
-                         const void *trow, int bf, int64_t d, float *out, float *part,
-                         float *dots) {
+/* out[0 .. d) = sum_q w_q * row_q in float32, each column summed in pair order.
+ *
+ * With a table row `trow` (not NULL; the list has `pick`), also dots[pick[q]] = <row_q, trow>
+ * over all d columns: summed block by block in the lanes of part[0 .. n * LANES) (the list's
+ * order: the blocks' passes read and write it in sequence), added up and written to dots once. */
+static inline __attribute__((always_inline)) void sum_rows(
+        const struct pair_list *L, const void *base, int64_t ld, const void *trow, int bf,
+        int64_t d, float *out, float *part, float *dots) {
     int64_t c = 0;
     for (; c + SUM_STEPS * STEP <= d; c += SUM_STEPS * STEP)
-        sum_dot_steps(L, base, ld, trow, bf, c, SUM_STEPS, c == 0, out, part);
-    for (; c + STEP <= d; c += STEP) sum_dot_steps(L, base, ld, trow, bf, c, 1, c == 0, out, part);
+        sum_steps(L, base, ld, trow, bf, c, SUM_STEPS, c == 0, out, part);
+    for (; c + STEP <= d; c += STEP) sum_steps(L, base, ld, trow, bf, c, 1, c == 0, out, part);
+    if (c == d && !trow) return;
     const int64_t tail = c;                             /* the last d % STEP columns */
     for (c = tail; c < d; c++) out[c] = 0.0f;
     for (int64_t q = 0; q < L->n; q++) {
@@ -230,8 +201,9 @@ static void sum_dot_rows(const struct pair_list *L, const void *base, int64_t ld
         for (c = tail; c < d; c++) {
             const float e = element(row, bf, c);
             out[c] += w * e;
-            dot += e * element(trow, bf, c);
+            if (trow) dot += e * element(trow, bf, c);
         }
+        if (!trow) continue;
         if (tail > 0)
             for (int l = 0; l < LANES; l++) dot += part[q * LANES + l];
         dots[L->pick[q]] = dot;
@@ -335,7 +307,7 @@ int sf_gather_sum(const int64_t *idx, const float *w, int64_t rows, int64_t m,
             if (failed) continue;
             const struct pair_list pairs = {NULL, idx + t * m, 1, w + t * m, m};
             float *o = bf ? acc : (float *)out + t * ldo;
-            sum_rows(&pairs, table, ldt, bf, d, o);
+            sum_rows(&pairs, table, ldt, NULL, bf, d, o, NULL, NULL);
             if (bf) round_row_to_bf16(acc, (bf16 *)out + t * ldo, d);
         }
         free(acc);
@@ -405,7 +377,7 @@ int sf_scatter_rows(const int64_t *idx, const float *w, int64_t rows, int64_t m,
             const struct pair_list pairs = {order + offsets[i], NULL, m, w,
                                             offsets[i + 1] - offsets[i]};
             float *o = bf ? acc : (float *)out + i * d;
-            sum_rows(&pairs, src, lds, bf, d, o);
+            sum_rows(&pairs, src, lds, NULL, bf, d, o, NULL, NULL);
             if (bf) round_row_to_bf16(acc, (bf16 *)out + i * d, d);
         }
         free(acc);
@@ -450,8 +422,8 @@ int sf_scatter_rows_dot(const int64_t *idx, const float *w, int64_t rows, int64_
                 }
             }
             float *o = bf ? acc : (float *)out + i * d;
-            sum_dot_rows(&pairs, src, lds, (const char *)table + i * ldt * size, bf, d, o,
-                         part, dots);
+            sum_rows(&pairs, src, lds, (const char *)table + i * ldt * size, bf, d, o, part,
+                     dots);
             if (bf) round_row_to_bf16(acc, (bf16 *)out + i * d, d);
         }
         free(acc);
