@@ -59,9 +59,7 @@ def _torch_path():
 def _two_kernels():
     """gather_sum's two gradients from scatter_rows and gather_dot, as before scatter_rows_dot."""
     fused = kernels.scatter_rows_dot
-    kernels.scatter_rows_dot = lambda idx, w, src, table, order=None, offsets=None: (
-        kernels.scatter_rows(idx, w, src, table.shape[0], order, offsets),
-        kernels.gather_dot(src, table, idx))
+    kernels.scatter_rows_dot = kernels.scatter_rows_and_gather_dot
     try:
         yield
     finally:

@@ -359,6 +359,14 @@ def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor,
         return triton_rows.scatter_rows_dot(idx, weights, src, table, row_index)
     if native.rows_usable(weights, src, table) and src.dtype == table.dtype:
         return native.scatter_rows_dot(idx, weights, src, table)
+    return scatter_rows_and_gather_dot(idx, weights, src, table, order, offsets)
+
+
+def scatter_rows_and_gather_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor,
+                                order: Optional[Tensor] = None, offsets: Optional[Tensor] = None
+                                ) -> tuple[Tensor, Tensor]:
+    """What :func:`scatter_rows_dot` computes, by the two operators it fuses (its
+    implementation where no fused kernel takes the tensors)."""
     return (scatter_rows(idx, weights, src, table.shape[0], order, offsets),
             gather_dot(src, table, idx))
 
