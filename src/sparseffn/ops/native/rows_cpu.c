@@ -537,7 +537,8 @@ static int topk_row_ranks(const float *s, int64_t n, int64_t k, float *vals, int
     return 1;
 }
 
-#define LANES 16
+/* The top-k's block of interleaved groups: a fixed 16, whatever the vector width. */
+#define TOPK_BLOCK 16
 
 /* The same result, faster on long rows: a first vectorised pass takes the maximum of each of
  * G >= k interleaved groups (lane g of every G-wide block); at least k elements (one per
@@ -545,7 +546,7 @@ static int topk_row_ranks(const float *s, int64_t n, int64_t k, float *vals, int
  * pass inserts only elements >= that threshold, still in index order. */
 static void topk_row(const float *s, int64_t n, int64_t k, float *vals, int64_t *ids) {
     if (n <= RANK_ROW_MAX && topk_row_ranks(s, n, k, vals, ids)) return;
-    const int64_t groups = LANES * ((k + LANES - 1) / LANES);
+    const int64_t groups = TOPK_BLOCK * ((k + TOPK_BLOCK - 1) / TOPK_BLOCK);
     if (groups > 256 || n < 4 * groups) {
         topk_row_scan(s, n, k, vals, ids);
         return;
@@ -561,10 +562,10 @@ static void topk_row(const float *s, int64_t n, int64_t k, float *vals, int64_t 
     float thr = group_max[0];
     for (int64_t g = 1; g < groups; g++) thr = group_max[g] < thr ? group_max[g] : thr;
     int64_t count = 0;
-    for (int64_t c = 0; c < full; c += LANES) {
+    for (int64_t c = 0; c < full; c += TOPK_BLOCK) {
         uint32_t mask = 0;
         #pragma omp simd reduction(|:mask)
-        for (int j = 0; j < LANES; j++) mask |= (uint32_t)(s[c + j] >= thr) << j;
+        for (int j = 0; j < TOPK_BLOCK; j++) mask |= (uint32_t)(s[c + j] >= thr) << j;
         while (mask) {
             const int j = __builtin_ctz(mask);
             mask &= mask - 1;
