@@ -10,8 +10,15 @@ global loads, stores and asynchronous copies in the PTX by the bytes one instruc
 a kernel that moves its tiles 2 bytes at a time where it could move 16 issues eight times the
 memory instructions and, for asynchronous copies, cannot pipeline them.
 
+Beside the widths it prints what each kernel asks of an SM, from ``cuobjdump -res-usage`` on
+its cubin: registers a thread, bytes a thread spills to local memory, shared memory a program,
+and which tensor-core instructions its products use (``wgmma``, Hopper's warp-group products,
+or ``mma.sync``, the older warp-level ones that reach about half an H100's rate).
+
 These are static instruction counts (a loop body counts once), not timings; they say which
-kernels move data in narrow accesses, not how long those take.
+kernels move data in narrow accesses, spill or miss the Hopper products, not how long those
+take. The launches are compiled with each autotuned kernel's untuned tile
+(``SPARSEFFN_TRITON_AUTOTUNE=0``).
 
     python scripts/ptx_memory_ops.py --lm sigma_moe,pkm
     python scripts/ptx_memory_ops.py --lm sigma_moe --no-padding   # before the hidden padding
@@ -32,6 +39,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 # Recording runs the kernels in Triton's interpreter; compiling needs real JIT functions, so it
 # runs in a child process without it (the variable is read when triton is imported).
@@ -201,25 +209,56 @@ def report(preset: str, build, tokens: int, arch: int, padding: bool) -> int:
                            capture_output=True, text=True, check=False)
     if child.returncode:
         raise RuntimeError(f"compiling for sm_{arch} failed:\n{child.stderr[-3000:]}")
-    print(f"  {'kernel':26s} {'loads':28s} {'stores':22s} async copies")
+    print(f"  {'kernel':26s} {'loads':28s} {'stores':22s} {'async copies':16s} "
+          f"{'mma':8s} {'regs':>4s} {'spill':>5s} {'smem':>6s}")
     narrow = 0
-    for name, widths in json.loads(child.stdout):
+    for name, widths, used in json.loads(child.stdout):
         widths = {kind: collections.Counter({int(w): c for w, c in counts.items()})
                   for kind, counts in widths.items()}
         narrow += sum(widths.get(kind, {}).get(2, 0) for kind in ("load", "store"))
         print(f"  {name:26s} {_cell(widths.get('load', {})):28s} "
-              f"{_cell(widths.get('store', {})):22s} {_cell(widths.get('async copy', {}))}")
+              f"{_cell(widths.get('store', {})):22s} {_cell(widths.get('async copy', {})):16s} "
+              f"{used['mma']:8s} {_number(used['regs']):>4s} {_number(used['spill']):>5s} "
+              f"{_number(used['smem']):>6s}")
     return narrow
 
 
+def _number(value) -> str:
+    return "?" if value is None else str(value)
+
+
+def resources(kernel) -> dict:
+    """What one compiled kernel asks of an SM, and how it multiplies its tiles: ``mma``
+    ("wgmma": Hopper's asynchronous warp-group products; "mma.sync": the older warp-level
+    ones, about half the tensor-core rate on an H100; "-": no tensor-core product), ``regs``
+    (registers a thread), ``spill`` (local-memory bytes a thread: registers spilled) and
+    ``smem`` (dynamic shared memory a program, bytes), read with ``cuobjdump -res-usage``."""
+    import triton
+    ptx = kernel.asm["ptx"]
+    mma = ("wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-")
+    found = {"mma": mma, "regs": None, "spill": None, "smem": kernel.metadata.shared}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    if os.path.exists(tool):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(kernel.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
+                                   text=True, check=False).stdout
+        match = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage)
+        if match:
+            found["regs"], found["spill"] = int(match.group(1)), int(match.group(2))
+    return found
+
+
 def compile_all(arch: int) -> int:
-    """The child process: compile the launches described on stdin, print their widths as
-    JSON on stdout."""
+    """The child process: compile the launches described on stdin, print their widths and
+    resources as JSON on stdout."""
     out = []
     for name, args, kwargs in json.load(sys.stdin):
         kernel = compile_launch(name, tuple(rebuild(a) for a in args),
                                 {k: rebuild(v) for k, v in kwargs.items()}, arch)
-        out.append([name, access_widths(kernel.asm["ptx"])])
+        out.append([name, access_widths(kernel.asm["ptx"]), resources(kernel)])
     json.dump(out, sys.stdout)
     return 0
 
