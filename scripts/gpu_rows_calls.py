@@ -18,6 +18,17 @@ d_ff 2048 MLP; a batch of 64 × 256 tokens): the ``pkm`` and ``peer`` presets.
   ``gather_sum`` from one pass over the pairs) against ``two kernels`` (``scatter_rows`` and
   ``gather_dot``, as before).
 
+- ``rows or dense``: the gathered-row products of one PKM and one PEER layer against the
+  same values computed densely, for a decision not yet taken. With S the [tokens, N] matrix
+  that holds each token's pair weights at their rows (zero elsewhere), ``gather_sum`` is
+  ``S · table`` and its gradients ``Sᵀ · dy`` and ``(dy · tableᵀ)`` read at the pairs;
+  ``gather_dot`` is ``x · tableᵀ`` read at the pairs. At the LM's small tables (PKM 3,844
+  rows and 128 pairs a token, PEER 1,444 rows and 32 pairs) a dense product costs 2·N·d
+  multiply-adds a token, the rows m·d·2 bytes: on an H100 (about 600 bf16 TFLOP/s on dense
+  products, about 9 TB/s from L2) the dense form would win where N < ~67·m, if the row
+  kernels run at L2's bandwidth. ``rows`` is the operators (forward and both gradients),
+  ``dense`` the bf16 products with S built by a scatter; no layer uses the dense form.
+
 A tool for finding what to speed up; ``sparseffn bench lm`` times the whole step. With
 ``--device cpu`` (and ``TRITON_INTERPRET=1``) it runs the kernels in Triton's interpreter at
 small sizes: a check that the script works, not a measurement.
@@ -146,6 +157,57 @@ def _gather_sum_backward(preset: str, tokens: int, rounds: int, calls: int,
               flush=True)
 
 
+def _rows_or_dense(preset: str, tokens: int, rounds: int, calls: int,
+                   device: torch.device) -> None:
+    """Forward and both gradients of the preset's ``gather_sum`` (and, for PEER, of its
+    ``gather_dot``) by the row operators and by dense bf16 products, on random rows."""
+    cfg = lm_ffn(preset)
+    n = cfg.num_subkeys ** 2 if preset == "pkm" else cfg.num_experts
+    m, d = cfg.heads * cfg.k, cfg.d_model
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    idx = torch.randint(0, n, (tokens, m), device=device, generator=gen)
+    w = torch.rand(tokens, m, device=device, generator=gen)
+    table = torch.randn(n, d, device=device, generator=gen).to(dtype)
+    x, dy = (torch.randn(tokens, d, device=device, generator=gen).to(dtype) for _ in range(2))
+    dh = torch.randn(tokens, m, device=device, generator=gen)
+
+    def spread(values):   # S [tokens, n]: each pair's value at its row (repeats added)
+        return torch.zeros(tokens, n, device=device, dtype=dtype).scatter_add_(
+            1, idx, values.to(dtype))
+
+    def sum_rows():       # gather_sum forward, then its table and weight gradients
+        kernels.gather_sum(idx, w, table)
+        kernels.scatter_rows_dot(idx, w, dy, table)
+
+    def sum_dense():
+        s = spread(w)
+        s @ table
+        s.t() @ dy
+        (dy @ table.t()).gather(1, idx)
+
+    def dot_rows():       # gather_dot forward, then its x and table gradients
+        kernels.gather_dot(x, table, idx)
+        kernels.gather_sum(idx, dh, table)
+        kernels.scatter_rows(idx, dh, x, n)
+
+    def dot_dense():
+        (x @ table.t()).gather(1, idx)
+        s = spread(dh)
+        s @ table
+        s.t() @ x
+
+    fns = {"gather_sum rows": sum_rows, "gather_sum dense": sum_dense}
+    if preset == "peer":
+        fns.update({"gather_dot rows": dot_rows, "gather_dot dense": dot_dense})
+    ms = _median_ms(fns, rounds, calls, device)
+    print(f"rows or dense, {preset}: {n} rows of {d}, {m} pairs a token, {tokens} tokens, "
+          f"forward and both gradients, {str(dtype).replace('torch.', '')}", flush=True)
+    for name, t in ms.items():
+        rows = ms[name.replace("dense", "rows")]
+        print(f"  {name:17s} {t:8.3f} ms   / rows {t / rows:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=None,
@@ -162,6 +224,8 @@ def main() -> None:
     _peer(tokens, args.rounds, args.calls, device)
     for preset in ("pkm", "peer"):
         _gather_sum_backward(preset, tokens, args.rounds, args.calls, device)
+    for preset in ("pkm", "peer"):
+        _rows_or_dense(preset, tokens, args.rounds, args.calls, device)
 
 
 if __name__ == "__main__":

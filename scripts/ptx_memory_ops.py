@@ -18,11 +18,12 @@ or ``mma.sync``, the older warp-level ones that reach about half an H100's rate)
 These are static instruction counts (a loop body counts once), not timings; they say which
 kernels move data in narrow accesses, spill or miss the Hopper products, not how long those
 take. The launches are compiled with each autotuned kernel's untuned tile
-(``SPARSEFFN_TRITON_AUTOTUNE=0``).
+(``SPARSEFFN_TRITON_AUTOTUNE=0``), or with every candidate tile under ``--all-tiles``.
 
     python scripts/ptx_memory_ops.py --lm sigma_moe,pkm
     python scripts/ptx_memory_ops.py --lm sigma_moe --no-padding   # before the hidden padding
     python scripts/ptx_memory_ops.py --lm '' --fig2 512             # bench fig2's σ-MoE
+    python scripts/ptx_memory_ops.py --lm sigma_moe --all-tiles     # every autotuned tile
 
 Needs Triton (``pip install -e '.[gpu]'``); fp16 stands in for bf16 (the interpreter has no
 bf16; both are 2 bytes).
@@ -100,6 +101,16 @@ def _untuned(name: str) -> dict:
     return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
 
 
+def _candidates(name: str) -> list[dict]:
+    """Every tile an autotuned kernel may pick on a GPU (its autotuning candidates)."""
+    if name == "_cvmm_row_tile_kernel":
+        return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+                for m, n, warps, stages in triton_cvmm._ROW_TILES]
+    tiles = triton_cvmm._CVMM_TILES if name == "_cvmm_kernel" else triton_cvmm._WEIGHT_GRAD_TILES
+    return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
+            for m, n, k, warps, stages in tiles]
+
+
 class LaunchRecorder:
     """Replaces each kernel of :func:`_kernels` by a proxy that records ``(name, args,
     kwargs)`` at every launch and then launches it (in the interpreter)."""
@@ -146,8 +157,9 @@ def rebuild(value):
     return value
 
 
-def compile_launch(name: str, args: tuple, kwargs: dict, arch: int):
-    """The kernel ``name`` compiled for sm_<arch> as these arguments specialise it on a GPU."""
+def compile_launch(name: str, args: tuple, kwargs: dict, arch: int, tile: dict | None = None):
+    """The kernel ``name`` compiled for sm_<arch> as these arguments specialise it on a GPU
+    (an autotuned kernel with ``tile``, by default its untuned one)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -155,7 +167,7 @@ def compile_launch(name: str, args: tuple, kwargs: dict, arch: int):
     kernel = _kernels()[name][1]
     kwargs = dict(kwargs)
     if isinstance(kernel, triton.runtime.Autotuner):
-        kwargs.update(_untuned(name))
+        kwargs.update(tile or _untuned(name))
         kernel = kernel.fn
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
@@ -182,7 +194,8 @@ def _cell(counter: collections.Counter) -> str:
     return " ".join(f"{count}x{width}B" for width, count in sorted(counter.items())) or "-"
 
 
-def report(preset: str, build, tokens: int, arch: int, padding: bool) -> int:
+def report(preset: str, build, tokens: int, arch: int, padding: bool,
+           all_tiles: bool = False) -> int:
     """Print the table for the layer ``build()`` makes; returns its kernels' 2-byte global
     loads and stores."""
     expert_mlp = importlib.import_module("sparseffn.ops.expert_mlp")
@@ -205,7 +218,8 @@ def report(preset: str, build, tokens: int, arch: int, padding: bool) -> int:
     print(f"\n{preset}: {len(recorder.launches)} launches, {len(distinct)} distinct "
           f"(sm_{arch}, {'padded' if padding else 'unpadded'} hidden units)", flush=True)
     child = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile",
-                            "--arch", str(arch)], input=json.dumps(list(distinct.values())),
+                            "--arch", str(arch), *(["--all-tiles"] if all_tiles else [])],
+                           input=json.dumps(list(distinct.values())),
                            capture_output=True, text=True, check=False)
     if child.returncode:
         raise RuntimeError(f"compiling for sm_{arch} failed:\n{child.stderr[-3000:]}")
@@ -251,14 +265,18 @@ def resources(kernel) -> dict:
     return found
 
 
-def compile_all(arch: int) -> int:
+def compile_all(arch: int, all_tiles: bool = False) -> int:
     """The child process: compile the launches described on stdin, print their widths and
     resources as JSON on stdout."""
+    import triton
     out = []
     for name, args, kwargs in json.load(sys.stdin):
-        kernel = compile_launch(name, tuple(rebuild(a) for a in args),
-                                {k: rebuild(v) for k, v in kwargs.items()}, arch)
-        out.append([name, access_widths(kernel.asm["ptx"]), resources(kernel)])
+        tuned = isinstance(_kernels()[name][1], triton.runtime.Autotuner)
+        for tile in (_candidates(name) if all_tiles and tuned else [None]):
+            kernel = compile_launch(name, tuple(rebuild(a) for a in args),
+                                    {k: rebuild(v) for k, v in kwargs.items()}, arch, tile)
+            label = name if tile is None else f"{name} {tuple(tile.values())}"
+            out.append([label, access_widths(kernel.asm["ptx"]), resources(kernel)])
     json.dump(out, sys.stdout)
     return 0
 
@@ -274,10 +292,13 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90)")
     parser.add_argument("--no-padding", action="store_true",
                         help="keep odd expert sizes unpadded (as before HIDDEN_MULTIPLE)")
+    parser.add_argument("--all-tiles", action="store_true",
+                        help="compile every autotuning candidate of the tiled kernels, not only "
+                             "the untuned tile")
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compile:
-        return compile_all(args.arch)
+        return compile_all(args.arch, args.all_tiles)
     if importlib.util.find_spec("triton") is None:
         parser.error("needs Triton: pip install -e '.[gpu]'")
     triton_cvmm.set_interpreter_for_cpu(True)
@@ -287,7 +308,8 @@ def main(argv=None) -> int:
                for d in args.fig2.split(",") if d]
     total = 0
     for name, build in layers:
-        total += report(name, build, args.tokens, args.arch, not args.no_padding)
+        total += report(name, build, args.tokens, args.arch, not args.no_padding,
+                        args.all_tiles)
     print(f"\n2-byte global loads and stores in all: {total}")
     return 0
 
