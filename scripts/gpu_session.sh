@@ -20,7 +20,8 @@
 #                                                   #   and the routing's bookkeeping, now/before)
 #   bash scripts/gpu_session.sh compile             # every layer compiled vs eager, bf16: graph
 #                                                   #   breaks, host syncs, operators per eager step
-#   bash scripts/gpu_session.sh rows                # product-key top-k, PEER step, fused backward, rows or dense
+#   bash scripts/gpu_session.sh rows                # product-key top-k, PEER step, fused
+#                                                   #   backward, row kernels or dense products
 #   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
 #   bash scripts/gpu_session.sh lm-sync             # ~1 min: each preset's whole LM step (fused
 #                                                   #   Adam included) under sync debug "error"
