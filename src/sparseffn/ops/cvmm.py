@@ -181,6 +181,17 @@ def _rows_from(source: torch.Tensor, layout: str, order: torch.Tensor,
     return source if index is None else source.index_select(0, index)
 
 
+def backward_gate_rows(gates: torch.Tensor | None, order: torch.Tensor) -> torch.Tensor | None:
+    """The gates [S] (slot order) in the sorted rows' order and in float32, for the backward's
+    products, or None. Every implementation reads a gate in float32 anyway, so the values are
+    those of the gates themselves. The reason is the expert weight gradient's GPU kernel,
+    which loads a block of gates at every step of its loop over the rows: Triton pipelines
+    (copies asynchronously, ahead of use) only loads of at least 4 bytes a thread, and a
+    block starting at an expert's first row is not aligned for wider vectors, so 2-byte gates
+    were loaded one element at a time, synchronously, in every step."""
+    return None if gates is None else gates.index_select(0, order).float()
+
+
 def _pairs_to_slots(order: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Per-row values [S] in sorted order back to slot order [S] (a permutation)."""
     return torch.empty_like(values).index_copy_(0, order, values)
@@ -220,7 +231,7 @@ class _CVMM(torch.autograd.Function):
         in_idx = _index_of(ctx.in_layout, order, token_of_row)
         out_idx = _index_of(ctx.out_layout, order, token_of_row)
         back_idx, back_group = _scatter_of(ctx.in_layout, order, ctx.k)
-        gate_rows = gates.index_select(0, order) if gates is not None else None
+        gate_rows = backward_gate_rows(gates, order)
         weight_t = weight.transpose(1, 2)
         grad_x = grad_w = grad_g = None
         if need_g:   # d/dg <dy, g · x W> = <dy Wᵀ, x>, dotted inside the kernel

@@ -20,7 +20,8 @@ import torch
 
 from ..activations import activation_fn
 from . import kernels, native, triton_cvmm
-from .cvmm import DispatchPlan, _pairs_to_slots, check_expert_indices, cvmm
+from .cvmm import (DispatchPlan, _pairs_to_slots, backward_gate_rows, check_expert_indices,
+                   cvmm)
 from .precision import autocast_dtype
 from .rows import gather_sum
 
@@ -151,7 +152,7 @@ class _ReluExpertMLP(torch.autograd.Function):
         x, w1, w2, gates, hidden, order, tokens, counts = ctx.saved_tensors
         need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
         grad_y = grad_y.contiguous()
-        gate_rows = gates.index_select(0, order)
+        gate_rows = backward_gate_rows(gates, order)
         grad_x = grad_w1 = grad_w2 = grad_g = None
         # dh = g · dy W2ᵀ masked by relu'; the gate gradient is <dy W2ᵀ, h> (unscaled rows)
         grad_pre, dots = kernels.cvmm_rows(grad_y, w2.transpose(1, 2), counts, tokens, None,
