@@ -21,12 +21,12 @@ d_ff 2048 MLP; a batch of 64 × 256 tokens): the ``pkm`` and ``peer`` presets.
 - ``rows or dense``: the gathered-row products of one PKM and one PEER layer against the
   same values computed densely, for a decision not yet taken. With S the [tokens, N] matrix
   that holds each token's pair weights at their rows (zero elsewhere), ``gather_sum`` is
-  ``S · table`` and its gradients ``Sᵀ · dy`` and ``(dy · tableᵀ)`` read at the pairs;
-  ``gather_dot`` is ``x · tableᵀ`` read at the pairs. At the LM's small tables (PKM 3,844
-  rows and 128 pairs a token, PEER 1,444 rows and 32 pairs) a dense product costs 2·N·d
-  multiply-adds a token, the rows m·d·2 bytes: on an H100 (about 600 bf16 TFLOP/s on dense
-  products, about 9 TB/s from L2) the dense form would win where N < ~67·m, if the row
-  kernels run at L2's bandwidth. ``rows`` is the operators (forward and both gradients),
+  ``S · table`` and its gradients ``Sᵀ · dy`` (the table's) and ``dy · tableᵀ`` read at
+  the pairs (the weights'); ``gather_dot`` is ``x · tableᵀ`` read at the pairs. At the LM's
+  small tables (PKM 3,844 rows and 128 pairs a token, PEER 1,444 rows and 32 pairs) a dense
+  product costs 2·N·d FLOPs a token, the rows m·d·2 bytes: on an H100 (about 600 bf16
+  TFLOP/s on dense products, about 9 TB/s from L2) the dense form would win where N < ~67·m,
+  if the row kernels run at L2's bandwidth. ``rows`` is the operators (forward and both gradients),
   ``dense`` the bf16 products with S built by a scatter; no layer uses the dense form.
 
 A tool for finding what to speed up; ``sparseffn bench lm`` times the whole step. With
