@@ -51,11 +51,13 @@ def test_fused_relu_path_is_taken_for_float32_cpu(monkeypatch):
     assert calls[0] is True and len(calls) == 4   # relu fused into the first layer
 
 
+@pytest.mark.parametrize("dtype, gate_dtype", [(torch.bfloat16, torch.float32),
+                                               (torch.float64, torch.float64)])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])   # the fused path and cvmm's
-def test_the_weight_gradient_reads_bf16_gates_in_float32_with_their_own_values(monkeypatch,
-                                                                              activation):
-    """The backward hands the expert weight gradient its gates in float32 (a GPU kernel
-    pipelines no 2-byte load), holding exactly the bf16 gates' values."""
+def test_the_weight_gradient_reads_bf16_gates_in_float32_with_their_own_values(
+        monkeypatch, activation, dtype, gate_dtype):
+    """The backward hands the expert weight gradient bf16 gates in float32 (a GPU kernel
+    pipelines no 2-byte load), holding exactly their values; float64 gates stay float64."""
     from sparseffn.ops import kernels
     scales = []
     original = kernels.expert_weight_grad
@@ -65,13 +67,13 @@ def test_the_weight_gradient_reads_bf16_gates_in_float32_with_their_own_values(m
         return original(a_src, b_src, counts, a_idx, b_idx, scale)
     monkeypatch.setattr(kernels, "expert_weight_grad", recording)
     indices, tensors = _problem()
-    x, w1, w2, gates = (t.detach().bfloat16().requires_grad_() for t in tensors)
+    x, w1, w2, gates = (t.detach().to(dtype).requires_grad_() for t in tensors)
     plan = DispatchPlan.build(indices, 5)
     expert_mlp(x, plan, w1, w2, gates, activation=activation).float().sum().backward()
     gated = [s for s in scales if s is not None]
     assert len(scales) == 2 and len(gated) == 1   # W2's gradient is gate-scaled, W1's not
-    assert gated[0].dtype == torch.float32
-    assert torch.equal(gated[0], gates.detach().reshape(-1)[plan.order].float())
+    assert gated[0].dtype == gate_dtype
+    assert torch.equal(gated[0], gates.detach().reshape(-1)[plan.order].to(gate_dtype))
 
 
 def test_hidden_dropout_is_applied_to_the_hidden_units():
