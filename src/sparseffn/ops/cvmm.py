@@ -183,13 +183,14 @@ def _rows_from(source: torch.Tensor, layout: str, order: torch.Tensor,
 
 def backward_gate_rows(gates: torch.Tensor | None, order: torch.Tensor) -> torch.Tensor | None:
     """The gates [S] (slot order) in the sorted rows' order, for the backward's products, or
-    None; 2-byte gates in float32 (wider ones as they are). Every implementation reads a
-    2-byte gate in float32 anyway, so the values are those of the gates themselves. The
-    reason is the expert weight gradient's GPU kernel,
-    which loads a block of gates at every step of its loop over the rows: Triton pipelines
-    (copies asynchronously, ahead of use) only loads of at least 4 bytes a thread, and a
-    block starting at an expert's first row is not aligned for wider vectors, so 2-byte gates
-    were loaded one element at a time, synchronously, in every step."""
+    None; 2-byte gates in float32, wider ones as they are. A 2-byte float widens exactly, so
+    every implementation computes what it did with the gates themselves.
+
+    The reason is the expert weight gradient's GPU kernel, which loads a block of gates at
+    every step of its loop over the rows: Triton pipelines (copies asynchronously, ahead of
+    use) only loads of at least 4 bytes a thread, and a block starting at an expert's first
+    row is not aligned for wider vectors, so 2-byte gates were loaded one element at a time,
+    synchronously, in every step."""
     if gates is None:
         return None
     rows = gates.index_select(0, order)
