@@ -91,22 +91,18 @@ def _kernels() -> dict[str, object]:
     return found
 
 
-def _untuned(name: str) -> dict:
-    """The block sizes and launch options an autotuned kernel has without autotuning."""
+def _tiles(name: str, every: bool = False) -> list[dict]:
+    """The block sizes and launch options of an autotuned kernel: the one it has without
+    autotuning (``SPARSEFFN_TRITON_AUTOTUNE=0``), or with ``every`` all its autotuning
+    candidates (each one it may pick on a GPU)."""
     if name == "_cvmm_row_tile_kernel":
-        m, n, warps, stages = triton_cvmm.ROW_TILE_UNTUNED
-        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
-    m, n, k, warps, stages = (triton_cvmm.CVMM_UNTUNED if name == "_cvmm_kernel"
-                              else triton_cvmm.WEIGHT_GRAD_UNTUNED)
-    return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
-
-
-def _candidates(name: str) -> list[dict]:
-    """Every tile an autotuned kernel may pick on a GPU (its autotuning candidates)."""
-    if name == "_cvmm_row_tile_kernel":
+        rows = triton_cvmm._ROW_TILES if every else [triton_cvmm.ROW_TILE_UNTUNED]
         return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
-                for m, n, warps, stages in triton_cvmm._ROW_TILES]
-    tiles = triton_cvmm._CVMM_TILES if name == "_cvmm_kernel" else triton_cvmm._WEIGHT_GRAD_TILES
+                for m, n, warps, stages in rows]
+    if name == "_cvmm_kernel":
+        tiles = triton_cvmm._CVMM_TILES if every else [triton_cvmm.CVMM_UNTUNED]
+    else:
+        tiles = triton_cvmm._WEIGHT_GRAD_TILES if every else [triton_cvmm.WEIGHT_GRAD_UNTUNED]
     return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages)
             for m, n, k, warps, stages in tiles]
 
@@ -167,7 +163,7 @@ def compile_launch(name: str, args: tuple, kwargs: dict, arch: int, tile: dict |
     kernel = _kernels()[name][1]
     kwargs = dict(kwargs)
     if isinstance(kernel, triton.runtime.Autotuner):
-        kwargs.update(tile or _untuned(name))
+        kwargs.update(tile or _tiles(name)[0])
         kernel = kernel.fn
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
@@ -272,7 +268,7 @@ def compile_all(arch: int, all_tiles: bool = False) -> int:
     out = []
     for name, args, kwargs in json.load(sys.stdin):
         tuned = isinstance(_kernels()[name][1], triton.runtime.Autotuner)
-        for tile in (_candidates(name) if all_tiles and tuned else [None]):
+        for tile in (_tiles(name, every=True) if all_tiles and tuned else [None]):
             kernel = compile_launch(name, tuple(rebuild(a) for a in args),
                                     {k: rebuild(v) for k, v in kwargs.items()}, arch, tile)
             label = name if tile is None else f"{name} {tuple(tile.values())}"
