@@ -170,7 +170,11 @@ def compile_launch(name: str, args: tuple, kwargs: dict, arch: int, tile: dict |
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
-    plain = {k: v for k, v in kwargs.items() if k in constexpr_names or k in bound}
+    # launch options (num_warps, num_stages ...) too: left out, every kernel compiled with
+    # Triton's defaults (4 warps, 3 stages) whatever its launch or autotuning tile asked for
+    option_names = set(backend.parse_options({}).__dict__)
+    plain = {k: v for k, v in kwargs.items()
+             if k in constexpr_names or k in bound or k in option_names}
     options, signature, constexprs, attrs = kernel._pack_args(backend, plain, bound,
                                                               specialization, options)
     source = ASTSource(kernel, signature, constexprs, attrs)
@@ -220,7 +224,7 @@ def report(preset: str, build, tokens: int, arch: int, padding: bool,
     if child.returncode:
         raise RuntimeError(f"compiling for sm_{arch} failed:\n{child.stderr[-3000:]}")
     print(f"  {'kernel':26s} {'loads':28s} {'stores':22s} {'async copies':16s} "
-          f"{'mma':8s} {'regs':>4s} {'spill':>5s} {'smem':>6s}")
+          f"{'mma':8s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'warps':>5s} {'stages':>6s}")
     narrow = 0
     for name, widths, used in json.loads(child.stdout):
         widths = {kind: collections.Counter({int(w): c for w, c in counts.items()})
@@ -229,7 +233,8 @@ def report(preset: str, build, tokens: int, arch: int, padding: bool,
         print(f"  {name:26s} {_cell(widths.get('load', {})):28s} "
               f"{_cell(widths.get('store', {})):22s} {_cell(widths.get('async copy', {})):16s} "
               f"{used['mma']:8s} {_number(used['regs']):>4s} {_number(used['spill']):>5s} "
-              f"{_number(used['smem']):>6s}")
+              f"{_number(used['smem']):>6s} {_number(used['warps']):>5s} "
+              f"{_number(used['stages']):>6s}")
     return narrow
 
 
@@ -242,11 +247,13 @@ def resources(kernel) -> dict:
     ("wgmma": Hopper's asynchronous warp-group products; "mma.sync": the older warp-level
     ones, about half the tensor-core rate on an H100; "-": no tensor-core product), ``regs``
     (registers a thread), ``spill`` (local-memory bytes a thread: registers spilled) and
-    ``smem`` (dynamic shared memory a program, bytes), read with ``cuobjdump -res-usage``."""
+    ``smem`` (dynamic shared memory a program, bytes), read with ``cuobjdump -res-usage``;
+    ``warps`` and ``stages``, the launch options it was compiled with."""
     import triton
     ptx = kernel.asm["ptx"]
     mma = ("wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-")
-    found = {"mma": mma, "regs": None, "spill": None, "smem": kernel.metadata.shared}
+    found = {"mma": mma, "regs": None, "spill": None, "smem": kernel.metadata.shared,
+             "warps": kernel.metadata.num_warps, "stages": kernel.metadata.num_stages}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")
     if os.path.exists(tool):
