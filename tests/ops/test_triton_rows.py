@@ -273,39 +273,45 @@ def test_product_key_topk_is_exactly_the_top_k_of_all_sums(n_a, n_b, k, ties):
 
 
 @pytest.mark.parametrize("n_a,n_b,k", [(8, 8, 4), (62, 62, 32), (5, 7, 9), (100, 37, 64)])
-def test_product_key_topk_merges_distinct_sums_and_selects_exactly_in_blocks_with_ties(n_a, n_b,
-                                                                                      k):
-    """Distinct sums take the merge alone; a block of rows with a tie (here row 3: integer
-    scores; rows 40-47: a half of scale 1e-7, whose sums fl(a + b) round to equal values
-    though the a differ) takes the exact selection, and both agree with the PyTorch path."""
+def test_product_key_topk_selects_over_the_whole_grid_only_where_the_kth_sum_ties(n_a, n_b, k):
+    """The kernel keys (log2 K + 1)·K candidate cells, not K²: a block of rows goes to the
+    exact selection over the whole grid only where the candidate after the k-th ties its sum.
+    Row 3 (every score equal) ties everywhere. Rows 40-47 have two equal best sub-keys in
+    half a, far above the rest, so the top sums come in equal pairs (0, j), (1, j): ties
+    among the taken, which the keys order by index, and at the k-th only for odd k. The
+    other rows have distinct sums. All agree with the PyTorch path."""
     gen = torch.Generator().manual_seed(n_a + k)
     s_a, s_b = torch.randn(50, n_a, generator=gen), torch.randn(50, n_b, generator=gen)
-    s_a[3], s_b[3] = s_a[3].round(), s_b[3].round()
-    s_a[40:48] *= 1e-7
+    s_a[3], s_b[3] = 0.0, 0.0
+    s_a[40:48, :2] = 100.0
     s_a, s_b = s_a.to(DEVICE), s_b.to(DEVICE)
     idx, merged = triton_rows.product_key_topk_indices(s_a, s_b, k)
     _, want_idx = _torch_path(kernels.product_key_topk, s_a, s_b, k)
     assert torch.equal(idx, want_idx)
-    assert not bool(merged[3]) and not bool(merged[40:48].any())
-    assert bool(merged[16:40].all()) and bool(merged[48:].all()), "distinct sums: the merge"
+    assert not bool(merged[3]), "every sum ties the k-th"
+    assert bool(merged[40:48].all()) == (k % 2 == 0), "pairs of equal sums: a tie at odd k"
+    if k % 2 == 0:      # the pairs taken in index order, (0, j) before (1, j)
+        best_b = int(s_b[40].argmax())
+        assert idx[40, :2].tolist() == [n_a * best_b, 1 + n_a * best_b]
+    assert bool(merged[16:40].all()) and bool(merged[48:].all()), "distinct sums"
 
 
-# fl(1e8 + 1.5) = fl(1e8 + 1.0) = 1e8 (fp32 spacing 8 there): the merge reaches s_b's 1.5
-# first (a higher score), but among equal sums the lower key index comes first.
+# fl(1e8 + 1.5) = fl(1e8 + 1.0) = 1e8 (fp32 spacing 8 there): among equal sums the lower key
+# index comes first, though the higher score of a half made one of them.
 _ROUNDED_TIES = [
     # (s_a, s_b, k, top k, merged): keys i + n_a·j
-    ([1e8, -5.0], [1.0, 1.5, -3.0], 2, [0, 2], False),           # tie between two taken
-    ([1e8, 1e8 - 16], [1.0, 64.0, 1.5, -1e3], 3, [2, 3, 0], False),   # tie left behind
-    ([1e8, 1e8 - 16], [1.0, 64.0, 1.5, -1e3], 2, [2, 3], True),   # no tie among the top 2
+    ([1e8, -5.0], [1.0, 1.5, -3.0], 2, [0, 2], True),            # a tie between two taken
+    ([1e8, 1e8 - 16], [1.0, 64.0, 1.5, -1e3], 3, [2, 3, 0], False),   # the next one ties
+    ([1e8, 1e8 - 16], [1.0, 64.0, 1.5, -1e3], 2, [2, 3], True),   # no tie at the k-th
+    ([1e8], [-1.0, 0.0], 1, [1], True),     # key 0 ties but is no candidate (b's best is 1)
 ]
 
 
 @pytest.mark.parametrize("s_a,s_b,k,want,merged", _ROUNDED_TIES)
-def test_product_key_topk_orders_rounded_ties_by_index_not_by_merge_row(s_a, s_b, k, want,
-                                                                        merged):
+def test_product_key_topk_orders_rounded_ties_by_index(s_a, s_b, k, want, merged):
     s_a, s_b = torch.tensor([s_a], device=DEVICE), torch.tensor([s_b], device=DEVICE)
-    idx, from_merge = triton_rows.product_key_topk_indices(s_a, s_b, k)
-    assert idx[0].tolist() == want and bool(from_merge[0]) == merged
+    idx, from_candidates = triton_rows.product_key_topk_indices(s_a, s_b, k)
+    assert idx[0].tolist() == want and bool(from_candidates[0]) == merged
     assert torch.equal(idx, _torch_path(kernels.product_key_topk, s_a, s_b, k)[1])
 
 
@@ -422,3 +428,66 @@ def test_reduced_precision_x_and_weights_read_a_float32_table():
     for g, ref in zip(got, want):
         assert g.dtype == torch.float32
         close(g, ref, torch.float32)
+
+
+def _candidate_cells(K: int) -> set[tuple[int, int]]:
+    """The cells of the product-key top-k kernel's candidate blocks, as its docstring
+    defines them: row 0, then rows [2^a, 2^(a+1)) by columns [0, K / 2^a)."""
+    cells = {(0, j) for j in range(K)}
+    a = 0
+    while 1 << a < K:
+        cells |= {(i, j) for i in range(1 << a, 2 << a) for j in range(K >> a)}
+        a += 1
+    return cells
+
+
+@pytest.mark.parametrize("k", list(range(1, 65)))
+def test_the_candidate_cells_hold_the_top_k_and_reveal_every_tie_they_leave_out(k):
+    """What the kernel's exactness rests on, for every k it takes. The cells hold every
+    (i, j) with (i+1)(j+1) <= k (the only ones that can be among the top k but by a tie), at
+    least k of those whose halves exist (n_a·n_b >= k), and each cell left out has at least k+1
+    cells in its box [0, i] × [0, j], each summing to at least its sum: so if it ties the k-th
+    sum, the candidate after the k-th ties it too, and the block takes the exact selection."""
+    K = 1 << (k - 1).bit_length()
+    cells = _candidate_cells(K)
+    assert len(cells) == K * (K.bit_length())
+    for i in range(K):
+        for j in range(K):
+            if (i, j) in cells:
+                continue
+            assert (i + 1) * (j + 1) > k
+            assert sum(1 for a, b in cells if a <= i and b <= j) >= k + 1
+    for n_a in range(1, k + 1):
+        for n_b in range(-(-k // n_a), k + 1):
+            assert sum(1 for a, b in cells if a < n_a and b < n_b) >= k
+
+
+@pytest.mark.parametrize("n_a,n_b,k", [(62, 62, 32), (40, 9, 17), (12, 12, 64)])
+def test_product_key_topk_at_the_edge_of_the_candidate_cells(n_a, n_b, k):
+    """Scores whose sums order the grid by (i+1)(j+1), the edge of the candidate cells:
+    s_a[i] = -log(i+1) at a random place of each half (so indices do not follow ranks), with
+    the rounding ties of logs of equal products. The kernel agrees with the PyTorch path."""
+    gen = torch.Generator().manual_seed(k)
+    rank_a, rank_b = torch.arange(1, n_a + 1.0).log(), torch.arange(1, n_b + 1.0).log()
+    s_a = torch.stack([-rank_a[torch.randperm(n_a, generator=gen)] for _ in range(9)])
+    s_b = torch.stack([-rank_b[torch.randperm(n_b, generator=gen)] for _ in range(9)])
+    s_a, s_b = s_a.to(DEVICE), s_b.to(DEVICE)
+    values, idx = kernels.product_key_topk(s_a, s_b, k)
+    want_values, want_idx = _torch_path(kernels.product_key_topk, s_a, s_b, k)
+    assert torch.equal(idx, want_idx) and torch.equal(values, want_values)
+
+
+@pytest.mark.skipif(not triton_rows._TL_TOPK, reason="tl.topk needs Triton 3.4 or later")
+@pytest.mark.parametrize("n_a,n_b,k", [(8, 8, 4), (5, 7, 9), (3, 40, 20)])
+def test_product_key_topk_sorts_the_same_with_tl_topk(n_a, n_b, k, monkeypatch):
+    """On a GPU the kernel sorts with Triton's ``tl.topk``; the interpreter with the same
+    network built of min/max swaps. Both, at small sizes (``tl.topk`` is slow to interpret),
+    ties included, give the PyTorch path's result."""
+    gen = torch.Generator().manual_seed(k)
+    s_a, s_b = torch.randn(6, n_a, generator=gen), torch.randn(6, n_b, generator=gen)
+    s_a[1], s_b[1] = s_a[1].round(), s_b[1].round()
+    s_a, s_b = s_a.to(DEVICE), s_b.to(DEVICE)
+    want = _torch_path(kernels.product_key_topk, s_a, s_b, k)[1]
+    for tl_topk in (False, True):
+        monkeypatch.setattr(triton_rows, "_use_tl_topk", lambda use=tl_topk: use)
+        assert torch.equal(triton_rows.product_key_topk_indices(s_a, s_b, k)[0], want)

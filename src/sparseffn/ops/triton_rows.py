@@ -22,15 +22,18 @@ are single rows of a table:
 - ``dense_rows``: the pairs of each token as one dense row (``out[t, i] = Σ_{j: idx[t,j]=i}
   w[t, j]``), summed in slot order; for small tables (product sub-keys) the gradients are then
   two GEMMs with it.
-- ``product_key_topk``: one program takes BLOCK_R rows and selects the top k of each half's
-  scores by k rounds of (max, lowest index among equals). The k_a·k_b candidate sums
-  fl(s_a[i] + s_b[j]) form a grid whose rows are non-increasing (the halves are sorted and
-  rounding is monotone), so their top k is a k-way merge of the rows: k rounds over the k_a
-  row heads instead of over all k_a·k_b candidates. The merge orders equal sums by row, not by
-  full index; where a block of rows has equal sums among those taken, or a candidate left
-  behind equal to the k-th, the block selects over the whole candidate tile instead, by
-  (sum desc, full index asc). Either way the result is exactly that of the sort-based PyTorch
-  implementation (same fp32 sums, same order), without sorting a [R, k²] candidate matrix.
+- ``product_key_topk``: one program takes BLOCK_R rows. A (score, index) pair is one int64
+  key whose integer order is (score desc, index asc), so selecting is sorting integers: each
+  half's best K (k to a power of two) come from a bitonic top-k network. The candidate sums
+  fl(s_a[i] + s_b[j]) of the i-th and j-th best form a grid that falls along its rows and
+  columns (rounding is monotone), so cell (i, j) is beaten or tied by (i+1)(j+1) - 1 others
+  and can be among the top k only if (i+1)(j+1) <= k, or by tying the k-th sum. The kernel
+  keys (log2 K + 1)·K cells that cover those (row 0, then rows [2^a, 2^(a+1)) by columns
+  [0, K/2^a)), instead of K², and takes their top k with the same network; a block of rows
+  where the candidate after the k-th ties its sum (a cell left out might tie it too) selects
+  over the whole K² grid instead. Either way the result is exactly that of the sort-based
+  PyTorch implementation (same fp32 sums, same order). Every step is a fixed network of
+  comparisons, not k rounds of reductions, each waiting for the last.
 
 Out-of-range indices (which the operators check on the CPU and in debug mode) read as zero
 rows here and land nowhere: a kernel never reads or writes outside its tensors.
@@ -55,6 +58,15 @@ from .triton_cvmm import _rowwise, cdiv, next_power_of_2, tl, triton
 # candidates of BLOCK_R rows in registers: beyond these sizes the PyTorch implementation runs.
 MAX_SUBKEYS = 4096
 MAX_TOPK = 64
+# Triton's own bitonic top-k (Triton 3.4 and later), whose swaps cost one comparison each
+_TL_TOPK = tl is not None and hasattr(tl, "topk")
+
+
+def _use_tl_topk() -> bool:
+    """Whether the product-key top-k sorts with ``tl.topk``: where Triton has it and compiles
+    the kernel. The interpreter runs the same network with min/max swaps instead, 5-7 times
+    faster there (``tl.topk``'s swaps are a reduction it runs element by element in Python)."""
+    return _TL_TOPK and not triton_cvmm.interpreting()
 
 
 def usable(*tensors: Optional[Tensor]) -> bool:
@@ -176,25 +188,114 @@ if triton is not None:
         x = tl.where(x != x, -BIG, x)
         return tl.minimum(tl.maximum(x, -BIG), BIG)
 
+    # Keys of the product-key top-k: int64 whose signed order is (score, then lower index)
+    # first: the score's order bits in the high word, INDEX_CAP - index in the low word, so one
+    # comparison (and one max or sort of plain integers) orders by (score desc, index asc).
     @triton.jit
-    def _half_topk(ptr, rows64, r_ok, stride, n, kk, BLOCK_R: tl.constexpr, N: tl.constexpr,
-                   K: tl.constexpr, BIG: tl.constexpr):
-        """Each row's top ``kk`` of its n scores by (value desc, index asc): keys [BR, K]
-        (-inf past kk) and int32 indices [BR, K]."""
-        cols = tl.arange(0, N)
-        slots = tl.arange(0, K)
+    def _score_key(score, index):
+        """int64 [..] keys of fp32 scores (no NaN; -0.0 ranks as +0.0) and int32 indices."""
+        score = tl.where(score == 0.0, 0.0, score)
+        bits = score.to(tl.int32, bitcast=True)
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)     # IEEE bits, in signed integer order
+        return (order.to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
+
+    @triton.jit
+    def _key_score(key):
+        order = (key >> 32).to(tl.int32)
+        return (order ^ ((order >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _key_index(key):
+        return 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
+
+    @triton.jit
+    def _cube_bit(N_DIMS: tl.constexpr, I: tl.constexpr):
+        """0 and 1 along the I-th innermost axis of a [2] * N_DIMS hypercube."""
+        return tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - I - 1) + [2] + [1] * I)
+
+    @triton.jit
+    def _compare_swap(h, flip, I: tl.constexpr):
+        """One bitonic compare-and-swap across the I-th innermost axis of hypercube h: the
+        pair's smaller key to the 0 side where flip is 0, to the 1 side where it is 1."""
+        N_DIMS: tl.constexpr = len(h.shape)
+        low = tl.min(h, axis=N_DIMS - 1 - I, keep_dims=True)
+        high = tl.max(h, axis=N_DIMS - 1 - I, keep_dims=True)
+        return tl.where((_cube_bit(N_DIMS, I) ^ flip) != 0, high, low)
+
+    @triton.jit
+    def _bitonic_merge(h, STAGE: tl.constexpr, ORDER: tl.constexpr):
+        """Merge the bitonic runs of 2^STAGE keys (ORDER 0 ascending, 1 descending, 2 runs
+        alternating as the next stage needs)."""
+        if ORDER == 2:
+            flip = _cube_bit(len(h.shape), STAGE)
+        else:
+            flip = ORDER
+        for step in tl.static_range(STAGE):
+            h = _compare_swap(h, flip, STAGE - 1 - step)
+        return h
+
+    @triton.jit
+    def _top_keys(keys, LOG_K: tl.constexpr, LOG_N: tl.constexpr, LOG_R: tl.constexpr,
+                  TL_TOPK: tl.constexpr):
+        """The 2^LOG_K largest of each row of keys [2^LOG_R, 2^LOG_N], largest first. A
+        bitonic top-k (Shanbhag et al. 2018: sort runs of K, keep the larger of each pair of
+        runs, merge, repeat): ``tl.topk`` where Triton has it and compiles (its swaps cost one
+        comparison); otherwise (older Triton, and the interpreter, where ``tl.topk``'s
+        swaps run element by element in Python) the same network with min/max swaps."""
+        if LOG_K == 0:      # (Triton 3.6's tl.topk would reduce a one-row block to a scalar)
+            return tl.max(keys, axis=1, keep_dims=True)
+        elif TL_TOPK:
+            return tl.topk(keys, 1 << LOG_K, dim=1)
+        else:
+            h = tl.reshape(keys, [2] * (LOG_R + LOG_N))
+            for stage in tl.static_range(1, LOG_K + 1):
+                h = _bitonic_merge(h, stage, 2 if stage < LOG_N else 1)
+            for stage in tl.static_range(LOG_K + 1, LOG_N + 1):
+                h = tl.max(h, axis=len(h.shape) - 1 - LOG_K)      # the larger run of a pair
+                h = _bitonic_merge(h, LOG_K, 2 if stage < LOG_N else 1)
+            return tl.reshape(h, (1 << LOG_R, 1 << LOG_K))
+
+    @triton.jit
+    def _half_top(ptr, rows64, r_ok, stride, n, k, BIG: tl.constexpr, LOG_K: tl.constexpr,
+                  LOG_N: tl.constexpr, LOG_R: tl.constexpr, TL_TOPK: tl.constexpr):
+        """Each row's k best of its n scores by (rank key desc, index asc), as keys [BR, K]
+        (K = 2^LOG_K >= k); the slots past k and past n hold -inf. Only the k best may pair
+        into candidates: a (k+1)-th could win a tie of rounded sums by its lower index, which
+        the product-key top-k (every implementation) does not take."""
+        cols = tl.arange(0, 1 << LOG_N)
         s = tl.load(ptr + rows64[:, None] * stride + cols[None, :],
                     mask=r_ok[:, None] & (cols < n)[None, :], other=float("-inf"))
         s = tl.where((cols < n)[None, :], _rank_key(s, BIG), float("-inf"))
-        vals = tl.full((BLOCK_R, K), float("-inf"), tl.float32)
-        ids = tl.zeros((BLOCK_R, K), tl.int32)
-        for r in range(0, kk):
-            best = tl.max(s, 1)
-            at = tl.min(tl.where(s == best[:, None], cols[None, :], N), 1)
-            vals = tl.where(slots[None, :] == r, best[:, None], vals)
-            ids = tl.where(slots[None, :] == r, at[:, None], ids)
-            s = tl.where(cols[None, :] == at[:, None], float("-inf"), s)
-        return vals, ids
+        index = cols[None, :] + tl.zeros((1 << LOG_R, 1 << LOG_N), tl.int32)
+        top = _top_keys(_score_key(s, index), LOG_K, LOG_N, LOG_R, TL_TOPK)
+        slots = tl.arange(0, 1 << LOG_K)
+        none = _score_key(tl.full((1, 1), float("-inf"), tl.float32), tl.zeros((1, 1), tl.int32))
+        return tl.where((slots < k)[None, :], top, none)
+
+    @triton.jit
+    def _key_columns(keys, WIDTH: tl.constexpr, AT: tl.constexpr):
+        """Columns [AT·WIDTH, (AT+1)·WIDTH) of keys [BR, N]: [BR, WIDTH]."""
+        BR: tl.constexpr = keys.shape[0]
+        N: tl.constexpr = keys.shape[1]
+        blocks = tl.reshape(keys, (BR, N // WIDTH, WIDTH))
+        at = tl.arange(0, N // WIDTH)
+        return tl.max(tl.where((at == AT)[None, :, None], blocks, -9223372036854775807 - 1), 1)
+
+    @triton.jit
+    def _candidate_block(top_a, top_b, n_a, A: tl.constexpr, K: tl.constexpr):
+        """Block A of the candidate grid as keys [BR, K] of (sum, full index): row 0 by every
+        column for A = 0; rows [2^(A-1), 2^A) by columns [0, K / 2^(A-1)) for A >= 1."""
+        BR: tl.constexpr = top_a.shape[0]
+        if A == 0:
+            rows_a = _key_columns(top_a, 1, 0)
+            cols_b = top_b
+        else:
+            rows_a = _key_columns(top_a, 1 << (A - 1), 1)
+            cols_b = _key_columns(top_b, K >> (A - 1), 0)
+        # Eq. 15: the score of key i + n_a·j is s_a[i] + s_b[j] (-inf past a half's end)
+        sums = _key_score(rows_a)[:, :, None] + _key_score(cols_b)[:, None, :]
+        full = _key_index(rows_a)[:, :, None] + n_a * _key_index(cols_b)[:, None, :]
+        return tl.reshape(_score_key(sums, full), (BR, K))
 
     @triton.jit
     def _exact_candidate_topk(va, ia, vb, ib, n_a, n_b, k, BLOCK_R: tl.constexpr,
@@ -216,55 +317,40 @@ if triton is not None:
 
     @triton.jit
     def _product_key_topk_kernel(a_ptr, b_ptr, idx_ptr, val_ptr, merged_ptr, R, n_a, n_b, k,
-                                 ka, kb,
-                                 stride_a, stride_b,
-                                 BLOCK_R: tl.constexpr, NA: tl.constexpr, NB: tl.constexpr,
-                                 KA: tl.constexpr, KB: tl.constexpr, K: tl.constexpr,
-                                 BIG: tl.constexpr):
+                                 stride_a, stride_b, BLOCK_R: tl.constexpr, K: tl.constexpr,
+                                 LOG_K: tl.constexpr, LOG_NA: tl.constexpr,
+                                 LOG_NB: tl.constexpr, LOG_C: tl.constexpr,
+                                 LOG_R: tl.constexpr, BIG: tl.constexpr,
+                                 TL_TOPK: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < R
         rows64 = rows.to(tl.int64)
-        va, ia = _half_topk(a_ptr, rows64, r_ok, stride_a, n_a, ka, BLOCK_R, NA, KA, BIG)
-        vb, ib = _half_topk(b_ptr, rows64, r_ok, stride_b, n_b, kb, BLOCK_R, NB, KB, BIG)
-        # A k-way merge of the candidate grid's rows: row i (the i-th best of s_a) holds the
-        # sums fl(s_a[i] + s_b[p]) over the k_b best s_b, non-increasing in p (rounding is
-        # monotone). Each round takes the best head (lowest full index among equal heads) and
-        # moves that row's head one column on: k rounds over k_a heads, not over k_a·k_b sums.
-        no_index = n_a * n_b
-        slots_b = tl.arange(0, KB)
+        top_a = _half_top(a_ptr, rows64, r_ok, stride_a, n_a, k, BIG, LOG_K, LOG_NA, LOG_R,
+                          TL_TOPK)
+        top_b = _half_top(b_ptr, rows64, r_ok, stride_b, n_b, k, BIG, LOG_K, LOG_NB, LOG_R,
+                          TL_TOPK)
+        # The candidate grid: (i, j) pairs the i-th best of half a with the j-th best of b. Its
+        # sums fall along rows and columns (rounding is monotone), so the (i+1)(j+1) - 1 cells
+        # (i', j') <= (i, j) sum to at least as much, and (i, j) is among the top k only if
+        # (i+1)(j+1) <= k. Blocks A = 0..LOG_K cover those cells: (LOG_K + 1)·K candidates,
+        # not K², whose top k by (sum desc, full index asc) is that of the whole grid unless a
+        # cell left out ties the k-th sum (then the candidate after the k-th ties it too).
+        blocks = tl.arange(0, (1 << LOG_C) // K)
+        cand = tl.full((BLOCK_R, (1 << LOG_C) // K, K), -9223372036854775807 - 1, tl.int64)
+        for A in tl.static_range(LOG_K + 1):
+            cand = tl.where((blocks == A)[None, :, None],
+                            _candidate_block(top_a, top_b, n_a, A, K)[:, None, :], cand)
+        cand = tl.reshape(cand, (BLOCK_R, 1 << LOG_C))
+        top = _top_keys(cand, LOG_K, LOG_C, LOG_R, TL_TOPK)
+        out = _key_index(top)
         slots = tl.arange(0, K)
-        first_b = tl.max(tl.where(slots_b[None, :] == 0, vb, float("-inf")), 1)
-        first_ib = tl.sum(tl.where(slots_b[None, :] == 0, ib, 0), 1)
-        head = va + first_b[:, None]                                          # [BR, KA]
-        head_full = tl.where(head == float("-inf"), no_index, ia + n_a * first_ib[:, None])
-        col = tl.zeros((BLOCK_R, KA), tl.int32)
-        out = tl.zeros((BLOCK_R, K), tl.int32)
-        best = tl.full((BLOCK_R,), float("nan"), tl.float32)
-        tie = tl.zeros((BLOCK_R,), tl.int1)
-        for r in range(0, k):
-            previous = best
-            best = tl.max(head, 1)
-            tie = tie | (best == previous)
-            at = tl.min(tl.where(head == best[:, None], head_full, no_index), 1)
-            out = tl.where(slots[None, :] == r, at[:, None], out)
-            took = head_full == at[:, None]                                   # one row each
-            col = col + took.to(tl.int32)
-            nxt = tl.sum(tl.where(took, col, 0), 1)
-            nxt_b = tl.max(tl.where(slots_b[None, :] == nxt[:, None], vb, float("-inf")), 1)
-            nxt_ib = tl.sum(tl.where(slots_b[None, :] == nxt[:, None], ib, 0), 1)
-            row_a = tl.max(tl.where(took, va, float("-inf")), 1)
-            row_ia = tl.sum(tl.where(took, ia, 0), 1)
-            nxt_sum = row_a + nxt_b
-            nxt_full = tl.where(nxt_sum == float("-inf"), no_index, row_ia + n_a * nxt_ib)
-            head = tl.where(took, nxt_sum[:, None], head)
-            head_full = tl.where(took, nxt_full[:, None], head_full)
-        # The merge orders candidates of equal sum by row, not by full index. It is exact when
-        # no two taken sums are equal and no candidate left behind equals the k-th sum; else
-        # (ties: rounded, zero or NaN scores) this block takes the exact selection.
-        tie = tie | (tl.max((head == best[:, None]).to(tl.int32), 1) > 0)
+        kth = tl.max(tl.where(slots[None, :] == k - 1, top, -9223372036854775807 - 1), 1)
+        after = tl.max(tl.where(cand < kth[:, None], cand, -9223372036854775807 - 1), 1)
+        tie = (after >> 32) == (kth >> 32)                       # equal sums
         exact = tl.max((tie & r_ok).to(tl.int32), 0)
-        if exact > 0:
-            out = _exact_candidate_topk(va, ia, vb, ib, n_a, n_b, k, BLOCK_R, KA, KB, K)
+        if exact > 0:       # rows with a tie at the k-th: select over the whole grid
+            out = _exact_candidate_topk(_key_score(top_a), _key_index(top_a), _key_score(top_b),
+                                        _key_index(top_b), n_a, n_b, k, BLOCK_R, K, K, K)
         taken = r_ok[:, None] & (slots < k)[None, :]
         tl.store(idx_ptr + rows64[:, None] * k + slots[None, :], out.to(tl.int64), mask=taken)
         # The values: the sums of the original scores (a NaN selected stays NaN), Eq. 15.
@@ -420,8 +506,8 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
 
 def product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The kernel's int64 indices [R, k], and bool [R]: True where the row's top k came from
-    the merge alone, False where a tie in its block of rows sent the block to the exact
-    selection."""
+    the (log2 K + 1)·K candidate cells alone, False where a tie at the k-th sum in its block
+    of rows sent the block to the exact selection over the whole grid."""
     _, idx, merged = _product_key_topk_launch(scores_a, scores_b, k)
     return idx, merged
 
@@ -435,18 +521,21 @@ def _product_key_topk_launch(scores_a: Tensor, scores_b: Tensor, k: int
     values = torch.empty(rows, k, dtype=scores_a.dtype, device=scores_a.device)
     merged = torch.ones(rows, dtype=torch.int8, device=scores_a.device)
     if rows and k:
-        ka, kb = min(k, n_a), min(k, n_b)
-        NA, NB = next_power_of_2(n_a), next_power_of_2(n_b)
-        KA, KB = next_power_of_2(ka), next_power_of_2(kb)
-        # One warp per program, its BLOCK_R rows' half scores (and, for blocks with ties, the
-        # candidates [BLOCK_R, KA·KB]) in its registers (~2K values each): the reductions stay
-        # inside the warp. Measured on an H100 with the exact selection alone (65,536 rows,
-        # n 62, k 32): 0.96 ms with one warp, 1.5 ms with four.
-        held = max(KA * KB, NA, NB)
-        block_r = max(1, min(8, 2048 // held))
+        log = lambda n: next_power_of_2(n).bit_length() - 1     # noqa: E731
+        log_k = log(k)
+        # each half padded to at least K columns, so that both give K keys
+        log_na, log_nb = max(log_k, log(n_a)), max(log_k, log(n_b))
+        log_c = log((log_k + 1) << log_k)                         # candidates, to a power of 2
+        # A program's rows hold 2^max(...) int64 keys each; one warp per 512 of them, and per
+        # 2,048 values of the exact selection's [K·K] tile (int64 keys take two registers).
+        held = 1 << max(log_c, log_na, log_nb)
+        block_r = max(1, min(8, 512 // held))
+        num_warps = max(1, min(8, max(block_r * held // 512,
+                                      block_r * (1 << 2 * log_k) // 2048)))
         _product_key_topk_kernel[(cdiv(rows, block_r),)](
-            scores_a, scores_b, idx, values, merged, rows, n_a, n_b, k, ka, kb,
-            scores_a.stride(0), scores_b.stride(0), num_warps=max(1, held // 2048),
-            BLOCK_R=block_r, NA=NA, NB=NB, KA=KA, KB=KB, K=next_power_of_2(k),
-            BIG=float(torch.finfo(torch.float32).max / 4))
+            scores_a, scores_b, idx, values, merged, rows, n_a, n_b, k,
+            scores_a.stride(0), scores_b.stride(0), BLOCK_R=block_r, K=1 << log_k,
+            LOG_K=log_k, LOG_NA=log_na, LOG_NB=log_nb, LOG_C=log_c,
+            LOG_R=block_r.bit_length() - 1, BIG=float(torch.finfo(torch.float32).max / 4),
+            TL_TOPK=_use_tl_topk(), num_warps=num_warps)
     return values, idx, merged.bool()
