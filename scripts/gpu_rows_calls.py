@@ -7,9 +7,11 @@ The shapes are those of ``sparseffn bench lm`` (d_model 256, each FFN sized to a
 d_ff 2048 MLP; a batch of 64 × 256 tokens): the ``pkm`` and ``peer`` presets.
 
 - ``topk``: ``product_key_topk`` on [tokens·heads, n] score halves, per layer's shape:
-  ``merge`` (random scores: every block takes the k-way merge), ``exact`` (integer scores,
-  all ties: every block takes the exact selection over the k_a·k_b candidates, which is what
-  the kernel did for every block before the merge), and the PyTorch sort path.
+  ``keyed`` (random scores: every block takes the top k of its (log2 K + 1)·K candidate
+  keys), ``merge before`` (the kernel this replaced, kept here for the comparison: the
+  halves' top k by k rounds of reductions, then a k-way merge of the candidate grid's rows),
+  ``exact`` (integer scores, ties at the k-th: every block also takes the exact selection
+  over the whole grid), and the PyTorch sort path.
 - ``peer``: one PEER layer's forward and backward under bf16 autocast: ``one sort`` (the
   reverse index shared by both table gradients) against ``two sorts`` (each table gradient
   sorting the pairs itself, as before).
@@ -100,16 +102,108 @@ def _topk(preset: str, tokens: int, rounds: int, calls: int, device: torch.devic
         with _torch_path():
             return kernels.product_key_topk(s_a, s_b, cfg.k)
 
-    fns = {"merge": lambda: triton_rows.product_key_topk_indices(s_a, s_b, cfg.k),
+    fns = {"keyed": lambda: triton_rows.product_key_topk_indices(s_a, s_b, cfg.k),
+           "merge before": lambda: _merge_topk_before(s_a, s_b, cfg.k),
            "exact": lambda: triton_rows.product_key_topk_indices(tied_a, tied_b, cfg.k),
            "torch sort": torch_sort}
-    merged = triton_rows.product_key_topk_indices(s_a, s_b, cfg.k)[1].float().mean().item()
+    keyed, from_keys = triton_rows.product_key_topk_indices(s_a, s_b, cfg.k)
+    if not torch.equal(keyed, _merge_topk_before(s_a, s_b, cfg.k)):
+        raise AssertionError("the keyed top-k and the merge before it disagree")
+    merged = from_keys.float().mean().item()
     tied = triton_rows.product_key_topk_indices(tied_a, tied_b, cfg.k)[1].float().mean().item()
     ms = _median_ms(fns, rounds, calls, device)
-    print(f"topk {preset}: [{rows}, {n}] halves, k {cfg.k} (rows merged: random "
-          f"{merged:.0%}, integer {tied:.0%})", flush=True)
+    print(f"topk {preset}: [{rows}, {n}] halves, k {cfg.k} (rows from the candidate keys: "
+          f"random {merged:.0%}, integer {tied:.0%})", flush=True)
     for name, t in ms.items():
-        print(f"  {name:10s} {t:8.3f} ms   / exact {t / ms['exact']:.2f}", flush=True)
+        print(f"  {name:12s} {t:8.3f} ms   / merge before {t / ms['merge before']:.2f}",
+              flush=True)
+
+
+if triton_cvmm.triton is not None:
+    tl, triton = triton_cvmm.tl, triton_cvmm.triton
+
+    @triton.jit
+    def _half_topk_before(ptr, rows64, r_ok, stride, n, kk, BLOCK_R: tl.constexpr,
+                          N: tl.constexpr, K: tl.constexpr, BIG: tl.constexpr):
+        cols = tl.arange(0, N)
+        slots = tl.arange(0, K)
+        s = tl.load(ptr + rows64[:, None] * stride + cols[None, :],
+                    mask=r_ok[:, None] & (cols < n)[None, :], other=float("-inf"))
+        s = tl.where((cols < n)[None, :], triton_rows._rank_key(s, BIG), float("-inf"))
+        vals = tl.full((BLOCK_R, K), float("-inf"), tl.float32)
+        ids = tl.zeros((BLOCK_R, K), tl.int32)
+        for r in range(0, kk):
+            best = tl.max(s, 1)
+            at = tl.min(tl.where(s == best[:, None], cols[None, :], N), 1)
+            vals = tl.where(slots[None, :] == r, best[:, None], vals)
+            ids = tl.where(slots[None, :] == r, at[:, None], ids)
+            s = tl.where(cols[None, :] == at[:, None], float("-inf"), s)
+        return vals, ids
+
+    @triton.jit
+    def _merge_topk_before_kernel(a_ptr, b_ptr, idx_ptr, R, n_a, n_b, k, ka, kb, stride_a,
+                                  stride_b, BLOCK_R: tl.constexpr, NA: tl.constexpr,
+                                  NB: tl.constexpr, KA: tl.constexpr, KB: tl.constexpr,
+                                  K: tl.constexpr, BIG: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows < R
+        rows64 = rows.to(tl.int64)
+        va, ia = _half_topk_before(a_ptr, rows64, r_ok, stride_a, n_a, ka, BLOCK_R, NA, KA,
+                                   BIG)
+        vb, ib = _half_topk_before(b_ptr, rows64, r_ok, stride_b, n_b, kb, BLOCK_R, NB, KB,
+                                   BIG)
+        no_index = n_a * n_b
+        slots_b = tl.arange(0, KB)
+        slots = tl.arange(0, K)
+        first_b = tl.max(tl.where(slots_b[None, :] == 0, vb, float("-inf")), 1)
+        first_ib = tl.sum(tl.where(slots_b[None, :] == 0, ib, 0), 1)
+        head = va + first_b[:, None]
+        head_full = tl.where(head == float("-inf"), no_index, ia + n_a * first_ib[:, None])
+        col = tl.zeros((BLOCK_R, KA), tl.int32)
+        out = tl.zeros((BLOCK_R, K), tl.int32)
+        best = tl.full((BLOCK_R,), float("nan"), tl.float32)
+        tie = tl.zeros((BLOCK_R,), tl.int1)
+        for r in range(0, k):
+            previous = best
+            best = tl.max(head, 1)
+            tie = tie | (best == previous)
+            at = tl.min(tl.where(head == best[:, None], head_full, no_index), 1)
+            out = tl.where(slots[None, :] == r, at[:, None], out)
+            took = head_full == at[:, None]
+            col = col + took.to(tl.int32)
+            nxt = tl.sum(tl.where(took, col, 0), 1)
+            nxt_b = tl.max(tl.where(slots_b[None, :] == nxt[:, None], vb, float("-inf")), 1)
+            nxt_ib = tl.sum(tl.where(slots_b[None, :] == nxt[:, None], ib, 0), 1)
+            row_a = tl.max(tl.where(took, va, float("-inf")), 1)
+            row_ia = tl.sum(tl.where(took, ia, 0), 1)
+            nxt_sum = row_a + nxt_b
+            nxt_full = tl.where(nxt_sum == float("-inf"), no_index, row_ia + n_a * nxt_ib)
+            head = tl.where(took, nxt_sum[:, None], head)
+            head_full = tl.where(took, nxt_full[:, None], head_full)
+        tie = tie | (tl.max((head == best[:, None]).to(tl.int32), 1) > 0)
+        if tl.max((tie & r_ok).to(tl.int32), 0) > 0:
+            out = triton_rows._exact_candidate_topk(va, ia, vb, ib, n_a, n_b, k, BLOCK_R, KA,
+                                                    KB, K)
+        taken = r_ok[:, None] & (slots < k)[None, :]
+        tl.store(idx_ptr + rows64[:, None] * k + slots[None, :], out.to(tl.int64), mask=taken)
+
+
+def _merge_topk_before(scores_a, scores_b, k: int) -> torch.Tensor:
+    """The product-key top-k's indices as the kernel before the keyed one computed them
+    (commit 4f24fd3): each half's top k by k rounds of (max, lowest index), then a k-way merge
+    of the candidate grid's rows, with the exact selection for blocks with ties."""
+    p2 = triton_cvmm.next_power_of_2
+    rows, n_a = scores_a.shape
+    n_b = scores_b.shape[1]
+    idx = torch.empty(rows, k, dtype=torch.int64, device=scores_a.device)
+    ka, kb = min(k, n_a), min(k, n_b)
+    held = max(p2(ka) * p2(kb), p2(n_a), p2(n_b))
+    block_r = max(1, min(8, 2048 // held))
+    _merge_topk_before_kernel[(triton_cvmm.cdiv(rows, block_r),)](
+        scores_a, scores_b, idx, rows, n_a, n_b, k, ka, kb, scores_a.stride(0),
+        scores_b.stride(0), num_warps=max(1, held // 2048), BLOCK_R=block_r, NA=p2(n_a),
+        NB=p2(n_b), KA=p2(ka), KB=p2(kb), K=p2(k), BIG=float(torch.finfo(torch.float32).max / 4))
+    return idx
 
 
 def _layer_step(preset: str, tokens: int, device: torch.device):

@@ -157,14 +157,21 @@ def compile_launch(name: str, args: tuple, kwargs: dict, arch: int, tile: dict |
     """The kernel ``name`` compiled for sm_<arch> as these arguments specialise it on a GPU
     (an autotuned kernel with ``tile``, by default its untuned one)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
     kernel = _kernels()[name][1]
     kwargs = dict(kwargs)
     if isinstance(kernel, triton.runtime.Autotuner):
         kwargs.update(tile or _tiles(name)[0])
         kernel = kernel.fn
+    return compile_kernel(kernel, args, kwargs, arch)
+
+
+def compile_kernel(kernel, args: tuple, kwargs: dict, arch: int):
+    """A ``@triton.jit`` kernel compiled for sm_<arch> as a launch with these arguments and
+    launch options (``num_warps`` ...) would compile it on a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
