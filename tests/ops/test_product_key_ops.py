@@ -137,6 +137,16 @@ def test_product_key_topk_ranks_non_finite_scores_the_same_on_every_path(rows_pa
     assert values[1].tolist() == [float("inf"), float("inf"), 2.0, 1.0]
 
 
+def test_a_rounding_tie_outside_the_halves_top_k_is_not_taken(rows_path):
+    """The documented edge of product-key exactness: s_a = [1e8], s_b = [-1, 0], k = 1. Both
+    sums round to 1e8, so over all keys key 0 would come first (the lower index), but the
+    result is the top 1 of the candidates of each half's top 1, key 1, on every path."""
+    s_a, s_b = torch.tensor([[1e8]]), torch.tensor([[-1.0, 0.0]])
+    assert (s_a[0, 0] + s_b[0, 0]).item() == (s_a[0, 0] + s_b[0, 1]).item()
+    values, idx = kernels.product_key_topk(s_a, s_b, 1)
+    assert idx.tolist() == [[1]] and values.tolist() == [[1e8]]
+
+
 def test_product_key_topk_rejects_impossible_k():
     with pytest.raises(ValueError, match="k must lie in"):
         product_keys.product_key_topk(torch.randn(2, 3), torch.randn(2, 3), 10)

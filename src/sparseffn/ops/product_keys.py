@@ -7,10 +7,14 @@ scores are among the k² sums of the top k of each half, so retrieval costs
 ``O((n_a + n_b) · d + k²)`` per query instead of ``O(N · d)``.
 
 Ties are broken deterministically: every top-k here orders by (score descending, index
-ascending), so equal scores go to the lower index. Because float addition is monotone, this
-makes the product-key result *exactly* the top k of the N sums ``fl(s_a[i] + s_b[j])`` under
-the same order (if an (i, j) of the full top k lost its i in the half's top k, k sub-keys
-beating i would give k keys beating (i, j)).
+ascending), so equal scores go to the lower index. The result is the top k, under that order,
+of the k² candidate sums ``fl(s_a[i] + s_b[j])`` of each half's top k, the same on every
+implementation. Because float addition is monotone, that is the top k of all N sums too,
+except where a sum outside the candidates rounds to the k-th one and has a lower key index:
+with ``s_a = [1e8]``, ``s_b = [-1, 0]`` and k = 1 both sums round to 1e8, and key 0 would
+come first, but sub-key 1 of b is the better half, so key 1 is returned. (If an (i, j) of the
+full top k lost its i in the half's top k, the k sub-keys beating i give k keys whose sums are
+at least its own: beating it, unless a sum rounds to equal.)
 
     topk_lowest_index(scores, k)                   top k of each row, ties to the lower index
     product_key_topk(scores_a, scores_b, k)        the top k of all sums, from the two halves
