@@ -188,9 +188,9 @@ if triton is not None:
         x = tl.where(x != x, -BIG, x)
         return tl.minimum(tl.maximum(x, -BIG), BIG)
 
-    # Keys of the product-key top-k: int64 whose signed order is (score, then lower index)
-    # first: the score's order bits in the high word, INDEX_CAP - index in the low word, so one
-    # comparison (and one max or sort of plain integers) orders by (score desc, index asc).
+    # Keys of the product-key top-k: int64 with the score's IEEE bits, in signed integer order,
+    # in the high word and 2^31 - 1 - index in the low word, so that one integer comparison
+    # (and one max or sort of plain integers) orders by (score desc, index asc).
     @triton.jit
     def _score_key(score, index):
         """int64 [..] keys of fp32 scores (no NaN; -0.0 ranks as +0.0) and int32 indices."""
@@ -316,7 +316,7 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _product_key_topk_kernel(a_ptr, b_ptr, idx_ptr, val_ptr, merged_ptr, R, n_a, n_b, k,
+    def _product_key_topk_kernel(a_ptr, b_ptr, idx_ptr, val_ptr, cells_ptr, R, n_a, n_b, k,
                                  stride_a, stride_b, BLOCK_R: tl.constexpr, K: tl.constexpr,
                                  LOG_K: tl.constexpr, LOG_NA: tl.constexpr,
                                  LOG_NB: tl.constexpr, LOG_C: tl.constexpr,
@@ -331,10 +331,11 @@ if triton is not None:
                           TL_TOPK)
         # The candidate grid: (i, j) pairs the i-th best of half a with the j-th best of b. Its
         # sums fall along rows and columns (rounding is monotone), so the (i+1)(j+1) - 1 cells
-        # (i', j') <= (i, j) sum to at least as much, and (i, j) is among the top k only if
-        # (i+1)(j+1) <= k. Blocks A = 0..LOG_K cover those cells: (LOG_K + 1)·K candidates,
-        # not K², whose top k by (sum desc, full index asc) is that of the whole grid unless a
-        # cell left out ties the k-th sum (then the candidate after the k-th ties it too).
+        # (i', j') <= (i, j) sum to at least as much, and (i, j) can be among the top k only if
+        # (i+1)(j+1) <= k, or by tying the k-th sum. Blocks A = 0..LOG_K cover those cells:
+        # (LOG_K + 1)·K candidates, not K², whose top k by (sum desc, full index asc) is that of
+        # the whole grid unless a cell left out ties the k-th sum (then the candidate after the
+        # k-th ties it too).
         blocks = tl.arange(0, (1 << LOG_C) // K)
         cand = tl.full((BLOCK_R, (1 << LOG_C) // K, K), -9223372036854775807 - 1, tl.int64)
         for A in tl.static_range(LOG_K + 1):
@@ -357,7 +358,7 @@ if triton is not None:
         s_a = tl.load(a_ptr + rows64[:, None] * stride_a + out % n_a, mask=taken, other=0.0)
         s_b = tl.load(b_ptr + rows64[:, None] * stride_b + out // n_a, mask=taken, other=0.0)
         tl.store(val_ptr + rows64[:, None] * k + slots[None, :], s_a + s_b, mask=taken)
-        tl.store(merged_ptr + rows64, tl.zeros((BLOCK_R,), tl.int8) + (1 - exact).to(tl.int8),
+        tl.store(cells_ptr + rows64, tl.zeros((BLOCK_R,), tl.int8) + (1 - exact).to(tl.int8),
                  mask=r_ok)
 
 
@@ -508,8 +509,8 @@ def product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> tupl
     """The kernel's int64 indices [R, k], and bool [R]: True where the row's top k came from
     the (log2 K + 1)·K candidate cells alone, False where a tie at the k-th sum in its block
     of rows sent the block to the exact selection over the whole grid."""
-    _, idx, merged = _product_key_topk_launch(scores_a, scores_b, k)
-    return idx, merged
+    _, idx, from_cells = _product_key_topk_launch(scores_a, scores_b, k)
+    return idx, from_cells
 
 
 def _product_key_topk_launch(scores_a: Tensor, scores_b: Tensor, k: int
@@ -519,7 +520,7 @@ def _product_key_topk_launch(scores_a: Tensor, scores_b: Tensor, k: int
     n_b = scores_b.shape[1]
     idx = torch.empty(rows, k, dtype=torch.int64, device=scores_a.device)
     values = torch.empty(rows, k, dtype=scores_a.dtype, device=scores_a.device)
-    merged = torch.ones(rows, dtype=torch.int8, device=scores_a.device)
+    from_cells = torch.ones(rows, dtype=torch.int8, device=scores_a.device)
     if rows and k:
         log = lambda n: next_power_of_2(n).bit_length() - 1     # noqa: E731
         log_k = log(k)
@@ -533,9 +534,9 @@ def _product_key_topk_launch(scores_a: Tensor, scores_b: Tensor, k: int
         num_warps = max(1, min(8, max(block_r * held // 512,
                                       block_r * (1 << 2 * log_k) // 2048)))
         _product_key_topk_kernel[(cdiv(rows, block_r),)](
-            scores_a, scores_b, idx, values, merged, rows, n_a, n_b, k,
+            scores_a, scores_b, idx, values, from_cells, rows, n_a, n_b, k,
             scores_a.stride(0), scores_b.stride(0), BLOCK_R=block_r, K=1 << log_k,
             LOG_K=log_k, LOG_NA=log_na, LOG_NB=log_nb, LOG_C=log_c,
             LOG_R=block_r.bit_length() - 1, BIG=float(torch.finfo(torch.float32).max / 4),
             TL_TOPK=_use_tl_topk(), num_warps=num_warps)
-    return values, idx, merged.bool()
+    return values, idx, from_cells.bool()
