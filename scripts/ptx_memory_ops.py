@@ -256,23 +256,29 @@ def resources(kernel) -> dict:
     (registers a thread), ``spill`` (local-memory bytes a thread: registers spilled) and
     ``smem`` (dynamic shared memory a program, bytes), read with ``cuobjdump -res-usage``;
     ``warps`` and ``stages``, the launch options it was compiled with."""
-    import triton
     ptx = kernel.asm["ptx"]
     mma = ("wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-")
     found = {"mma": mma, "regs": None, "spill": None, "smem": kernel.metadata.shared,
              "warps": kernel.metadata.num_warps, "stages": kernel.metadata.num_stages}
+    match = re.search(r"REG:(\d+).*?LOCAL:(\d+)", cuobjdump(kernel, "-res-usage") or "")
+    if match:
+        found["regs"], found["spill"] = int(match.group(1)), int(match.group(2))
+    return found
+
+
+def cuobjdump(kernel, flag: str) -> str | None:
+    """``cuobjdump <flag>`` (the copy that comes with Triton) on a compiled kernel's cubin; None
+    where this Triton has no cuobjdump."""
+    import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")
-    if os.path.exists(tool):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(kernel.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True,
-                                   text=True, check=False).stdout
-        match = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage)
-        if match:
-            found["regs"], found["spill"] = int(match.group(1)), int(match.group(2))
-    return found
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([tool, flag, cubin.name], capture_output=True, text=True,
+                              check=True).stdout
 
 
 def compile_all(arch: int, all_tiles: bool = False) -> int:

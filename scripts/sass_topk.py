@@ -20,9 +20,7 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 # Compiling needs real JIT functions: Triton reads this when a kernel is decorated, so it is
 # set before the kernel modules are imported (ptx_memory_ops sets it to "1" for recording).
@@ -30,7 +28,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 
-from sparseffn.ops import triton_cvmm, triton_rows   # noqa: E402
+from sparseffn.ops import triton_rows   # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_rows_calls   # noqa: E402
@@ -41,14 +39,9 @@ _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 def sass(kernel) -> list[tuple[int, str, str]]:
     """(address, opcode, text) of each instruction of a compiled kernel."""
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        text = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True,
-                              check=True).stdout
+    text = ptx_memory_ops.cuobjdump(kernel, "-sass")
+    if text is None:
+        raise RuntimeError("this Triton has no cuobjdump")
     code = []
     for match in _LINE.finditer(text):
         ins = re.sub(r"^@!?U?P\w+\s+", "", match.group(2).strip())
@@ -66,54 +59,59 @@ def loops(code) -> list[tuple[int, int]]:
     return found
 
 
-def ops(code, lo: int = 0, hi: int = 1 << 62) -> collections.Counter:
-    return collections.Counter(op for addr, op, _ in code if lo <= addr <= hi)
-
-
-def keyed(n: int, k: int, rows: int) -> tuple[float, float]:
-    """The keyed kernel at n sub-keys a half, with its launch's block and warps."""
+def launch_of(module, kernel_name: str, launcher, *args):
+    """The (kernel, args, kwargs) that ``launcher(*args)`` passes to ``module.<kernel_name>``,
+    recorded instead of launched."""
     launches = []
-    real = triton_rows._product_key_topk_kernel
+    kernel = getattr(module, kernel_name)
 
     class Record:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((args, kwargs))
-    triton_rows._product_key_topk_kernel = Record()
+            return lambda *a, **kw: launches.append((a, kw))
+    setattr(module, kernel_name, Record())
     try:
-        triton_rows._product_key_topk_launch(torch.empty(rows, n), torch.empty(rows, n), k)
+        launcher(*args)
     finally:
-        triton_rows._product_key_topk_kernel = real
-    args, kwargs = launches[0]
-    kwargs = dict(kwargs, TL_TOPK=triton_rows._TL_TOPK)    # as on a GPU, not interpreted
-    code = sass(ptx_memory_ops.compile_kernel(real, args, kwargs, 90))
-    per_row = kwargs["num_warps"] / kwargs["BLOCK_R"]
-    straight = ops(code)
-    for lo, hi in loops(code):      # the exact selection's rounds, not run
-        straight -= ops(code, lo, hi)
-    return sum(straight.values()) * per_row, straight["SHFL"] * per_row
+        setattr(module, kernel_name, kernel)
+    return kernel, *launches[0]
+
+
+def per_row(n: int, k: int, rows: int, module, kernel_name: str, launcher,
+            rounds: int = 0, **options) -> tuple[float, float]:
+    """Warp instructions and shuffles a row of the kernel ``launcher`` launches at n sub-keys a
+    half: its straight code, plus its first loops' bodies ``rounds`` times each (the loops
+    after them, the exact selection's rounds, are not run on random scores)."""
+    kernel, args, kwargs = launch_of(module, kernel_name, launcher, torch.empty(rows, n),
+                                     torch.empty(rows, n), k)
+    code = sass(ptx_memory_ops.compile_kernel(kernel, args, dict(kwargs, **options), 90))
+    found = loops(code)
+    if len(found) < rounds:
+        raise RuntimeError(f"expected {rounds} loops before the exact selection's, found "
+                           f"{len(found)}")
+    run, skipped = found[:rounds], found[rounds:]      # the skipped ones may nest
+
+    def times(addr: int) -> int:
+        if any(lo <= addr <= hi for lo, hi in skipped):
+            return 0
+        return k if any(lo <= addr <= hi for lo, hi in run) else 1
+    counted = collections.Counter()
+    for addr, op, _ in code:
+        counted[op] += times(addr)
+    scale = kwargs["num_warps"] / kwargs["BLOCK_R"]
+    return sum(counted.values()) * scale, counted["SHFL"] * scale
+
+
+def keyed(n: int, k: int, rows: int) -> tuple[float, float]:
+    """The keyed kernel, straight-line code but for the exact selection, as on a GPU (with
+    ``tl.topk`` where this Triton has it, not the interpreter's network)."""
+    return per_row(n, k, rows, triton_rows, "_product_key_topk_kernel",
+                   triton_rows._product_key_topk_launch, TL_TOPK=triton_rows._TL_TOPK)
 
 
 def merge_before(n: int, k: int, rows: int) -> tuple[float, float]:
-    """The k-way merge kernel it replaced, at the same shapes."""
-    p2 = triton_cvmm.next_power_of_2
-    held = max(p2(k) ** 2, p2(n))
-    block_r, warps = max(1, min(8, 2048 // held)), max(1, held // 2048)
-    a = torch.empty(rows, n)
-    code = sass(ptx_memory_ops.compile_kernel(
-        gpu_rows_calls._merge_topk_before_kernel,
-        (a, a, torch.empty(rows, k, dtype=torch.int64), rows, n, n, k, k, k, n, n),
-        dict(BLOCK_R=block_r, NA=p2(n), NB=p2(n), KA=p2(k), KB=p2(k), K=p2(k),
-             BIG=float(torch.finfo(torch.float32).max / 4), num_warps=warps), 90))
-    found = loops(code)
-    if len(found) < 3:
-        raise RuntimeError(f"expected the halves' and the merge's loops, found {found}")
-    body = [ops(code, lo, hi) for lo, hi in found]
-    in_loops = sum(sum(c.values()) for c in body)
-    straight = sum(ops(code).values()) - in_loops        # includes the exact branch: an upper
-    total = sum(sum(c.values()) * k for c in body[:3]) + straight      # bound of what runs
-    shuffles = sum(c["SHFL"] * k for c in body[:3]) + ops(code)["SHFL"] - sum(
-        c["SHFL"] for c in body)
-    return total * warps / block_r, shuffles * warps / block_r
+    """The k-way merge kernel it replaced: k rounds for each half and k for the merge."""
+    return per_row(n, k, rows, gpu_rows_calls, "_merge_topk_before_kernel",
+                   gpu_rows_calls._merge_topk_before, rounds=3)
 
 
 def main() -> int:
