@@ -20,6 +20,9 @@
 #                                                   #   and the routing's bookkeeping, now/before)
 #   bash scripts/gpu_session.sh compile             # every layer compiled vs eager, bf16: graph
 #                                                   #   breaks, host syncs, operators per eager step
+#   bash scripts/gpu_session.sh lm-layers           # each LM preset's layer alone, replayed from
+#                                                   #   CUDA graphs, with each change not yet timed
+#                                                   #   on a GPU switched off in turn, and dense
 #   bash scripts/gpu_session.sh rows                # product-key top-k, PEER step, fused
 #                                                   #   backward, row kernels or dense products
 #   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
@@ -86,11 +89,12 @@ for what in "$@"; do
     lm-sync) stage lm-sync 240 $PY scripts/gpu_lm_sync.py ;;
     cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
     rows) stage rows 300 $PY scripts/gpu_rows_calls.py ;;
+    lm-layers) stage lm-layers 480 $PY scripts/gpu_lm_layers.py ;;
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
-            "productkeys profile profile-lm profile-fig2 cvmm rows compile train decode" \
+            "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile train decode" \
             "lm-sync)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,193 @@
+"""Each LM preset's FFN layer at the LM's shapes, forward+backward, replayed from CUDA graphs,
+with each change not yet timed on a GPU switched off in turn, all in the same rounds.
+
+    python scripts/gpu_lm_layers.py [--presets sigma_moe,pkm] [--tokens 16384] [--rounds 10]
+
+``sparseffn bench lm`` (d_model 256, each FFN sized to a dense d_ff 2048 MLP, 64 × 256
+tokens) times the whole step, so it shows the changes made since the last GPU timing only
+together. Here each layer is timed alone, in three versions where they apply:
+
+- ``now``: the layer as it is;
+- ``unpadded`` (σ-MoE, Switch, GLaM, FFF): experts keep their 255 (FFF 254) hidden units
+  instead of being padded with zero units to 256 (``ops/expert_mlp.py``, ``HIDDEN_MULTIPLE``);
+- ``bf16 gates`` (the same): the backward's products take the gates in bf16, not widened to
+  float32 (``ops/cvmm.py``, ``backward_gate_rows``);
+- ``two kernels`` (PKM, PEER): ``gather_sum``'s table and weight gradients from
+  ``scatter_rows`` and ``gather_dot`` instead of one pass (``kernels.scatter_rows_dot``);
+
+beside the dense FFN of equal parameters (``dense``). The fourth such change, the keyed
+product-key top-k, is timed kernel against kernel by ``scripts/gpu_rows_calls.py``.
+
+A step is the layer's forward under bf16 autocast (the weight cache off, as CUDA graphs
+require) and the backward of its output, from a fixed random gradient, and of its weighted
+auxiliary losses. Each version's calls are captured as one CUDA graph
+(``measure.graph_call_times``): the device's time, none of the host's launch cost, as
+``bench lm --compile reduce-overhead`` pays it, but with eager kernels (no Inductor fusion of
+the small operators between them). Printed: ms per call, and the per-round ratios to ``now``
+and to ``dense``.
+
+First, each version's output and gradients are compared with those of ``now`` (same weights,
+same input, same seed): the largest difference relative to the largest value, over the output
+and every gradient. A switch changes how a layer computes, not what, so this is rounding
+(zero where the sums keep their order). With ``--device cpu`` (``TRITON_INTERPRET=1``) only
+this comparison runs, at 64 tokens in float32: a check of the script and of the switches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib
+import statistics
+
+import torch
+
+from sparseffn import build_layer
+from sparseffn.auxiliary import aux_loss
+from sparseffn.bench.lm_step import lm_ffn
+from sparseffn.bench.measure import graph_call_times, kernel_script_device, paired_ratio
+from sparseffn.ops import kernels
+
+# the modules, not the functions of the same names that sparseffn.ops exports
+cvmm = importlib.import_module("sparseffn.ops.cvmm")
+expert_mlp = importlib.import_module("sparseffn.ops.expert_mlp")
+
+MOE_PRESETS = ("sigma_moe", "switch", "glam", "fff")
+ROW_PRESETS = ("pkm", "peer")
+
+
+@contextlib.contextmanager
+def _set(module, name: str, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def _gates_as_they_are(gates, order):
+    """``backward_gate_rows`` before float32 gates: the sorted rows' gates in their dtype."""
+    return None if gates is None else gates.index_select(0, order)
+
+
+@contextlib.contextmanager
+def _bf16_gates():
+    # expert_mlp imported the function by name: both references are switched
+    with _set(cvmm, "backward_gate_rows", _gates_as_they_are), \
+            _set(expert_mlp, "backward_gate_rows", _gates_as_they_are):
+        yield
+
+
+SWITCHES = {
+    "unpadded": (MOE_PRESETS, lambda: _set(expert_mlp, "HIDDEN_MULTIPLE", 1)),
+    "bf16 gates": (MOE_PRESETS, _bf16_gates),
+    "two kernels": (ROW_PRESETS,
+                    lambda: _set(kernels, "scatter_rows_dot", kernels.scatter_rows_and_gather_dot)),
+}
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, switch=None):
+    """One forward+backward of ``layer`` (under ``switch()``, a context manager, if given);
+    returns the output."""
+    x = x.detach().requires_grad_(True)
+    autocast_dtype = torch.bfloat16 if x.is_cuda else None
+    grad_in = {}
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with switch() if switch is not None else contextlib.nullcontext():
+            with torch.autocast(x.device.type, dtype=autocast_dtype,
+                                enabled=autocast_dtype is not None, cache_enabled=False):
+                y = layer(x)
+                extra = aux_loss(layer)
+            if y.dtype not in grad_in:
+                grad_in[y.dtype] = grad.to(y.dtype)
+            outputs, grads = [y], [grad_in[y.dtype]]
+            if extra.requires_grad:
+                outputs.append(extra)
+                grads.append(None)
+            torch.autograd.backward(outputs, grads)
+        return y
+    return step, x
+
+
+def _results(step, x: torch.Tensor, layer: torch.nn.Module) -> list[torch.Tensor]:
+    """The output and every gradient of one call of ``step``, in float32."""
+    torch.manual_seed(0)
+    y = step()
+    return [y.detach().float(), x.grad.float()] + [
+        p.grad.float() for p in layer.parameters() if p.grad is not None]
+
+
+def _largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """max over the tensors of max |a - b| / max |a| (NaN where the two disagree in number)."""
+    if len(a) != len(b):
+        return float("nan")
+    worst = 0.0
+    for u, v in zip(a, b):
+        scale = u.abs().max().clamp_min(1e-30)
+        worst = max(worst, ((u - v).abs().max() / scale).item())
+    return worst
+
+
+def versions(preset: str, tokens: int, device: torch.device):
+    """{name: (step, x, layer)} of the preset's layer as it is and under each switch that
+    applies to it, every version a copy of the same layer."""
+    torch.manual_seed(0)
+    layer = build_layer(lm_ffn(preset)).to(device).train()
+    x = torch.randn(tokens, layer.d_model, device=device)
+    grad = torch.randn(tokens, layer.d_model, device=device)
+    out = {"now": (*_step(layer, x, grad), layer)}
+    for name, (presets, switch) in SWITCHES.items():
+        if preset in presets:
+            copied = copy.deepcopy(layer)
+            out[name] = (*_step(copied, x, grad, switch), copied)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default=",".join(MOE_PRESETS + ROW_PRESETS))
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per call (default 16384 on CUDA, 64 on the CPU)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=10, help="calls per captured graph")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device, where = kernel_script_device(parser, args.device)
+    tokens = args.tokens or (16384 if device.type == "cuda" else 64)
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = [p for p in presets if p not in MOE_PRESETS + ROW_PRESETS]
+    if unknown:
+        parser.error(f"unknown presets {unknown}: choose from {MOE_PRESETS + ROW_PRESETS}")
+    print(f"LM FFN layers, forward+backward: {where}, {tokens} tokens", flush=True)
+    fns, preset_of = {}, {}
+    if device.type == "cuda":
+        fns["dense"] = versions("dense", tokens, device)["now"][0]
+    for preset in presets:
+        found = versions(preset, tokens, device)
+        reference = _results(*found["now"])
+        for name, (step, x, layer) in found.items():
+            if name != "now":
+                diff = _largest_difference(reference, _results(step, x, layer))
+                print(f"  {preset} {name}: largest difference from now {diff:.2e} "
+                      f"(relative to the largest value)", flush=True)
+            fns[f"{preset} {name}"] = step
+            preset_of[f"{preset} {name}"] = preset
+    if device.type != "cuda":
+        return
+    times, failures = graph_call_times(fns, args.rounds, {n: args.calls for n in fns}, device)
+    for name, why in failures.items():
+        print(f"  {name}: not captured ({why})", flush=True)
+    print(f"  {'':20s} {'ms':>8s} {'/ now':>7s} {'/ dense':>8s}", flush=True)
+    for name, ts in times.items():
+        now = times.get(f"{preset_of[name]} now") if name in preset_of else None
+        over_now = f"{paired_ratio(ts, now):7.2f}" if now is not None else " " * 7
+        over_dense = f"{paired_ratio(ts, times['dense']):8.2f}" if "dense" in times else ""
+        print(f"  {name:20s} {statistics.median(ts):8.3f} {over_now} {over_dense}", flush=True)
+
+if __name__ == "__main__":
+    main()
