@@ -57,7 +57,18 @@ def native_enabled() -> bool:
 
 def available() -> bool:
     """True when the fused kernels are built and loaded (building them if needed)."""
-    return _enabled and _load() is not None
+    return _enabled and _loaded()
+
+
+@torch.compiler.assume_constant_result
+def _loaded() -> bool:
+    """Whether the library is loaded, building and loading it on the first call; after that
+    call, a constant of the process. ``torch.compile`` runs it, rather than tracing it, where
+    it traces a call of :func:`available` (a layer choosing its kernel in Python, as the tree
+    router and the inference of a few tokens do): its lock cannot be traced, so a layer
+    compiled before any kernel had run broke its graph there, and ``fullgraph=True`` failed.
+    ``_enabled`` stays a global the compiled code is guarded on."""
+    return _load() is not None
 
 
 def bf16_available() -> bool:
