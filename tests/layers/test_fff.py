@@ -188,3 +188,27 @@ def test_fff_config_embeds_its_tree_router():
     assert layer.router.bias is None and layer.store.b1 is not None
     with pytest.raises(ValueError, match="must be a TreeRouterConfig"):
         FFFConfig(d_model=8, depth=2, leaf_width=4, router="sigma")
+
+
+@pytest.mark.parametrize("formulation", ("auto",) + FORMULATIONS)
+@pytest.mark.parametrize("mode", ["train", "soft", "hard"])
+def test_every_formulation_compiles_in_one_graph(formulation, mode):
+    """``torch.compile(fullgraph=True)`` of every tree formulation, training and in both
+    inference modes, with the tree-matrix cache empty at the trace (its lock broke the graph of
+    ``matrix`` and ``matrix_sparse``): the same output and gradients as eager."""
+    torch.manual_seed(0)
+    layer = FastFeedForward(d_model=12, depth=3, leaf_width=5, router={"formulation": formulation},
+                            eval_mode="hard" if mode == "hard" else "soft")
+    layer.train(mode == "train")
+    x = torch.randn(7, 12, requires_grad=mode == "train")
+    fff.tree_matrix_cache.clear()
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(mode == "train"):
+        y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+        expected = layer(x)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+    if mode == "train":
+        grads = torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])
+        wanted = torch.autograd.grad(expected.square().sum(), [x, *layer.parameters()])
+        for got, want in zip(grads, wanted):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -178,6 +178,18 @@ def path_columns(depth: int) -> torch.Tensor:
     return tree_matrix_cache.get(("path_columns", depth), lambda: _path_columns(depth))
 
 
+# The lookups the soft formulations make while torch.compile may be tracing them are marked
+# assume_constant_result: the compiler runs them (the cache's lock cannot be traced, and
+# broke the graph) and keeps their tensors as constants of the compiled graph. Their
+# arguments are Python ints, dtypes and devices, and a result depends on nothing else.
+
+@torch.compiler.assume_constant_result
+def _path_columns_on(depth: int, device: torch.device) -> torch.Tensor:
+    """:func:`path_columns` on ``device``."""
+    return tree_matrix_cache.get(("path_columns", depth, str(device)),
+                                 lambda: path_columns(depth).to(device))
+
+
 def _path_columns(depth: int) -> torch.Tensor:
     leaves = torch.arange(1 << depth)
     node = torch.zeros_like(leaves)
@@ -275,6 +287,7 @@ def leaf_probs_matrix(z: torch.Tensor, activation: str = "logsigmoid",
     return torch.softmax(act(z @ S.T.to(z.dtype)) @ T.T.to(z.dtype), dim=-1)
 
 
+@torch.compiler.assume_constant_result
 def _dense_matrices(depth: int, dtype: torch.dtype, device: torch.device):
     return tree_matrix_cache.get(("dense", depth, dtype, str(device)),
                                  lambda: tree_matrices(depth, dtype, device))
@@ -286,11 +299,12 @@ def leaf_probs_matrix_sparse(z: torch.Tensor, activation: str = "logsigmoid") ->
     depth = depth_of(z.shape[-1])
     tokens = z.shape[0]
     pairs = torch.stack(_branches(z, activation), dim=-1).reshape(tokens, 2 * z.shape[-1])    # a(S z) [T, 2N]
-    if z.device.type == "cpu" and z.dtype == torch.float32:
+    # (torch.compile takes no CSR constant: a compiled CPU layer takes the gather too)
+    if z.device.type == "cpu" and z.dtype == torch.float32 and not torch.compiler.is_compiling():
         with autocast_off("cpu"):   # CSR products have no bfloat16 kernel
             leaf_logits = torch.sparse.mm(_sparse_T(depth), pairs.float().T).T     # [T, L]
     else:   # the same sums as a gather of each leaf's d path columns
-        leaf_logits = pairs[:, path_columns(depth).to(z.device)].sum(dim=-1)
+        leaf_logits = pairs[:, _path_columns_on(depth, z.device)].sum(dim=-1)
     return torch.softmax(leaf_logits, dim=-1)
 
 
