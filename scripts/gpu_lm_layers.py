@@ -46,7 +46,8 @@ import torch
 from sparseffn import build_layer
 from sparseffn.auxiliary import aux_loss
 from sparseffn.bench.lm_step import lm_ffn
-from sparseffn.bench.measure import graph_call_times, kernel_script_device, paired_ratio
+from sparseffn.bench.measure import (forward_backward_fn, graph_call_times, kernel_script_device,
+                                     paired_ratio)
 from sparseffn.ops import kernels
 
 # the modules, not the functions of the same names that sparseffn.ops exports
@@ -88,30 +89,20 @@ SWITCHES = {
 }
 
 
-def _step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, switch=None):
-    """One forward+backward of ``layer`` (under ``switch()``, a context manager, if given);
-    returns the output."""
-    x = x.detach().requires_grad_(True)
-    autocast_dtype = torch.bfloat16 if x.is_cuda else None
-    grad_in = {}
+def _step(layer: torch.nn.Module, x: torch.Tensor, switch=None):
+    """One forward+backward of ``layer`` into the leaf ``x`` (under ``switch()``, a context
+    manager, if given), returning the output: bf16 autocast on CUDA with its weight cache
+    off, as CUDA graphs require. Every version gets the same output gradient (one seed)."""
+    torch.manual_seed(1)
+    run = forward_backward_fn(layer, x, aux_loss, torch.bfloat16 if x.is_cuda else None,
+                              autocast_cache=False)
+    if switch is None:
+        return run
 
     def step():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        with switch() if switch is not None else contextlib.nullcontext():
-            with torch.autocast(x.device.type, dtype=autocast_dtype,
-                                enabled=autocast_dtype is not None, cache_enabled=False):
-                y = layer(x)
-                extra = aux_loss(layer)
-            if y.dtype not in grad_in:
-                grad_in[y.dtype] = grad.to(y.dtype)
-            outputs, grads = [y], [grad_in[y.dtype]]
-            if extra.requires_grad:
-                outputs.append(extra)
-                grads.append(None)
-            torch.autograd.backward(outputs, grads)
-        return y
-    return step, x
+        with switch():
+            return run()
+    return step
 
 
 def _results(step, x: torch.Tensor, layer: torch.nn.Module) -> list[torch.Tensor]:
@@ -139,12 +130,12 @@ def versions(preset: str, tokens: int, device: torch.device):
     torch.manual_seed(0)
     layer = build_layer(lm_ffn(preset)).to(device).train()
     x = torch.randn(tokens, layer.d_model, device=device)
-    grad = torch.randn(tokens, layer.d_model, device=device)
-    out = {"now": (*_step(layer, x, grad), layer)}
+    leaf = x.requires_grad_(True)
+    out = {"now": (_step(layer, leaf), leaf, layer)}
     for name, (presets, switch) in SWITCHES.items():
         if preset in presets:
-            copied = copy.deepcopy(layer)
-            out[name] = (*_step(copied, x, grad, switch), copied)
+            copied, leaf = copy.deepcopy(layer), x.detach().requires_grad_(True)
+            out[name] = (_step(copied, leaf, switch), leaf, copied)
     return out
 
 

@@ -122,7 +122,8 @@ def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Cal
 
 
 def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None,
-                        autocast_dtype: torch.dtype | None = None) -> Callable[[], object]:
+                        autocast_dtype: torch.dtype | None = None,
+                        autocast_cache: bool = True) -> Callable[[], object]:
     """Forward, then backward from a fixed random gradient of the output into the input and
     the parameters, as kernel benchmarks do (``out.backward(dout)``). ``extra_loss(layer)``
     (e.g. the auxiliary losses) is back-propagated with it; with ``autocast_dtype`` the
@@ -134,8 +135,14 @@ def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None,
     gives the same gradient but adds four passes over [tokens, d_model] to every contender's
     step (the float copy, the product, the sum and the product's backward): about 1 ms at
     32,768 tokens and d_model 2048 on an H100, more than half of the dense MLP of active
-    width's memory traffic there."""
-    x = x.detach().requires_grad_(True)
+    width's memory traffic there.
+
+    The gradient reaches a detached copy of ``x``, or ``x`` itself when it is a leaf that
+    requires grad (for a caller that reads ``x.grad``). ``autocast_cache=False`` for steps
+    captured as CUDA graphs, which must not keep autocast's cast weights between calls. Each
+    call returns the layer's output."""
+    if not (x.is_leaf and x.requires_grad):
+        x = x.detach().requires_grad_(True)
     grad = torch.randn_like(x)
     grad_in: dict[torch.dtype, torch.Tensor] = {}
 
@@ -143,7 +150,7 @@ def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None,
         layer.zero_grad(set_to_none=True)
         x.grad = None
         with torch.autocast(x.device.type, dtype=autocast_dtype,
-                            enabled=autocast_dtype is not None):
+                            enabled=autocast_dtype is not None, cache_enabled=autocast_cache):
             out = layer(x)
             if isinstance(out, tuple):
                 out = out[0]
@@ -155,6 +162,7 @@ def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None,
             outputs.append(extra)
             grads.append(None)
         torch.autograd.backward(outputs, grads)
+        return out
     return run
 
 
