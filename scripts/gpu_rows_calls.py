@@ -106,14 +106,14 @@ def _topk(preset: str, tokens: int, rounds: int, calls: int, device: torch.devic
            "merge before": lambda: _merge_topk_before(s_a, s_b, cfg.k),
            "exact": lambda: triton_rows.product_key_topk_indices(tied_a, tied_b, cfg.k),
            "torch sort": torch_sort}
-    keyed, from_keys = triton_rows.product_key_topk_indices(s_a, s_b, cfg.k)
+    keyed, from_cells = triton_rows.product_key_topk_indices(s_a, s_b, cfg.k)
     if not torch.equal(keyed, _merge_topk_before(s_a, s_b, cfg.k)):
         raise AssertionError("the keyed top-k and the merge before it disagree")
-    merged = from_keys.float().mean().item()
+    random = from_cells.float().mean().item()
     tied = triton_rows.product_key_topk_indices(tied_a, tied_b, cfg.k)[1].float().mean().item()
     ms = _median_ms(fns, rounds, calls, device)
     print(f"topk {preset}: [{rows}, {n}] halves, k {cfg.k} (rows from the candidate keys: "
-          f"random {merged:.0%}, integer {tied:.0%})", flush=True)
+          f"random {random:.0%}, integer {tied:.0%})", flush=True)
     for name, t in ms.items():
         print(f"  {name:12s} {t:8.3f} ms   / merge before {t / ms['merge before']:.2f}",
               flush=True)

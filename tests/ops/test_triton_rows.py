@@ -285,21 +285,21 @@ def test_product_key_topk_selects_over_the_whole_grid_only_where_the_kth_sum_tie
     s_a[3], s_b[3] = 0.0, 0.0
     s_a[40:48, :2] = 100.0
     s_a, s_b = s_a.to(DEVICE), s_b.to(DEVICE)
-    idx, merged = triton_rows.product_key_topk_indices(s_a, s_b, k)
+    idx, from_cells = triton_rows.product_key_topk_indices(s_a, s_b, k)
     _, want_idx = _torch_path(kernels.product_key_topk, s_a, s_b, k)
     assert torch.equal(idx, want_idx)
-    assert not bool(merged[3]), "every sum ties the k-th"
-    assert bool(merged[40:48].all()) == (k % 2 == 0), "pairs of equal sums: a tie at odd k"
+    assert not bool(from_cells[3]), "every sum ties the k-th"
+    assert bool(from_cells[40:48].all()) == (k % 2 == 0), "pairs of equal sums: a tie at odd k"
     if k % 2 == 0:      # the pairs taken in index order, (0, j) before (1, j)
         best_b = int(s_b[40].argmax())
         assert idx[40, :2].tolist() == [n_a * best_b, 1 + n_a * best_b]
-    assert bool(merged[16:40].all()) and bool(merged[48:].all()), "distinct sums"
+    assert bool(from_cells[16:40].all()) and bool(from_cells[48:].all()), "distinct sums"
 
 
 # fl(1e8 + 1.5) = fl(1e8 + 1.0) = 1e8 (fp32 spacing 8 there): among equal sums the lower key
 # index comes first, though the higher score of a half made one of them.
 _ROUNDED_TIES = [
-    # (s_a, s_b, k, top k, merged): keys i + n_a·j
+    # (s_a, s_b, k, top k, from the candidate cells): keys i + n_a·j
     ([1e8, -5.0], [1.0, 1.5, -3.0], 2, [0, 2], True),            # a tie between two taken
     ([1e8, 1e8 - 16], [1.0, 64.0, 1.5, -1e3], 3, [2, 3, 0], False),   # the next one ties
     ([1e8, 1e8 - 16], [1.0, 64.0, 1.5, -1e3], 2, [2, 3], True),   # no tie at the k-th
@@ -307,11 +307,11 @@ _ROUNDED_TIES = [
 ]
 
 
-@pytest.mark.parametrize("s_a,s_b,k,want,merged", _ROUNDED_TIES)
-def test_product_key_topk_orders_rounded_ties_by_index(s_a, s_b, k, want, merged):
+@pytest.mark.parametrize("s_a,s_b,k,want,from_cells", _ROUNDED_TIES)
+def test_product_key_topk_orders_rounded_ties_by_index(s_a, s_b, k, want, from_cells):
     s_a, s_b = torch.tensor([s_a], device=DEVICE), torch.tensor([s_b], device=DEVICE)
-    idx, from_candidates = triton_rows.product_key_topk_indices(s_a, s_b, k)
-    assert idx[0].tolist() == want and bool(from_candidates[0]) == merged
+    idx, got_from_cells = triton_rows.product_key_topk_indices(s_a, s_b, k)
+    assert idx[0].tolist() == want and bool(got_from_cells[0]) == from_cells
     assert torch.equal(idx, _torch_path(kernels.product_key_topk, s_a, s_b, k)[1])
 
 
