@@ -54,8 +54,10 @@ from sparseffn.ops import kernels
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
 expert_mlp = importlib.import_module("sparseffn.ops.expert_mlp")
 
-MOE_PRESETS = ("sigma_moe", "switch", "glam", "fff")
+MOE_PRESETS = ("sigma_moe", "softmax_moe", "sbase", "switch", "glam", "fff")
 ROW_PRESETS = ("pkm", "peer")
+# the presets the GPU issue's LM target names (softmax_moe differs from sigma_moe in its router)
+DEFAULT_PRESETS = ("sigma_moe", "sbase", "switch", "glam", "fff") + ROW_PRESETS
 
 
 @contextlib.contextmanager
@@ -141,7 +143,7 @@ def versions(preset: str, tokens: int, device: torch.device):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--presets", default=",".join(MOE_PRESETS + ROW_PRESETS))
+    parser.add_argument("--presets", default=",".join(DEFAULT_PRESETS))
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per call (default 16384 on CUDA, 64 on the CPU)")
     parser.add_argument("--rounds", type=int, default=10)

@@ -83,7 +83,7 @@ for what in "$@"; do
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
     profile-lm) stage profile-lm 540 $PY scripts/gpu_profile.py --top 15 \
-                  --lm dense,sigma_moe,switch,glam,fff,pkm,peer ;;
+                  --lm dense,sigma_moe,sbase,switch,glam,fff,pkm,peer ;;
     profile-fig2) stage profile-fig2 400 $PY scripts/gpu_profile.py --top 15 --fig2 512,2048 ;;
     train) stage train 540 $PY scripts/gpu_train_check.py --json "$OUT/train.json" ;;
     lm-sync) stage lm-sync 240 $PY scripts/gpu_lm_sync.py ;;

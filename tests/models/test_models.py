@@ -32,6 +32,37 @@ def test_every_preset_fits_the_dense_budget_and_counts_exactly(name):
     assert cfg.cost()["active_params"] <= cfg.cost()["total_params"]
 
 
+def test_table4_variants_are_sigma_moes_experts_behind_another_router():
+    """Csordás et al. 2023 Table 4 compares the MoE variants at σ-MoE's K and G, so the
+    softmax and S-BASE presets differ from sigma_moe in the router alone."""
+    sigma = ffn_preset("sigma_moe", 256, 2048, 6).ffn
+    for name, router in (("softmax_moe", sparseffn.SoftmaxRouterConfig),
+                         ("sbase", sparseffn.SBaseRouterConfig)):
+        ffn = ffn_preset(name, 256, 2048, 6).ffn
+        assert isinstance(ffn.router, router), name
+        assert (ffn.num_experts, ffn.expert_size, ffn.k) == (sigma.num_experts,
+                                                               sigma.expert_size, sigma.k)
+        assert ffn.cost() == sigma.cost()
+    assert ffn_preset("sbase", 256, 2048, 6, k=4).ffn.k == 4
+
+
+def test_sbase_lm_balances_its_experts_in_training_and_routes_by_score_in_evaluation():
+    torch.manual_seed(0)
+    model = TransformerLM(lm("sbase", layers=1))
+    ffn = model.blocks[0].ffn
+    with torch.no_grad():       # a router that sends every token to expert 0 unless balanced
+        ffn.router.weight.normal_(0.0, 0.1)
+        ffn.router.weight[0].fill_(1.0)
+    tokens = torch.randint(0, 50, (8, 16))
+    model.train()
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    x = torch.randn(120, 32).abs()                  # expert 0 is every token's first choice
+    load = torch.bincount(ffn.router(x).indices.reshape(-1), minlength=8)
+    assert load.max() <= 2 * (120 * 2 / 8)          # within twice the equal share
+    model.eval()
+    assert (ffn.router(x).indices == 0).any(dim=1).all()
+
+
 def test_blocks_use_the_configured_ffn_and_glam_alternates():
     model = TransformerLM(lm("glam", layers=4))
     kinds = [type(b.ffn).__name__ for b in model.blocks]
@@ -63,7 +94,7 @@ def test_lm_loss_and_aux_loss_reach_every_parameter():
 
 
 def test_dense_baseline_has_the_sparse_models_parameters():
-    for name in ("sigma_moe", "pkm", "peer", "glam", "fff"):
+    for name in ("sigma_moe", "sbase", "pkm", "peer", "glam", "fff"):
         cfg = lm(name, layers=4)
         dense = cfg.dense_baseline()
         assert all(isinstance(dense.block_ffn(i), DenseMLPConfig) for i in range(4))

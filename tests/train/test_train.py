@@ -46,7 +46,8 @@ def metrics(folder):
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("ffn", ["dense", "sigma_moe", "switch", "glam", "fff", "pkm", "peer"])
+@pytest.mark.parametrize("ffn", ["dense", "sigma_moe", "softmax_moe", "sbase", "switch", "glam",
+                                 "fff", "pkm", "peer"])
 def test_tiny_lm_runs_end_to_end(corpus, tmp_path, ffn):
     summary = Trainer(lm_run(corpus, ffn), tmp_path / ffn, progress=False).train()
     assert summary["steps"] == 6

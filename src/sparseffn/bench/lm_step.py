@@ -149,12 +149,13 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
 
 
 def format_table(records: list[dict]) -> str:
-    header = (f"{'preset':10s} {'params':>10s} {'active':>10s} {'MFLOP/tok':>10s} "
+    width = max([len("preset")] + [len(r["preset"]) for r in records])
+    header = (f"{'preset':{width}s} {'params':>10s} {'active':>10s} {'MFLOP/tok':>10s} "
               f"{'ms/step':>9s} {'/ dense':>8s} {'tokens/s':>10s} {'peak MiB':>9s}")
     lines = [header, "-" * len(header)]
     for r in records:
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(f"{r['preset']:10s} {r['total_params']:10,d} {r['active_params']:10,d} "
+        lines.append(f"{r['preset']:{width}s} {r['total_params']:10,d} {r['active_params']:10,d} "
                      f"{r['flops_per_token'] / 1e6:10.2f} {r['ms']:9.2f} {r['over_dense']:8.2f} "
                      f"{r['tokens_per_s']:10,.0f} {peak:>9s}")
     lines.append("one training step (forward, loss + auxiliary losses, backward, Adam); "

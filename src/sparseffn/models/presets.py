@@ -10,6 +10,8 @@ granularity allows; :meth:`LMConfig.cost` reports the exact counts):
 |---|---|---|
 | ``dense`` | the dense MLP itself | Csordás et al. 2023 Eq. 1-2 |
 | ``sigma_moe`` | σ-MoE, 8 experts, k = 2, entropy regulariser | Csordás et al. 2023 §5 |
+| ``softmax_moe`` | MoE with softmax top-k gates, 8 experts, k = 2, entropy regulariser | Csordás et al. 2023 §3.3, Table 4 |
+| ``sbase`` | MoE with S-BASE routing (Sinkhorn-balanced in training), 8 experts, k = 2 | Clark et al. 2022; Csordás et al. 2023 §4, Table 4 |
 | ``switch`` | MoE with the Switch router: top-1, capacity 1.25, balance + z-loss | Fedus et al. 2022 |
 | ``glam`` | GShard top-2 MoE in every other block, dense MLPs between | GLaM (Du et al. 2022) |
 | ``fff`` | a fast feed-forward tree of 8 leaves | Chaunin & Mikhailovskiy |
@@ -29,7 +31,8 @@ from typing import Any, Callable
 from ..config import (DenseMLPConfig, FFFConfig, LayerConfig, MoEConfig, PEERConfig, PKMConfig,
                       SigmaMoEConfig)
 from ..layers.product_keys import _largest_fitting
-from ..router_config import GShardRouterConfig, SwitchRouterConfig
+from ..router_config import (GShardRouterConfig, SBaseRouterConfig, SoftmaxRouterConfig,
+                             SwitchRouterConfig)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,20 @@ def _sigma_moe(d_model, d_ff, n_layers, overrides) -> FFNLayout:
     return FFNLayout(_moe(d_model, d_ff, n_layers, defaults, overrides, SigmaMoEConfig))
 
 
+def _softmax_moe(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    # Csordás et al. 2023 Table 4 compares the MoE variants at σ-MoE's K and G: only the
+    # router differs, so FLOPs and memory are those of sigma_moe (their §6)
+    defaults = {"num_experts": 8, "k": 2, "router": SoftmaxRouterConfig()}
+    return FFNLayout(_moe(d_model, d_ff, n_layers, defaults, overrides))
+
+
+def _sbase(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    # S-BASE extended to k > 1 as in Csordás et al. 2023 Table 4 ("S-BASE, K=4"), with their
+    # entropy regulariser (App. B, Table 9); the Sinkhorn plan is the training assignment
+    defaults = {"num_experts": 8, "k": 2, "router": SBaseRouterConfig()}
+    return FFNLayout(_moe(d_model, d_ff, n_layers, defaults, overrides))
+
+
 def _switch(d_model, d_ff, n_layers, overrides) -> FFNLayout:
     router = SwitchRouterConfig(capacity_factor=1.25, balance_weight=0.01, z_loss_weight=1e-3)
     defaults = {"num_experts": 8, "k": 1, "router": router, "init": "switch"}
@@ -105,8 +122,8 @@ def _peer(d_model, d_ff, n_layers, overrides) -> FFNLayout:
 
 
 PRESETS: dict[str, Callable[..., FFNLayout]] = {
-    "dense": _dense, "sigma_moe": _sigma_moe, "switch": _switch, "glam": _glam, "fff": _fff,
-    "pkm": _pkm, "peer": _peer,
+    "dense": _dense, "sigma_moe": _sigma_moe, "softmax_moe": _softmax_moe, "sbase": _sbase,
+    "switch": _switch, "glam": _glam, "fff": _fff, "pkm": _pkm, "peer": _peer,
 }
 
 

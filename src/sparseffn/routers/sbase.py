@@ -21,8 +21,6 @@ SBASE_ROUNDINGS = ("topk", "capacity")
 
 
 @dataclass(frozen=True)
-
-
 class SBaseRouterConfig(RouterConfig):
     """BASE / S-BASE (Csordás et al. 2023 §4, Eq. 32-33): during training, a balanced assignment
     of the batch's tokens to experts; the selected experts are weighted by ``σ(W x)``; at

@@ -14,7 +14,7 @@ d_model = 128
 n_layers = 4
 n_heads = 4
 context = 128
-# a preset (dense, sigma_moe, switch, glam, fff, pkm, peer) sized to d_ff,
+# a preset (dense, sigma_moe, softmax_moe, sbase, switch, glam, fff, pkm, peer) sized to d_ff,
 # or a full layer table: [model.ffn] type = "moe" ...
 ffn = "sigma_moe"
 d_ff = 512
