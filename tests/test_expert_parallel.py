@@ -226,7 +226,8 @@ def test_a_rank_that_fails_mid_step_makes_the_others_fail_with_a_clear_error():
         for process in context.processes:
             process.join(timeout=60)
         exit_codes = [p.exitcode for p in context.processes]
-        seconds, message = open(f"{tmp}/failed0.txt").read().split("\n", 1)
+        with open(f"{tmp}/failed0.txt") as file:
+            seconds, message = file.read().split("\n", 1)
     assert exit_codes[0] == 0 and exit_codes[1] not in (0, None)
     assert float(seconds) < 30
     assert message.startswith("ExchangeError: expert-parallel") and "rank 0 of 2" in message, \

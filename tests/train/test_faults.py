@@ -200,6 +200,7 @@ def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     time.sleep(0.3)                       # inside a 256 MiB write
     writer.send_signal(signal.SIGKILL)
     writer.wait()
+    writer.stdout.close()
     state = ckpt.load(path)
     assert state["step"] in (1, 2)
 
@@ -232,4 +233,5 @@ def test_a_second_process_on_a_run_folder_is_refused_until_the_first_exits(confi
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+        holder.stdout.close()
     assert main(["train", config, "--out", str(out), "--no-progress"]) == 0

@@ -91,7 +91,10 @@ def run(processes: tuple[int, ...] = (1, 2, 4), tokens: int = 8192, d_model: int
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_rank, args=(world, os.path.join(tmp, "init"), tmp, settings),
                      nprocs=world, join=True)
-            ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+            ranks = []
+            for r in range(world):
+                with open(os.path.join(tmp, f"rank{r}.json")) as file:
+                    ranks.append(json.load(file))
         # a step lasts as long as its slowest rank
         steps = [max(r["steps"][i] for r in ranks) for i in range(repeats)]
         exchanges = [max(r["exchanges"][i] for r in ranks) for i in range(repeats)]
