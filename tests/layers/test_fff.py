@@ -196,11 +196,23 @@ def test_every_formulation_compiles_in_one_graph(formulation, mode):
     """``torch.compile(fullgraph=True)`` of every tree formulation, training and in both
     inference modes, with the tree-matrix cache empty at the trace (its lock broke the graph of
     ``matrix`` and ``matrix_sparse``): the same output and gradients as eager."""
+    _check_compiled_formulation(formulation, mode, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_formulation_compiles_in_one_graph_on_cuda():
+    """The same on CUDA, where the cached matrices become constants on the device."""
+    for formulation in ("auto",) + FORMULATIONS:
+        for mode in ("train", "soft", "hard"):
+            _check_compiled_formulation(formulation, mode, "cuda")
+
+
+def _check_compiled_formulation(formulation: str, mode: str, device: str) -> None:
     torch.manual_seed(0)
     layer = FastFeedForward(d_model=12, depth=3, leaf_width=5, router={"formulation": formulation},
-                            eval_mode="hard" if mode == "hard" else "soft")
+                            eval_mode="hard" if mode == "hard" else "soft").to(device)
     layer.train(mode == "train")
-    x = torch.randn(7, 12, requires_grad=mode == "train")
+    x = torch.randn(7, 12, device=device, requires_grad=mode == "train")
     fff.tree_matrix_cache.clear()
     torch._dynamo.reset()
     with torch.set_grad_enabled(mode == "train"):
