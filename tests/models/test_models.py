@@ -56,6 +56,8 @@ def test_sbase_lm_balances_its_experts_in_training_and_routes_by_score_in_evalua
     tokens = torch.randint(0, 50, (8, 16))
     model.train()
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    grad = ffn.router.weight.grad        # the sigmoid weights of the balanced choice (Eq. 32)
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
     x = torch.randn(120, 32).abs()                  # expert 0 is every token's first choice
     load = torch.bincount(ffn.router(x).indices.reshape(-1), minlength=8)
     assert load.max() <= 2 * (120 * 2 / 8)          # within twice the equal share

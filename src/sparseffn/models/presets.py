@@ -10,8 +10,8 @@ granularity allows; :meth:`LMConfig.cost` reports the exact counts):
 |---|---|---|
 | ``dense`` | the dense MLP itself | Csordás et al. 2023 Eq. 1-2 |
 | ``sigma_moe`` | σ-MoE, 8 experts, k = 2, entropy regulariser | Csordás et al. 2023 §5 |
-| ``softmax_moe`` | MoE with softmax top-k gates, 8 experts, k = 2, entropy regulariser | Csordás et al. 2023 §3.3, Table 4 |
-| ``sbase`` | MoE with S-BASE routing (Sinkhorn-balanced in training), 8 experts, k = 2 | Clark et al. 2022; Csordás et al. 2023 §4, Table 4 |
+| ``softmax_moe`` | σ-MoE's experts behind softmax top-k gates | Csordás et al. 2023 Table 4 |
+| ``sbase`` | σ-MoE's experts behind S-BASE (Sinkhorn) routing, as in Table 4 | Clark et al. 2022 |
 | ``switch`` | MoE with the Switch router: top-1, capacity 1.25, balance + z-loss | Fedus et al. 2022 |
 | ``glam`` | GShard top-2 MoE in every other block, dense MLPs between | GLaM (Du et al. 2022) |
 | ``fff`` | a fast feed-forward tree of 8 leaves | Chaunin & Mikhailovskiy |
