@@ -175,12 +175,15 @@ def main() -> None:
     times, failures = graph_call_times(fns, args.rounds, {n: args.calls for n in fns}, device)
     for name, why in failures.items():
         print(f"  {name}: not captured ({why})", flush=True)
-    print(f"  {'':20s} {'ms':>8s} {'/ now':>7s} {'/ dense':>8s}", flush=True)
+    width = max([20] + [len(name) for name in times])
+    print(f"  {'':{width}s} {'ms':>8s} {'/ now':>7s} {'/ dense':>8s}", flush=True)
     for name, ts in times.items():
         now = times.get(f"{preset_of[name]} now") if name in preset_of else None
         over_now = f"{paired_ratio(ts, now):7.2f}" if now is not None else " " * 7
         over_dense = f"{paired_ratio(ts, times['dense']):8.2f}" if "dense" in times else ""
-        print(f"  {name:20s} {statistics.median(ts):8.3f} {over_now} {over_dense}", flush=True)
+        print(f"  {name:{width}s} {statistics.median(ts):8.3f} {over_now} {over_dense}",
+              flush=True)
+
 
 if __name__ == "__main__":
     main()
