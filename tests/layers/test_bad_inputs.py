@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparseffn
-from sparseffn.ops.assignment import exact_balanced_assignment
+from sparseffn.ops.assignment import exact_balanced_assignment, sinkhorn_log_plan
 from sparseffn.registry import LayerConfig, RouterConfig
 from tests.layers.test_conformance import EXAMPLES
 
@@ -128,6 +128,25 @@ def test_exact_assignment_ranks_non_finite_scores_last():
     assignment = exact_balanced_assignment(scores, 1)
     assert assignment.shape == (6, 1) and int(assignment[4, 0]) == 2
     assert torch.bincount(assignment.view(-1), minlength=3).max() <= 2
+
+
+def test_a_nan_token_leaves_the_sinkhorn_plan_finite_and_finite_rows_as_they_were():
+    torch.manual_seed(0)
+    logits = torch.randn(20, 5)
+    plain = logits.clone()                 # the iteration on finite logits, written out
+    for _ in range(8):
+        plain = plain - plain.logsumexp(0, keepdim=True) + math.log(20 / 5)
+        plain = plain - plain.logsumexp(1, keepdim=True)
+    torch.testing.assert_close(sinkhorn_log_plan(logits, 8), plain)
+    logits[3] = float("nan")
+    logits[5, 1] = float("inf")
+    plan = sinkhorn_log_plan(logits, 8)
+    assert bool(plan.isfinite().all())
+    torch.testing.assert_close(plan.exp().sum(1), torch.ones(20))
+    assert int(plan[5].argmax()) == 1
+    equal = logits.clone()
+    equal[3] = 0.0                         # a NaN token ranks every expert alike
+    torch.testing.assert_close(plan[3], sinkhorn_log_plan(equal, 8)[3])
 
 
 def test_noisy_top_k_and_exact_s_base_train_through_nan():

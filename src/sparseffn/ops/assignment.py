@@ -2,6 +2,9 @@
 
 - :func:`sinkhorn_log_plan`: Sinkhorn's row/column normalisation (Sinkhorn 1964; Clark et al.
   2022), in log space;
+- :func:`sinkhorn_topk`: each token's top-k of that plan (S-BASE's assignment): on CUDA the
+  operator ``sparseffn::sinkhorn_topk`` (:mod:`~sparseffn.ops.triton_sinkhorn`, one kernel
+  per iteration), elsewhere PyTorch ops that ``torch.compile`` fuses;
 - :func:`capacity_rounding`: a balanced plan's scores turned into k experts per token with no
   expert over capacity;
 - :func:`exact_balanced_assignment`: the linear assignment of Eq. 33 itself, extended to k
@@ -17,7 +20,7 @@ import math
 import numpy as np
 import torch
 
-from . import kernels
+from . import kernels, triton_sinkhorn
 from .cvmm import stable_sort_ids
 
 
@@ -52,16 +55,58 @@ def sinkhorn_log_plan(logits: torch.Tensor, iterations: int) -> torch.Tensor:
     (one unit per token) and whose columns approach ``T / E`` (an equal share per expert).
 
     logits: [T, E]; returns float32 [T, E] (rows exactly normalised, columns to within the
-    Sinkhorn iteration's convergence). No gradient flows through it."""
+    Sinkhorn iteration's convergence). No gradient flows through it.
+
+    A non-finite logit (from a non-finite input) is clamped first, NaN and -inf to ``-BOUND``,
+    +inf to ``BOUND`` (``triton_sinkhorn.BOUND``, 2^120), and its token's row is shifted to a
+    maximum of 0 (where rounding would otherwise lose the column step at that scale). So an
+    all-NaN token ranks every expert alike, and the other tokens' plan stays finite, where
+    one NaN would turn every entry NaN. Finite logits are taken as they are."""
     tokens, num_experts = logits.shape
-    log_plan = logits.detach().float()
-    if tokens == 0:
+    bound = triton_sinkhorn.BOUND
+    log_plan = logits.detach().float().nan_to_num(nan=-bound).clamp(-bound, bound)
+    if tokens == 0 or num_experts == 0:
         return log_plan
+    at_bound = (log_plan.abs() == bound).any(1, keepdim=True)
+    log_plan = log_plan - torch.where(at_bound, log_plan.amax(1, keepdim=True), 0.0)
     column_target = math.log(tokens / num_experts)
     for _ in range(iterations):
         log_plan = log_plan - torch.logsumexp(log_plan, dim=0, keepdim=True) + column_target
         log_plan = log_plan - torch.logsumexp(log_plan, dim=1, keepdim=True)
     return log_plan
+
+
+def sinkhorn_topk(logits: torch.Tensor, iterations: int, k: int) -> torch.Tensor:
+    """Each token's k largest entries of :func:`sinkhorn_log_plan` ``(logits, iterations)``,
+    best first: S-BASE's training assignment (Clark et al. 2022). logits: [T, E]; returns
+    int64 [T, k]. No gradient flows through it.
+
+    On a CUDA tensor with Triton, the operator ``sparseffn::sinkhorn_topk``: ``iterations + 1``
+    kernels on the plan's log-potentials, which never write the [T, E] plan (its entries may
+    differ from this form's by float32 rounding, so near-ties may fall the other way).
+    Elsewhere, the PyTorch ops of :func:`sinkhorn_log_plan` and a top-k, which
+    ``torch.compile`` traces and fuses."""
+    tokens, num_experts = logits.shape
+    if k > num_experts:
+        raise ValueError(f"cannot choose k={k} distinct experts of {num_experts}")
+    if iterations < 1:
+        raise ValueError(f"sinkhorn_topk needs at least one iteration, got {iterations}")
+    logits = logits.detach()
+    if triton_sinkhorn.usable(logits):
+        return _sinkhorn_topk_op(logits, iterations, k)
+    return torch.topk(sinkhorn_log_plan(logits, iterations), k, dim=1).indices
+
+
+@kernels.operator("sinkhorn_topk")
+def _sinkhorn_topk_op(logits: torch.Tensor, iterations: int, k: int) -> torch.Tensor:
+    if triton_sinkhorn.usable(logits):
+        return triton_sinkhorn.sinkhorn_topk(logits, iterations, k)
+    return torch.topk(sinkhorn_log_plan(logits, iterations), k, dim=1).indices
+
+
+@_sinkhorn_topk_op.register_fake
+def _(logits, iterations, k):
+    return logits.new_empty(logits.shape[0], k, dtype=torch.int64)
 
 
 def _assignment_operator(name: str):

@@ -10,7 +10,7 @@ import torch
 
 from ..losses import batch_entropy_loss
 from ..ops.assignment import (capacity_rounding, exact_balanced_assignment,
-                              sinkhorn_log_plan)
+                              sinkhorn_log_plan, sinkhorn_topk)
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
@@ -81,10 +81,10 @@ class SBaseRouter(LinearRouter):
         """The balanced top-k assignment of a training batch: int64 [T, k]."""
         if self.config.assignment == "exact":
             return exact_balanced_assignment(torch.sigmoid(logits.detach()), self.k)
-        log_plan = sinkhorn_log_plan(logits, self.config.sinkhorn_iterations)
+        iterations = self.config.sinkhorn_iterations
         if self.config.rounding == "capacity":
-            return capacity_rounding(log_plan, self.k)
-        return torch.topk(log_plan, self.k, dim=-1, sorted=False).indices
+            return capacity_rounding(sinkhorn_log_plan(logits, iterations), self.k)
+        return sinkhorn_topk(logits, iterations, self.k)
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = self.logits(x)                                       # [T, E]
