@@ -190,7 +190,10 @@ if triton is not None:
 
     # Keys of the product-key top-k: int64 with the score's IEEE bits, in signed integer order,
     # in the high word and 2^31 - 1 - index in the low word, so that one integer comparison
-    # (and one max or sort of plain integers) orders by (score desc, index asc).
+    # (and one max or sort of plain integers) orders by (score desc, index asc). NO_KEY, the
+    # int64 minimum, ranks below every key (that of a -inf score included).
+    NO_KEY = tl.constexpr(-(1 << 63))
+
     @triton.jit
     def _score_key(score, index):
         """int64 [..] keys of fp32 scores (no NaN; -0.0 ranks as +0.0) and int32 indices."""
@@ -279,7 +282,7 @@ if triton is not None:
         N: tl.constexpr = keys.shape[1]
         blocks = tl.reshape(keys, (BR, N // WIDTH, WIDTH))
         at = tl.arange(0, N // WIDTH)
-        return tl.max(tl.where((at == AT)[None, :, None], blocks, -9223372036854775807 - 1), 1)
+        return tl.max(tl.where((at == AT)[None, :, None], blocks, NO_KEY), 1)
 
     @triton.jit
     def _candidate_block(top_a, top_b, n_a, A: tl.constexpr, K: tl.constexpr):
@@ -337,7 +340,7 @@ if triton is not None:
         # the whole grid unless a cell left out ties the k-th sum (then the candidate after the
         # k-th ties it too).
         blocks = tl.arange(0, (1 << LOG_C) // K)
-        cand = tl.full((BLOCK_R, (1 << LOG_C) // K, K), -9223372036854775807 - 1, tl.int64)
+        cand = tl.full((BLOCK_R, (1 << LOG_C) // K, K), NO_KEY, tl.int64)
         for A in tl.static_range(LOG_K + 1):
             cand = tl.where((blocks == A)[None, :, None],
                             _candidate_block(top_a, top_b, n_a, A, K)[:, None, :], cand)
@@ -345,8 +348,8 @@ if triton is not None:
         top = _top_keys(cand, LOG_K, LOG_C, LOG_R, TL_TOPK)
         out = _key_index(top)
         slots = tl.arange(0, K)
-        kth = tl.max(tl.where(slots[None, :] == k - 1, top, -9223372036854775807 - 1), 1)
-        after = tl.max(tl.where(cand < kth[:, None], cand, -9223372036854775807 - 1), 1)
+        kth = tl.max(tl.where(slots[None, :] == k - 1, top, NO_KEY), 1)
+        after = tl.max(tl.where(cand < kth[:, None], cand, NO_KEY), 1)
         tie = (after >> 32) == (kth >> 32)                       # equal sums
         exact = tl.max((tie & r_ok).to(tl.int32), 0)
         if exact > 0:       # rows with a tie at the k-th: select over the whole grid

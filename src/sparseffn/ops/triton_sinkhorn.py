@@ -59,7 +59,7 @@ def usable(logits: Optional[Tensor]) -> bool:
 
 if triton is not None:
     # (value desc, index asc) as one int64 key, as the product-key top-k orders its keys
-    from .triton_rows import _key_index, _score_key
+    from .triton_rows import NO_KEY, _key_index, _score_key
 
     @triton.jit
     def _row_shifted(x, col_ok, BOUND: tl.constexpr):
@@ -152,12 +152,11 @@ if triton is not None:
                     mask=t_ok[:, None] & col_ok[None, :], other=0.0)
         plan = _row_shifted(x, col_ok, BOUND) + b[None, :]
         keys = _score_key(plan, cols[None, :] + tl.zeros((BLOCK_T, BLOCK_E), tl.int32))
-        taken = -9223372036854775807 - 1     # below every key, as is every padding column
-        keys = tl.where(col_ok[None, :], keys, taken)
+        keys = tl.where(col_ok[None, :], keys, NO_KEY)
         for j in range(k):
             best = tl.max(keys, 1)
             tl.store(idx_ptr + ts64 * k + j, _key_index(best).to(tl.int64), mask=t_ok)
-            keys = tl.where(keys == best[:, None], taken, keys)
+            keys = tl.where(keys == best[:, None], NO_KEY, keys)     # taken
 
 
 def _blocks(num_experts: int) -> tuple[int, int]:
