@@ -14,9 +14,12 @@ together. Here each layer is timed alone, in three versions where they apply:
   float32 (``ops/cvmm.py``, ``backward_gate_rows``);
 - ``two kernels`` (PKM, PEER): ``gather_sum``'s table and weight gradients from
   ``scatter_rows`` and ``gather_dot`` instead of one pass (``kernels.scatter_rows_dot``);
+- ``torch sinkhorn`` (S-BASE): the training assignment's Sinkhorn iterations and top-k as
+  PyTorch ops instead of the Triton kernels (``ops/triton_sinkhorn.py``, one launch per
+  iteration; the assignment may differ where the plan has near-ties);
 
-beside the dense FFN of equal parameters (``dense``). The fourth such change, the keyed
-product-key top-k, is timed kernel against kernel by ``scripts/gpu_rows_calls.py``.
+beside the dense FFN of equal parameters (``dense``). The keyed product-key top-k, also not yet
+timed in a layer, is timed kernel against kernel by ``scripts/gpu_rows_calls.py``.
 
 A step is the layer's forward under bf16 autocast (the weight cache off, as CUDA graphs
 require) and the backward of its output, from a fixed random gradient, and of its weighted
@@ -48,7 +51,7 @@ from sparseffn.auxiliary import aux_loss
 from sparseffn.bench.lm_step import lm_ffn
 from sparseffn.bench.measure import (forward_backward_fn, graph_call_times, kernel_script_device,
                                      paired_ratio)
-from sparseffn.ops import kernels
+from sparseffn.ops import kernels, triton_sinkhorn
 
 # the modules, not the functions of the same names that sparseffn.ops exports
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
@@ -88,6 +91,7 @@ SWITCHES = {
     "bf16 gates": (MOE_PRESETS, _bf16_gates),
     "two kernels": (ROW_PRESETS,
                     lambda: _set(kernels, "scatter_rows_dot", kernels.scatter_rows_and_gather_dot)),
+    "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),
 }
 
 

@@ -62,6 +62,7 @@ for what in "$@"; do
   case $what in
     tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 420 $PY -m pytest -q -p no:cacheprovider \
              tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py tests/ops/test_triton_tree.py \
+             tests/ops/test_triton_sinkhorn.py \
              tests/ops/test_operator_autocast.py tests/layers/test_no_host_sync.py \
              tests/test_bench_graphs.py \
              "tests/layers/test_fff.py::test_every_formulation_compiles_in_one_graph_on_cuda" ;;

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import sparseffn  # noqa: E402
 from sparseffn.bench.measure import forward_backward_fn  # noqa: E402
 from sparseffn.bench.lm_step import lm_ffn  # noqa: E402
-from sparseffn.ops import triton_cvmm, triton_rows, triton_tree  # noqa: E402
+from sparseffn.ops import triton_cvmm, triton_rows, triton_sinkhorn, triton_tree  # noqa: E402
 
 _ACCESS = re.compile(r"^(?:@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async\.c[ag]\.shared\.global)"
                      r"([.\w:]*)\s+(.*);")
@@ -79,12 +79,12 @@ def access_widths(ptx: str) -> dict[str, collections.Counter]:
 
 
 def _kernels() -> dict[str, object]:
-    """Every Triton kernel of the three kernel modules, by name (autotuned ones included)."""
+    """Every Triton kernel of the kernel modules, by name (autotuned ones included)."""
     import triton
     from triton.runtime.interpreter import InterpretedFunction   # what @triton.jit makes there
     kinds = (triton.runtime.JITFunction, triton.runtime.Autotuner, InterpretedFunction)
     found = {}
-    for module in (triton_cvmm, triton_rows, triton_tree):
+    for module in (triton_cvmm, triton_rows, triton_sinkhorn, triton_tree):
         for name, value in vars(module).items():
             if isinstance(value, kinds) and name.endswith("_kernel"):
                 found[name] = (module, value)
