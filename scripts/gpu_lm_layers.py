@@ -57,10 +57,10 @@ from sparseffn.ops import kernels, triton_sinkhorn
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
 expert_mlp = importlib.import_module("sparseffn.ops.expert_mlp")
 
-MOE_PRESETS = ("sigma_moe", "softmax_moe", "sbase", "switch", "glam", "fff")
+MOE_PRESETS = ("sigma_moe", "softmax_moe", "sbase", "switch", "glam", "fff", "fff_sparse")
 ROW_PRESETS = ("pkm", "peer")
 # the presets the GPU issue's LM target names (softmax_moe differs from sigma_moe in its router)
-DEFAULT_PRESETS = ("sigma_moe", "sbase", "switch", "glam", "fff") + ROW_PRESETS
+DEFAULT_PRESETS = ("sigma_moe", "sbase", "switch", "glam", "fff", "fff_sparse") + ROW_PRESETS
 
 
 @contextlib.contextmanager

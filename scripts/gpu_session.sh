@@ -72,10 +72,12 @@ for what in "$@"; do
     fig2-graphs) stage fig2-graphs 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
                    --compile reduce-overhead --json "$OUT/fig2-graphs.json" ;;
     lm) stage lm 540 $PY -m sparseffn bench lm --device cuda --json "$OUT/lm.json" ;;
-    # the presets the LM target names (softmax_moe, σ-MoE's experts behind softmax
-    # gates, is left out to keep the stage's compile time under its limit; ~4 min for 7)
+    # the presets the LM target names, FFF trained soft and sparse (softmax_moe,
+    # σ-MoE's experts behind softmax gates, is left out to keep the stage's compile time
+    # under its limit; ~4 min for 7)
     lm-graphs) stage lm-graphs 540 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
-                 --presets sigma_moe sbase switch glam fff pkm peer --json "$OUT/lm-graphs.json" ;;
+                 --presets sigma_moe sbase switch glam fff fff_sparse pkm peer \
+                 --json "$OUT/lm-graphs.json" ;;
     layers) stage layers 400 $PY -m sparseffn bench layers --device cuda --dtype bfloat16 \
               --tokens 32768 --json "$OUT/layers.json" ;;
     decode) stage decode 300 $PY -m sparseffn bench layers --device cuda --tokens 1 --configs a b \
@@ -87,7 +89,7 @@ for what in "$@"; do
                    --cases scaling peer_1m pkm --no-peers --json "$OUT/productkeys.json" ;;
     profile) stage profile 300 $PY scripts/gpu_profile.py ;;
     profile-lm) stage profile-lm 540 $PY scripts/gpu_profile.py --top 15 \
-                  --lm dense,sigma_moe,sbase,switch,glam,fff,pkm,peer ;;
+                  --lm dense,sigma_moe,sbase,switch,glam,fff,fff_sparse,pkm,peer ;;
     profile-fig2) stage profile-fig2 400 $PY scripts/gpu_profile.py --top 15 --fig2 512,2048 ;;
     train) stage train 540 $PY scripts/gpu_train_check.py --json "$OUT/train.json" ;;
     lm-sync) stage lm-sync 240 $PY scripts/gpu_lm_sync.py ;;

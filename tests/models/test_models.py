@@ -46,6 +46,25 @@ def test_table4_variants_are_sigma_moes_experts_behind_another_router():
     assert ffn_preset("sbase", 256, 2048, 6, k=4).ffn.k == 4
 
 
+def test_fff_sparse_is_the_fff_tree_trained_on_its_top_two_leaves():
+    soft, sparse = (ffn_preset(name, 256, 2048, 6).ffn for name in ("fff", "fff_sparse"))
+    assert (sparse.depth, sparse.leaf_width) == (soft.depth, soft.leaf_width)
+    assert (sparse.train_mode, sparse.k, sparse.resolved_eval_mode) == ("sparse", 2, "topk")
+    assert sparse.cost().total_params == soft.cost().total_params
+    sigma = ffn_preset("sigma_moe", 256, 2048, 6).ffn
+    # σ-MoE's active width: 2 of 8 leaves (the tree's nodes instead of its selection)
+    assert sparse.cost().active_params < 0.3 * soft.cost().active_params
+    assert abs(sparse.cost().active_params - sigma.cost().active_params) < 0.02 * sigma.cost(
+        ).active_params
+    assert ffn_preset("fff_sparse", 256, 2048, 6, k=3).ffn.k == 3
+    model = TransformerLM(lm("fff_sparse", layers=1)).train()
+    tokens = torch.randint(0, 50, (2, 9))
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    ffn = model.blocks[0].ffn
+    routing = ffn.route(torch.randn(5, ffn.config.d_model))
+    assert routing.indices.shape == (5, 2) and not routing.dense
+
+
 def test_sbase_lm_balances_its_experts_in_training_and_routes_by_score_in_evaluation():
     torch.manual_seed(0)
     model = TransformerLM(lm("sbase", layers=1))

@@ -47,7 +47,7 @@ def metrics(folder):
 
 
 @pytest.mark.parametrize("ffn", ["dense", "sigma_moe", "softmax_moe", "sbase", "switch", "glam",
-                                 "fff", "pkm", "peer"])
+                                 "fff", "fff_sparse", "pkm", "peer"])
 def test_tiny_lm_runs_end_to_end(corpus, tmp_path, ffn):
     summary = Trainer(lm_run(corpus, ffn), tmp_path / ffn, progress=False).train()
     assert summary["steps"] == 6

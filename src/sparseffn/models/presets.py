@@ -15,6 +15,7 @@ granularity allows; :meth:`LMConfig.cost` reports the exact counts):
 | ``switch`` | MoE with the Switch router: top-1, capacity 1.25, balance + z-loss | Fedus et al. 2022 |
 | ``glam`` | GShard top-2 MoE in every other block, dense MLPs between | GLaM (Du et al. 2022) |
 | ``fff`` | a fast feed-forward tree of 8 leaves | Chaunin & Mikhailovskiy |
+| ``fff_sparse`` | the same tree trained on its top-2 leaves by R (σ-MoE's active width) | |
 | ``pkm`` | a product-key memory, 4 heads, k = 32 | Csordás et al. 2023 §3.2 |
 | ``peer`` | PEER, 4 heads × k = 8 single-neuron experts | He 2024 §3 |
 
@@ -107,6 +108,13 @@ def _fff(d_model, d_ff, n_layers, overrides) -> FFNLayout:
     return FFNLayout(_fitted(FFFConfig, "leaf_width", d_model, d_ff, fields))
 
 
+def _fff_sparse(d_model, d_ff, n_layers, overrides) -> FFNLayout:
+    """``fff`` trained and evaluated on each token's 2 leaves of largest R through the MoE
+    kernels, not on all 8 (beyond the papers, which train soft): the active width of
+    ``sigma_moe``, so its step can cost less than dense, where soft training cannot."""
+    return _fff(d_model, d_ff, n_layers, {"train_mode": "sparse", "k": 2, **overrides})
+
+
 def _pkm(d_model, d_ff, n_layers, overrides) -> FFNLayout:
     fields = {"init_depth": n_layers, **overrides}
     if "num_subkeys" in fields:
@@ -123,7 +131,8 @@ def _peer(d_model, d_ff, n_layers, overrides) -> FFNLayout:
 
 PRESETS: dict[str, Callable[..., FFNLayout]] = {
     "dense": _dense, "sigma_moe": _sigma_moe, "softmax_moe": _softmax_moe, "sbase": _sbase,
-    "switch": _switch, "glam": _glam, "fff": _fff, "pkm": _pkm, "peer": _peer,
+    "switch": _switch, "glam": _glam, "fff": _fff, "fff_sparse": _fff_sparse, "pkm": _pkm,
+    "peer": _peer,
 }
 
 

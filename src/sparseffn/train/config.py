@@ -14,8 +14,8 @@ d_model = 128
 n_layers = 4
 n_heads = 4
 context = 128
-# a preset (dense, sigma_moe, softmax_moe, sbase, switch, glam, fff, pkm, peer) sized to d_ff,
-# or a full layer table: [model.ffn] type = "moe" ...
+# a preset (dense, sigma_moe, softmax_moe, sbase, switch, glam, fff, fff_sparse, pkm, peer)
+# sized to d_ff, or a full layer table: [model.ffn] type = "moe" ...
 ffn = "sigma_moe"
 d_ff = 512
 [model.ffn_options]         # preset fields to change (num_experts, k, depth, heads, ...)
