@@ -114,6 +114,8 @@ def test_bad_arguments_are_clear_errors():
         assignment.sinkhorn_topk(logits, 0, 2)
     with pytest.raises(ValueError, match="at least one iteration"):
         triton_sinkhorn.sinkhorn_topk(logits, 0, 2)
+    with pytest.raises(ValueError, match="k=5 distinct experts of 4"):
+        triton_sinkhorn.sinkhorn_topk(logits, 8, 5)
 
 
 def test_the_s_base_router_trains_through_the_kernel():

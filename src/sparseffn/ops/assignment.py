@@ -99,6 +99,8 @@ def sinkhorn_topk(logits: torch.Tensor, iterations: int, k: int) -> torch.Tensor
 
 @kernels.operator("sinkhorn_topk")
 def _sinkhorn_topk_op(logits: torch.Tensor, iterations: int, k: int) -> torch.Tensor:
+    """The operator behind :func:`sinkhorn_topk`: the Triton kernels where they take the
+    logits, else the PyTorch form (for a direct ``torch.ops.sparseffn.sinkhorn_topk`` call)."""
     if triton_sinkhorn.usable(logits):
         return triton_sinkhorn.sinkhorn_topk(logits, iterations, k)
     return torch.topk(sinkhorn_log_plan(logits, iterations), k, dim=1).indices

@@ -174,6 +174,8 @@ def sinkhorn_topk(logits: Tensor, iterations: int, k: int,
         raise ValueError(f"sinkhorn_topk needs at least one iteration, got {iterations}")
     logits = _rowwise(logits)
     tokens, num_experts = logits.shape
+    if k > num_experts:     # (the kernel would read a padding column's index for the rest)
+        raise ValueError(f"cannot choose k={k} distinct experts of {num_experts}")
     out = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
     if tokens == 0 or k == 0:
         return out
