@@ -129,7 +129,7 @@ def test_the_s_base_router_trains_through_the_kernel():
     assert router.weight.grad is not None and bool(router.weight.grad.abs().sum() > 0)
 
 
-def test_the_operator_is_one_node_under_torch_compile():
+def test_the_assignment_compiles_in_one_graph():
     logits = _logits(40, 5, torch.float32, seed=2).contiguous()
     compiled = torch.compile(lambda t: assignment.sinkhorn_topk(t, 4, 2), backend="aot_eager",
                              fullgraph=True)
