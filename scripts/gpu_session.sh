@@ -74,7 +74,7 @@ for what in "$@"; do
     lm) stage lm 540 $PY -m sparseffn bench lm --device cuda --json "$OUT/lm.json" ;;
     # the presets the LM target names, FFF trained soft and sparse (softmax_moe,
     # σ-MoE's experts behind softmax gates, is left out to keep the stage's compile time
-    # under its limit; ~4 min for 7)
+    # under its limit; ~4 min for 7, before fff_sparse made 8: not yet run)
     lm-graphs) stage lm-graphs 540 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
                  --presets sigma_moe sbase switch glam fff fff_sparse pkm peer \
                  --json "$OUT/lm-graphs.json" ;;

@@ -116,6 +116,8 @@ def test_bad_arguments_are_clear_errors():
         triton_sinkhorn.sinkhorn_topk(logits, 0, 2)
     with pytest.raises(ValueError, match="k=5 distinct experts of 4"):
         triton_sinkhorn.sinkhorn_topk(logits, 8, 5)
+    with pytest.raises(ValueError, match="at least one iteration"):
+        torch_path(assignment.sinkhorn_topk, logits, 0, 2)     # the PyTorch form checks too
 
 
 def test_the_s_base_router_trains_through_the_kernel():

@@ -86,14 +86,14 @@ def sinkhorn_topk(logits: torch.Tensor, iterations: int, k: int) -> torch.Tensor
     differ from this form's by float32 rounding, so near-ties may fall the other way).
     Elsewhere, the PyTorch ops of :func:`sinkhorn_log_plan` and a top-k, which
     ``torch.compile`` traces and fuses."""
-    tokens, num_experts = logits.shape
-    if k > num_experts:
-        raise ValueError(f"cannot choose k={k} distinct experts of {num_experts}")
-    if iterations < 1:
-        raise ValueError(f"sinkhorn_topk needs at least one iteration, got {iterations}")
     logits = logits.detach()
     if triton_sinkhorn.usable(logits):
         return _sinkhorn_topk_op(logits, iterations, k)
+    return _sinkhorn_topk_torch(logits, iterations, k)
+
+
+def _sinkhorn_topk_torch(logits: torch.Tensor, iterations: int, k: int) -> torch.Tensor:
+    triton_sinkhorn.check_arguments(logits.shape[1], iterations, k)
     return torch.topk(sinkhorn_log_plan(logits, iterations), k, dim=1).indices
 
 
@@ -103,7 +103,7 @@ def _sinkhorn_topk_op(logits: torch.Tensor, iterations: int, k: int) -> torch.Te
     logits, else the PyTorch form (for a direct ``torch.ops.sparseffn.sinkhorn_topk`` call)."""
     if triton_sinkhorn.usable(logits):
         return triton_sinkhorn.sinkhorn_topk(logits, iterations, k)
-    return torch.topk(sinkhorn_log_plan(logits, iterations), k, dim=1).indices
+    return _sinkhorn_topk_torch(logits, iterations, k)
 
 
 @_sinkhorn_topk_op.register_fake

@@ -50,6 +50,15 @@ MAX_PROGRAMS = 128
 BOUND = 2.0 ** 120
 
 
+def check_arguments(num_experts: int, iterations: int, k: int) -> None:
+    """ValueError unless k distinct experts of ``num_experts`` can be chosen after at least
+    one iteration (the checks of every ``sinkhorn_topk`` path)."""
+    if k > num_experts:     # (the kernel would read a padding column's index for the rest)
+        raise ValueError(f"cannot choose k={k} distinct experts of {num_experts}")
+    if iterations < 1:
+        raise ValueError(f"sinkhorn_topk needs at least one iteration, got {iterations}")
+
+
 def usable(logits: Optional[Tensor]) -> bool:
     """True when the kernels take these logits [T, E] (Triton present and enabled; a CUDA
     tensor, or a CPU tensor under the interpreter; fp32, fp16 or bf16; E <= MAX_EXPERTS)."""
@@ -170,12 +179,9 @@ def sinkhorn_topk(logits: Tensor, iterations: int, k: int,
     plan after ``iterations`` column-then-row normalisations, best first. logits: [T, E]
     (any float dtype, computed in fp32); returns int64 [T, k]. ``max_programs`` caps the
     programs of a pass (the tests lower it to give each program several blocks of tokens)."""
-    if iterations < 1:
-        raise ValueError(f"sinkhorn_topk needs at least one iteration, got {iterations}")
+    check_arguments(logits.shape[1], iterations, k)
     logits = _rowwise(logits)
     tokens, num_experts = logits.shape
-    if k > num_experts:     # (the kernel would read a padding column's index for the rest)
-        raise ValueError(f"cannot choose k={k} distinct experts of {num_experts}")
     out = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
     if tokens == 0 or k == 0:
         return out
