@@ -47,13 +47,23 @@ def batch_entropy_loss(logits: torch.Tensor, batch: BatchSum | None = None) -> t
     log space (log-softmax, logsumexp over tokens, exp), at half the time or less, on every
     forward of every σ-MoE layer (15 → 8 µs at 1 token, 234 → 91 µs at 4,096, 2 CPU cores).
     """
+    return usage_entropy_loss(torch.softmax(logits.float(), dim=-1), batch)     # Eq. 34
+
+
+def usage_entropy_loss(probs: torch.Tensor, batch: BatchSum | None = None) -> torch.Tensor:
+    """Eq. 35 of Csordás et al. 2023 for any per-token distribution over experts: ``Σ_e p[e]
+    log p[e]`` with ``p`` the batch mean of ``probs`` [tokens, num_experts] (rows summing to
+    one; e.g. a fast feed-forward tree's leaf distribution R). The negative entropy of the
+    batch's usage: minimising it spreads the mass over the experts. ``p log p`` is 0 where p
+    underflows, with a finite gradient; an empty batch gives 0; with ``batch``, p is the mean
+    over the global batch. Returns a float32 scalar."""
     if batch is not None:
-        p = _global_mean(torch.softmax(logits.float(), dim=-1).sum(0), logits.shape[0], batch)
-    elif logits.shape[0] == 0:
-        return logits.new_zeros((), dtype=torch.float32)
+        p = _global_mean(probs.float().sum(0), probs.shape[0], batch)
+    elif probs.shape[0] == 0:
+        return probs.new_zeros((), dtype=torch.float32)
     else:
-        p = torch.softmax(logits.float(), dim=-1).mean(0)                          # Eq. 34
-    return torch.dot(p, p.clamp_min(torch.finfo(p.dtype).tiny).log())             # Eq. 35
+        p = probs.float().mean(0)
+    return torch.dot(p, p.clamp_min(torch.finfo(p.dtype).tiny).log())
 
 
 def cv_squared(values: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:

@@ -2,6 +2,8 @@
 per-leaf loops, hard inference, training, config, and the fastfeedforward package given the same
 weights."""
 
+import math
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -94,6 +96,65 @@ def test_modes_follow_train_and_eval():
     assert "entropy" not in hard.routing_stats
     layer.train()(x)
     assert "entropy" in layer.routing_stats
+
+
+def _negative_usage_entropy(probs):
+    """Σ_i p_i log p_i with p_i the batch mean of R(i|x), written out (Csordás et al. Eq. 35)."""
+    p = probs.double().mean(0)
+    return sum(float(q) * math.log(float(q)) for q in p if q > 0)
+
+
+def test_sparse_training_records_the_leaf_usage_entropy_with_its_weight():
+    layer = FastFeedForward(d_model=10, depth=3, leaf_width=4, train_mode="sparse", k=2,
+                            router={"entropy_weight": 0.25})
+    x = torch.randn(30, 10)
+    layer(x)
+    want = _negative_usage_entropy(layer.router.leaf_probs(x).detach())
+    assert layer.aux_losses["entropy"].item() == pytest.approx(want, rel=1e-5)
+    assert sparseffn.aux_loss(layer).item() == pytest.approx(0.25 * want, rel=1e-5)
+    # the same batch seen as two processes' halves: each computes the global batch's loss
+    from sparseffn.losses import BatchSum
+
+    class OtherHalf(BatchSum):
+        def sum(self, values):
+            other = torch.cat([layer.router.leaf_probs(x[15:]).sum(0), torch.tensor([15.0])])
+            return values + other.detach()
+    layer.router.global_batch = OtherHalf()
+    layer(x[:15])
+    assert layer.aux_losses["entropy"].item() == pytest.approx(want, rel=1e-5)
+    # soft training computes every leaf: nothing to balance, no loss recorded
+    soft = FastFeedForward(d_model=10, depth=3, leaf_width=4)
+    soft(x)
+    assert soft.aux_losses == {} and sparseffn.aux_loss(soft).item() == 0.0
+    off = FastFeedForward(d_model=10, depth=3, leaf_width=4, train_mode="sparse", k=2,
+                          router={"entropy_weight": 0.0})
+    off(x)
+    assert "entropy" in off.aux_losses and not sparseffn.aux_loss(off).requires_grad
+    with pytest.raises(ValueError, match="entropy_weight"):
+        FFFConfig(d_model=4, depth=2, leaf_width=2, router={"entropy_weight": -1.0})
+
+
+def test_the_leaf_entropy_regulariser_revives_leaves_a_tree_starves():
+    """A root biased hard to the left sends every token's top-2 to the left subtree, so half
+    the leaves get no token and no gradient. Descending aux_loss alone spreads the usage back
+    over all 8 leaves."""
+    torch.manual_seed(0)
+    layer = FastFeedForward(d_model=8, depth=3, leaf_width=4, train_mode="sparse", k=2,
+                            router={"entropy_weight": 1.0})
+    with torch.no_grad():
+        layer.router.bias[0] = 6.0                        # σ(6) ≈ 0.998 of the mass goes left
+    x = torch.randn(256, 8)
+    layer(x)
+    assert set(layer.routing_stats["counts"].nonzero().flatten().tolist()) <= {0, 1, 2, 3}
+    opt = torch.optim.SGD(layer.router.parameters(), lr=2.0)
+    for _ in range(100):
+        opt.zero_grad()
+        layer(x)
+        sparseffn.aux_loss(layer).backward()
+        opt.step()
+    layer(x)
+    assert int((layer.routing_stats["counts"] > 0).sum()) == 8
+    assert -_negative_usage_entropy(layer.router.leaf_probs(x).detach()) > 0.9 * math.log(8)
 
 
 @pytest.mark.slow

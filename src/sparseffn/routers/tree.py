@@ -11,12 +11,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..losses import usage_entropy_loss
 from ..ops import fff
 from ..ops.fff import SOFT_FORMULATIONS, TREE_ACTIVATIONS
 from ..ops.precision import autocast_off
 from ..registry import RouterConfig, implements
 from ..routing import Routing
-from ..validation import matrix_tuple, require_bool, require_choice, require_positive_int
+from ..validation import (matrix_tuple, require_bool, require_choice, require_non_negative,
+                          require_positive_int)
 from .base import Router, init_selection_
 
 TREE_FORMULATIONS = ("auto",) + SOFT_FORMULATIONS
@@ -59,6 +61,13 @@ class TreeRouterConfig(RouterConfig):
     init: ``"fff"``: uniform ±1/sqrt(d_model) for the node weights and biases, as in the
       ``fastfeedforward`` package; ``"layer"``: the layer's init scheme for the weights and zero
       biases.
+    entropy_weight: γ of σ-MoE's batch-entropy regulariser (Csordás et al. 2023 Eq. 34-35)
+      taken over the leaf distribution R: ``Σ_i p_i log p_i`` with ``p`` the batch mean of R,
+      recorded whenever the top-k leaves are chosen (a sparse FFF in training; an MoE layer
+      with this router). Without it a tree trained on its top-k leaves starves leaves (no
+      gradient reaches a leaf that no token picks); the papers train soft, where every leaf
+      is computed and this does not arise. The default, 10× σ-MoE's 0.001, was the best of
+      0, 0.001, 0.01, 0.03 and 0.1 for the ``fff_sparse`` LM preset (docs/fff.md).
     """
 
     type_name: ClassVar[str] = "tree"
@@ -71,6 +80,7 @@ class TreeRouterConfig(RouterConfig):
     t_matrix: Any = None
     s_matrix: Any = None
     init: str = "fff"
+    entropy_weight: float = 0.01
 
     def __post_init__(self) -> None:
         require_choice(self, "activation", TREE_ACTIVATIONS)
@@ -79,6 +89,7 @@ class TreeRouterConfig(RouterConfig):
         require_bool(self, "bias")
         require_bool(self, "renormalize")
         require_choice(self, "init", TREE_INITS)
+        require_non_negative(self, "entropy_weight")
         object.__setattr__(self, "t_matrix", matrix_tuple(self, "t_matrix"))
         object.__setattr__(self, "s_matrix", matrix_tuple(self, "s_matrix"))
         if (self.t_matrix is None) != (self.s_matrix is None):
@@ -111,6 +122,9 @@ class TreeRouterConfig(RouterConfig):
         if not 1 <= k <= num_experts:
             raise ValueError(f"TreeRouterConfig: k must be in [1, num_experts={num_experts}], "
                              f"got {k}")
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        return {"entropy": self.entropy_weight}
 
     def num_params(self, d_model: int, num_experts: int) -> int:
         nodes, h = self.num_nodes(num_experts), self.node_width
@@ -233,11 +247,14 @@ class TreeRouter(Router):
         return fff.descend_from_logits_fn(node_logit, self.depth, x.shape[0], x.device)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        probs = self.leaf_probs(x)
+        """The top-k leaves by R, their probabilities as weights; ``aux_losses["entropy"]``
+        is the batch-entropy regulariser over R (``TreeRouterConfig.entropy_weight``)."""
+        probs = self.leaf_probs(x)                                             # [T, L]
         weights, indices = probs.topk(self.k, dim=-1)
         if self.config.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(indices, weights)
+        return Routing(indices, weights,
+                       aux_losses={"entropy": usage_entropy_loss(probs, self.global_batch)})
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, depth={self.depth}, "
