@@ -252,11 +252,12 @@ def test_fff_config_embeds_its_tree_router():
 
 
 @pytest.mark.parametrize("formulation", ("auto",) + FORMULATIONS)
-@pytest.mark.parametrize("mode", ["train", "soft", "hard"])
+@pytest.mark.parametrize("mode", ["train", "sparse", "soft", "hard"])
 def test_every_formulation_compiles_in_one_graph(formulation, mode):
-    """``torch.compile(fullgraph=True)`` of every tree formulation, training and in both
-    inference modes, with the tree-matrix cache empty at the trace (its lock broke the graph of
-    ``matrix`` and ``matrix_sparse``): the same output and gradients as eager."""
+    """``torch.compile(fullgraph=True)`` of every tree formulation, training (soft, and sparse
+    with its leaf-usage regulariser) and in both inference modes, with the tree-matrix cache
+    empty at the trace (its lock broke the graph of ``matrix`` and ``matrix_sparse``): the
+    same output, aux loss and gradients as eager."""
     _check_compiled_formulation(formulation, mode, "cpu")
 
 
@@ -264,24 +265,31 @@ def test_every_formulation_compiles_in_one_graph(formulation, mode):
 def test_every_formulation_compiles_in_one_graph_on_cuda():
     """The same on CUDA, where the cached matrices become constants on the device."""
     for formulation in ("auto",) + FORMULATIONS:
-        for mode in ("train", "soft", "hard"):
+        for mode in ("train", "sparse", "soft", "hard"):
             _check_compiled_formulation(formulation, mode, "cuda")
 
 
 def _check_compiled_formulation(formulation: str, mode: str, device: str) -> None:
     torch.manual_seed(0)
+    training = mode in ("train", "sparse")
     layer = FastFeedForward(d_model=12, depth=3, leaf_width=5, router={"formulation": formulation},
+                            train_mode="sparse" if mode == "sparse" else "soft", k=2,
                             eval_mode="hard" if mode == "hard" else "soft").to(device)
-    layer.train(mode == "train")
-    x = torch.randn(7, 12, device=device, requires_grad=mode == "train")
+    layer.train(training)
+    x = torch.randn(7, 12, device=device, requires_grad=training)
     fff.tree_matrix_cache.clear()
     torch._dynamo.reset()
-    with torch.set_grad_enabled(mode == "train"):
+    with torch.set_grad_enabled(training):
         y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+        aux = sparseffn.aux_loss(layer)
         expected = layer(x)
+        expected_aux = sparseffn.aux_loss(layer)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
-    if mode == "train":
-        grads = torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])
-        wanted = torch.autograd.grad(expected.square().sum(), [x, *layer.parameters()])
+    torch.testing.assert_close(aux, expected_aux, rtol=1e-5, atol=1e-7)
+    assert (mode == "sparse") == bool(aux.requires_grad)
+    if training:
+        grads = torch.autograd.grad(y.square().sum() + aux, [x, *layer.parameters()])
+        wanted = torch.autograd.grad(expected.square().sum() + expected_aux,
+                                     [x, *layer.parameters()])
         for got, want in zip(grads, wanted):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
