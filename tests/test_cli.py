@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -329,7 +330,11 @@ def test_bench_lm_compiles_each_model_when_asked(tmp_path, capsys):
     records = json.loads(path.read_text())
     assert [(r["preset"], r["compile"], r["compiled"]) for r in records] == [
         ("dense", "default", True), ("sigma_moe", "default", True)]
-    assert "does not compile" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "does not compile" not in out
+    # each model's line as it compiles, before the table (a log cut off mid-run shows them)
+    assert re.search(r"dense: compiled in \d+ s\n(.*\n)*  sigma_moe: compiled in \d+ s\n"
+                     r"(.*\n)*preset ", out)
     with pytest.raises(SystemExit):
         cli.main(["bench", "lm", "--compile", "max"])
     assert "invalid choice: 'max'" in capsys.readouterr().err

@@ -109,15 +109,20 @@ def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Cal
     ``make_eager()`` builds (only then). Returns (the step to time, whether it is the
     compiled one). Twice, because under ``"reduce-overhead"`` the first call warms up and the
     second records the CUDA graph: a step that cannot be captured (a host read or a copy from
-    host memory in it, as in ScatterMoE) fails only at the second."""
+    host memory in it, as in ScatterMoE) fails only at the second.
+
+    Prints one line either way, with the seconds the two calls took: a benchmark that compiles
+    every contender before timing any shows in its log how far it got if it is cut off."""
+    start = time.perf_counter()
     try:
         for _ in range(2):
             step()
     except Exception as error:
         print(f"  {what}: does not compile ({type(error).__name__}: "
-              f"{str(error).splitlines()[0][:160]}); timed eagerly")
+              f"{str(error).splitlines()[0][:160]}); timed eagerly", flush=True)
         torch._dynamo.reset()
         return make_eager(), False
+    print(f"  {what}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
     return step, True
 
 
