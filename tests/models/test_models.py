@@ -57,12 +57,20 @@ def test_fff_sparse_is_the_fff_tree_trained_on_its_top_two_leaves():
     assert abs(sparse.cost().active_params - sigma.cost().active_params) < 0.02 * sigma.cost(
         ).active_params
     assert ffn_preset("fff_sparse", 256, 2048, 6, k=3).ffn.k == 3
+    # its top-2 weights sum to one; a router table changes only the fields it names
+    assert sparse.router.renormalize and not soft.router.renormalize
+    assert sparse.router.entropy_weight == sparseffn.TreeRouterConfig().entropy_weight > 0
+    tuned = ffn_preset("fff_sparse", 256, 2048, 6, router={"entropy_weight": 0.1}).ffn.router
+    assert tuned.renormalize and tuned.entropy_weight == 0.1
+    plain = ffn_preset("fff_sparse", 256, 2048, 6, router={"renormalize": False}).ffn.router
+    assert not plain.renormalize
     model = TransformerLM(lm("fff_sparse", layers=1)).train()
     tokens = torch.randint(0, 50, (2, 9))
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     ffn = model.blocks[0].ffn
     routing = ffn.route(torch.randn(5, ffn.config.d_model))
     assert routing.indices.shape == (5, 2) and not routing.dense
+    torch.testing.assert_close(routing.weights.sum(-1), torch.ones(5))
 
 
 def test_sbase_lm_balances_its_experts_in_training_and_routes_by_score_in_evaluation():

@@ -15,7 +15,7 @@ granularity allows; :meth:`LMConfig.cost` reports the exact counts):
 | ``switch`` | MoE with the Switch router: top-1, capacity 1.25, balance + z-loss | Fedus et al. 2022 |
 | ``glam`` | GShard top-2 MoE in every other block, dense MLPs between | GLaM (Du et al. 2022) |
 | ``fff`` | a fast feed-forward tree of 8 leaves | Chaunin & Mikhailovskiy |
-| ``fff_sparse`` | the same tree trained on its top-2 leaves by R (σ-MoE's active width) | |
+| ``fff_sparse`` | the same tree trained on its top-2 leaves by R, renormalised (σ-MoE's active width) | |
 | ``pkm`` | a product-key memory, 4 heads, k = 32 | Csordás et al. 2023 §3.2 |
 | ``peer`` | PEER, 4 heads × k = 8 single-neuron experts | He 2024 §3 |
 
@@ -111,7 +111,15 @@ def _fff(d_model, d_ff, n_layers, overrides) -> FFNLayout:
 def _fff_sparse(d_model, d_ff, n_layers, overrides) -> FFNLayout:
     """``fff`` trained and evaluated on each token's 2 leaves of largest R through the MoE
     kernels, not on all 8 (beyond the papers, which train soft): the active width of
-    ``sigma_moe``, so its step can cost less than dense, where soft training cannot."""
+    ``sigma_moe``, so its step can cost less than dense, where soft training cannot.
+
+    The two leaves' weights are renormalised to sum to one, and the tree's leaf-usage
+    regulariser keeps its default weight. In ``compare_pydoc``'s LM (600 steps, two seeds,
+    docs/fff.md) this reached soft training's bpc (2.791 against 2.794); unnormalised, 2.849.
+    A ``router`` override given as a dict (a TOML table) changes only the fields it names."""
+    router = overrides.get("router")
+    if router is None or isinstance(router, dict):
+        overrides = {**overrides, "router": {"renormalize": True, **(router or {})}}
     return _fff(d_model, d_ff, n_layers, {"train_mode": "sparse", "k": 2, **overrides})
 
 
