@@ -46,6 +46,26 @@ def test_table4_variants_are_sigma_moes_experts_behind_another_router():
     assert ffn_preset("sbase", 256, 2048, 6, k=4).ffn.k == 4
 
 
+def test_a_router_table_changes_only_the_fields_it_names_of_a_presets_router():
+    """``[model.ffn_options.router]`` without ``type`` keeps the preset's router and its other
+    settings (it used to replace the router and fail for want of a type); with ``type`` it
+    replaces the router."""
+    switch = ffn_preset("switch", 256, 2048, 6, router={"balance_weight": 0.1}).ffn.router
+    assert isinstance(switch, sparseffn.SwitchRouterConfig)
+    assert (switch.capacity_factor, switch.z_loss_weight, switch.balance_weight) == (
+        1.25, 1e-3, 0.1)
+    sbase = ffn_preset("sbase", 256, 2048, 6, router={"sinkhorn_iterations": 4}).ffn.router
+    assert isinstance(sbase, sparseffn.SBaseRouterConfig) and sbase.sinkhorn_iterations == 4
+    glam = ffn_preset("glam", 256, 2048, 6, router={"capacity_factor": 1.5})
+    assert glam.ffn.router == sparseffn.GShardRouterConfig(capacity_factor=1.5)
+    assert glam.sparse_every == 2
+    typed = ffn_preset("switch", 256, 2048, 6, router={"type": "sigma"}).ffn.router
+    assert typed == sparseffn.SigmaRouterConfig()
+    with pytest.raises(ValueError, match=r"ffn_options\.router has no field\(s\) \['gamma'\]"
+                       r".*SwitchRouterConfig"):
+        ffn_preset("switch", 256, 2048, 6, router={"gamma": 1.0})
+
+
 def test_fff_sparse_is_the_fff_tree_trained_on_its_top_two_leaves():
     soft, sparse = (ffn_preset(name, 256, 2048, 6).ffn for name in ("fff", "fff_sparse"))
     assert (sparse.depth, sparse.leaf_width) == (soft.depth, soft.leaf_width)

@@ -21,7 +21,9 @@ granularity allows; :meth:`LMConfig.cost` reports the exact counts):
 
 ``overrides`` change the preset's fields (``num_experts``, ``k``, ``depth``, ``heads`` ...);
 the size field (expert_size, leaf_width, num_subkeys, num_experts for PEER) is then fitted
-to the budget again unless it is given too.
+to the budget again unless it is given too. A ``router`` override given as a dict without
+``type`` (a TOML ``[model.ffn_options.router]`` table) changes only the fields it names of the
+preset's router; one with ``type``, or a router config, replaces it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Callable
 from ..config import (DenseMLPConfig, FFFConfig, LayerConfig, MoEConfig, PEERConfig, PKMConfig,
                       SigmaMoEConfig)
 from ..layers.product_keys import _largest_fitting
+from ..registry import RouterConfig, resolve_router
 from ..router_config import (GShardRouterConfig, SBaseRouterConfig, SoftmaxRouterConfig,
                              SwitchRouterConfig)
 
@@ -62,9 +65,24 @@ def _fitted(cls, size_field: str, d_model: int, d_ff: int, fields: dict) -> Laye
                                  f"{cls.__name__} preset"))
 
 
+def _with_overrides(defaults: dict, overrides: dict) -> dict:
+    """A preset's fields ``defaults`` with ``overrides`` on top, where a ``router`` dict
+    without ``type`` changes only the fields it names of the preset's router (a router config,
+    or a dict of fields the layer's own default router takes)."""
+    fields = {**defaults, **overrides}
+    preset_router, given = defaults.get("router"), overrides.get("router")
+    if isinstance(given, dict) and "type" not in given:
+        if isinstance(preset_router, dict):
+            fields["router"] = {**preset_router, **given}
+        elif isinstance(preset_router, RouterConfig):
+            fields["router"] = resolve_router(given, preset_router, RouterConfig, "ffn_options")
+    return fields
+
+
 def _moe(d_model: int, d_ff: int, n_layers: int, defaults: dict, overrides: dict,
          cls=MoEConfig) -> LayerConfig:
-    return _fitted(cls, "expert_size", d_model, d_ff, {"init_depth": n_layers, **defaults, **overrides})
+    return _fitted(cls, "expert_size", d_model, d_ff,
+                   {"init_depth": n_layers, **_with_overrides(defaults, overrides)})
 
 
 def _dense(d_model, d_ff, n_layers, overrides) -> FFNLayout:
@@ -115,12 +133,9 @@ def _fff_sparse(d_model, d_ff, n_layers, overrides) -> FFNLayout:
 
     The two leaves' weights are renormalised to sum to one, and the tree's leaf-usage
     regulariser keeps its default weight. In ``compare_pydoc``'s LM (600 steps, two seeds,
-    docs/fff.md) this reached soft training's bpc (2.791 against 2.794); unnormalised, 2.849.
-    A ``router`` override given as a dict (a TOML table) changes only the fields it names."""
-    router = overrides.get("router")
-    if router is None or isinstance(router, dict):
-        overrides = {**overrides, "router": {"renormalize": True, **(router or {})}}
-    return _fff(d_model, d_ff, n_layers, {"train_mode": "sparse", "k": 2, **overrides})
+    docs/fff.md) this reached soft training's bpc (2.791 against 2.794); unnormalised, 2.849."""
+    defaults = {"train_mode": "sparse", "k": 2, "router": {"renormalize": True}}
+    return _fff(d_model, d_ff, n_layers, _with_overrides(defaults, overrides))
 
 
 def _pkm(d_model, d_ff, n_layers, overrides) -> FFNLayout:
