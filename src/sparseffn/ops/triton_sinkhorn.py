@@ -82,6 +82,15 @@ if triton is not None:
         return x - tl.where(at_bound, tl.max(x, 1), 0.0)[:, None]
 
     @triton.jit
+    def _merge_columns(top, total, m, s):
+        """A running column (max, Σ exp) [BLOCK_E] with a block's terms ``s · exp(m)``
+        [rows, BLOCK_E] added, rescaled to the new max (a column whose terms are all -inf
+        keeps max -inf and Σ 0). Returns (max, Σ exp)."""
+        new_top = tl.maximum(top, tl.max(m, 0))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        return new_top, total * tl.exp(top - shift) + tl.sum(s * tl.exp(m - shift[None, :]), 0)
+
+    @triton.jit
     def _column_potentials(max_ptr, sum_ptr, num_partials, column_target,
                            BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
         """b [BLOCK_E] = column_target - logsumexp over the partial (max, Σ exp) pairs
@@ -95,10 +104,7 @@ if triton is not None:
             ok = (ps < num_partials)[:, None]
             m = tl.load(max_ptr + at, mask=ok, other=float("-inf"))
             s = tl.load(sum_ptr + at, mask=ok, other=0.0)
-            new_top = tl.maximum(top, tl.max(m, 0))
-            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-            total = total * tl.exp(top - shift) + tl.sum(s * tl.exp(m - shift[None, :]), 0)
-            top = new_top
+            top, total = _merge_columns(top, total, m, s)
         # a padding column (no tokens, Σ = 0) gets b = 0; its logits are -inf
         has = total > 0
         return tl.where(has, column_target - top - tl.log(tl.where(has, total, 1.0)), 0.0)
@@ -137,10 +143,7 @@ if triton is not None:
                 a = -(z_max + tl.log(tl.sum(tl.exp(z - z_max[:, None]), 1)))
                 y = x + a[:, None]
             y = tl.where(ok, y, float("-inf"))
-            new_top = tl.maximum(top, tl.max(y, 0))
-            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
-            total = total * tl.exp(top - shift) + tl.sum(tl.exp(y - shift[None, :]), 0)
-            top = new_top
+            top, total = _merge_columns(top, total, y, 1.0)
         tl.store(max_out + pid * BLOCK_E + cols, top)
         tl.store(sum_out + pid * BLOCK_E + cols, total)
 
