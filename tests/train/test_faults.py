@@ -13,7 +13,8 @@ from sparseffn.train import checkpoint as ckpt
 from sparseffn.train.lock import LOCK
 from sparseffn.train.config import (ConfigError, TrainSpec, apply_overrides,
                                     parse_override_value, run_config_from_dict)
-from tests.train.test_train import CORPUS, write_toml
+from tests.train.conftest import CORPUS
+from tests.train.test_train import write_toml
 
 TOML = """
 name = "faults"

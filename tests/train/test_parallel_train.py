@@ -16,9 +16,7 @@ from sparseffn.train import checkpoint as ckpt
 from sparseffn.train.config import (DataSpec, ModelSpec, RunConfig, TrainSpec,
                                     run_config_from_dict)
 from sparseffn.train.trainer import Trainer, load_trained
-
-CORPUS = (b"It is a truth universally acknowledged, that a single man in possession of a good "
-          b"fortune, must be in want of a wife. ") * 60
+from tests.train.conftest import CORPUS
 
 
 def _run(corpus, dropout, steps=6):

@@ -14,17 +14,6 @@ from sparseffn.train.config import (ConfigError, DataSpec, ModelSpec, RunConfig,
 from sparseffn.train.schedule import lr_factor
 from sparseffn.train.trainer import Trainer
 
-CORPUS = (b"It is a truth universally acknowledged, that a single man in possession of a good "
-          b"fortune, must be in want of a wife. ") * 60
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_bytes(CORPUS)
-    return str(path)
-
-
 def lm_run(corpus, ffn="sigma_moe", steps=6, **train):
     return RunConfig(name=f"tiny-{ffn}" if isinstance(ffn, str) else "tiny",
                      data=DataSpec(corpus="file", path=corpus),
