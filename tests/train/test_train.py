@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sparseffn.cli import main
+from sparseffn.models.lm import LMConfig, TransformerLM
 from sparseffn.train import checkpoint as ckpt
 from sparseffn.train.config import (ConfigError, DataSpec, ModelSpec, RunConfig, TrainSpec,
                                     apply_overrides, dense_baseline, run_config_from_dict)
@@ -393,6 +394,12 @@ def test_export_safetensors_holds_the_weights_and_config(corpus, tmp_path, capsy
     assert run_config_from_dict(config) == run_config_from_dict(state["config"])
     assert weights.keys() == state["model"].keys()
     assert all(torch.equal(weights[k], v) for k, v in state["model"].items())
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), framework="pt") as file:
+        model_config = json.loads(file.metadata()["sparseffn_model_config"])
+    assert model_config == json.loads(json.dumps(state["model_config"]))
+    model = TransformerLM(LMConfig(**{k: v for k, v in model_config.items() if k != "kind"}))
+    model.load_state_dict(weights)     # the network that config builds takes these weights
 
 
 def test_export_copes_with_tied_tensors_and_never_leaves_half_a_file(tmp_path, capsys):

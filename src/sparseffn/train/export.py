@@ -2,7 +2,9 @@
 ``.safetensors`` file, which any framework opens without unpickling (Hugging Face's format).
 
 The run config and the step go into the file's metadata (``sparseffn_config`` as JSON,
-``sparseffn_step``), so :func:`load_safetensors` rebuilds the model. Optimiser state, RNG
+``sparseffn_step``), so :func:`load_safetensors` rebuilds the model; so does the model config
+the checkpoint was trained with (``sparseffn_model_config``, the ``to_dict`` of its
+``LMConfig`` or ``ClassifierConfig``), where the checkpoint holds one. Optimiser state, RNG
 states and the tokenizer stay in the checkpoint.
 """
 
@@ -48,6 +50,8 @@ def export_safetensors(checkpoint: str | Path, out: str | Path | None = None) ->
     target = Path(out) if out else Path(checkpoint).with_name("model.safetensors")
     metadata = {"format": "pt", "sparseffn_config": json.dumps(state["config"]),
                 "sparseffn_step": str(int(state["step"]))}
+    if state.get("model_config") is not None:    # the network trained (train.model_config)
+        metadata["sparseffn_model_config"] = json.dumps(state["model_config"])
     with ckpt.atomic_path(target) as temp:
         st.save_file(_unshared(state["model"]), str(temp), metadata=metadata)
     return target

@@ -7,7 +7,9 @@ our kernels pick only run-to-run reproducible algorithms. A run resumed from a c
 therefore continues with exactly the losses the uninterrupted run has (tested to the bit).
 
 Files in the run folder:
-- ``config.json``: the run config; ``checkpoint.pt``: the latest checkpoint (atomic);
+- ``config.json``: the run config; ``checkpoint.pt``: the latest checkpoint (atomic), which
+  also keeps the model config it was trained with (:mod:`sparseffn.train.model_config`), so
+  that a newer sparseffn whose defaults changed resumes the same network;
 - ``metrics.jsonl``: one JSON object per line, ``{"kind": "train"|"eval", "step", ...}``;
 - ``summary.json``: parameters, costs, final validation metrics, throughput, memory;
 - ``.lock``: held while a process trains here (a second one is refused, not interleaved).
@@ -42,10 +44,10 @@ from ..optim import adam_optimizers
 from ..runtime import deterministic_algorithms
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
-from ..models.lm import TransformerLM
+from ..models.lm import LMConfig, TransformerLM
 from . import checkpoint as ckpt
-from .config import (ConfigError, RunConfig, _check, classifier_config, lm_config,
-                     run_config_from_dict, total_steps)
+from .config import ConfigError, RunConfig, _check, run_config_from_dict, total_steps
+from .model_config import checkpoint_model_config, run_model_config
 from .lock import folder_lock
 from .parallel import Parallel
 from .progress import ProgressBar
@@ -65,23 +67,24 @@ def load_data(run: RunConfig, tokenizer_state: dict | None = None) -> TextData |
     return load_arrays(d.dataset, d.path, fetch=d.fetch, **d.options)
 
 
-def build_model(run: RunConfig, data: TextData | ArrayData) -> nn.Module:
-    """The model of ``run`` for ``data``, initialised from the torch RNG."""
-    if run.model.kind == "lm":
-        _check(isinstance(data, TextData), "model.kind 'lm' needs a text corpus (data.corpus)")
-        data.check_context(run.model.context)  # type: ignore[union-attr]
-        return TransformerLM(lm_config(run, data.vocab_size))
-    _check(isinstance(data, ArrayData), "model.kind 'classifier' needs data.dataset")
-    return SparseClassifier(classifier_config(run, data.in_features, data.num_classes))  # type: ignore[union-attr]
+def build_model(run: RunConfig, data: TextData | ArrayData,
+                checkpoint: dict | None = None) -> nn.Module:
+    """The model of ``run`` for ``data``, initialised from the torch RNG; given a
+    ``checkpoint``'s state, the model config it was trained with
+    (:func:`~sparseffn.train.model_config.checkpoint_model_config`)."""
+    config = run_model_config(run, data)
+    if checkpoint is not None:
+        config = checkpoint_model_config(checkpoint.get("model_config"), config)
+    return TransformerLM(config) if isinstance(config, LMConfig) else SparseClassifier(config)
 
 
 def load_trained(path: str | Path) -> tuple[dict, RunConfig, TextData | ArrayData, nn.Module]:
     """The checkpoint at ``path`` as (its state, its run config, the run's data with the
-    checkpoint's tokenizer, the model with the checkpoint's weights)."""
+    checkpoint's tokenizer, the model it was trained with, holding its weights)."""
     state = ckpt.load(path)
     run = run_config_from_dict(state["config"])
     data = load_data(run, state.get("tokenizer"))
-    model = build_model(run, data)
+    model = build_model(run, data, state)
     model.load_state_dict(state["model"])
     return state, run, data, model
 
@@ -202,7 +205,7 @@ class Trainer:
         with _config_errors("data"):
             self.data = load_data(run, tokenizer)
         with _config_errors("model"):
-            self.model = build_model(run, self.data).to(self.device)
+            self.model = build_model(run, self.data, state).to(self.device)
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
         parallel = self.parallel
@@ -244,7 +247,8 @@ class Trainer:
         else:
             model, shard = self.model.state_dict(), None
             optimizers = [opt.state_dict() for opt in self.optimizers]
-        state = {"config": self.run.to_dict(), "step": self.step, "train_time": self.train_time,
+        state = {"config": self.run.to_dict(), "model_config": self.model.config.to_dict(),
+                 "step": self.step, "train_time": self.train_time,
                  "model": model, "optimizers": optimizers,
                  "schedule": {"name": self.run.train.schedule, "step": self.step,
                               "total_steps": self.steps},

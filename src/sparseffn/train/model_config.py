@@ -1,0 +1,72 @@
+"""The model a run trains, and the one its checkpoint was trained with.
+
+A run config names a preset (``ffn = "fff_sparse"``) or a layer table whose unset fields take
+the library's defaults. Those defaults can change between versions of sparseffn, so the same
+run config can build a different network after an upgrade (a new regulariser, renormalised
+weights). A checkpoint therefore keeps the model config it was trained with
+(``model_config``, the ``to_dict`` of :class:`~sparseffn.models.lm.LMConfig` or
+:class:`~sparseffn.models.classifier.ClassifierConfig`), and resuming, evaluating or analysing
+it builds that network again, saying which fields the current version would set otherwise.
+Checkpoints written before this was kept build what their run config builds now.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Union
+
+from ..data import ArrayData, TextData
+from ..models.classifier import ClassifierConfig
+from ..models.lm import LMConfig
+from .config import RunConfig, _check, classifier_config, lm_config
+
+ModelConfig = Union[LMConfig, ClassifierConfig]
+
+
+def run_model_config(run: RunConfig, data: TextData | ArrayData) -> ModelConfig:
+    """The model config that ``run`` builds for ``data`` with this version's defaults."""
+    if run.model.kind == "lm":
+        _check(isinstance(data, TextData), "model.kind 'lm' needs a text corpus (data.corpus)")
+        data.check_context(run.model.context)  # type: ignore[union-attr]
+        return lm_config(run, data.vocab_size)  # type: ignore[union-attr]
+    _check(isinstance(data, ArrayData), "model.kind 'classifier' needs data.dataset")
+    return classifier_config(run, data.in_features, data.num_classes)  # type: ignore[union-attr]
+
+
+def checkpoint_model_config(saved: dict[str, Any] | None, current: ModelConfig,
+                            where: str = "the checkpoint") -> ModelConfig:
+    """The model config to rebuild a checkpoint with: ``saved`` (its ``model_config``) when
+    this version can build it, else ``current`` (what the run config builds now; also for
+    checkpoints that hold none). A difference between the two, or a saved config this version
+    cannot build, is reported on stderr, naming the fields."""
+    if saved is None:
+        return current
+    try:
+        _check(isinstance(saved, dict) and saved.get("kind") == current.kind,
+               f"a {current.kind!r} model config, got {saved!r:.80}")
+        config = type(current)(**{k: v for k, v in saved.items() if k != "kind"})
+    except (TypeError, ValueError) as error:     # a field this version renamed or dropped
+        print(f"note: {where} holds a model config this version of sparseffn cannot build "
+              f"({error}); building the model its run config gives instead", file=sys.stderr)
+        return current
+    if config != current:
+        changes = "; ".join(f"{name}: {old!r} in {where}, {new!r} now"
+                            for name, old, new in changed_fields(config.to_dict(),
+                                                                 current.to_dict()))
+        print(f"note: this version of sparseffn builds another model from this run config "
+              f"({changes}); using the model {where} was trained with", file=sys.stderr)
+    return config
+
+
+def changed_fields(old: dict[str, Any], new: dict[str, Any],
+                   prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, old value, new value) of every field that differs between two nested
+    config dicts; a field one of them lacks reads as None there."""
+    out = []
+    for name in list(old) + [n for n in new if n not in old]:
+        a, b = old.get(name), new.get(name)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_fields(a, b, f"{prefix}{name}.")
+        elif a != b:
+            out.append((f"{prefix}{name}", a, b))
+    return out
