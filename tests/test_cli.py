@@ -510,3 +510,31 @@ def test_forward_backward_fn_backpropagates_a_fixed_output_gradient_and_the_extr
     forward_backward_fn(layer, x, autocast_dtype=torch.bfloat16)()
     hook.remove()
     assert seen == [torch.bfloat16]             # the output's dtype under autocast
+
+
+def _gpu_session_commands() -> dict[str, str]:
+    """Each stage of scripts/gpu_session.sh: its command line, continuation lines joined."""
+    from pathlib import Path
+    text = (Path(__file__).parents[1] / "scripts" / "gpu_session.sh").read_text()
+    text = re.sub(r"\\\n\s*", " ", text)
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\s+([\w-]+)\) (.*?);;", text, re.M)}
+
+
+def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
+    """A lent GPU comes rarely and for 30 minutes: a stage that dies on a renamed flag or preset
+    wastes a call. Every ``sparseffn`` command of the script parses, and every preset it names
+    exists."""
+    import shlex
+    from sparseffn.models import PRESETS
+    stages = _gpu_session_commands()
+    assert {"tests", "lm-graphs", "fig2-graphs", "profile-lm", "routers-graphs"} <= set(stages)
+    parsed = 0
+    for name, line in stages.items():
+        words = shlex.split(line.replace("$", "_"))
+        if "sparseffn" in words and words[words.index("sparseffn") - 1] == "-m":
+            args = cli.build_parser().parse_args(words[words.index("sparseffn") + 1:])
+            parsed += 1
+            assert set(getattr(args, "presets", None) or []) <= set(PRESETS), name
+        if "--lm" in words:
+            assert set(words[words.index("--lm") + 1].split(",")) <= {"dense", *PRESETS}, name
+    assert parsed >= 10
