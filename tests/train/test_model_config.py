@@ -10,10 +10,10 @@ import torch
 
 from sparseffn.models import PRESETS
 from sparseffn.train import checkpoint as ckpt
-from sparseffn.train.config import lm_config
-from sparseffn.train.model_config import changed_fields, checkpoint_model_config
+from sparseffn.train.config import classifier_config, lm_config
+from sparseffn.train.model_config import changed_fields, checkpoint_model_config, model_changes
 from sparseffn.train.trainer import Trainer, load_trained
-from tests.train.test_train import interrupt_at, lm_run, metrics
+from tests.train.test_train import classifier_run, interrupt_at, lm_run, metrics
 
 # fff_sparse as it was before its router renormalised its leaf weights and regularised them
 OLD_DEFAULTS = {"router": {"renormalize": False, "entropy_weight": 0.0}}
@@ -77,12 +77,23 @@ def test_the_same_defaults_build_the_same_network_without_a_note(corpus, tmp_pat
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_presets_model_config_comes_back_from_a_checkpoint_as_it_went_in(
         preset, tmp_path, capsys):
-    """Through torch.save and a weights-only load: equal, so no note at an unchanged version."""
-    config = lm_config(lm_run("corpus.txt", preset), vocab_size=256)
+    """Through torch.save and a weights-only load: equal, so no note at an unchanged version;
+    through a summary's JSON: no changed field."""
+    run = lm_run("corpus.txt", preset)
+    config = lm_config(run, vocab_size=256)
     torch.save({"model_config": config.to_dict()}, tmp_path / "state.pt")
     saved = torch.load(tmp_path / "state.pt", weights_only=True)["model_config"]
     assert checkpoint_model_config(saved, config) == config
     assert capsys.readouterr().err == ""
+    assert model_changes(run, json.loads(json.dumps(config.to_dict()))) == []
+
+
+def test_model_changes_rebuilds_a_classifier_for_the_sizes_it_was_trained_on():
+    run = classifier_run({"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3})
+    trained = classifier_config(run, in_features=6, num_classes=3).to_dict()
+    assert model_changes(run, trained) == []
+    trained["layer"]["leaf_width"] = 4
+    assert model_changes(run, trained) == [("layer.leaf_width", 4, 8)]
 
 
 @pytest.mark.parametrize("saved", [None, "unbuildable"])

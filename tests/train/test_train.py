@@ -374,11 +374,18 @@ heads = 2
     pkm, matched = results[1], results[2]
     assert pkm["model"]["ffn"]["heads"] == 2
     assert abs(pkm["total_params"] - matched["total_params"]) <= 2 * 32
-    # run again: finished variants are reused, not retrained
+    # run again: finished variants are reused, not retrained; one trained with a model this
+    # version builds otherwise (as if a default had changed since) is named, field by field
     before = (out / "pkm" / "metrics.jsonl").stat().st_mtime_ns
+    summary = json.loads((out / "pkm" / "summary.json").read_text())
+    summary["model"]["ffn"]["score"] = "relu"
+    (out / "pkm" / "summary.json").write_text(json.dumps(summary))
     assert main(["compare", config, "--out", str(out)]) == 0
     assert (out / "pkm" / "metrics.jsonl").stat().st_mtime_ns == before
-    assert "already trained" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("already trained") == 3 and err.count("note:") == 1
+    assert "note: pkm was trained with a model" in err
+    assert "ffn.score: 'relu' in that run, 'softmax' now" in err
 
 
 def test_export_safetensors_holds_the_weights_and_config(corpus, tmp_path, capsys):

@@ -44,6 +44,7 @@ from typing import Any
 
 from .config import RunConfig, _check, _section, dense_baseline, run_config_from_dict
 from .lock import folder_lock
+from .model_config import describe_changes, model_changes
 from .report import write_report
 from .trainer import CHECKPOINT, METRICS, SUMMARY
 
@@ -192,6 +193,18 @@ def compare(data: dict[str, Any], out: str | Path, fresh: bool = False,
         return _train_and_report(data, runs, out, fresh, isolate, analyses, device)
 
 
+def _note_changed_defaults(run: RunConfig, folder: Path) -> None:
+    """A finished variant reused although this version would build its model otherwise (a
+    default changed since it trained): say so, naming the fields, and how to retrain it."""
+    trained = json.loads((folder / SUMMARY).read_text()).get("model")
+    changes = model_changes(run, trained) if isinstance(trained, dict) else []
+    if changes:
+        print(f"  note: {run.name} was trained with a model this version of sparseffn builds "
+              f"otherwise ({describe_changes(changes, 'that run')}); its results are that "
+              f"model's; `sparseffn compare CONFIG --fresh --variants {run.name}` retrains it",
+              file=sys.stderr)
+
+
 def _train_and_report(data: dict[str, Any], runs: list[RunConfig], out: Path, fresh: bool,
                       isolate: bool, analyses: bool, device: str) -> dict:
     for index, run in enumerate(runs, 1):
@@ -200,6 +213,7 @@ def _train_and_report(data: dict[str, Any], runs: list[RunConfig], out: Path, fr
         if same_config and (folder / SUMMARY).is_file():
             print(f"[{index}/{len(runs)}] {run.name}: already trained, reusing {folder}",
                   file=sys.stderr)
+            _note_changed_defaults(run, folder)
             continue
         resume = same_config and (folder / CHECKPOINT).is_file()
         print(f"[{index}/{len(runs)}] {run.name}: {'resuming' if resume else 'training'}",

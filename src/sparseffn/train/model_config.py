@@ -8,6 +8,8 @@ weights). A checkpoint therefore keeps the model config it was trained with
 :class:`~sparseffn.models.classifier.ClassifierConfig`), and resuming, evaluating or analysing
 it builds that network again, saying which fields the current version would set otherwise.
 Checkpoints written before this was kept build what their run config builds now.
+``sparseffn compare`` reusing a finished variant compares the model in its ``summary.json``
+with what its run config builds now, and names the fields that differ.
 """
 
 from __future__ import annotations
@@ -33,6 +35,27 @@ def run_model_config(run: RunConfig, data: TextData | ArrayData) -> ModelConfig:
     return classifier_config(run, data.in_features, data.num_classes)  # type: ignore[union-attr]
 
 
+def model_changes(run: RunConfig, trained: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """:func:`changed_fields` between the model config a run was trained with (``trained``: a
+    checkpoint's ``model_config`` or ``summary.json``'s ``model``) and the one ``run`` builds
+    now for the same data sizes (vocabulary; features and classes): what this version would
+    train differently. Empty where this version cannot build the run's model at all (its run
+    config is then an error that training reports)."""
+    try:
+        if trained.get("kind") == "lm":
+            current: ModelConfig = lm_config(run, trained["vocab_size"])
+        else:
+            current = classifier_config(run, trained["in_features"], trained["num_classes"])
+    except (KeyError, ValueError):
+        return []
+    return changed_fields(trained, current.to_dict())
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]], where: str) -> str:
+    """``field: old in WHERE, new now; ...``."""
+    return "; ".join(f"{name}: {old!r} in {where}, {new!r} now" for name, old, new in changes)
+
+
 def checkpoint_model_config(saved: dict[str, Any] | None, current: ModelConfig,
                             where: str = "the checkpoint") -> ModelConfig:
     """The model config to rebuild a checkpoint with: ``saved`` (its ``model_config``) when
@@ -50,9 +73,7 @@ def checkpoint_model_config(saved: dict[str, Any] | None, current: ModelConfig,
               f"({error}); building the model its run config gives instead", file=sys.stderr)
         return current
     if config != current:
-        changes = "; ".join(f"{name}: {old!r} in {where}, {new!r} now"
-                            for name, old, new in changed_fields(config.to_dict(),
-                                                                 current.to_dict()))
+        changes = describe_changes(changed_fields(config.to_dict(), current.to_dict()), where)
         print(f"note: this version of sparseffn builds another model from this run config "
               f"({changes}); using the model {where} was trained with", file=sys.stderr)
     return config
