@@ -33,8 +33,13 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c
 _HEADERS = [Path(__file__).with_name("bf16.h")]
 # -ffp-contract=off: no multiply-add fused into an FMA behind the sources' back (GCC's -std=c99
 # implies it, Clang's default does not), so a kernel's sums round as its source reads, the same
-# bits with either compiler (the row kernels' sums are tested bit for bit against PyTorch's)
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99", "-ffp-contract=off"]
+# bits with either compiler (the row kernels' sums are tested bit for bit against PyTorch's).
+# -fno-trapping-math: no kernel reads floating-point exception flags, and without it GCC 12
+# cannot turn a select whose arms could trap into a vector blend, so the loops that call the
+# tree's sigmoid (fff_cpu.c) ran one float at a time; values are unchanged (same operations,
+# same rounding, no reassociation).
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c99", "-ffp-contract=off",
+          "-fno-trapping-math"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
