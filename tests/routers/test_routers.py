@@ -775,15 +775,20 @@ def test_product_key_router_in_a_moe_checks_its_layer():
 
 @pytest.mark.parametrize("tokens", [5, 511, 512])
 @pytest.mark.parametrize("bias", [True, False])
-def test_tree_node_logits_padded_or_not_are_the_linear_map(tokens, bias):
-    """At depths 6-10 the node logits come from a GEMM with the weight padded to 2^d rows from
+@pytest.mark.parametrize("depth", [3, 6, 12])
+def test_tree_node_logits_padded_or_not_are_the_linear_map(tokens, bias, depth, monkeypatch):
+    """From depth 4 the node logits come from a GEMM with the weight padded to 2^d rows from
     512 tokens on, and from the plain GEMM below: the same map and gradients either way."""
     from sparseffn.routers.tree import TreeRouter
-    router = TreeRouter(TreeRouterConfig(bias=bias), 16, 64, 2)
+    router = TreeRouter(TreeRouterConfig(bias=bias), 16, 1 << depth, 2)
+    pads = []
+    pad = F.pad
+    monkeypatch.setattr(F, "pad", lambda *args, **kw: pads.append(1) or pad(*args, **kw))
     x = torch.randn(tokens, 16, requires_grad=True)
     z = router.node_logits(x)
+    assert bool(pads) == (depth >= 4 and tokens >= 512)
     ref = F.linear(x, router.weight, router.bias)
-    assert z.shape == (tokens, 63)
+    assert z.shape == (tokens, (1 << depth) - 1)
     torch.testing.assert_close(z, ref)
     g = torch.randn_like(ref)
     params = [x, router.weight] + ([router.bias] if bias else [])

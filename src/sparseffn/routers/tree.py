@@ -135,13 +135,15 @@ class TreeRouterConfig(RouterConfig):
         return nodes * (h * d_model + h + h + int(self.bias))
 
 
-# Depths whose node logits are computed with the weight padded to 2^d rows: a GEMM with
-# 2^d - 1 output columns measured up to 1.6x slower than with 2^d at d = 6-7 (2 cores, MKL);
-# elsewhere the copy of the padded weight costs about what it saves. Only from
+# From depth _PADDED_MIN_DEPTH the node logits are computed with the weight padded to 2^d rows:
+# a GEMM with 2^d - 1 output columns is slower than with 2^d. On one 2-core AVX-512 machine
+# (MKL) it measured up to 1.6x slower at d = 6-7, and elsewhere the padded weight's copy cost
+# about what it saved; on a 2-core AVX2 machine, padded / plain time (copy included, median of
+# interleaved rounds) was 0.46-0.74 at 2,048 tokens and 0.54-0.99 at 512 for every depth 4-13,
+# d_model 256 and 1024 (depth 12, d_model 1024: 124 against 170 ms). Only from
 # _PADDED_MIN_TOKENS tokens: below, the copy and the slice cost more than the GEMM saves
-# (padded / plain time 1.0-1.1 at 256 tokens, 1.2-2.8 at 16; 0.7-1.0 from 512; d_model 64 to
-# 1024, same machine).
-_PADDED_DEPTHS = range(6, 11)
+# (padded / plain time 1.0-1.1 at 256 tokens, 1.2-2.8 at 16, on the first machine).
+_PADDED_MIN_DEPTH = 4
 _PADDED_MIN_TOKENS = 512
 
 
@@ -211,8 +213,8 @@ class TreeRouter(Router):
 
     def _linear_logits(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias, nodes = self.weight.float(), self.bias, self.num_nodes
-        if (self.depth in _PADDED_DEPTHS and x.shape[0] >= _PADDED_MIN_TOKENS
-                and x.device.type == "cpu"):
+        if (self.depth is not None and self.depth >= _PADDED_MIN_DEPTH
+                and x.shape[0] >= _PADDED_MIN_TOKENS and x.device.type == "cpu"):
             weight = F.pad(weight, (0, 0, 0, 1))
             bias = None if bias is None else F.pad(bias.float(), (0, 1))
             return F.linear(x, weight, bias)[:, :nodes]
