@@ -65,6 +65,16 @@ def test_resume_continues_the_network_the_checkpoint_trained_after_the_defaults_
     assert "renormalize: False in the checkpoint" in capsys.readouterr().err
 
 
+def test_under_torchrun_only_rank_0_prints_the_note(monkeypatch, capsys):
+    run = lm_run("corpus.txt", "fff_sparse")
+    current = lm_config(run, vocab_size=256)
+    trained = lm_config(with_options(run, **OLD_DEFAULTS), vocab_size=256).to_dict()
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert checkpoint_model_config(trained, current).to_dict() == trained
+        assert ("renormalize: False in the checkpoint" in capsys.readouterr().err) == printed
+
+
 def test_the_same_defaults_build_the_same_network_without_a_note(corpus, tmp_path, capsys):
     run = lm_run(corpus, "fff_sparse", steps=2)
     trainer = Trainer(run, tmp_path, progress=False)

@@ -14,6 +14,7 @@ with what its run config builds now, and names the fields that differ.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Union
 
@@ -61,7 +62,7 @@ def checkpoint_model_config(saved: dict[str, Any] | None, current: ModelConfig,
     """The model config to rebuild a checkpoint with: ``saved`` (its ``model_config``) when
     this version can build it, else ``current`` (what the run config builds now; also for
     checkpoints that hold none). A difference between the two, or a saved config this version
-    cannot build, is reported on stderr, naming the fields."""
+    cannot build, is reported on stderr, naming the fields (by rank 0 alone under torchrun)."""
     if saved is None:
         return current
     try:
@@ -69,14 +70,20 @@ def checkpoint_model_config(saved: dict[str, Any] | None, current: ModelConfig,
                f"a {current.kind!r} model config, got {saved!r:.80}")
         config = type(current)(**{k: v for k, v in saved.items() if k != "kind"})
     except (TypeError, ValueError) as error:     # a field this version renamed or dropped
-        print(f"note: {where} holds a model config this version of sparseffn cannot build "
-              f"({error}); building the model its run config gives instead", file=sys.stderr)
+        _note(f"{where} holds a model config this version of sparseffn cannot build "
+              f"({error}); building the model its run config gives instead")
         return current
     if config != current:
         changes = describe_changes(changed_fields(config.to_dict(), current.to_dict()), where)
-        print(f"note: this version of sparseffn builds another model from this run config "
-              f"({changes}); using the model {where} was trained with", file=sys.stderr)
+        _note(f"this version of sparseffn builds another model from this run config "
+              f"({changes}); using the model {where} was trained with")
     return config
+
+
+def _note(message: str) -> None:
+    """A note on stderr, from one process: every rank of a torchrun job builds the model."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {message}", file=sys.stderr)
 
 
 def changed_fields(old: dict[str, Any], new: dict[str, Any],
