@@ -140,7 +140,8 @@ class TreeRouterConfig(RouterConfig):
 # (MKL) it measured up to 1.6x slower at d = 6-7, and elsewhere the padded weight's copy cost
 # about what it saved; on a 2-core AVX2 machine, padded / plain time (copy included, median of
 # interleaved rounds) was 0.46-0.74 at 2,048 tokens and 0.54-0.99 at 512 for every depth 4-13,
-# d_model 256 and 1024 (depth 12, d_model 1024: 124 against 170 ms). Only from
+# d_model 256 and 1024 (depth 12, d_model 1024: 124 against 170 ms), but 0.80-1.09 at depths
+# 2-3 and 1.6-2.4 at depth 1, hence _PADDED_MIN_DEPTH. Only from
 # _PADDED_MIN_TOKENS tokens: below, the copy and the slice cost more than the GEMM saves
 # (padded / plain time 1.0-1.1 at 256 tokens, 1.2-2.8 at 16, on the first machine).
 _PADDED_MIN_DEPTH = 4
