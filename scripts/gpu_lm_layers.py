@@ -17,6 +17,10 @@ together. Here each layer is timed alone, in three versions where they apply:
 - ``torch sinkhorn`` (S-BASE): the training assignment's Sinkhorn iterations and top-k as
   PyTorch ops instead of the Triton kernels (``ops/triton_sinkhorn.py``, one launch per
   iteration; the assignment may differ where the plan has near-ties);
+- ``no triton`` (the MoE presets): every operator of the layer on its PyTorch CUDA path,
+  the experts' products as ``torch._grouped_mm`` (``triton_cvmm.set_triton_enabled(False)``).
+  ``bench fig2`` found that path 0.89 of the Triton one's time at d_model 512 and slower at
+  1024 and 2048; this says which one wins at the LM's d_model of 256;
 
 beside the dense FFN of equal parameters (``dense``). The keyed product-key top-k, also not yet
 timed in a layer, is timed kernel against kernel by ``scripts/gpu_rows_calls.py``.
@@ -51,7 +55,7 @@ from sparseffn.auxiliary import aux_loss
 from sparseffn.bench.lm_step import lm_ffn
 from sparseffn.bench.measure import (forward_backward_fn, graph_call_times, kernel_script_device,
                                      paired_ratio)
-from sparseffn.ops import kernels, triton_sinkhorn
+from sparseffn.ops import kernels, triton_cvmm, triton_sinkhorn
 
 # the modules, not the functions of the same names that sparseffn.ops exports
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
@@ -92,6 +96,7 @@ SWITCHES = {
     "two kernels": (ROW_PRESETS,
                     lambda: _set(kernels, "scatter_rows_dot", kernels.scatter_rows_and_gather_dot)),
     "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),
+    "no triton": (MOE_PRESETS, lambda: _set(triton_cvmm, "_enabled", False)),
 }
 
 
