@@ -30,8 +30,9 @@ require) and the backward of its output, from a fixed random gradient, and of it
 auxiliary losses. Each version's calls are captured as one CUDA graph
 (``measure.graph_call_times``): the device's time, none of the host's launch cost, as
 ``bench lm --compile reduce-overhead`` pays it, but with eager kernels (no Inductor fusion of
-the small operators between them). Printed: ms per call, and the per-round ratios to ``now``
-and to ``dense``.
+the small operators between them). Printed one preset at a time, that preset's versions and
+``dense`` timed in the same rounds (so a run cut off by a time limit keeps the presets it
+finished): ms per call, and the per-round ratios to ``now`` and to ``dense``.
 
 First, each version's output and gradients are compared with those of ``now`` (same weights,
 same input, same seed): the largest difference relative to the largest value, over the output
@@ -166,10 +167,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown presets {unknown}: choose from {MOE_PRESETS + ROW_PRESETS}")
     print(f"LM FFN layers, forward+backward: {where}, {tokens} tokens", flush=True)
-    fns, preset_of = {}, {}
-    if device.type == "cuda":
-        fns["dense"] = versions("dense", tokens, device)["now"][0]
-    for preset in presets:
+    dense = versions("dense", tokens, device)["now"][0] if device.type == "cuda" else None
+    for preset in presets:    # timed and printed one preset at a time: a stage cut off by its
+        fns = {}              # time limit keeps the presets it finished
         found = versions(preset, tokens, device)
         reference = _results(*found["now"])
         for name, (step, x, layer) in found.items():
@@ -178,21 +178,26 @@ def main() -> None:
                 print(f"  {preset} {name}: largest difference from now {diff:.2e} "
                       f"(relative to the largest value)", flush=True)
             fns[f"{preset} {name}"] = step
-            preset_of[f"{preset} {name}"] = preset
-    if device.type != "cuda":
-        return
-    times, failures = graph_call_times(fns, args.rounds, {n: args.calls for n in fns}, device)
+        if dense is not None:
+            _time_and_print(preset, {"dense": dense, **fns}, args.rounds, args.calls, device)
+
+
+def _time_and_print(preset: str, fns: dict, rounds: int, calls: int,
+                    device: torch.device) -> None:
+    """One preset's versions and the dense FFN, timed in the same rounds: ms per call, and
+    the median per-round ratios to the preset as it is (``now``) and to dense."""
+    times, failures = graph_call_times(fns, rounds, {n: calls for n in fns}, device)
     for name, why in failures.items():
         print(f"  {name}: not captured ({why})", flush=True)
     width = max([20] + [len(name) for name in times])
     print(f"  {'':{width}s} {'ms':>8s} {'/ now':>7s} {'/ dense':>8s}", flush=True)
+    now = times.get(f"{preset} now")
     for name, ts in times.items():
-        now = times.get(f"{preset_of[name]} now") if name in preset_of else None
-        over_now = f"{paired_ratio(ts, now):7.2f}" if now is not None else " " * 7
+        over_now = f"{paired_ratio(ts, now):7.2f}" if now is not None and name != "dense" \
+            else " " * 7
         over_dense = f"{paired_ratio(ts, times['dense']):8.2f}" if "dense" in times else ""
         print(f"  {name:{width}s} {statistics.median(ts):8.3f} {over_now} {over_dense}",
               flush=True)
-
 
 if __name__ == "__main__":
     main()
