@@ -24,9 +24,12 @@ take. The launches are compiled with each autotuned kernel's untuned tile
     python scripts/ptx_memory_ops.py --lm sigma_moe --no-padding   # before the hidden padding
     python scripts/ptx_memory_ops.py --lm '' --fig2 512             # bench fig2's σ-MoE
     python scripts/ptx_memory_ops.py --lm sigma_moe --all-tiles     # every autotuned tile
+    python scripts/ptx_memory_ops.py --lm sbase,pkm --bf16          # compiled in bf16
 
-Needs Triton (``pip install -e '.[gpu]'``); fp16 stands in for bf16 (the interpreter has no
-bf16; both are 2 bytes).
+Needs Triton (``pip install -e '.[gpu]'``). The step is recorded in fp16 (the interpreter has
+no bf16; both are 2 bytes); ``--bf16`` compiles every launch with bf16 where it recorded fp16,
+as the layers run under bf16 autocast on a GPU, so a kernel that Triton cannot compile for
+bf16 on that architecture fails here rather than on a lent GPU.
 """
 
 from __future__ import annotations
@@ -201,10 +204,17 @@ def _cell(counter: collections.Counter) -> str:
     return " ".join(f"{count}x{width}B" for width, count in sorted(counter.items())) or "-"
 
 
+def as_bf16(value):
+    """A :func:`describe`'d argument with bf16 in place of fp16."""
+    if isinstance(value, dict) and value.get("dtype") == "float16":
+        return {**value, "dtype": "bfloat16"}
+    return value
+
+
 def report(preset: str, build, tokens: int, arch: int, padding: bool,
-           all_tiles: bool = False) -> int:
-    """Print the table for the layer ``build()`` makes; returns its kernels' 2-byte global
-    loads and stores."""
+           all_tiles: bool = False, bf16: bool = False) -> int:
+    """Print the table for the layer ``build()`` makes (its launches compiled with bf16 for
+    fp16 under ``bf16``); returns its kernels' 2-byte global loads and stores."""
     expert_mlp = importlib.import_module("sparseffn.ops.expert_mlp")
     saved_multiple = expert_mlp.HIDDEN_MULTIPLE
     if not padding:
@@ -219,11 +229,14 @@ def report(preset: str, build, tokens: int, arch: int, padding: bool,
     finally:
         expert_mlp.HIDDEN_MULTIPLE = saved_multiple
     distinct: dict[str, list] = {}
+    cast = as_bf16 if bf16 else (lambda value: value)
     for name, args, kwargs in recorder.launches:
-        launch = [name, [describe(a) for a in args], {k: describe(v) for k, v in kwargs.items()}]
+        launch = [name, [cast(describe(a)) for a in args],
+                  {k: cast(describe(v)) for k, v in kwargs.items()}]
         distinct.setdefault(_key(*launch), launch)
     print(f"\n{preset}: {len(recorder.launches)} launches, {len(distinct)} distinct "
-          f"(sm_{arch}, {'padded' if padding else 'unpadded'} hidden units)", flush=True)
+          f"(sm_{arch}, {'padded' if padding else 'unpadded'} hidden units"
+          f"{', compiled in bf16' if bf16 else ''})", flush=True)
     child = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile",
                             "--arch", str(arch), *(["--all-tiles"] if all_tiles else [])],
                            input=json.dumps(list(distinct.values())),
@@ -311,6 +324,8 @@ def main(argv=None) -> int:
     parser.add_argument("--all-tiles", action="store_true",
                         help="compile every autotuning candidate of the tiled kernels, not only "
                              "the untuned tile")
+    parser.add_argument("--bf16", action="store_true",
+                        help="compile with bf16 where the step (recorded in fp16) had fp16")
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compile:
@@ -325,7 +340,7 @@ def main(argv=None) -> int:
     total = 0
     for name, build in layers:
         total += report(name, build, args.tokens, args.arch, not args.no_padding,
-                        args.all_tiles)
+                        args.all_tiles, args.bf16)
     print(f"\n2-byte global loads and stores in all: {total}")
     return 0
 
