@@ -58,9 +58,9 @@ from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
 from ..runtime import deterministic_algorithms
-from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
-                      dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
-                      new_graph_step, paired_ratio, peak_mib, write_json)
+from .measure import (autocast_dtype_of, check_compile_mode, compiled, compiling_many,
+                      describe_device, dtype_name, first_call_or_eager, forward_backward_fn,
+                      interleaved_times, new_graph_step, paired_ratio, peak_mib, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE
 
 EXPERT_SIZE = 128
@@ -329,7 +329,7 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
           f"compile {compile}, torch {torch.__version__}"
           + (", deterministic algorithms" if deterministic else ""), flush=True)
     records = []
-    with deterministic_algorithms(deterministic, dev):
+    with deterministic_algorithms(deterministic, dev), compiling_many():
         for d_model in d_models:
             print(f"d_model {d_model} ...", flush=True)
             records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype, builders,

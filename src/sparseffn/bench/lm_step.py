@@ -30,9 +30,9 @@ from ..auxiliary import aux_loss
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
 from ..runtime import deterministic_algorithms
-from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
-                      first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
-                      peak_mib, write_json)
+from .measure import (autocast_dtype_of, check_compile_mode, compiled, compiling_many,
+                      describe_device, first_call_or_eager, interleaved_times, new_graph_step,
+                      paired_ratio, peak_mib, write_json)
 
 
 def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,
@@ -116,7 +116,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
           f"{torch.__version__}, compile {compile}"
           + (", deterministic algorithms" if deterministic else ""), flush=True)
     tokens = byte_tokens(batch, context, dev)
-    with deterministic_algorithms(deterministic, dev):
+    with deterministic_algorithms(deterministic, dev), compiling_many():
         steps, costs, is_compiled = {}, {}, {}
         for name in names:
             model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev)
