@@ -150,6 +150,9 @@ def main() -> None:
         steps = {n: (lambda n=n: layer_step(configs[n], args.tokens or 16384, device, dtype))
                  for n in names}
     for name, make_step in steps.items():
+        # each step is profiled alone: its compiled versions need not outlive it (the LM's
+        # presets all compile TransformerLM.loss, whose ninth version would run eagerly)
+        torch._dynamo.reset()
         try:
             profile_step(name, make_step(), device, args.top)
         except Exception as error:   # one failing step does not hide the others
