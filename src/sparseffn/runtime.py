@@ -8,7 +8,9 @@ remedy without setting anything; library users can call it once themselves. Set
 
 :func:`deterministic_algorithms` turns on ``torch.use_deterministic_algorithms`` the way
 ``sparseffn train`` does (``train.deterministic``, on by default) and the benchmarks'
-``--deterministic`` flag does.
+``--deterministic`` flag does. :func:`compiling_many` lets one function compile to more
+versions than ``torch.compile`` keeps by default, as ``sparseffn compare`` (one model per
+variant) and the benchmarks that compile one model per contender need.
 """
 
 from __future__ import annotations
@@ -74,3 +76,25 @@ def deterministic_algorithms(enabled: bool, device) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+# How many compiled versions of one function compiling_many lets torch.compile keep.
+COMPILED_VERSIONS = 64
+
+
+def compiling_many():
+    """A context in which one function compiles to up to ``COMPILED_VERSIONS`` versions, and
+    one more raises instead of running eagerly.
+
+    ``torch.compile`` keeps at most ``torch._dynamo.config.recompile_limit`` versions of a
+    function (8 by default) and runs it eagerly past that, with only a logged warning. The
+    models of ``bench lm`` all run ``TransformerLM.loss``, a new version for each FFN, so the
+    ninth model timed was the eager one while the benchmark called it compiled; the variants
+    of ``sparseffn compare`` with ``train.compile`` are the same case."""
+    import torch
+    config = torch._dynamo.config
+    names = (("recompile_limit", "fail_on_recompile_limit_hit")
+             if hasattr(config, "recompile_limit")      # the names before PyTorch 2.6:
+             else ("cache_size_limit", "fail_on_cache_limit_hit"))
+    return config.patch(**{name: value for name, value in zip(names, (COMPILED_VERSIONS, True))
+                           if hasattr(config, name)})

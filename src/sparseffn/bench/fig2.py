@@ -57,10 +57,10 @@ from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
-from ..runtime import deterministic_algorithms
-from .measure import (autocast_dtype_of, check_compile_mode, compiled, compiling_many,
-                      describe_device, dtype_name, first_call_or_eager, forward_backward_fn,
-                      interleaved_times, new_graph_step, paired_ratio, peak_mib, write_json)
+from ..runtime import compiling_many, deterministic_algorithms
+from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
+                      dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
+                      new_graph_step, paired_ratio, peak_mib, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE
 
 EXPERT_SIZE = 128

@@ -29,10 +29,10 @@ import torch
 from ..auxiliary import aux_loss
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
-from ..runtime import deterministic_algorithms
-from .measure import (autocast_dtype_of, check_compile_mode, compiled, compiling_many,
-                      describe_device, first_call_or_eager, interleaved_times, new_graph_step,
-                      paired_ratio, peak_mib, write_json)
+from ..runtime import compiling_many, deterministic_algorithms
+from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
+                      first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
+                      peak_mib, write_json)
 
 
 def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,

@@ -92,32 +92,11 @@ def compiled(fn: Callable, mode: str) -> Callable:
     with CUDA graphs (see :func:`new_graph_step`). Shapes are static (``dynamic=False``): a
     benchmark that runs one function at several shapes times a graph specialised to each,
     as a user's fixed-shape step gets, not one made dynamic at the second shape. Compile
-    several models under :func:`compiling_many`."""
+    several models under :func:`~sparseffn.runtime.compiling_many`."""
     check_compile_mode(mode)
     if mode == "none":
         return fn
     return torch.compile(fn, mode=None if mode == "default" else mode, dynamic=False)
-
-
-# How many compiled versions of one function a benchmark keeps (see compiling_many).
-COMPILED_VERSIONS = 64
-
-
-def compiling_many():
-    """A context in which one function compiles to up to ``COMPILED_VERSIONS`` versions, and
-    one more raises instead of running eagerly.
-
-    ``torch.compile`` keeps at most ``torch._dynamo.config.recompile_limit`` versions of a
-    function (8 by default) and runs it eagerly past that, with only a logged warning. The
-    models of ``bench lm`` all run ``TransformerLM.loss``, a new version for each FFN, so the
-    ninth model timed was the eager one while the benchmark called it compiled. With this
-    context, :func:`first_call_or_eager` sees the error and reports the model as eager."""
-    config = torch._dynamo.config
-    names = (("recompile_limit", "fail_on_recompile_limit_hit")
-             if hasattr(config, "recompile_limit")      # the names before PyTorch 2.6:
-             else ("cache_size_limit", "fail_on_cache_limit_hit"))
-    return config.patch(**{name: value for name, value in zip(names, (COMPILED_VERSIONS, True))
-                           if hasattr(config, name)})
 
 
 def new_graph_step(mode: str) -> None:
