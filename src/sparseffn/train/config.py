@@ -165,6 +165,7 @@ class TrainSpec:
     log_every: int = 10
     checkpoint_every: int = 0       # 0: only at the end and on Ctrl-C
     expert_parallel: bool = False   # under torchrun: shard the experts across the ranks
+    compile: bool = False           # torch.compile the training forward and loss (not eval)
 
     def __post_init__(self) -> None:
         _typed(self, "train")
@@ -192,6 +193,9 @@ class TrainSpec:
         _check(self.eval_windows is None or self.eval_windows > 0,
                f"train.eval_windows must be positive (or none: the whole split), got "
                f"{self.eval_windows}")
+        _check(not (self.compile and self.expert_parallel),
+               "train.compile is not supported with train.expert_parallel (the experts' "
+               "all-to-all exchange has not been checked under torch.compile)")
         _check(self.checkpoint_every >= 0,
                f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check(isinstance(self.betas, (list, tuple)) and len(self.betas) == 2

@@ -41,7 +41,7 @@ from torch import nn
 from ..analysis.summary import collapse_warning, usage_health
 from ..auxiliary import aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage
 from ..optim import adam_optimizers
-from ..runtime import deterministic_algorithms
+from ..runtime import compiling_many, deterministic_algorithms
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
 from ..models.lm import LMConfig, TransformerLM
@@ -219,6 +219,9 @@ class Trainer:
             torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))   # (CUDA's too)
         self.dense_params = dense_grad_parameters(self.model)
         t = run.train
+        # the step's forward and loss compiled; evaluation and checkpoints use the model itself
+        self.loss_fn = torch.compile(self.model.loss, dynamic=False) if t.compile \
+            else self.model.loss
         # with weight decay, weights only: no biases, norm gains or expert/leaf biases
         self.optimizers = adam_optimizers(self.model, t.lr, t.betas, t.weight_decay)
         self.step, self.train_time = 0, 0.0
@@ -330,7 +333,8 @@ class Trainer:
         device = training_device(self.device_name)   # a bad --device touches nothing
         self.parallel = Parallel.from_environment(self.run.train.expert_parallel, device)
         # the process's setting comes back after the run, however it ends
-        with deterministic_algorithms(self.run.train.deterministic, self.parallel.device):
+        with deterministic_algorithms(self.run.train.deterministic, self.parallel.device), \
+                (compiling_many() if self.run.train.compile else contextlib.nullcontext()):
             self._setup(state)   # data and model first: a run that cannot start touches no file
             # rank 0 owns the folder; the other ranks write nothing
             lock = folder_lock(self.out, "training run") if self.parallel.main \
@@ -410,7 +414,7 @@ class Trainer:
                 inputs, targets, share = parallel.local(*self._batch(step))
                 started = time.perf_counter()
                 with _autocast(t.bf16, self.device):
-                    loss = self.model.loss(inputs, targets)
+                    loss = self.loss_fn(inputs, targets)
                     if parallel.active:   # the ranks' mean is the global batch's mean
                         loss = loss * share
                     aux = aux_loss(self.model)
