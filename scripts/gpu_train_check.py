@@ -6,7 +6,8 @@ no GPU).
 For each FFN preset of a small byte-level LM on pydoc (no download):
   - fp32 on CUDA against the same run on the CPU: the training curve and the final validation
     loss agree to a relative tolerance (different kernels, so not to the bit);
-  - bf16 autocast on CUDA trains and stays finite;
+  - bf16 autocast on CUDA trains and stays finite, eagerly and with ``train.compile``
+    (tokens per second of the last step of each, the compiled one's long past compiling);
   - a run stopped after half its steps and resumed on CUDA ends with exactly the losses and
     weights of the straight run (deterministic mode: cuBLAS workspace fixed; ops without a
     deterministic CUDA kernel are listed, since they warn instead of failing);
@@ -35,17 +36,24 @@ from sparseffn.train.trainer import Trainer
 PRESETS = ("dense", "sigma_moe", "switch", "fff", "pkm", "peer")
 
 
-def _run(preset: str, steps: int, bf16: bool = False) -> RunConfig:
+def _run(preset: str, steps: int, bf16: bool = False, compile: bool = False) -> RunConfig:
     return RunConfig(name=f"check-{preset}", data=DataSpec(corpus="pydoc"),
                      model=ModelSpec(d_model=64, n_layers=2, n_heads=4, context=64, ffn=preset,
                                      d_ff=256),
                      train=TrainSpec(steps=steps, batch_size=16, lr=3e-3, eval_every=steps,
-                                     log_every=1, eval_windows=16, bf16=bf16))
+                                     log_every=1, eval_windows=16, bf16=bf16,
+                                     compile=compile))
 
 
 def _curve(folder: Path) -> list[float]:
     return [m["loss"] for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
             if m["kind"] == "train"]
+
+
+def _last_rate(folder: Path) -> float:
+    """Tokens per second of the last logged training step."""
+    return [m["items_per_s"] for m in map(json.loads, (folder / "metrics.jsonl").read_text()
+                                          .splitlines()) if m["kind"] == "train"][-1]
 
 
 def _train(run: RunConfig, folder: Path, device: str, stop_at: int | None = None,
@@ -90,6 +98,12 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
                                 f"{1e3 * cpu['train_time_s'] / steps:.1f}")
     bf16, _ = _train(_run(preset, steps, bf16=True), tmp / f"{preset}-bf16", device)
     record("bf16 autocast", math.isfinite(bf16["val"]["loss"]), f"val {bf16['val']['loss']:.4f}")
+    compiled, _ = _train(_run(preset, steps, bf16=True, compile=True),
+                         tmp / f"{preset}-bf16-compiled", device)
+    record("bf16 compiled", math.isfinite(compiled["val"]["loss"]),
+           f"val {compiled['val']['loss']:.4f}; tokens/s at the last step "
+           f"{_last_rate(tmp / f'{preset}-bf16-compiled'):.0f}, eager "
+           f"{_last_rate(tmp / f'{preset}-bf16'):.0f}")
     folder = tmp / f"{preset}-resumed"
     _train(run, folder, device, stop_at=steps // 2)
     _train(run, folder, device, resume=True)
