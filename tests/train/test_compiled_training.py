@@ -10,7 +10,7 @@ from sparseffn.train import checkpoint as ckpt
 from sparseffn.train.config import ConfigError, TrainSpec
 from sparseffn.train.trainer import Trainer
 
-from .test_train import interrupt_at, lm_run, metrics
+from tests.train.test_train import interrupt_at, lm_run, metrics
 
 
 def _losses(folder):
