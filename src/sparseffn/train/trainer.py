@@ -219,9 +219,10 @@ class Trainer:
             torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))   # (CUDA's too)
         self.dense_params = dense_grad_parameters(self.model)
         t = run.train
-        # the step's forward and loss compiled; evaluation and checkpoints use the model itself
-        self.loss_fn = torch.compile(self.model.loss, dynamic=False) if t.compile \
-            else self.model.loss
+        # the step's forward and loss compiled (evaluation and checkpoints use the model
+        # itself); without it, each step looks up model.loss afresh
+        self.compiled_loss = torch.compile(self.model.loss, dynamic=False) if t.compile \
+            else None
         # with weight decay, weights only: no biases, norm gains or expert/leaf biases
         self.optimizers = adam_optimizers(self.model, t.lr, t.betas, t.weight_decay)
         self.step, self.train_time = 0, 0.0
@@ -414,7 +415,7 @@ class Trainer:
                 inputs, targets, share = parallel.local(*self._batch(step))
                 started = time.perf_counter()
                 with _autocast(t.bf16, self.device):
-                    loss = self.loss_fn(inputs, targets)
+                    loss = (self.compiled_loss or self.model.loss)(inputs, targets)
                     if parallel.active:   # the ranks' mean is the global batch's mean
                         loss = loss * share
                     aux = aux_loss(self.model)
