@@ -2,10 +2,12 @@
 ``.safetensors`` file, which any framework opens without unpickling (Hugging Face's format).
 
 The run config and the step go into the file's metadata (``sparseffn_config`` as JSON,
-``sparseffn_step``), so :func:`load_safetensors` rebuilds the model; so does the model config
-the checkpoint was trained with (``sparseffn_model_config``, the ``to_dict`` of its
-``LMConfig`` or ``ClassifierConfig``), where the checkpoint holds one. Optimiser state, RNG
-states and the tokenizer stay in the checkpoint.
+``sparseffn_step``), which :func:`load_safetensors` returns with the weights. Where the
+checkpoint holds one, the model config it was trained with goes there too
+(``sparseffn_model_config``, the ``to_dict`` of its ``LMConfig`` or ``ClassifierConfig``):
+the exact network the weights belong to, which the run config builds again only while the
+library's defaults stay the same. :func:`load_safetensors` does not return it; read it from
+the file's metadata. Optimiser state, RNG states and the tokenizer stay in the checkpoint.
 """
 
 from __future__ import annotations
