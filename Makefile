@@ -31,7 +31,8 @@ peers:
 	@EXTRAS=test,peers bash scripts/setup.sh
 	$(BIN)/sparseffn bench layers --peers --json runs/bench_layers_peers.json
 
-# Seed 003's router benchmark (Table 2, Figure 3): FFF formulations vs MoE, depths 1-13.
+# The router benchmark of Chaunin & Mikhailovskiy, "Matrix Mixture of Experts is the Best
+# Fast Feed-Forward" (Table 2, Figure 3): FFF formulations vs MoE, depths 1-13.
 routers:
 	@EXTRAS=test bash scripts/setup.sh
 	$(BIN)/sparseffn bench routers --json runs/bench_routers.json --plot runs/bench_routers.png

@@ -140,7 +140,7 @@ def test_cost_counts_every_parameter(config):
     assert config.cost().total_params == sum(p.numel() for p in layer.parameters())
 
 
-def test_pkm_sizes_of_seed_001_appendix_a3():
+def test_pkm_sizes_of_csordas_et_al_appendix_a3():
     """Csordás et al. 2023's small models (d_model 412, d_ff 2053, 4 heads): 46 sub-keys (2116 values)
     match the values, 62 (3844) the parameters."""
     assert PKMConfig.from_dense(412, 2053, match="values").num_subkeys == 46

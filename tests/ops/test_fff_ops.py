@@ -27,7 +27,7 @@ def _reference_probs(z64, activation):
 
 # --- the matrices of Eq. 9 --------------------------------------------------------------
 
-def test_tree_matrices_match_seed_003_example():
+def test_tree_matrices_match_the_depth_2_example_of_chaunin_and_mikhailovskiy():
     T, S = fff.tree_matrices(2)
     assert torch.equal(T, torch.tensor([[1, 0, 1, 0, 0, 0],
                                         [1, 0, 0, 1, 0, 0],
