@@ -6,8 +6,9 @@ The run config and the step go into the file's metadata (``sparseffn_config`` as
 checkpoint holds one, the model config it was trained with goes there too
 (``sparseffn_model_config``, the ``to_dict`` of its ``LMConfig`` or ``ClassifierConfig``):
 the exact network the weights belong to, which the run config builds again only while the
-library's defaults stay the same. :func:`load_safetensors` does not return it; read it from
-the file's metadata. Optimiser state, RNG states and the tokenizer stay in the checkpoint.
+library's defaults stay the same. :func:`load_safetensors_model` builds that network and
+loads the weights into it; :func:`load_safetensors` returns the weights, the run config and
+the step. Optimiser state, RNG states and the tokenizer stay in the checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from . import checkpoint as ckpt
 
@@ -61,6 +63,50 @@ def export_safetensors(checkpoint: str | Path, out: str | Path | None = None) ->
 
 def load_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, int]:
     """(state dict, run config dict, step) of a file :func:`export_safetensors` wrote."""
+    weights, metadata = _read(path)
+    return (weights, json.loads(metadata["sparseffn_config"]),
+            int(metadata.get("sparseffn_step", 0)))
+
+
+def load_safetensors_model(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The network of a file :func:`export_safetensors` wrote, holding its weights, on
+    ``device`` and in eval mode (as a Hugging Face ``from_pretrained`` model; call
+    ``.train()`` to train it on): a :class:`~sparseffn.models.lm.TransformerLM` or a
+    :class:`~sparseffn.models.classifier.SparseClassifier`, built from the model config in the
+    file's metadata (the network the weights were trained in, whatever this version's
+    defaults). A file exported from a checkpoint that holds no model config (written before
+    sparseffn kept one) holds an LM's run config: its network is built as this version builds
+    that run config, for the vocabulary of the file's token embedding. A classifier's needs
+    its data's sizes, which the file lacks: that is a CheckpointError, as is a file whose
+    weights do not fit the network (``load_state_dict``'s message names the tensors)."""
+    from ..models.classifier import SparseClassifier
+    from ..models.lm import LMConfig, TransformerLM
+    from .config import lm_config, run_config_from_dict
+    from .model_config import saved_model_config
+    weights, metadata = _read(path)
+    try:
+        if "sparseffn_model_config" in metadata:
+            config = saved_model_config(json.loads(metadata["sparseffn_model_config"]))
+        else:
+            run = run_config_from_dict(json.loads(metadata["sparseffn_config"]))
+            if run.model.kind != "lm":
+                raise ValueError("the file holds no model config, and a classifier's network "
+                                 "needs its data's sizes: build it from the run config "
+                                 "(load_safetensors) and load the weights into it")
+            if "embed.weight" not in weights:
+                raise ValueError("the file holds no model config and no token embedding "
+                                 "(embed.weight) to size the vocabulary by")
+            config = lm_config(run, weights["embed.weight"].shape[0])
+        model = TransformerLM(config) if isinstance(config, LMConfig) else \
+            SparseClassifier(config)
+        model.load_state_dict(weights)
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise ckpt.CheckpointError(f"cannot build the network of {path}: {error}") from error
+    return model.to(device).eval()
+
+
+def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and the metadata of a file :func:`export_safetensors` wrote."""
     st = _safetensors()
     path = Path(path)
     if not path.is_file():
@@ -71,5 +117,4 @@ def load_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, i
     if "sparseffn_config" not in metadata:
         raise ckpt.CheckpointError(f"{path} was not exported by sparseffn (no sparseffn_config "
                                    f"in its metadata)")
-    return (st.load_file(str(path)), json.loads(metadata["sparseffn_config"]),
-            int(metadata.get("sparseffn_step", 0)))
+    return st.load_file(str(path)), metadata

@@ -68,7 +68,7 @@ def checkpoint_model_config(saved: dict[str, Any] | None, current: ModelConfig,
     try:
         _check(isinstance(saved, dict) and saved.get("kind") == current.kind,
                f"a {current.kind!r} model config, got {saved!r:.80}")
-        config = type(current)(**{k: v for k, v in saved.items() if k != "kind"})
+        config = saved_model_config(saved)
     except (TypeError, ValueError) as error:     # a field this version renamed or dropped
         _note(f"{where} holds a model config this version of sparseffn cannot build "
               f"({error}); building the model its run config gives instead")
@@ -78,6 +78,19 @@ def checkpoint_model_config(saved: dict[str, Any] | None, current: ModelConfig,
         _note(f"this version of sparseffn builds another model from this run config "
               f"({changes}); using the model {where} was trained with")
     return config
+
+
+def saved_model_config(saved: dict[str, Any]) -> ModelConfig:
+    """The :class:`LMConfig` or :class:`ClassifierConfig` whose ``to_dict`` is ``saved`` (a
+    checkpoint's ``model_config``, ``summary.json``'s ``model``, an exported file's
+    ``sparseffn_model_config``). A ValueError or TypeError names what this version cannot
+    build (an unknown kind, a field it renamed or dropped)."""
+    kinds = {config.kind: config for config in (LMConfig, ClassifierConfig)}
+    kind = saved.get("kind") if isinstance(saved, dict) else None
+    if kind not in kinds:
+        raise ValueError(f"a model config of kind {' or '.join(map(repr, kinds))} is needed, "
+                         f"got {saved!r:.80}")
+    return kinds[kind](**{k: v for k, v in saved.items() if k != "kind"})
 
 
 def _note(message: str) -> None:
