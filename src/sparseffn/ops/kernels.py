@@ -27,7 +27,8 @@ capacity) is never computed, and where it appears in an output it is exactly zer
                                   et al. 2023, arXiv:2310.10837, App. B.1, Eq. 40)
     sparseffn::expert_weight_grad Σ over an expert's rows of aᵀ b (the CVMM weight gradient)
     sparseffn::expert_mlp_pairs   a few tokens' MLP experts without a plan (inference)
-    sparseffn::gather_dot         <x[t], table[idx[t, j]]>
+    sparseffn::gather_dot         <x[t], table[idx[t, j]]>   (these four: dense products for
+                                  a small table where enabled, see ops/dense_products.py)
     sparseffn::gather_sum         Σ_j w[t, j] · table[idx[t, j]]
     sparseffn::scatter_rows       the transpose of gather_sum (a table's gradient)
     sparseffn::scatter_rows_dot   both gradients of gather_sum, in one pass over the pairs
@@ -50,7 +51,7 @@ import torch
 from torch import Tensor
 
 from ..activations import activation_fn
-from . import native, triton_cvmm, triton_rows, triton_tree
+from . import dense_products, native, triton_cvmm, triton_rows, triton_tree
 from .debug import checks_enabled
 from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zero_rows_after
 
@@ -278,6 +279,8 @@ def _chunks(rows: int, per_row: int):
 @operator("gather_dot")
 def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     """``out[t, j] = <x[t], table[idx[t, j]]>``. x: [T, d]; table: [N, d]; idx: int64 [T, m]."""
+    if dense_products.pays(idx, table.shape[0]):
+        return dense_products.gather_dot(x, table, idx)
     if triton_rows.usable(x, table):
         return triton_rows.gather_dot(x, table, idx)
     if native.rows_usable(x, table):
@@ -299,6 +302,8 @@ def _(x, table, idx):
 def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]``. idx, weights: [T, m]; table: [N, d];
     returns [T, d] in the table's dtype."""
+    if dense_products.pays(idx, table.shape[0]):
+        return dense_products.gather_sum(idx, weights, table)
     if triton_rows.usable(weights, table):
         return triton_rows.gather_sum(idx, weights, table)
     if native.rows_usable(weights, table):
@@ -323,6 +328,8 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
     with zero rows where no pair lands. idx, weights: [T, m]; src: [T, d]. ``order`` and
     ``offsets``: optionally, :func:`row_index` of (idx, num_rows), which the Triton kernel
     then does not compute again (the other implementations group the pairs themselves)."""
+    if dense_products.pays(idx, num_rows):
+        return dense_products.scatter_rows(idx, weights, src, num_rows)
     if triton_rows.usable(weights, src):
         row_index = (order, offsets) if order is not None and offsets is not None else None
         return triton_rows.scatter_rows(idx, weights, src, num_rows, row_index)
@@ -354,6 +361,8 @@ def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor,
 
     idx, weights: [T, m]; src: [T, d]; table: [N, d]; ``order``, ``offsets``: as for
     :func:`scatter_rows`."""
+    if dense_products.pays(idx, table.shape[0]):
+        return dense_products.scatter_rows_dot(idx, weights, src, table)
     if triton_rows.scatter_rows_dot_usable(weights, src, table):
         row_index = (order, offsets) if order is not None and offsets is not None else None
         return triton_rows.scatter_rows_dot(idx, weights, src, table, row_index)

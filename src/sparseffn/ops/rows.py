@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, triton_rows
+from . import dense_products, kernels, triton_rows
 from .debug import checks_enabled
 from .kernels import scatter_rows
 
@@ -51,12 +51,13 @@ def shared_row_index(idx: torch.Tensor, num_rows: int, *tensors: torch.Tensor,
     the same pairs (PEER reads ``u_i`` and ``v_i`` with one idx): each table gradient then
     reuses it instead of sorting the pairs again. Only where the Triton table gradient will
     run and need it (a table requires grad under grad mode, not ``sparse_grad``, the tensors
-    the Triton kernels' own); else None (the C kernel and the PyTorch path group the pairs
-    themselves). Pass the result as ``row_index`` to :func:`gather_dot` and
-    :func:`gather_sum`."""
+    the Triton kernels' own, not the dense products of ``ops/dense_products.py``); else None
+    (the C kernel and the PyTorch path group the pairs themselves). Pass the result as
+    ``row_index`` to :func:`gather_dot` and :func:`gather_sum`."""
     if (sparse_grad or not torch.is_grad_enabled()
             or not any(t.requires_grad for t in tensors) or not triton_rows.usable(*tensors)
-            or not triton_rows.fits_int32_index(idx, num_rows)):
+            or not triton_rows.fits_int32_index(idx, num_rows)
+            or dense_products.pays(idx, num_rows)):     # (the dense form groups nothing)
         return None
     return kernels.row_index(idx, num_rows)
 

@@ -1,0 +1,102 @@
+"""The gathered-row products of a small table as dense matrix products (opt-in, for GPUs).
+
+With S the [T, N] matrix that holds each pair's weight at its row (``S[t, i] = Σ_{j: idx[t, j]
+= i} w[t, j]``, zero elsewhere), the products of :mod:`~sparseffn.ops.rows` are GEMMs:
+
+    gather_sum(idx, w, table)  = S · table            [T, d]
+    scatter_rows(idx, w, src)  = Sᵀ · src            [N, d]
+    gather_dot(x, table, idx)  = (x · tableᵀ)[t, idx[t, j]]   [T, m]
+
+A dense product costs 2·N·d FLOPs a token, the gathered rows m·d elements read a token. On a
+GPU, whose tensor cores do hundreds of FLOPs in the time it reads one element, the dense form
+is the cheaper one for a table of fewer than some tens of rows per pair, as the LM presets'
+PKM (3,844 rows, 128 pairs a token) and PEER (1,444 rows, 32 pairs) are; the gathered rows
+win for large tables (PEER's million experts). ``scripts/gpu_rows_calls.py`` (``rows or
+dense``) and ``scripts/gpu_lm_layers.py`` (``dense products``) time both on a GPU. Until they
+have, this form is off: :func:`set_dense_products_enabled` turns it on for tables of at most
+``ROWS_PER_PAIR`` rows per pair and batches of at most ``MAX_ELEMENTS`` elements of S. On a
+CPU it is slower (at T 4,096, d 256, m 32: 125 ms against 15 for the C kernels with 1,444
+rows), but it runs there too, which is how the tests check it.
+
+The results are those of the gathered rows up to rounding, with two differences:
+- S holds the weights in the table's (or the source's) dtype, so under bf16 autocast they are
+  rounded to bf16 before the product, where the row kernels read them as they come;
+- the products read every row: a NaN or inf in any table row (or in one token's gradient)
+  reaches every output (or every row of the table's gradient) through its zero weights,
+  where the gathered rows spread it only to the pairs that read it.
+Out-of-range pairs read as zero rows and land nowhere, as in the row kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# A table of at most this many rows per pair (N <= ROWS_PER_PAIR · m) takes the dense form. On
+# an H100 (about 600 bf16 TFLOP/s of dense products, about 9 TB/s read from L2) the two cost
+# the same near N = 67·m if the row kernels read at L2's bandwidth; not yet measured.
+ROWS_PER_PAIR = 64
+# ... and a batch whose S has at most this many elements (2^28: 512 MiB in bf16).
+MAX_ELEMENTS = 1 << 28
+
+_enabled = False
+
+
+def set_dense_products_enabled(enabled: bool) -> None:
+    """Let small tables' gathered-row products run as dense products (``True``) or never
+    (``False``, the default)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def dense_products_enabled() -> bool:
+    return _enabled
+
+
+def pays(idx: Tensor, num_rows: int) -> bool:
+    """Whether the products of the pairs ``idx`` [T, m] with a table of ``num_rows`` rows run
+    densely: enabled, a non-empty batch and table, at most ``ROWS_PER_PAIR`` rows per pair and
+    at most ``MAX_ELEMENTS`` elements of S. Shapes only: nothing is read on the host."""
+    tokens, pairs = idx.shape
+    return (_enabled and tokens > 0 and 0 < num_rows <= ROWS_PER_PAIR * pairs
+            and tokens * num_rows <= MAX_ELEMENTS)
+
+
+def spread(idx: Tensor, weights: Tensor, num_rows: int, dtype: torch.dtype) -> Tensor:
+    """S [T, num_rows] in ``dtype``: each pair's weight at its row, repeats added in slot
+    order (``sparseffn::dense_rows``); out-of-range pairs add nothing."""
+    from .kernels import dense_rows   # (kernels imports this module)
+    inside = (idx >= 0) & (idx < num_rows)
+    weights = torch.where(inside, weights.to(dtype), torch.zeros((), dtype=dtype,
+                                                                 device=weights.device))
+    return dense_rows(idx.clamp(0, num_rows - 1), weights, num_rows)
+
+
+def at_pairs(full: Tensor, idx: Tensor) -> Tensor:
+    """``full[t, idx[t, j]]`` [T, m] from full [T, N]; 0 for an out-of-range pair."""
+    num_rows = full.shape[1]
+    inside = (idx >= 0) & (idx < num_rows)
+    picked = full.gather(1, idx.clamp(0, num_rows - 1))
+    return torch.where(inside, picked, torch.zeros((), dtype=full.dtype, device=full.device))
+
+
+def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
+    """``sparseffn::gather_dot`` densely: [T, m] in the promoted dtype."""
+    dtype = torch.promote_types(x.dtype, table.dtype)
+    return at_pairs(x.to(dtype) @ table.to(dtype).t(), idx)
+
+
+def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
+    """``sparseffn::gather_sum`` densely: [T, d] in the table's dtype."""
+    return spread(idx, weights, table.shape[0], table.dtype) @ table
+
+
+def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Tensor:
+    """``sparseffn::scatter_rows`` densely: [num_rows, d] in src's dtype."""
+    return spread(idx, weights, num_rows, src.dtype).t() @ src
+
+
+def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+    """``sparseffn::scatter_rows_dot`` densely: (table gradient [N, d], dots [T, m])."""
+    return scatter_rows(idx, weights, src, table.shape[0]), gather_dot(src, table, idx)
