@@ -1,5 +1,6 @@
 """Each LM preset's FFN layer at the LM's shapes, forward+backward, replayed from CUDA graphs,
-with each change not yet timed on a GPU switched off in turn, all in the same rounds.
+with each change not yet timed on a GPU switched off (one, not yet used, on) in turn, all in the
+same rounds.
 
     python scripts/gpu_lm_layers.py [--presets sigma_moe,pkm] [--tokens 16384] [--rounds 10]
 
@@ -21,6 +22,11 @@ together. Here each layer is timed alone, in three versions where they apply:
   the experts' products as ``torch._grouped_mm`` (``triton_cvmm.set_triton_enabled(False)``).
   ``bench fig2`` found that path 0.89 of the Triton one's time at d_model 512 and slower at
   1024 and 2048; this says which one wins at the LM's d_model of 256;
+- ``dense products`` (PKM, PEER): switched *on*, as it is off by default: the gathered-row
+  products of their tables as dense bf16 GEMMs (``ops/dense_products.py``), which cost 2·N·d
+  FLOPs a token against m·d elements read; at these tables (3,844 and 1,444 rows, 128 and 32
+  pairs a token) the arithmetic favours them on an H100. If they win, turn them on for small
+  tables by default;
 
 beside the dense FFN of equal parameters (``dense``). The keyed product-key top-k, also not yet
 timed in a layer, is timed kernel against kernel by ``scripts/gpu_rows_calls.py``.
@@ -56,7 +62,7 @@ from sparseffn.auxiliary import aux_loss
 from sparseffn.bench.lm_step import lm_ffn
 from sparseffn.bench.measure import (forward_backward_fn, graph_call_times, kernel_script_device,
                                      paired_ratio)
-from sparseffn.ops import kernels, triton_cvmm, triton_sinkhorn
+from sparseffn.ops import dense_products, kernels, triton_cvmm, triton_sinkhorn
 
 # the modules, not the functions of the same names that sparseffn.ops exports
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
@@ -98,6 +104,7 @@ SWITCHES = {
                     lambda: _set(kernels, "scatter_rows_dot", kernels.scatter_rows_and_gather_dot)),
     "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),
     "no triton": (MOE_PRESETS, lambda: _set(triton_cvmm, "_enabled", False)),
+    "dense products": (ROW_PRESETS, lambda: _set(dense_products, "_enabled", True)),
 }
 
 
