@@ -15,7 +15,7 @@ win for large tables (PEER's million experts). ``scripts/gpu_rows_calls.py`` (``
 dense``) and ``scripts/gpu_lm_layers.py`` (``dense products``) time both on a GPU. Until they
 have, this form is off: :func:`set_dense_products_enabled` turns it on for tables of at most
 ``ROWS_PER_PAIR`` rows per pair and batches of at most ``MAX_ELEMENTS`` elements of S. On a
-CPU it is slower (at T 4,096, d 256, m 32: 125 ms against 15 for the C kernels with 1,444
+CPU it is slower (at T 4,096, d 256, m 32: 140 ms against 14 for the C kernels with 1,444
 rows), but it runs there too, which is how the tests check it.
 
 The results are those of the gathered rows up to rounding, with two differences:
