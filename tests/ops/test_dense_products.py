@@ -154,3 +154,27 @@ def test_pkm_and_peer_train_the_same_with_dense_products(config, autocast, count
     tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_spread_rows_writes_each_rows_summed_weights_without_atomics(dtype, triton_on_cpu,
+                                                                     monkeypatch):
+    """The Triton S of the dense form: a token's repeats of a row summed, out-of-range pairs
+    nowhere, every other element zero, the same bits on every run, and the same values as the
+    scatter the dense form takes where the kernel does not."""
+    from sparseffn.ops import triton_rows
+    idx, w, _, _ = _pairs(tokens=37, n=41, m=6, dtype=torch.float32)
+    idx[3, 2:5] = idx[3, 1]                                   # one row four times
+    idx[4, 0], idx[5, 3] = -2, 41                             # out of range
+    inside = ((idx >= 0) & (idx < 41)).double()
+    want = torch.zeros(37, 41, dtype=torch.float64).scatter_add_(
+        1, idx.clamp(0, 40), w.double() * inside)
+    got = triton_rows.spread_rows(idx, w, 41, dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=1e-3 if dtype == torch.float16 else 1e-6,
+                               atol=1e-3 if dtype == torch.float16 else 1e-6)
+    assert torch.equal(got, triton_rows.spread_rows(idx, w, 41, dtype))
+    assert torch.count_nonzero(got) == torch.count_nonzero(want)
+    monkeypatch.setattr(triton_rows, "MAX_SPREAD_PAIRS", 5)    # 6 pairs: the scatter instead
+    torch.testing.assert_close(dense_products.spread(idx, w, 41, dtype), got)
+    assert triton_rows.spread_rows(idx[:0], w[:0], 41, dtype).shape == (0, 41)

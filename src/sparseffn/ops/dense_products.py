@@ -9,9 +9,10 @@ With S the [T, N] matrix that holds each pair's weight at its row (``S[t, i] = �
 
 A dense product costs 2·N·d FLOPs a token, the gathered rows m·d elements read a token. On a
 GPU, whose tensor cores do hundreds of FLOPs in the time it reads one element, the dense form
-is the cheaper one for a table of fewer than some tens of rows per pair, as the LM presets'
-PKM (3,844 rows, 128 pairs a token) and PEER (1,444 rows, 32 pairs) are; the gathered rows
-win for large tables (PEER's million experts). ``scripts/gpu_rows_calls.py`` (``rows or
+should be the cheaper one for a table of fewer than some tens of rows per pair, as the LM
+presets' PKM (3,844 rows, 128 pairs a token) and PEER (1,444 rows, 32 pairs) are; the
+gathered rows win for large tables (PEER's million experts). S is written by
+``triton_rows.spread_rows`` (no atomics) where Triton runs, by a ``scatter_add_`` elsewhere. ``scripts/gpu_rows_calls.py`` (``rows or
 dense``) and ``scripts/gpu_lm_layers.py`` (``dense products``) time both on a GPU. Until they
 have, this form is off: :func:`set_dense_products_enabled` turns it on for tables of at most
 ``ROWS_PER_PAIR`` rows per pair and batches of at most ``MAX_ELEMENTS`` elements of S. On a
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from . import triton_rows
 
 # A table of at most this many rows per pair (N <= ROWS_PER_PAIR · m) takes the dense form. On
 # an H100 (about 600 bf16 TFLOP/s of dense products, about 9 TB/s read from L2) the two cost
@@ -63,13 +66,18 @@ def pays(idx: Tensor, num_rows: int) -> bool:
 
 
 def spread(idx: Tensor, weights: Tensor, num_rows: int, dtype: torch.dtype) -> Tensor:
-    """S [T, num_rows] in ``dtype``: each pair's weight at its row, repeats added in slot
-    order (``sparseffn::dense_rows``); out-of-range pairs add nothing."""
-    from .kernels import dense_rows   # (kernels imports this module)
+    """S [T, num_rows] in ``dtype``: each pair's weight at its row, a token's repeats of a row
+    added; out-of-range pairs add nothing. The Triton ``spread_rows`` where it runs (writes
+    only, no atomics); else a ``scatter_add_`` (on the CPU in slot order). Either sums a
+    token's repeats in float32 (or wider) and rounds once to ``dtype``."""
+    if triton_rows.usable(weights) and idx.shape[1] <= triton_rows.MAX_SPREAD_PAIRS:
+        return triton_rows.spread_rows(idx, weights, num_rows, dtype)
+    wide = torch.promote_types(dtype, torch.float32)
     inside = (idx >= 0) & (idx < num_rows)
-    weights = torch.where(inside, weights.to(dtype), torch.zeros((), dtype=dtype,
-                                                                 device=weights.device))
-    return dense_rows(idx.clamp(0, num_rows - 1), weights, num_rows)
+    weights = torch.where(inside, weights.to(wide), torch.zeros((), dtype=wide,
+                                                                device=weights.device))
+    return torch.zeros(idx.shape[0], num_rows, dtype=wide, device=weights.device).scatter_add_(
+        1, idx.clamp(0, num_rows - 1), weights).to(dtype)
 
 
 def at_pairs(full: Tensor, idx: Tensor) -> Tensor:

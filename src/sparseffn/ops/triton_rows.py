@@ -182,6 +182,29 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (cols < n)[None, :])
 
     @triton.jit
+    def _spread_rows_kernel(idx_ptr, w_ptr, out_ptr, T, m, n, stride_idx, stride_w, stride_out,
+                            BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Tokens [BLOCK_T]: each pair's row of out (zeros on entry) set to the sum of the
+        weights of the token's pairs that name that row. Every pair of a row writes the same
+        sum, so the order of the writes does not matter and nothing is read back: no atomics,
+        the same result on every run."""
+        ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        js = tl.arange(0, BLOCK_M)
+        t_ok = ts < T
+        pair_ok = t_ok[:, None] & (js < m)[None, :]
+        ts64 = ts.to(tl.int64)
+        rows = tl.load(idx_ptr + ts64[:, None] * stride_idx + js[None, :], mask=pair_ok,
+                       other=-1).to(tl.int64)                                  # [BT, BM]
+        w = tl.load(w_ptr + ts64[:, None] * stride_w + js[None, :], mask=pair_ok,
+                    other=0.0).to(tl.float32)
+        for j in range(0, m):
+            row = tl.max(tl.where(js[None, :] == j, rows, -1), 1)             # [BT]
+            total = tl.sum(tl.where(rows == row[:, None], w, 0.0), 1)
+            ok = t_ok & (row >= 0) & (row < n)
+            tl.store(out_ptr + ts64 * stride_out + row, total.to(out_ptr.dtype.element_ty),
+                     mask=ok)
+
+    @triton.jit
     def _rank_key(x, BIG: tl.constexpr):
         """Scores as finite rank keys, as ``kernels.rankable`` maps them: NaN and -inf to
         -BIG (below every finite score), +inf to BIG."""
@@ -408,6 +431,28 @@ def dense_rows(idx: Tensor, weights: Tensor, num_rows: int) -> Tensor:
         grid = (cdiv(tokens, 32), cdiv(num_rows, block_n))
         _dense_rows_kernel[grid](idx, weights, out, tokens, m, num_rows, idx.stride(0),
                                  weights.stride(0), out.stride(0), BLOCK_T=32, BLOCK_N=block_n)
+    return out
+
+
+# spread_rows holds a block of tokens' pairs in registers: at most this many pairs a token
+MAX_SPREAD_PAIRS = 1024
+
+
+def spread_rows(idx: Tensor, weights: Tensor, num_rows: int, dtype: torch.dtype) -> Tensor:
+    """What ``dense_rows`` computes, [T, num_rows] in ``dtype``, for a large table: zeros, then
+    each pair's row written with the sum of its token's weights for that row (at most
+    ``MAX_SPREAD_PAIRS`` pairs a token). Memory-bound in T·num_rows, where ``dense_rows``
+    compares every slot with every column (T·num_rows·m), which suits sub-key tables of tens
+    of rows. Out-of-range pairs land nowhere."""
+    idx, weights = _rowwise(idx), _rowwise(weights)
+    tokens, m = idx.shape
+    out = torch.zeros(tokens, num_rows, device=weights.device, dtype=dtype)
+    if tokens and m and num_rows:
+        block_m = next_power_of_2(m)
+        block_t = max(1, min(32, 4096 // block_m))
+        _spread_rows_kernel[(cdiv(tokens, block_t),)](
+            idx, weights, out, tokens, m, num_rows, idx.stride(0), weights.stride(0),
+            out.stride(0), BLOCK_T=block_t, BLOCK_M=block_m)
     return out
 
 
