@@ -29,7 +29,8 @@ d_ff 2048 MLP; a batch of 64 × 256 tokens): the ``pkm`` and ``peer`` presets.
   product costs 2·N·d FLOPs a token, the rows m·d·2 bytes: on an H100 (about 600 bf16
   TFLOP/s on dense products, about 9 TB/s from L2) the dense form would win where N < ~67·m,
   if the row kernels run at L2's bandwidth. ``rows`` is the operators (forward and both gradients),
-  ``dense`` the bf16 products with S built by a scatter; no layer uses the dense form.
+  ``dense`` the same three through ``ops/dense_products.py`` (S from ``spread_rows``), which a
+  layer takes only after ``set_dense_products_enabled(True)`` (``lm-layers`` times that).
 
 A tool for finding what to speed up; ``sparseffn bench lm`` times the whole step. With
 ``--device cpu`` (and ``TRITON_INTERPRET=1``) it runs the kernels in Triton's interpreter at
@@ -47,7 +48,7 @@ import torch
 from sparseffn import build_layer
 from sparseffn.bench.lm_step import lm_ffn
 from sparseffn.bench.measure import kernel_script_device, per_call_times
-from sparseffn.ops import kernels, native, triton_cvmm, triton_rows
+from sparseffn.ops import dense_products, kernels, native, triton_cvmm, triton_rows
 from sparseffn.stores import rows as row_stores
 
 
@@ -266,19 +267,13 @@ def _rows_or_dense(preset: str, tokens: int, rounds: int, calls: int,
     x, dy = (torch.randn(tokens, d, device=device, generator=gen).to(dtype) for _ in range(2))
     dh = torch.randn(tokens, m, device=device, generator=gen)
 
-    def spread(values):   # S [tokens, n]: each pair's value at its row (repeats added)
-        return torch.zeros(tokens, n, device=device, dtype=dtype).scatter_add_(
-            1, idx, values.to(dtype))
-
     def sum_rows():       # gather_sum forward, then its table and weight gradients
         kernels.gather_sum(idx, w, table)
         kernels.scatter_rows_dot(idx, w, dy, table)
 
     def sum_dense():
-        s = spread(w)
-        s @ table
-        s.t() @ dy
-        (dy @ table.t()).gather(1, idx)
+        dense_products.gather_sum(idx, w, table)
+        dense_products.scatter_rows_dot(idx, w, dy, table)
 
     def dot_rows():       # gather_dot forward, then its x and table gradients
         kernels.gather_dot(x, table, idx)
@@ -286,10 +281,9 @@ def _rows_or_dense(preset: str, tokens: int, rounds: int, calls: int,
         kernels.scatter_rows(idx, dh, x, n)
 
     def dot_dense():
-        (x @ table.t()).gather(1, idx)
-        s = spread(dh)
-        s @ table
-        s.t() @ x
+        dense_products.gather_dot(x, table, idx)
+        dense_products.gather_sum(idx, dh, table)
+        dense_products.scatter_rows(idx, dh, x, n)
 
     fns = {"gather_sum rows": sum_rows, "gather_sum dense": sum_dense}
     if preset == "peer":
