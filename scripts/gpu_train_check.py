@@ -45,15 +45,19 @@ def _run(preset: str, steps: int, bf16: bool = False, compile: bool = False) -> 
                                      compile=compile))
 
 
-def _curve(folder: Path) -> list[float]:
-    return [m["loss"] for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+def _train_records(folder: Path) -> list[dict]:
+    """The run's logged training steps, from its metrics.jsonl."""
+    return [m for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
             if m["kind"] == "train"]
+
+
+def _curve(folder: Path) -> list[float]:
+    return [m["loss"] for m in _train_records(folder)]
 
 
 def _last_rate(folder: Path) -> float:
     """Tokens per second of the last logged training step."""
-    return [m["items_per_s"] for m in map(json.loads, (folder / "metrics.jsonl").read_text()
-                                          .splitlines()) if m["kind"] == "train"][-1]
+    return _train_records(folder)[-1]["items_per_s"]
 
 
 def _train(run: RunConfig, folder: Path, device: str, stop_at: int | None = None,
