@@ -60,7 +60,7 @@ from ..ops import triton_cvmm
 from ..runtime import compiling_many, deterministic_algorithms
 from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
                       dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
-                      new_graph_step, paired_ratio, peak_mib, write_json)
+                      new_graph_step, paired_ratio, peak_mib, verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE
 
 EXPERT_SIZE = 128
@@ -306,9 +306,7 @@ def check_targets(records: list[dict]) -> list[str]:
            f"{first['dtype']}, {first['tokens']} tokens, compile {first['compile']}):"]
 
     def line(what: str, value: str, ok: bool | None, why: str = "") -> str:
-        verdict = "n/a" + (f" ({why})" if why else "") if ok is None else \
-            ("ok" if ok else "MISSED")
-        return f"target: {what}" + (f": {value}" if value else "") + f": {verdict}"
+        return f"target: {what}" + (f": {value}" if value else "") + f": {verdict(ok, why)}"
 
     for r in records:
         limit = TARGET_OVER_DENSE.get(r["d_model"])

@@ -32,7 +32,7 @@ from ..optim import adam_optimizers
 from ..runtime import compiling_many, deterministic_algorithms
 from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
                       first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
-                      peak_mib, write_json)
+                      peak_mib, verdict, write_json)
 
 
 def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,
@@ -169,7 +169,7 @@ def check_targets(records: list[dict]) -> list[str]:
         eager = " (timed eagerly: it did not compile)" \
             if r["compile"] != "none" and not r["compiled"] else ""
         out.append(f"target: {r['preset']} / dense <= {limit:.1f}: {r['over_dense']:.2f}{eager}: "
-                   f"{'ok' if r['over_dense'] <= limit else 'MISSED'}")
+                   f"{verdict(r['over_dense'] <= limit)}")
     return out
 
 

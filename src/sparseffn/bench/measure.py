@@ -51,6 +51,14 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
+def verdict(ok: bool | None, why: str = "") -> str:
+    """How a benchmark's target line ends: ``ok``, ``MISSED``, or ``n/a`` (with ``why``, where
+    the run cannot tell)."""
+    if ok is None:
+        return "n/a" + (f" ({why})" if why else "")
+    return "ok" if ok else "MISSED"
+
+
 def autocast_dtype_of(name: str) -> torch.dtype | None:
     """The autocast dtype a benchmark's ``--dtype`` names: None (no autocast) for "float32"."""
     return None if name == "float32" else getattr(torch, name)

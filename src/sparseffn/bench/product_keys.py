@@ -43,7 +43,7 @@ from ..config import PEERConfig, PKMConfig
 from ..layers import PEER, ProductKeyMemory
 from ..ops.product_keys import retrieve
 from .measure import (cuda_peak_bytes, describe_device, forward_backward_fn, forward_fn,
-                      interleaved_times, paired_ratio, peak_bytes, write_json)
+                      interleaved_times, paired_ratio, peak_bytes, verdict, write_json)
 
 D_MODEL, HEADS, K = 256, 8, 16
 NAIVE_SCORE_ELEMENTS = 1 << 24      # scores per chunk of naive scoring (64 MB)
@@ -322,15 +322,15 @@ def check_targets(records: list[dict]) -> list[str]:
     if ours and theirs:
         ratio = theirs["time_vs_sparseffn"]
         out.append(f"PEER 1M fwd+bwd: peer-pytorch / ours = {ratio:.2f}x (target >= 1.5): "
-                   f"{'ok' if ratio >= 1.5 else 'MISSED'}; peak {ours['peak_bytes'] / 2**20:.0f} "
+                   f"{verdict(ratio >= 1.5)}; peak {ours['peak_bytes'] / 2**20:.0f} "
                    f"MB vs {theirs['peak_bytes'] / 2**20:.0f} MB (target lower): "
-                   f"{'ok' if ours['peak_bytes'] < theirs['peak_bytes'] else 'MISSED'}")
+                   f"{verdict(ours['peak_bytes'] < theirs['peak_bytes'])}")
     for pass_name in ("forward", "forward_backward"):
         theirs = by.get(("pkm_product_key_memory", "product_key_memory", pass_name))
         if theirs:
             ratio = theirs["time_vs_sparseffn"]
             out.append(f"PKM {pass_name}: product-key-memory / ours = {ratio:.2f}x (target >= 1): "
-                       f"{'ok' if ratio >= 1 else 'MISSED'}")
+                       f"{verdict(ratio >= 1)}")
     scaling = sorted((r for r in records if r["case"] == "scaling"), key=lambda r: r["n_experts"])
     for method in ("product_keys", "naive"):
         series = [r for r in scaling if r["method"] == method]
@@ -343,7 +343,7 @@ def check_targets(records: list[dict]) -> list[str]:
     if train:
         ok = train["loss_last"] < 0.5 * train["loss_first"]
         out.append(f"PEER 1M trains {train['steps']} steps: loss {train['loss_first']:.3f} -> "
-                   f"{train['loss_last']:.3f}: {'ok' if ok else 'MISSED'}")
+                   f"{train['loss_last']:.3f}: {verdict(ok)}")
     return out
 
 

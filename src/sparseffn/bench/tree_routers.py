@@ -34,7 +34,7 @@ from ..ops import fff
 from ..router_config import TreeRouterConfig
 from ..routers.tree import TreeRouter
 from .measure import (describe_device, graph_call_times, interleaved_times, paired_ratio,
-                      write_json)
+                      verdict, write_json)
 
 METHODS = ("moe", "matrix", "hard", "logs", "orig", "levelwise", "matrix_sparse", "auto")
 PAPER_NAMES = {"moe": "MoE", "matrix": "FFF T,S", "hard": "FFF Inference", "logs": "FFF Logs",
@@ -255,9 +255,6 @@ def check_targets(records: list[dict]) -> list[str]:
     ms = _ms(records)
     depths = sorted({r["depth"] for r in records})
     out = []
-
-    def verdict(ok: bool | None) -> str:
-        return "n/a" if ok is None else ("ok" if ok else "MISSED")
 
     fwd8 = harmonic_speedups(records, "forward", min(8, max(depths)))["matrix"]
     fwd13 = harmonic_speedups(records, "forward", max(depths))["matrix"]
