@@ -101,27 +101,38 @@ def retrieve(query: torch.Tensor, keys_a: torch.Tensor, keys_b: torch.Tensor,
     # dtype or autocast (as the MoE routers do): in bfloat16 about 9% of retrievals at 64
     # sub-keys picked other keys than in float32.
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    vals = torch.empty(tokens, heads, k, dtype=score_dtype, device=query.device)
-    idx = torch.empty(tokens, heads, k, dtype=torch.int64, device=query.device)
     step = max(1, _SCORE_CHUNK_ELEMENTS // (heads * max(n_a, n_b)))
     with torch.no_grad(), autocast_off(query.device.type):
         q = query.to(score_dtype)                 # one cast of the whole query, then views
         qa, qb = q[..., :d_a], q[..., d_a:]
         ka, kb = keys_a.to(score_dtype), keys_b.to(score_dtype)
         fa, fb = ka.reshape(heads * n_a, d_a), kb.reshape(heads * n_b, d_b)
-        for start in range(0, tokens, step):
-            part = slice(start, min(tokens, start + step))
+
+        def select(part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            """The top-k keys of the tokens ``part``: values and indices [t, heads, k]."""
             if shared:      # one GEMM for every head; rows (t, h)
                 s_a = (qa[part] @ fa.t()).view(-1, n_a)
                 s_b = (qb[part] @ fb.t()).view(-1, n_b)
                 v, i = product_key_topk(s_a, s_b, k)
-                vals[part], idx[part] = v.view(-1, heads, k), i.view(-1, heads, k)
-            else:           # a batched GEMM per head; rows (h, t)
-                s_a = torch.bmm(qa[part].transpose(0, 1), ka.transpose(1, 2))
-                s_b = torch.bmm(qb[part].transpose(0, 1), kb.transpose(1, 2))
-                v, i = product_key_topk(s_a.reshape(-1, n_a), s_b.reshape(-1, n_b), k)
-                vals[part] = v.view(heads, -1, k).transpose(0, 1)
-                idx[part] = i.view(heads, -1, k).transpose(0, 1)
+                return v.view(-1, heads, k), i.view(-1, heads, k)
+            # a batched GEMM per head; rows (h, t)
+            s_a = torch.bmm(qa[part].transpose(0, 1), ka.transpose(1, 2))
+            s_b = torch.bmm(qb[part].transpose(0, 1), kb.transpose(1, 2))
+            v, i = product_key_topk(s_a.reshape(-1, n_a), s_b.reshape(-1, n_b), k)
+            return v.view(heads, -1, k).transpose(0, 1), i.view(heads, -1, k).transpose(0, 1)
+
+        # A batch that fits one chunk is not looped over: under torch.compile(dynamic=True)
+        # a loop over a symbolic token count fixes the count (a recompile for every batch
+        # size), where this test only adds the guard tokens <= step.
+        if tokens <= step:
+            vals, idx = select(slice(None))
+            vals, idx = vals.contiguous(), idx.contiguous()
+        else:
+            vals = torch.empty(tokens, heads, k, dtype=score_dtype, device=query.device)
+            idx = torch.empty(tokens, heads, k, dtype=torch.int64, device=query.device)
+            for start in range(0, tokens, step):
+                part = slice(start, min(tokens, start + step))
+                vals[part], idx[part] = select(part)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, keys_a, keys_b))
     if not needs_grad:
