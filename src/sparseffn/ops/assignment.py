@@ -69,7 +69,10 @@ def sinkhorn_log_plan(logits: torch.Tensor, iterations: int) -> torch.Tensor:
         return log_plan
     at_bound = (log_plan.abs() == bound).any(1, keepdim=True)
     log_plan = log_plan - torch.where(at_bound, log_plan.amax(1, keepdim=True), 0.0)
-    column_target = math.log(tokens / num_experts)
+    # log(T / E), as a tensor: under torch.compile(dynamic=True) math.log of the symbolic
+    # token count would fix the count (a recompile for every batch size)
+    column_target = (torch.full((), tokens, dtype=torch.float64, device=logits.device).log()
+                     - math.log(num_experts)).float()
     for _ in range(iterations):
         log_plan = log_plan - torch.logsumexp(log_plan, dim=0, keepdim=True) + column_target
         log_plan = log_plan - torch.logsumexp(log_plan, dim=1, keepdim=True)
