@@ -1,0 +1,57 @@
+"""``torch.compile(layer, dynamic=True)``: one graph serves every batch size.
+
+A user whose batches vary in length (the last batch of an epoch, packed sequences, decoding)
+compiles with ``dynamic=True`` and expects no recompilation per size. Python arithmetic on a
+symbolic size defeats that: a ``range`` over the token count or ``math.log`` of it fixes the
+count, and then every new size compiles again (until Dynamo's recompile limit turns the layer
+eager). The graph is traced with the ``aot_eager`` backend, which runs Dynamo and AOT
+autograd (where the guards come from) without Inductor's code generation, so the check is
+fast; Inductor adds no size guards to these layers (checked by hand for every config).
+
+Sizes 0 and 1 are left out on purpose: Dynamo always specialises them. The sizes here also
+stay within the thresholds at which a layer picks another path by its batch size, each a
+bounded number of graphs rather than one per size: the width of GShard's sort keys
+(:func:`sparseffn.ops.ids.id_dtype`), the tree router's padded GEMM from 512 tokens on the
+CPU, and product-key retrieval's chunks of sub-key scores.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import sparseffn
+from sparseffn.bench.compiled import layer_configs
+
+SIZES = (37, 64, 100, 300)
+# routers that draw random numbers in training; the compiled graph draws them in another order
+_RANDOM_IN_TRAINING = {"noisy_topk", "gshard"}
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("name", list(layer_configs(32)))
+def test_one_graph_serves_every_batch_size(name, mode):
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(layer_configs(32)[name]).train(mode == "train")
+    compiled_layer = copy.deepcopy(layer)
+    compiled = torch.compile(compiled_layer, dynamic=True, fullgraph=True, backend="aot_eager")
+    compare = mode == "eval" or name not in _RANDOM_IN_TRAINING
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for tokens in SIZES:
+            x = torch.randn(tokens, 32)
+            x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y_eager, y_compiled = layer(x_eager), compiled(x_compiled)
+            (y_eager.square().sum() + sparseffn.aux_loss(layer)).backward()
+            (y_compiled.square().sum() + sparseffn.aux_loss(compiled_layer)).backward()
+            assert y_compiled.shape == (tokens, 32)
+            assert torch.isfinite(x_compiled.grad).all()
+            if compare:
+                torch.testing.assert_close(y_compiled, y_eager, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=1e-4, atol=1e-5)
+        assert counters["stats"]["unique_graphs"] == 1, \
+            f"{name} ({mode}) compiled {counters['stats']['unique_graphs']} graphs for {SIZES}"
+    finally:
+        torch._dynamo.reset()
