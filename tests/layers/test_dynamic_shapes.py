@@ -9,10 +9,9 @@ autograd (where the guards come from) without Inductor's code generation, so the
 fast; Inductor adds no size guards to these layers (checked by hand for every config).
 
 Sizes 0 and 1 are left out on purpose: Dynamo always specialises them. The sizes here also
-stay within the thresholds at which a layer picks another path by its batch size, each a
-bounded number of graphs rather than one per size: the width of GShard's sort keys
-(:func:`sparseffn.ops.ids.id_dtype`), the tree router's padded GEMM from 512 tokens on the
-CPU, and product-key retrieval's chunks of sub-key scores.
+stay below the thresholds at which a layer picks another path by its batch size, each a
+bounded number of graphs rather than one per size: the tree router's padded GEMM from 512
+tokens on the CPU, and product-key retrieval's chunks of sub-key scores.
 """
 
 import copy
@@ -24,7 +23,7 @@ from torch._dynamo.utils import counters
 import sparseffn
 from sparseffn.bench.compiled import layer_configs
 
-SIZES = (37, 64, 100, 300)
+SIZES = (37, 64, 5, 300)
 # routers that draw random numbers in training; the compiled graph draws them in another order
 _RANDOM_IN_TRAINING = {"noisy_topk", "gshard"}
 
@@ -55,3 +54,24 @@ def test_one_graph_serves_every_batch_size(name, mode):
             f"{name} ({mode}) compiled {counters['stats']['unique_graphs']} graphs for {SIZES}"
     finally:
         torch._dynamo.reset()
+
+
+# layers that pick a path by batch size (the module docstring): exported up to that size
+_SIZE_THRESHOLD = {"tree", "fff_soft", "fff_sparse", "pkm", "peer"}
+
+
+@pytest.mark.parametrize("name", list(layer_configs(32)))
+def test_torch_export_with_a_dynamic_token_count(name):
+    """``torch.export`` of the layer at inference with the token count dynamic: unbounded,
+    or up to 300 tokens for a layer with a size threshold (below every threshold here; the
+    export error names the bound). The exported program computes what the layer does at
+    sizes other than the one traced."""
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(layer_configs(32)[name]).eval()
+    bound = 300 if name in _SIZE_THRESHOLD else None
+    tokens = torch.export.Dim("tokens", min=2, max=bound)
+    program = torch.export.export(layer, (torch.randn(37, 32),), dynamic_shapes=({0: tokens},))
+    for size in (5, 300, 1000) if bound is None else (5, 300):
+        x = torch.randn(size, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(x), layer(x), rtol=1e-5, atol=1e-5)

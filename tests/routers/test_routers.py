@@ -475,6 +475,8 @@ def test_positions_in_expert_match_counting_in_order(num_experts):
     groups = torch.arange(301) // 40
     assert positions_in_expert(experts, num_experts, groups).tolist() == \
         _positions_by_counting(experts, groups)
+    assert positions_in_expert(experts, num_experts, groups, num_groups=8).tolist() == \
+        _positions_by_counting(experts, groups)
     assert positions_in_expert(experts, num_experts).tolist() == \
         _positions_by_counting(experts, torch.zeros_like(groups))
     assert positions_in_expert(experts[:0], num_experts).tolist() == []

@@ -33,18 +33,22 @@ def count_keys(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def positions_in_expert(experts: torch.Tensor, num_experts: int,
-                        groups: torch.Tensor | None = None) -> torch.Tensor:
+                        groups: torch.Tensor | None = None, num_groups: int | None = None
+                        ) -> torch.Tensor:
     """The buffer position of each pair at its expert: how many earlier pairs (in the given
     order) of the same group chose the same expert.
 
-    experts: int64 [P]; groups: optional int64 [P] group ids in [0, G). Returns int64 [P].
-    One stable sort and a binary search (O(P log P)), no [P, E] one-hot, no scatter-add (no
-    atomics on a GPU), nothing read on the host.
+    experts: int64 [P]; groups: optional int64 [P] group ids in [0, num_groups) (None: one
+    group; num_groups None: at most P groups). Returns int64 [P]. One stable sort and a binary
+    search (O(P log P)), no [P, E] one-hot, no scatter-add (no atomics on a GPU), nothing read
+    on the host.
     """
-    key = experts if groups is None else groups * num_experts + experts
-    # group ids are < P, so the keys are < P · E
-    sorted_key, order = stable_sort_ids(
-        key, num_experts if groups is None else max(key.numel(), 1) * num_experts)
+    if groups is None:
+        key, bound = experts, num_experts
+    else:
+        key = groups * num_experts + experts
+        bound = max(key.numel() if num_groups is None else num_groups, 1) * num_experts
+    sorted_key, order = stable_sort_ids(key, bound)
     first = torch.searchsorted(sorted_key, sorted_key)   # where each pair's run of keys starts
     rank = torch.arange(key.numel(), device=key.device) - first
     return torch.empty_like(rank).scatter_(0, order, rank)

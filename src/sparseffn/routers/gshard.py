@@ -125,8 +125,9 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     num_groups = (tokens + size - 1) // size
     # Lines 7 and 18 in one pass: the second choices take positions after every first choice
     # of their group (from c_e), in token order, as if queued behind all the first choices.
+    groups = (group.repeat(2), num_groups) if group_size else (None, None)
     pos1, pos2 = positions_in_expert(top.t().reshape(-1), num_experts,
-                                     group.repeat(2)).view(2, tokens).unbind(0)
+                                     *groups).view(2, tokens).unbind(0)
     keep1 = torch.ones_like(e1, dtype=torch.bool) if capacity is None else pos1 < capacity
     keep2 = torch.ones_like(e2, dtype=torch.bool) if capacity is None else pos2 < capacity
     if uniform is not None:
@@ -169,7 +170,10 @@ class GShardRouter(LinearRouter):
                                self.num_experts)
         random_second = self.training and cfg.second_expert == "random"
         uniform = torch.rand(tokens, device=x.device) if random_second else None
-        result = gshard_top2(gates, group_size, capacity, uniform)
+        # one group: None, so the sort keys carry no group ids (their width would then follow
+        # the token count, a graph per width under torch.compile(dynamic=True))
+        one_group = cfg.group_size is None or cfg.group_size >= tokens
+        result = gshard_top2(gates, None if one_group else group_size, capacity, uniform)
         dispatched = result.dispatched
         names = ("dropped_fraction", "first_dropped_fraction", "second_dispatched_fraction")
         flags = torch.stack([~dispatched.any(1), ~dispatched[:, 0], dispatched[:, 1]], 1)
