@@ -75,3 +75,37 @@ def test_torch_export_with_a_dynamic_token_count(name):
         x = torch.randn(size, 32)
         with torch.no_grad():
             torch.testing.assert_close(program.module()(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["sbase", "switch", "pkm"])
+def test_an_lm_compiles_once_for_any_batch_and_sequence_length(preset):
+    """A whole LM (attention, positions, a preset's FFNs; Switch with its capacity):
+    training steps at four (batch, length) shapes, one graph, the eager loss and gradients."""
+    from sparseffn.models import LMConfig, TransformerLM, ffn_preset
+    layout = ffn_preset(preset, 64, 256, 2)
+    config = LMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, context=128,
+                      ffn=layout.ffn, sparse_every=layout.sparse_every,
+                      dense_ffn=layout.dense_ffn)
+    torch.manual_seed(0)
+    model = TransformerLM(config).train()
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model.loss, dynamic=True, fullgraph=True,
+                             backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for batch, length in ((3, 37), (4, 64), (2, 100), (5, 21)):
+            tokens = torch.randint(0, 256, (batch, length + 1))
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            model.zero_grad()
+            compiled_model.zero_grad()
+            loss = model.loss(inputs, targets)
+            loss.backward()
+            loss_compiled = compiled(inputs, targets)
+            loss_compiled.backward()
+            torch.testing.assert_close(loss_compiled, loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(compiled_model.embed.weight.grad, model.embed.weight.grad,
+                                       rtol=1e-4, atol=1e-6)
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        torch._dynamo.reset()
