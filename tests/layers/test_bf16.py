@@ -1,6 +1,7 @@
-"""Every layer trains in bf16, as a pure-bf16 module and under bf16 autocast, and computes what
-it computes in fp32 (the GPU issue's "every layer trains in bf16"; here on CPU tensors, where
-the same PyTorch implementations run as on CUDA wherever no Triton kernel takes over).
+"""Every layer trains in bf16 and in fp16, as a pure half-precision module and under autocast,
+and computes what it computes in fp32 (the GPU issue's "every layer trains in bf16"; here on
+CPU tensors, where the same PyTorch implementations run as on CUDA wherever no Triton kernel
+takes over).
 
 Closeness is judged per token against the fp32 layer with the same weights. Layers whose hard
 choice is made among many near-equal candidates (a top-k of 2,048 hidden units, product-key
@@ -54,31 +55,37 @@ def _fp32_reference(name: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Ten
         return layer, x, layer(x)
 
 
+# fp16 too: the GPUs without bf16 (V100, T4) train in fp16, and the Triton kernels take it
+HALF = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+
+
+@HALF
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_a_pure_bf16_module_trains_and_matches_fp32(name):
+def test_a_pure_half_precision_module_trains_and_matches_fp32(name, dtype):
     ref, x, want = _fp32_reference(name)
-    layer = copy.deepcopy(ref).to(torch.bfloat16).train()
-    xb = x.to(torch.bfloat16).requires_grad_(True)
+    layer = copy.deepcopy(ref).to(dtype).train()
+    xb = x.to(dtype).requires_grad_(True)
     y = layer(xb)
-    assert y.dtype == torch.bfloat16
+    assert y.dtype == dtype
     (y.float().square().mean() + sparseffn.aux_loss(layer)).backward()
-    _assert_gradients(xb, layer, torch.bfloat16)
+    _assert_gradients(xb, layer, dtype)
     with torch.no_grad():
-        _assert_close_per_token(name, layer.eval()(x.to(torch.bfloat16)), want)
+        _assert_close_per_token(name, layer.eval()(x.to(dtype)), want)
 
 
+@HALF
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_bf16_autocast_trains_fp32_weights_and_matches_fp32(name):
+def test_half_precision_autocast_trains_fp32_weights_and_matches_fp32(name, dtype):
     layer, x, want = _fp32_reference(name)
     layer.train()
     xa = x.clone().requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         y = layer(xa)
         loss = y.float().square().mean() + sparseffn.aux_loss(layer)
-    assert y.dtype in (torch.bfloat16, torch.float32)
+    assert y.dtype in (dtype, torch.float32)
     loss.backward()
     _assert_gradients(xa, layer, torch.float32)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
         _assert_close_per_token(name, layer.eval()(x), want)
 
 
