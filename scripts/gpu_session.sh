@@ -65,7 +65,8 @@ for what in "$@"; do
              tests/ops/test_triton_sinkhorn.py \
              tests/ops/test_operator_autocast.py tests/layers/test_no_host_sync.py \
              tests/test_bench_graphs.py \
-             "tests/layers/test_fff.py::test_every_formulation_compiles_in_one_graph_on_cuda" ;;
+             "tests/layers/test_fff.py::test_every_formulation_compiles_in_one_graph_on_cuda" \
+             tests/layers/test_dynamic_shapes.py::test_on_cuda_inductor_compiles_one_graph_for_every_batch_size ;;
     check) stage check 540 $PY scripts/gpu_check.py --json "$OUT/check.json" ;;
     fig2) stage fig2 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
             --json "$OUT/fig2.json" ;;
