@@ -74,9 +74,9 @@ def sinkhorn_log_plan(logits: torch.Tensor, iterations: int) -> torch.Tensor:
     at_bound = (log_plan.abs() == bound).any(1, keepdim=True)
     log_plan = log_plan - torch.where(at_bound, log_plan.amax(1, keepdim=True), 0.0)
     # log(T / E), as a tensor: under torch.compile(dynamic=True) math.log of the symbolic
-    # token count would fix the count (a recompile for every batch size)
-    column_target = (torch.full((), tokens, dtype=torch.float64, device=logits.device).log()
-                     - math.log(num_experts)).float()
+    # token count would fix the count (a recompile for every batch size). Float32 is enough:
+    # the row step that follows removes any constant added to every entry.
+    column_target = log_plan.new_full((), tokens).log() - math.log(num_experts)
     for _ in range(iterations):
         log_plan = log_plan - torch.logsumexp(log_plan, dim=0, keepdim=True) + column_target
         log_plan = log_plan - torch.logsumexp(log_plan, dim=1, keepdim=True)
