@@ -89,7 +89,8 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
         if keep is not None:
             mass_each = torch.where(keep, mass_each, torch.zeros_like(mass_each))
     if counts is None:
-        ones = torch.ones(flat.shape, device=flat.device) if keep is None else keep.float()
+        ones = torch.ones(flat.shape, device=flat.device, dtype=torch.float32) if keep is None \
+            else keep.float()
         if mass_each is None:
             counts = flat.new_zeros(num_experts, dtype=torch.float32).index_add_(0, flat, ones)
         else:   # both: one scatter of the (1, weight) columns

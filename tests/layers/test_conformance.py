@@ -310,6 +310,27 @@ def test_inference_mode_then_training_forward(name):
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
+def test_a_float64_default_dtype_builds_float64_layers_that_train(name):
+    """Under ``torch.set_default_dtype(torch.float64)`` (scientific code sets it) a layer is
+    built in float64 and trains and evaluates in it; the usage statistics, which are float32
+    whatever the default, once met a float64 tensor of ones there and failed."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        layer = _build(EXAMPLES[name])
+        x = torch.randn(7, D, requires_grad=True)
+        y = layer(x)
+        (y.square().sum() + sparseffn.aux_loss(layer)).backward()
+        with torch.no_grad():
+            y_eval = layer.eval()(x)
+    finally:
+        torch.set_default_dtype(previous)
+    assert {p.dtype for p in layer.parameters()} == {torch.float64}
+    assert y.dtype == y_eval.dtype == x.grad.dtype == torch.float64
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_meta_device_init_then_reset_parameters(name):
     config = EXAMPLES[name]
     with torch.device("meta"):
