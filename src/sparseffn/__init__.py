@@ -6,7 +6,7 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 """
 
 from .auxiliary import (all_reduce_usage, aux_loss, aux_loss_terms, dense_grad_parameters,
-                        reset_usage, routing_stats, sparse_grad_parameters)
+                        reset_usage, routing_stats, sparse_grad_parameters, summing_aux_losses)
 from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, PEERConfig,
                      PKMConfig, ProductKeySpec, SigmaMoEConfig, TopKMLPConfig, config_from_dict)
 from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
@@ -36,5 +36,5 @@ __all__ = [
     "build_layer", "build_router", "compare_with_dense", "config_from_dict", "cvmm",
     "dense_grad_parameters", "no_weight_decay_parameters", "param_equal_dense", "param_groups",
     "reset_usage", "routing_stats",
-    "sparse_grad_parameters", "tune_cpu_allocator",
+    "sparse_grad_parameters", "summing_aux_losses", "tune_cpu_allocator",
 ]

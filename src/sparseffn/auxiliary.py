@@ -7,6 +7,8 @@ works for any model containing sparseffn layers, however deeply nested.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -20,7 +22,8 @@ def _layers(model: nn.Module):
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:
-    """Σ over sparse layers and their losses of ``weight · loss`` from the last forward.
+    """Σ over sparse layers and their losses of ``weight · loss`` from the last forward (of
+    every call of a layer inside :func:`summing_aux_losses`).
 
     A scalar tensor (zero when the model has no sparse layers or none has run). Every loss a
     layer records must have a weight (zero is a weight): a loss without one raises a KeyError
@@ -41,6 +44,29 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
         param = next(model.parameters(), None)
         return torch.zeros((), device=param.device if param is not None else None)
     return total
+
+
+@contextlib.contextmanager
+def summing_aux_losses(model: nn.Module):
+    """Inside, every sparse layer of ``model`` adds up the aux losses of all its calls instead
+    of keeping the last call's: for a layer applied several times in one forward (shared across
+    depth, as in a Universal Transformer). Entering clears the layers' aux losses, so wrap one
+    training step's forward; :func:`aux_loss` inside or after the block gives the sum, as if
+    each call were its own layer. Usage statistics count every call either way.
+
+        with sparseffn.summing_aux_losses(model):
+            loss = task_loss(model(x)) + sparseffn.aux_loss(model)
+    """
+    layers = [layer for _, layer in _layers(model)]
+    before = [layer._transient.summing for layer in layers]
+    for layer in layers:
+        layer.aux_losses = {}
+        layer._transient.summing = True
+    try:
+        yield
+    finally:
+        for layer, summing in zip(layers, before):
+            layer._transient.summing = summing
 
 
 def aux_loss_terms(model: nn.Module) -> dict[str, torch.Tensor]:

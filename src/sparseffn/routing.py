@@ -136,11 +136,13 @@ class _Transient:
     a deep copy or an unpickled layer starts empty (so ``copy.deepcopy`` and
     ``torch.optim.swa_utils.AveragedModel`` work after a training forward)."""
 
-    __slots__ = ("aux_losses", "routing_stats", "observer")
+    __slots__ = ("aux_losses", "routing_stats", "observer", "summing")
 
     def __init__(self) -> None:
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.routing_stats: dict[str, torch.Tensor] = {}
+        # inside sparseffn.summing_aux_losses: each call adds its aux losses to the last ones
+        self.summing = False
         # called with each forward's Routing while a sparseffn.analysis.RoutingRecorder is on
         self.observer = None
 
@@ -240,7 +242,13 @@ class SparseFFN(nn.Module):
         aux-loss gradient attached during a reentrant checkpoint's recomputation)."""
         if recomputing():
             return self._attach_aux_gradient(routing, y)
-        self.aux_losses = dict(routing.aux_losses)
+        if self._transient.summing:    # a layer called several times in one forward
+            summed = dict(self.aux_losses)
+            for name, loss in routing.aux_losses.items():
+                summed[name] = summed[name] + loss if name in summed else loss
+            self.aux_losses = summed
+        else:
+            self.aux_losses = dict(routing.aux_losses)
         plan = routing.built_plan(num_experts)
         counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
                                     routing.dispatched, None if plan is None else plan.counts,

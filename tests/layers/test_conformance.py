@@ -310,6 +310,43 @@ def test_inference_mode_then_training_forward(name):
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
+def test_a_layer_called_three_times_sums_its_aux_losses_when_asked(name):
+    """A layer shared across depth: inside ``summing_aux_losses`` the aux loss and its
+    gradients are those of three copies of the layer called once each; outside, a layer keeps
+    its last call's."""
+    shared = _build(EXAMPLES[name]).train()
+    copies = [copy.deepcopy(shared) for _ in range(3)]
+    xs = [torch.randn(7, D) for _ in range(3)]
+    with sparseffn.summing_aux_losses(shared):
+        for i, x in enumerate(xs):
+            torch.manual_seed(10 + i)     # the noisy routers draw the same noise as the copies
+            shared(x)
+        total = sparseffn.aux_loss(shared)
+    want = []
+    for i, (layer, x) in enumerate(zip(copies, xs)):
+        torch.manual_seed(10 + i)
+        layer(x)
+        want.append(sparseffn.aux_loss(layer))
+    torch.testing.assert_close(total, sum(want), rtol=1e-5, atol=1e-7)
+    if total.requires_grad:
+        total.backward()
+        sum(want).backward()
+        for (param_name, p), *qs in zip(shared.named_parameters(),
+                                        *(c.parameters() for c in copies)):
+            grads = [q.grad for q in qs if q.grad is not None]
+            if p.grad is None:
+                assert not grads, param_name
+            else:
+                torch.testing.assert_close(p.grad, sum(grads), rtol=1e-5, atol=1e-7,
+                                           msg=param_name)
+    for i in (0, 2):                      # outside the block: the last call's
+        torch.manual_seed(10 + i)
+        shared(xs[i])
+    torch.testing.assert_close(sparseffn.aux_loss(shared), want[2].detach(), rtol=1e-5,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_a_float64_default_dtype_builds_float64_layers_that_train(name):
     """Under ``torch.set_default_dtype(torch.float64)`` (scientific code sets it) a layer is
     built in float64 and trains and evaluates in it; the usage statistics, which are float32
