@@ -70,7 +70,8 @@ def summing_aux_losses(model: nn.Module):
 
 
 def aux_loss_terms(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every unweighted auxiliary loss of the last forward, as ``"layer.path/loss": value``."""
+    """Every unweighted auxiliary loss of the last forward (summed over a layer's calls inside
+    :func:`summing_aux_losses`), as ``"layer.path/loss": value``."""
     return {f"{name or '<root>'}/{loss_name}": value
             for name, layer in _layers(model) for loss_name, value in layer.aux_losses.items()}
 
