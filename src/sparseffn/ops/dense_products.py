@@ -12,8 +12,9 @@ GPU, whose tensor cores do hundreds of FLOPs in the time it reads one element, t
 should be the cheaper one for a table of fewer than some tens of rows per pair, as the LM
 presets' PKM (3,844 rows, 128 pairs a token) and PEER (1,444 rows, 32 pairs) are; the
 gathered rows win for large tables (PEER's million experts). S is written by
-``triton_rows.spread_rows`` (no atomics) where Triton runs, by a ``scatter_add_`` elsewhere. ``scripts/gpu_rows_calls.py`` (``rows or
-dense``) and ``scripts/gpu_lm_layers.py`` (``dense products``) time both on a GPU. Until they
+``triton_rows.spread_rows`` (no atomics) where Triton runs, by a ``scatter_add_`` elsewhere.
+``scripts/gpu_rows_calls.py`` (``rows or dense``) and ``scripts/gpu_lm_layers.py`` (``dense
+products``) time both on a GPU. Until they
 have, this form is off: :func:`set_dense_products_enabled` turns it on for tables of at most
 ``ROWS_PER_PAIR`` rows per pair and batches of at most ``MAX_ELEMENTS`` elements of S. On a
 CPU it is slower (at T 4,096, d 256, m 32: 140 ms against 14 for the C kernels with 1,444
@@ -52,10 +53,6 @@ def set_dense_products_enabled(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
-def dense_products_enabled() -> bool:
-    return _enabled
-
-
 def pays(idx: Tensor, num_rows: int) -> bool:
     """Whether the products of the pairs ``idx`` [T, m] with a table of ``num_rows`` rows run
     densely: enabled, a non-empty batch and table, at most ``ROWS_PER_PAIR`` rows per pair and
@@ -73,19 +70,24 @@ def spread(idx: Tensor, weights: Tensor, num_rows: int, dtype: torch.dtype) -> T
     if triton_rows.usable(weights) and idx.shape[1] <= triton_rows.MAX_SPREAD_PAIRS:
         return triton_rows.spread_rows(idx, weights, num_rows, dtype)
     wide = torch.promote_types(dtype, torch.float32)
-    inside = (idx >= 0) & (idx < num_rows)
+    inside, rows = _in_range(idx, num_rows)
     weights = torch.where(inside, weights.to(wide), torch.zeros((), dtype=wide,
                                                                 device=weights.device))
     return torch.zeros(idx.shape[0], num_rows, dtype=wide, device=weights.device).scatter_add_(
-        1, idx.clamp(0, num_rows - 1), weights).to(dtype)
+        1, rows, weights).to(dtype)
 
 
 def at_pairs(full: Tensor, idx: Tensor) -> Tensor:
     """``full[t, idx[t, j]]`` [T, m] from full [T, N]; 0 for an out-of-range pair."""
-    num_rows = full.shape[1]
-    inside = (idx >= 0) & (idx < num_rows)
-    picked = full.gather(1, idx.clamp(0, num_rows - 1))
-    return torch.where(inside, picked, torch.zeros((), dtype=full.dtype, device=full.device))
+    inside, rows = _in_range(idx, full.shape[1])
+    return torch.where(inside, full.gather(1, rows),
+                       torch.zeros((), dtype=full.dtype, device=full.device))
+
+
+def _in_range(idx: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """Which pairs name a row of the table (bool [T, m]), and idx clamped into it (to index
+    with; the pairs outside are masked by the first)."""
+    return (idx >= 0) & (idx < num_rows), idx.clamp(0, num_rows - 1)
 
 
 def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
