@@ -121,11 +121,11 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     e1, e2 = top[:, 0], top[:, 1]
     g1, g2 = gates.gather(1, top).unbind(1)
     g1, g2 = g1 / (g1 + g2), g2 / (g1 + g2)                                  # lines 6, 16
-    group = torch.arange(tokens, device=gates.device) // size
     num_groups = (tokens + size - 1) // size
     # Lines 7 and 18 in one pass: the second choices take positions after every first choice
     # of their group (from c_e), in token order, as if queued behind all the first choices.
-    groups = (group.repeat(2), num_groups) if group_size else (None, None)
+    groups = ((torch.arange(tokens, device=gates.device) // size).repeat(2), num_groups) \
+        if group_size else (None, None)
     pos1, pos2 = positions_in_expert(top.t().reshape(-1), num_experts,
                                      *groups).view(2, tokens).unbind(0)
     keep1 = torch.ones_like(e1, dtype=torch.bool) if capacity is None else pos1 < capacity
@@ -172,8 +172,8 @@ class GShardRouter(LinearRouter):
         uniform = torch.rand(tokens, device=x.device) if random_second else None
         # one group: None, so the sort keys carry no group ids (their width would then follow
         # the token count, a graph per width under torch.compile(dynamic=True))
-        one_group = cfg.group_size is None or cfg.group_size >= tokens
-        result = gshard_top2(gates, None if one_group else group_size, capacity, uniform)
+        result = gshard_top2(gates, None if group_size >= tokens else group_size, capacity,
+                             uniform)
         dispatched = result.dispatched
         names = ("dropped_fraction", "first_dropped_fraction", "second_dispatched_fraction")
         flags = torch.stack([~dispatched.any(1), ~dispatched[:, 0], dispatched[:, 1]], 1)
