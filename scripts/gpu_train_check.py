@@ -8,6 +8,8 @@ For each FFN preset of a small byte-level LM on pydoc (no download):
     loss agree to a relative tolerance (different kernels, so not to the bit);
   - bf16 autocast on CUDA trains and stays finite, eagerly and with ``train.compile``
     (tokens per second of the last step of each, the compiled one's long past compiling);
+  - fp16 autocast with loss scaling (``train.fp16``) follows the fp32 CUDA curve to 2% and
+    skips no step at the initial scale;
   - a run stopped after half its steps and resumed on CUDA ends with exactly the losses and
     weights of the straight run (deterministic mode: cuBLAS workspace fixed; ops without a
     deterministic CUDA kernel are listed, since they warn instead of failing);
@@ -36,13 +38,14 @@ from sparseffn.train.trainer import Trainer
 PRESETS = ("dense", "sigma_moe", "switch", "fff", "pkm", "peer")
 
 
-def _run(preset: str, steps: int, bf16: bool = False, compile: bool = False) -> RunConfig:
+def _run(preset: str, steps: int, bf16: bool = False, compile: bool = False,
+         fp16: bool = False) -> RunConfig:
     return RunConfig(name=f"check-{preset}", data=DataSpec(corpus="pydoc"),
                      model=ModelSpec(d_model=64, n_layers=2, n_heads=4, context=64, ffn=preset,
                                      d_ff=256),
                      train=TrainSpec(steps=steps, batch_size=16, lr=3e-3, eval_every=steps,
                                      log_every=1, eval_windows=16, bf16=bf16,
-                                     compile=compile))
+                                     fp16=fp16, compile=compile))
 
 
 def _train_records(folder: Path) -> list[dict]:
@@ -108,6 +111,11 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
            f"val {compiled['val']['loss']:.4f}; tokens/s at the last step "
            f"{_last_rate(tmp / f'{preset}-bf16-compiled'):.0f}, eager "
            f"{_last_rate(tmp / f'{preset}-bf16'):.0f}")
+    fp16, _ = _train(_run(preset, steps, fp16=True), tmp / f"{preset}-fp16", device)
+    gap = max(abs(x - y) / abs(y) for x, y in zip(_curve(tmp / f"{preset}-fp16"), a))
+    record("fp16 autocast", gap < 2e-2 and fp16["skipped_steps"] == 0
+           and math.isfinite(fp16["val"]["loss"]),
+           f"largest relative gap to fp32 {gap:.2e}; skipped steps {fp16['skipped_steps']}")
     folder = tmp / f"{preset}-resumed"
     _train(run, folder, device, stop_at=steps // 2)
     _train(run, folder, device, resume=True)

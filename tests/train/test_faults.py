@@ -166,7 +166,8 @@ def test_set_values_parse_as_what_they_print(value):
 
 @settings(max_examples=80, deadline=None)
 @given(field=st.sampled_from(["steps", "batch_size", "lr", "clip", "warmup_steps",
-                              "final_lr_ratio", "weight_decay", "eval_every", "bf16"]),
+                              "final_lr_ratio", "weight_decay", "eval_every", "bf16",
+                              "fp16"]),
        value=st.one_of(st.none(), st.booleans(), st.integers(-5, 5),
                        st.floats(-3, 3), st.sampled_from([float("nan"), float("inf")]),
                        st.text(max_size=3)))

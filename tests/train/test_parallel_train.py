@@ -1,7 +1,8 @@
 """``sparseffn train`` on two processes (gloo on 127.0.0.1, as torchrun starts them): expert
 parallelism computes what one process computes on the same global batches, a run stopped on
 one rank stops on both and resumes to the bit on two ranks, and its checkpoint, in the
-one-process format, resumes on one process."""
+one-process format, resumes on one process; in data-parallel fp16 the ranks skip the same
+steps and stay equal."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sparseffn.train import checkpoint as ckpt
+from sparseffn.train import loss_scaling
 from sparseffn.train.config import (DataSpec, ModelSpec, RunConfig, TrainSpec,
                                     run_config_from_dict)
 from sparseffn.train.trainer import Trainer, load_trained
@@ -29,6 +31,17 @@ def _run(corpus, dropout, steps=6):
                                      log_every=1, eval_windows=8, expert_parallel=True))
 
 
+def _data_parallel_fp16(corpus):
+    """Replicated experts in float16 autocast; started from a loss scale of 2^24
+    (:data:`FP16_SCALE`) its first steps overflow and are skipped."""
+    run = _run(corpus, 0.0, steps=8)
+    return run.replace(name="tiny-dp-fp16", train=TrainSpec(
+        **{**run.train.__dict__, "expert_parallel": False, "fp16": True}))
+
+
+FP16_SCALE = 2.0 ** 24
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,6 +51,7 @@ def _free_port():
 def _rank(rank, world, port, jobs):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    loss_scaling.INITIAL_LOSS_SCALE = FP16_SCALE     # for the fp16 job (the others are fp32)
     for run_dict, out, resume, stop_after in jobs:
         trainer = Trainer(run_config_from_dict(run_dict), out, progress=False)
         if stop_after and rank == 0:       # a Ctrl-C that only rank 0 saw
@@ -52,6 +66,9 @@ def _rank(rank, world, port, jobs):
             trainer.train(resume=resume)
         except KeyboardInterrupt:
             assert stop_after
+        if trainer.loss_scaling.enabled:   # what each rank ends with, to compare the ranks
+            torch.save({"model": trainer.model.state_dict(),
+                        "loss_scaling": trainer.loss_scaling.state()}, out / f"rank{rank}.pt")
     torch.distributed.barrier()
     os._exit(0)      # see tests/layers/test_distributed_usage.py
 
@@ -69,7 +86,8 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
             (exact.to_dict(), tmp_path / "ep_stopped", False, 3),
             (noisy.to_dict(), tmp_path / "noisy", False, None),
             (noisy.to_dict(), tmp_path / "noisy_resumed", False, 3),
-            (noisy.to_dict(), tmp_path / "noisy_resumed", True, None)]
+            (noisy.to_dict(), tmp_path / "noisy_resumed", True, None),
+            (_data_parallel_fp16(str(corpus)).to_dict(), tmp_path / "dp_fp16", False, None)]
     mp.spawn(_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
 
     # 1. two ranks with sharded experts = one process on the same global batches
@@ -118,7 +136,33 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     assert resumed["val"]["loss"] == pytest.approx(single["val"]["loss"], rel=1e-4)
     assert ckpt.shard_files(tmp_path / "one" / "checkpoint.pt") == []    # one file again
 
-    # 4. a missing shard is named
+    # 4. data-parallel fp16: every rank unscales the averaged gradients, so all see the same
+    #    overflow, skip the same steps and keep equal replicas; a skipped step leaves the
+    #    initial model, whose losses are one process's
+    ranks = [torch.load(tmp_path / "dp_fp16" / f"rank{r}.pt", weights_only=True)
+             for r in range(2)]
+    assert ranks[0]["loss_scaling"] == ranks[1]["loss_scaling"]
+    assert all(torch.equal(ranks[0]["model"][k], ranks[1]["model"][k]) for k in ranks[0]["model"])
+    records = [m for m in map(json.loads, (tmp_path / "dp_fp16" / "metrics.jsonl")
+                              .read_text().splitlines()) if m["kind"] == "train"]
+    skipped = [m["skipped_steps"] for m in records]
+    assert 0 < ranks[0]["loss_scaling"]["skipped"] == sum(skipped) < 8 and skipped[0] == 1
+    import sparseffn.train.loss_scaling as scaling_here
+    previous, scaling_here.INITIAL_LOSS_SCALE = scaling_here.INITIAL_LOSS_SCALE, FP16_SCALE
+    try:
+        Trainer(_data_parallel_fp16(str(corpus)), tmp_path / "one_fp16", progress=False).train()
+    finally:
+        scaling_here.INITIAL_LOSS_SCALE = previous
+    one = [m for m in map(json.loads, (tmp_path / "one_fp16" / "metrics.jsonl")
+                          .read_text().splitlines()) if m["kind"] == "train"]
+    # up to the first step either took, both computed their losses with the initial model
+    # (a rank's mean is over half the tokens: its activations' gradients are twice one
+    # process's, so the ranks overflow down to a scale one process does not)
+    before = min(skipped.index(0), [m["skipped_steps"] for m in one].index(0)) + 1
+    assert [m["loss"] for m in records][:before] == pytest.approx(
+        [m["loss"] for m in one][:before], rel=1e-3)
+
+    # 5. a missing shard is named
     (tmp_path / "ep" / "checkpoint.pt.experts-step6-rank1-of-2").unlink()
     with pytest.raises(ckpt.CheckpointError, match="rank1-of-2 is missing"):
         ckpt.load(tmp_path / "ep" / "checkpoint.pt")

@@ -159,6 +159,7 @@ class TrainSpec:
     weight_decay: float = 0.0       # Adam's L2 term, on weights only (sparseffn.param_groups)
     betas: tuple = (0.9, 0.999)
     bf16: bool = False              # bfloat16 autocast for the forward
+    fp16: bool = False              # float16 autocast, with dynamic loss scaling (GradScaler)
     deterministic: bool = True      # torch.use_deterministic_algorithms: bit-exact reruns
     eval_every: int = 100
     eval_windows: int | None = 64   # LM: validation windows per evaluation (None: the whole split)
@@ -193,6 +194,14 @@ class TrainSpec:
         _check(self.eval_windows is None or self.eval_windows > 0,
                f"train.eval_windows must be positive (or none: the whole split), got "
                f"{self.eval_windows}")
+        _check(not (self.bf16 and self.fp16),
+               "train.bf16 and train.fp16 both set: pick one autocast dtype")
+        # GradScaler decides on each rank alone whether a step overflowed; with sharded
+        # experts the ranks' gradients differ, so one rank could skip a step another takes
+        _check(not (self.fp16 and self.expert_parallel),
+               "train.fp16 is not supported with train.expert_parallel (each rank's loss "
+               "scaler would judge its own experts' gradients, and a step skipped on one rank "
+               "only would split the replicas); use train.bf16")
         _check(not (self.compile and self.expert_parallel),
                "train.compile is not supported with train.expert_parallel (the experts' "
                "all-to-all exchange has not been checked under torch.compile)")

@@ -46,9 +46,11 @@ from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
 from ..models.lm import LMConfig, TransformerLM
 from . import checkpoint as ckpt
-from .config import ConfigError, RunConfig, _check, run_config_from_dict, total_steps
+from .config import (ConfigError, RunConfig, TrainSpec, _check, run_config_from_dict,
+                     total_steps)
 from .model_config import checkpoint_model_config, run_model_config
 from .lock import folder_lock
+from .loss_scaling import LossScaling
 from .parallel import Parallel
 from .progress import ProgressBar
 from .schedule import lr_factor
@@ -120,7 +122,7 @@ def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split
     model.eval()
     device = next(model.parameters()).device
     try:
-        with _autocast(run.train.bf16, device):
+        with _autocast(run.train, device):
             if isinstance(data, TextData):
                 windows = data.eval_windows(split, run.model.context, max_windows)
                 nats, count, nbytes = 0.0, 0, 0
@@ -145,9 +147,10 @@ def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split
         model.train(was_training)
 
 
-def _autocast(enabled: bool, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled \
-        else contextlib.nullcontext()
+def _autocast(train: TrainSpec, device: torch.device):
+    """The autocast of ``train.bf16`` / ``train.fp16`` on ``device``, or none."""
+    dtype = torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else None
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
 def training_device(name: str) -> torch.device:
@@ -225,6 +228,8 @@ class Trainer:
             else None
         # with weight decay, weights only: no biases, norm gains or expert/leaf biases
         self.optimizers = adam_optimizers(self.model, t.lr, t.betas, t.weight_decay)
+        self.loss_scaling = LossScaling(self.device, t.fp16,
+                                        state.get("loss_scaling") if state else None)
         self.step, self.train_time = 0, 0.0
         if state is not None:
             for opt, opt_state in zip(self.optimizers, state["optimizers"]):
@@ -258,6 +263,8 @@ class Trainer:
                               "total_steps": self.steps},
                  "tokenizer": data.tokenizer.state() if isinstance(data, TextData) else None,
                  "rng": ckpt.rng_state()}
+        if self.loss_scaling.enabled:
+            state["loss_scaling"] = self.loss_scaling.state()
         ranks = parallel.rng_states(state["rng"])
         if ranks is not None:
             state["rng"], state["rng_ranks"] = ranks[0], ranks
@@ -402,6 +409,8 @@ class Trainer:
             if self.progress and parallel.main else None
         self.model.train()
         window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
+        window_skipped = 0
+        scaling = self.loss_scaling
         collapse_note = None
         reset_usage(self.model)   # the collapse monitor's window starts here
         try:
@@ -414,7 +423,7 @@ class Trainer:
                         group["lr"] = lr
                 inputs, targets, share = parallel.local(*self._batch(step))
                 started = time.perf_counter()
-                with _autocast(t.bf16, self.device):
+                with _autocast(t, self.device):
                     loss = (self.compiled_loss or self.model.loss)(inputs, targets)
                     if parallel.active:   # the ranks' mean is the global batch's mean
                         loss = loss * share
@@ -425,13 +434,16 @@ class Trainer:
                             if (self.out / CHECKPOINT).exists() else "no checkpoint was written")
                     raise FloatingPointError(
                         f"loss is {loss_value} at step {step + 1}; stopped before updating the "
-                        f"parameters ({last}); lower train.lr or enable train.clip")
-                (loss + aux).backward()
+                        f"parameters ({last}); lower train.lr or enable train.clip"
+                        + ("; float16 overflows above 65504, train.bf16 does not"
+                           if t.fp16 else ""))
+                scaling.backward(loss + aux)
                 parallel.sync(self.model)
+                scaling.unscale(self.optimizers)     # (fp16 only; before clipping)
                 if t.clip:
                     parallel.clip_grad_norm_(self.dense_params, t.clip, self.model)
+                window_skipped += scaling.step(self.optimizers)
                 for opt in self.optimizers:
-                    opt.step()
                     opt.zero_grad(set_to_none=True)
                 elapsed = time.perf_counter() - started
                 self.train_time += elapsed
@@ -447,6 +459,9 @@ class Trainer:
                               "aux_loss": window_aux / window_n, "lr": lr,
                               "items_per_s": per_step * window_n / max(window_time, 1e-9),
                               "train_time": self.train_time}
+                    if scaling.enabled:  # the scale after the window, its steps skipped
+                        record.update(loss_scale=scaling.scale, skipped_steps=window_skipped)
+                        window_skipped = 0
                     collapse_note = self._collapse_monitor(record, collapse_note)
                     self._log(record)
                     window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
@@ -511,6 +526,8 @@ class Trainer:
                "peak_rss_mb": peak_rss_bytes() / 2**20, **cost,
                "processes": self.parallel.world, "device": str(self.device),
                "expert_parallel": self.parallel.sharded,
+               **({"skipped_steps": self.loss_scaling.skipped}
+                  if self.loss_scaling.enabled else {}),
                "val": final.as_dict(), "model": self.model.config.to_dict()}
         if isinstance(self.data, TextData):
             out["unigram_bits"] = self.data.unigram_bits
