@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "bench", None) == "lm" and args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     for name in ("tokens", "repeats", "batch", "dim", "d_model", "leaf_width", "scaling_tokens",
-                 "train_batch", "n_layers", "n_heads", "context", "d_ff"):
+                 "train_batch", "n_layers", "n_heads", "context", "d_ff", "samples"):
         value = getattr(args, name, None)   # None: not this command's, or its default
         if value is not None and value <= 0:
             print(f"sparseffn: --{name.replace('_', '-')} must be positive", file=sys.stderr)

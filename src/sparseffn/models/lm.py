@@ -225,6 +225,13 @@ class TransformerLM(nn.Module):
             return F.linear(x, self.embed.weight) / math.sqrt(self.config.d_model)
         return self.head(x)
 
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+        """``prompt`` int64 [B, T] and ``max_new_tokens`` sampled tokens after it, int64
+        [B, T + max_new_tokens]; ``sampling``: ``temperature`` (0: greedy), ``top_k``,
+        ``top_p``, ``generator`` (:func:`sparseffn.models.generate.generate`)."""
+        from .generate import generate
+        return generate(self, prompt, max_new_tokens, **sampling)
+
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in nats. targets: int64 [B, T]."""
         logits = self(tokens)

@@ -1,4 +1,5 @@
-"""The ``train``, ``eval`` and ``compare`` subcommands of the ``sparseffn`` CLI."""
+"""The ``train``, ``eval``, ``compare``, ``export``, ``sample`` and ``analyze`` subcommands of
+the ``sparseffn`` CLI."""
 
 from __future__ import annotations
 
@@ -73,6 +74,25 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def sample_command(args: argparse.Namespace) -> int:
+    import sys
+    from .sample import sample_texts
+    try:
+        texts = sample_texts(args.checkpoint, args.prompt, args.tokens, args.samples,
+                             args.temperature, args.top_k, args.top_p, args.seed, args.device)
+    except ValueError as error:          # a sampling argument out of range, an empty prompt
+        print(f"sparseffn: sample: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"checkpoint": str(args.checkpoint), "samples": texts}))
+        return 0
+    for index, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {index + 1} of {len(texts)} ---")
+        print(text)
+    return 0
+
+
 def analyze_command(args: argparse.Namespace) -> int:
     from .analyze import analyze_command as run
     return run(args)
@@ -108,6 +128,23 @@ def add_commands(commands) -> None:
     export.add_argument("--out", help="the file to write (default: model.safetensors beside "
                         "the checkpoint)")
     export.set_defaults(func=export_command)
+
+    sample = commands.add_parser("sample", help="text from a language model's checkpoint")
+    sample.add_argument("checkpoint", help="a checkpoint.pt written by train (model.kind lm)")
+    sample.add_argument("--prompt", default="\n", help="the text to continue (default: a "
+                        "newline)")
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to draw (default 200)")
+    sample.add_argument("--samples", type=int, default=1, help="texts to draw (default 1)")
+    sample.add_argument("--temperature", type=float, default=1.0,
+                        help="softmax temperature; 0 is greedy (default 1)")
+    sample.add_argument("--top-k", type=int, help="draw from the k most likely tokens only")
+    sample.add_argument("--top-p", type=float,
+                        help="draw from the smallest set of most likely tokens holding this "
+                             "probability (nucleus sampling)")
+    sample.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0)")
+    sample.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    sample.add_argument("--json", action="store_true", help="print one JSON object")
+    sample.set_defaults(func=sample_command)
 
     analyze = commands.add_parser(
         "analyze", help="expert usage, co-occurrence, tokens per expert, tree decisions and "
