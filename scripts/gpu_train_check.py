@@ -13,7 +13,9 @@ For each FFN preset of a small byte-level LM on pydoc (no download):
   - a run stopped after half its steps and resumed on CUDA ends with exactly the losses and
     weights of the straight run (deterministic mode: cuBLAS workspace fixed; ops without a
     deterministic CUDA kernel are listed, since they warn instead of failing);
-  - milliseconds per step on CUDA and on the CPU.
+  - milliseconds per step on CUDA and on the CPU;
+  - greedy text from the fp32 run's checkpoint (``TransformerLM.generate``) on CUDA: 32
+    tokens, and how many of them lead as on the CPU (near-ties may flip one, so not a test).
 Prints one line per preset and check and exits 1 if any check failed. ``--device cpu`` runs it
 all on the CPU (to check the script itself).
 """
@@ -33,6 +35,7 @@ import torch
 
 from sparseffn.train import checkpoint as ckpt
 from sparseffn.train.config import DataSpec, ModelSpec, RunConfig, TrainSpec
+from sparseffn.train.sample import load_language_model
 from sparseffn.train.trainer import Trainer
 
 PRESETS = ("dense", "sigma_moe", "switch", "fff", "pkm", "peer")
@@ -125,6 +128,13 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
     same_weights = all(torch.equal(x[k], y[k]) for k in x)
     record("resume to the bit", same_curve and same_weights,
            "nondeterministic ops: " + (", ".join(nondeterministic) or "none"))
+    _, model, tokenizer = load_language_model(tmp / f"{preset}-gpu" / "checkpoint.pt")
+    prompt = torch.as_tensor(tokenizer.encode(b"def ")).view(1, -1)
+    texts = {where: model.to(where).generate(prompt.to(where), 32, temperature=0).cpu()
+             for where in ("cpu", device)}
+    same = int((texts["cpu"] == texts[device]).long().cumprod(1).sum()) - prompt.shape[1]
+    record("greedy sample", texts[device].shape == (1, prompt.shape[1] + 32),
+           f"the first {same} of 32 tokens as on the cpu")
     return results
 
 
