@@ -116,9 +116,14 @@ def test_resume_restores_the_loss_scale_and_continues_to_the_bit(corpus, tmp_pat
     assert a["loss_scaling"] == b["loss_scaling"]
 
 
-def test_a_run_without_fp16_keeps_no_loss_scale(corpus, tmp_path):
-    Trainer(lm_run(corpus, "dense", steps=2), tmp_path, progress=False).train()
-    assert "loss_scaling" not in ckpt.load(tmp_path / "checkpoint.pt")
+def test_a_run_without_fp16_keeps_no_loss_scale_and_fp16_on_the_cpu_says_it_is_slow(
+        corpus, tmp_path, capsys):
+    Trainer(lm_run(corpus, "dense", steps=2), tmp_path / "fp32", progress=False).train()
+    assert "loss_scaling" not in ckpt.load(tmp_path / "fp32" / "checkpoint.pt")
+    assert "fp16" not in capsys.readouterr().err
+    Trainer(lm_run(corpus, "dense", steps=2, fp16=True), tmp_path / "fp16",
+            progress=False).train()
+    assert "train.fp16 on the CPU checks a run but is slow" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fields, message", [

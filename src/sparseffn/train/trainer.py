@@ -340,6 +340,10 @@ class Trainer:
                                   f"--out")
         device = training_device(self.device_name)   # a bad --device touches nothing
         self.parallel = Parallel.from_environment(self.run.train.expert_parallel, device)
+        if self.run.train.fp16 and device.type == "cpu" and self.parallel.main:
+            print("note: train.fp16 on the CPU checks a run but is slow: PyTorch's CPU float16 "
+                  "matrix products take several times float32's (train.bf16 is the fast reduced "
+                  "precision there; docs/training.md)", file=sys.stderr)
         # the process's setting comes back after the run, however it ends
         with deterministic_algorithms(self.run.train.deterministic, self.parallel.device), \
                 (compiling_many() if self.run.train.compile else contextlib.nullcontext()):
