@@ -9,7 +9,9 @@ arXiv:2310.10837 §6), so ``dense`` is the parameter-equal baseline of all the o
 A step is what a user's training loop pays: the forward pass and the loss (next-token
 cross-entropy plus the layers' auxiliary losses), under autocast when a reduced ``dtype`` is
 asked for, the backward pass, and the trainer's Adam update (:func:`sparseffn.adam_optimizers`:
-fused Adam, SparseAdam for parameters with sparse gradients). The models are timed in rotation,
+fused Adam, SparseAdam for parameters with sparse gradients; with ``--dtype float16`` no loss
+scaling, which training in float16 needs: ``train.fp16`` adds an unscaling pass over the
+gradients and a host read a step). The models are timed in rotation,
 one step of each per round (CUDA events on a GPU, the wall clock on a CPU); a model's ratio to
 ``dense`` is the median of the per-round ratios. Peak MiB (CUDA only) is the allocator's peak
 during one step above what was allocated before it. The tokens are random bytes: only the time
