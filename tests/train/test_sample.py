@@ -76,13 +76,17 @@ def test_a_bpe_checkpoint_encodes_the_prompt_and_decodes_its_tokens(corpus, tmp_
 
 def test_a_checkpoint_without_its_model_config_is_built_from_its_run(trained, corpus,
                                                                        tmp_path):
-    """Checkpoints from before model configs were kept: the run config and corpus build it."""
+    """Checkpoints from before model configs were kept, or holding one this version cannot
+    build: the run config and corpus build the model."""
     state = ckpt.load(trained)
     greedy = sample_texts(trained, "a", tokens=12, temperature=0)
     del state["model_config"]
     state["config"]["data"]["path"] = corpus
     ckpt.save_atomic(state, tmp_path / "old.pt")
     assert sample_texts(tmp_path / "old.pt", "a", tokens=12, temperature=0) == greedy
+    state["model_config"] = {**ckpt.load(trained)["model_config"], "renamed_field": 1}
+    ckpt.save_atomic(state, tmp_path / "newer.pt")       # a field this version does not know
+    assert sample_texts(tmp_path / "newer.pt", "a", tokens=12, temperature=0) == greedy
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -46,7 +46,8 @@ class LossScaling:
 
     def step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
         """Step the optimizers unless a gradient is not finite, and update the scale;
-        whether the step was skipped (one host read, as GradScaler's own)."""
+        whether the step was skipped (one host read: the new scale; with fused Adam
+        GradScaler itself reads nothing)."""
         if not self.enabled:
             for opt in optimizers:
                 opt.step()

@@ -2,8 +2,8 @@
 
 The checkpoint holds everything needed: the model config it was trained with, its weights
 and its tokenizer (a BPE tokenizer's merges), so the corpus is not read again. A checkpoint
-written before model configs were kept is rebuilt from its run config and corpus, as
-``sparseffn eval`` does."""
+written before model configs were kept, or holding one this version cannot build, is rebuilt
+from its run config and corpus, as ``sparseffn eval`` does."""
 
 from __future__ import annotations
 
@@ -27,11 +27,15 @@ def load_language_model(path: str | Path) -> tuple[dict, TransformerLM, object]:
     if (saved is not None and saved.get("kind") != "lm") or state.get("tokenizer") is None:
         raise ConfigError(f"{path} holds a classifier's checkpoint; sample needs a language "
                           f"model's (model.kind = 'lm')")
-    if saved is not None:
-        model = TransformerLM(saved_model_config(saved))
+    try:
+        config = saved_model_config(saved) if saved is not None else None
+    except (TypeError, ValueError):      # a field this version renamed or dropped
+        config = None
+    if config is not None:
+        model = TransformerLM(config)
         model.load_state_dict(state["model"])
-    else:                     # an older checkpoint: its run config and corpus build the model
-        from .trainer import load_trained
+    else:    # an older checkpoint, or a config this version cannot build: as eval does, from
+        from .trainer import load_trained    # the run config and corpus (noting what differs)
         state, _, _, model = load_trained(path)
     assert isinstance(model.config, LMConfig)
     return state, model.eval(), tokenizer_from_state(state["tokenizer"])
