@@ -147,12 +147,11 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
                               .read_text().splitlines()) if m["kind"] == "train"]
     skipped = [m["skipped_steps"] for m in records]
     assert 0 < ranks[0]["loss_scaling"]["skipped"] == sum(skipped) < 8 and skipped[0] == 1
-    import sparseffn.train.loss_scaling as scaling_here
-    previous, scaling_here.INITIAL_LOSS_SCALE = scaling_here.INITIAL_LOSS_SCALE, FP16_SCALE
+    previous, loss_scaling.INITIAL_LOSS_SCALE = loss_scaling.INITIAL_LOSS_SCALE, FP16_SCALE
     try:
         Trainer(_data_parallel_fp16(str(corpus)), tmp_path / "one_fp16", progress=False).train()
     finally:
-        scaling_here.INITIAL_LOSS_SCALE = previous
+        loss_scaling.INITIAL_LOSS_SCALE = previous
     one = [m for m in map(json.loads, (tmp_path / "one_fp16" / "metrics.jsonl")
                           .read_text().splitlines()) if m["kind"] == "train"]
     # up to the first step either took, both computed their losses with the initial model
