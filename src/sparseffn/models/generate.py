@@ -86,9 +86,12 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
     try:
         for _ in range(max_new_tokens):
             logits = model(tokens[:, -context:])[:, -1]
-            probs = next_token_distribution(logits, temperature, top_k, top_p)
-            following = probs.argmax(-1, keepdim=True) if temperature == 0 else \
-                torch.multinomial(probs, 1, generator=generator)
+            if temperature == 0:     # greedy: the arg-max, without building its one-hot
+                following = logits.argmax(-1, keepdim=True)
+            else:
+                following = torch.multinomial(
+                    next_token_distribution(logits, temperature, top_k, top_p), 1,
+                    generator=generator)
             tokens = torch.cat([tokens, following], dim=1)
     finally:
         model.train(was_training)
