@@ -15,6 +15,7 @@ from sparseffn.train.config import DataSpec
 from sparseffn.train.sample import load_language_model, sample_texts
 from sparseffn.train.trainer import Trainer
 
+from ..models.test_generate import greedy_by_hand
 from .test_train import classifier_run, lm_run
 
 
@@ -40,10 +41,7 @@ def test_greedy_text_is_the_models_argmax_continuation(trained, capsys):
     assert code == 0
     text = json.loads(out)["samples"][0]
     state, model, tokenizer = load_language_model(trained)
-    tokens = torch.tensor([list(b"the ")])
-    for _ in range(20):
-        logits = model(tokens[:, -model.config.context:])[:, -1]
-        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+    tokens = greedy_by_hand(model, torch.tensor([list(b"the ")]), 20)
     assert text == bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
     assert text.startswith("the ") and state["step"] == 3
 
