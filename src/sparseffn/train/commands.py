@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from .config import (apply_overrides, dense_baseline, read_config_file, run_config_from_dict)
@@ -75,7 +76,6 @@ def export_command(args: argparse.Namespace) -> int:
 
 
 def sample_command(args: argparse.Namespace) -> int:
-    import sys
     from .sample import sample_texts
     try:
         texts = sample_texts(args.checkpoint, args.prompt, args.tokens, args.samples,
