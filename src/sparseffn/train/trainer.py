@@ -117,7 +117,7 @@ class Evaluation:
 def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split: str = "val",
              max_windows: int | None = None, batch_size: int = 64) -> Evaluation:
     """Validation (or test) loss, with bits per byte for text and accuracy for classes, on the
-    device the model is on."""
+    device the model is on (read on the host once, at the end)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -125,26 +125,34 @@ def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split
         with _autocast(run.train, device):
             if isinstance(data, TextData):
                 windows = data.eval_windows(split, run.model.context, max_windows)
-                nats, count, nbytes = 0.0, 0, 0
+                sums, count, nbytes = [], 0, 0
                 for chunk in windows.split(batch_size):
+                    nbytes += data.target_bytes(chunk[:, 1:])    # on the CPU, before the copy
                     chunk = chunk.to(device)
                     logits = model(chunk[:, :-1]).float()
                     targets = chunk[:, 1:]
-                    nats += float(nn.functional.cross_entropy(
+                    sums.append(nn.functional.cross_entropy(
                         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
                     count += targets.numel()
-                    nbytes += data.target_bytes(targets)
+                nats = sum(_read(sums))
                 return Evaluation(nats / count, bits_per_byte(nats, nbytes), None, count)
             x, y = data.x[split], data.y[split]
-            nats, correct = 0.0, 0
+            sums, hits = [], []
             for xs, ys in zip(x.split(256), y.split(256)):
                 xs, ys = xs.to(device), ys.to(device)
                 logits = model(xs).float()
-                nats += float(nn.functional.cross_entropy(logits, ys, reduction="sum"))
-                correct += int((logits.argmax(-1) == ys).sum())
+                sums.append(nn.functional.cross_entropy(logits, ys, reduction="sum"))
+                hits.append((logits.argmax(-1) == ys).sum())
+            nats, correct = sum(_read(sums)), int(sum(_read(hits)))
             return Evaluation(nats / len(y), None, correct / len(y), len(y))
     finally:
         model.train(was_training)
+
+
+def _read(scalars: list[torch.Tensor]) -> list[float]:
+    """The values of device scalars, in one host read (the chunks' sums add up in float64 on
+    the host, in order, as a read per chunk did)."""
+    return torch.stack([value.double() for value in scalars]).tolist() if scalars else []
 
 
 def _autocast(train: TrainSpec, device: torch.device):
