@@ -52,8 +52,9 @@ def _rank(rank, world, port, jobs):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     loss_scaling.INITIAL_LOSS_SCALE = FP16_SCALE     # for the fp16 job (the others are fp32)
-    for run_dict, out, resume, stop_after in jobs:
-        trainer = Trainer(run_config_from_dict(run_dict), out, progress=False)
+    for run_dict, out, resume, stop_after, read_every_step in jobs:
+        trainer = Trainer(run_config_from_dict(run_dict), out, progress=False,
+                          read_every_step=read_every_step)
         if stop_after and rank == 0:       # a Ctrl-C that only rank 0 saw
             original = trainer._batch
 
@@ -82,12 +83,17 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(CORPUS)
     exact, noisy = _run(str(corpus), 0.0), _run(str(corpus), 0.1)
-    jobs = [(exact.to_dict(), tmp_path / "ep", False, None),
-            (exact.to_dict(), tmp_path / "ep_stopped", False, 3),
-            (noisy.to_dict(), tmp_path / "noisy", False, None),
-            (noisy.to_dict(), tmp_path / "noisy_resumed", False, 3),
-            (noisy.to_dict(), tmp_path / "noisy_resumed", True, None),
-            (_data_parallel_fp16(str(corpus)).to_dict(), tmp_path / "dp_fp16", False, None)]
+    fp16 = _data_parallel_fp16(str(corpus)).to_dict()
+    # (run, folder, resume, the step after which rank 0 asks to stop, read_every_step)
+    jobs = [(exact.to_dict(), tmp_path / "ep", False, None, None),
+            (exact.to_dict(), tmp_path / "ep_stopped", False, 3, None),
+            (noisy.to_dict(), tmp_path / "noisy", False, None, None),
+            (noisy.to_dict(), tmp_path / "noisy_resumed", False, 3, None),
+            (noisy.to_dict(), tmp_path / "noisy_resumed", True, None, None),
+            (noisy.to_dict(), tmp_path / "noisy_deferred", False, 3, False),
+            (noisy.to_dict(), tmp_path / "noisy_deferred", True, None, False),
+            (fp16, tmp_path / "dp_fp16", False, None, None),
+            (fp16, tmp_path / "dp_fp16_deferred", False, None, False)]
     mp.spawn(_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
 
     # 1. two ranks with sharded experts = one process on the same global batches
@@ -127,6 +133,10 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     assert [f.name for f in ckpt.shard_files(tmp_path / "noisy_resumed" / "checkpoint.pt")] == \
         [f"checkpoint.pt.experts-step6-rank{r}-of-2" for r in range(2)]   # step 3's removed
 
+    # ... and the same with the losses read at the boundaries only, as on a GPU: the ranks
+    #    average the same losses there, and stop at the same step
+    assert _curve(tmp_path / "noisy_deferred") == _curve(tmp_path / "noisy")
+
     # 3. the 2-rank checkpoint of step 3 resumes on one process
     stopped = tmp_path / "ep_stopped"
     assert ckpt.load(stopped / "checkpoint.pt")["step"] == 3
@@ -146,6 +156,10 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     records = [m for m in map(json.loads, (tmp_path / "dp_fp16" / "metrics.jsonl")
                               .read_text().splitlines()) if m["kind"] == "train"]
     skipped = [m["skipped_steps"] for m in records]
+    deferred = [m for m in map(json.loads, (tmp_path / "dp_fp16_deferred" / "metrics.jsonl")
+                               .read_text().splitlines()) if m["kind"] == "train"]
+    assert [(m["loss"], m["aux_loss"], m["loss_scale"], m["skipped_steps"]) for m in deferred] \
+        == [(m["loss"], m["aux_loss"], m["loss_scale"], m["skipped_steps"]) for m in records]
     assert 0 < ranks[0]["loss_scaling"]["skipped"] == sum(skipped) < 8 and skipped[0] == 1
     previous, loss_scaling.INITIAL_LOSS_SCALE = loss_scaling.INITIAL_LOSS_SCALE, FP16_SCALE
     try:

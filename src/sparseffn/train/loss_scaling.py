@@ -18,7 +18,11 @@ class LossScaling:
     scale before backward so that small float16 gradients do not flush to zero, the gradients
     are divided by it before clipping and the update, and a step whose gradients hold an inf
     or NaN changes no parameter (and no optimizer state) and halves the scale; after 2000
-    steps without one the scale doubles. ``skipped`` counts the skipped steps of the run.
+    steps without one the scale doubles.
+
+    The scale and the count of skipped steps stay on the device: :meth:`settle` reads them
+    (one host read) into ``scale`` and ``skipped`` (the run's skipped steps), which hold the
+    values of the last settle; :meth:`state` settles first.
 
     Not ``enabled`` (float32 and bf16 runs), it is the plain step: backward, the optimizers'
     steps, nothing skipped, no host read."""
@@ -29,6 +33,7 @@ class LossScaling:
         self.scaler = torch.amp.GradScaler(device.type, init_scale=INITIAL_LOSS_SCALE,
                                            enabled=enabled)
         self.skipped = 0
+        self._unread: torch.Tensor | None = None   # int32 []: steps skipped since the settle
         if state is not None and enabled:
             self.scaler.load_state_dict(state["scaler"])
             self.skipped = state["skipped"]
@@ -44,23 +49,33 @@ class LossScaling:
         for opt in _with_gradients(optimizers):
             self.scaler.unscale_(opt)
 
-    def step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
-        """Step the optimizers unless a gradient is not finite, and update the scale;
-        whether the step was skipped (one host read: the new scale; with fused Adam
-        GradScaler itself reads nothing)."""
+    def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Step the optimizers unless a gradient is not finite, and update the scale; a
+        skipped step is counted on the device (with fused Adam nothing here reads the
+        device; a non-fused optimizer's step reads GradScaler's inf check)."""
         if not self.enabled:
             for opt in optimizers:
                 opt.step()
-            return False
+            return
         for opt in _with_gradients(optimizers):
             self.scaler.step(opt)
+        scale = self.scaler._get_scale_async()   # the tensor update() changes in place
+        before = scale.clone()
         self.scaler.update()
-        scale, self.scale = self.scale, self.scaler.get_scale()
-        skipped = self.scale < scale     # GradScaler backs off exactly when it skipped
-        self.skipped += skipped
-        return skipped
+        skipped = (scale < before).int()         # GradScaler backs off exactly when it skipped
+        self._unread = skipped if self._unread is None else self._unread + skipped
+
+    def settle(self) -> None:
+        """Read the scale and the steps skipped since the last settle into ``scale`` and
+        ``skipped`` (one host read; none if no step ran since)."""
+        if self._unread is None:
+            return
+        scale, skipped = torch.stack([self.scaler._get_scale_async().float(),
+                                      self._unread.float()]).tolist()
+        self.scale, self.skipped, self._unread = scale, self.skipped + int(skipped), None
 
     def state(self) -> dict:
+        self.settle()
         return {"scaler": self.scaler.state_dict(), "skipped": self.skipped}
 
 

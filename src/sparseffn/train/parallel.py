@@ -91,14 +91,14 @@ class Parallel:
         targets = targets.tensor_split(self.world)[self.rank]
         return inputs, targets, self.world * inputs.shape[0] / rows
 
-    def mean(self, value: float) -> float:
-        """The mean of ``value`` over the ranks."""
+    def mean(self, values: list[float]) -> list[float]:
+        """The mean of each of ``values`` over the ranks (one all-reduce, in float64)."""
         if not self.active:
-            return value
-        total = torch.tensor([value], dtype=torch.float64)
+            return values
+        total = torch.tensor(values, dtype=torch.float64)
         with explained("all-reduce (loss)"):
             dist.all_reduce(total)
-        return float(total) / self.world
+        return [value / self.world for value in total.tolist()]
 
     def any(self, flag: bool) -> bool:
         """Whether any rank has ``flag`` set (so that all stop at the same step)."""

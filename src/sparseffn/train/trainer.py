@@ -54,6 +54,7 @@ from .loss_scaling import LossScaling
 from .parallel import Parallel
 from .progress import ProgressBar
 from .schedule import lr_factor
+from .step_losses import StepLosses, reads_every_step, synchronize
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -193,13 +194,32 @@ def _config_errors(section: str):
         raise ConfigError(f"{section}: {error}") from None
 
 
+@dataclass
+class _Window:
+    """The steps since the last training record: the sums of their losses (as read), how
+    many were read, the loop's time over them, and the run's skipped steps before them."""
+    loss: float = 0.0
+    aux: float = 0.0
+    steps: int = 0
+    time: float = 0.0
+    skipped_before: int = 0
+
+
 class Trainer:
-    """Trains ``run`` in ``out_dir``. ``train(resume=True)`` continues from the checkpoint."""
+    """Trains ``run`` in ``out_dir``. ``train(resume=True)`` continues from the checkpoint.
+
+    ``read_every_step``: read each step's loss on the host as soon as it is computed (a
+    non-finite loss then stops the run before the parameters change), or only where the loop
+    logs, evaluates, saves or stops (a step then never waits for a GPU; a non-finite loss is
+    found there, named with its step, before anything is written). None: the first on the
+    CPU, the second on a GPU (:mod:`sparseffn.train.step_losses`)."""
 
     def __init__(self, run: RunConfig, out_dir: str | Path, progress: bool = True,
-                 label: str | None = None, device: str = "cpu") -> None:
+                 label: str | None = None, device: str = "cpu",
+                 read_every_step: bool | None = None) -> None:
         self.run, self.out = run, Path(out_dir)
         self.device_name = device
+        self.read_every_step = read_every_step
         self.progress, self.label = progress, label or run.name
         self._stop_requested = self._stopped_mid_step = False
         self.parallel = Parallel()
@@ -300,12 +320,15 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def _batch(self, step: int):
-        """The step's batch (drawn on the CPU from ``(seed, step)``), on the training device."""
+        """The step's batch (drawn on the CPU from ``(seed, step)``), on the training device
+        (copied from pinned memory to a GPU, so that the copy does not wait)."""
         t = self.run.train
         if isinstance(self.data, TextData):
             batch = self.data.batch(step, t.batch_size, self.run.model.context, self.run.seed)
         else:
             batch = self.data.batch(step, t.batch_size, self.run.seed)
+        if self.device.type == "cuda":
+            batch = tuple(part.pin_memory() for part in batch)
         return tuple(part.to(self.device, non_blocking=True) for part in batch)
 
     def _log(self, record: dict) -> None:
@@ -416,75 +439,56 @@ class Trainer:
         run, t = self.run, self.run.train
         text = isinstance(self.data, TextData)
         per_step = t.batch_size * (run.model.context if text else 1)
-        parallel = self.parallel
+        parallel, scaling = self.parallel, self.loss_scaling
         bar = ProgressBar(self.steps, self.step, self.label, "tok" if text else "ex") \
             if self.progress and parallel.main else None
         self.model.train()
-        window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
-        window_skipped = 0
-        scaling = self.loss_scaling
+        self._losses, self._window = StepLosses(), _Window(skipped_before=scaling.skipped)
+        self._read_each_step = reads_every_step(self.device) if self.read_every_step is None \
+            else self.read_every_step
+        self._clock: float | None = None   # when the steps since the last settle began
+        self._last_loss: float | None = None
         collapse_note = None
         reset_usage(self.model)   # the collapse monitor's window starts here
         try:
             while self.step < self.steps:
-                step = self.step
-                lr = t.lr * lr_factor(t.schedule, step, self.steps, t.warmup_steps,
-                                      t.final_lr_ratio)
-                for opt in self.optimizers:
-                    for group in opt.param_groups:
-                        group["lr"] = lr
-                inputs, targets, share = parallel.local(*self._batch(step))
-                started = time.perf_counter()
-                with _autocast(t, self.device):
-                    loss = (self.compiled_loss or self.model.loss)(inputs, targets)
-                    if parallel.active:   # the ranks' mean is the global batch's mean
-                        loss = loss * share
-                    aux = aux_loss(self.model)
-                loss_value = parallel.mean(float(loss.detach()))
-                if not math.isfinite(loss_value):   # before any parameter changes
-                    last = (f"the last checkpoint in {self.out} stands"
-                            if (self.out / CHECKPOINT).exists() else "no checkpoint was written")
-                    raise FloatingPointError(
-                        f"loss is {loss_value} at step {step + 1}; stopped before updating the "
-                        f"parameters ({last}); lower train.lr or enable train.clip"
-                        + ("; float16 overflows above 65504, train.bf16 does not"
-                           if t.fp16 else ""))
-                scaling.backward(loss + aux)
-                parallel.sync(self.model)
-                scaling.unscale(self.optimizers)     # (fp16 only; before clipping)
-                if t.clip:
-                    parallel.clip_grad_norm_(self.dense_params, t.clip, self.model)
-                window_skipped += scaling.step(self.optimizers)
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
-                elapsed = time.perf_counter() - started
-                self.train_time += elapsed
-                self.step = step + 1
-                window_loss += loss_value
-                window_aux += float(aux.detach())
-                window_n += 1
-                window_time += elapsed
-                if self.step % t.log_every == 0 or self.step == self.steps:
+                if self._clock is None:
+                    self._clock = time.perf_counter()
+                try:
+                    lr = self._step(self.step)
+                except Exception as error:
+                    self._name_a_non_finite_loss(error)
+                    raise
+                self.step += 1
+                log = self.step % t.log_every == 0 or self.step == self.steps
+                evaluating = self.step % t.eval_every == 0 or self.step == self.steps
+                saving = bool(t.checkpoint_every) and self.step % t.checkpoint_every == 0
+                if log or evaluating or saving:
+                    self._settle()
+                if log:
                     if parallel.active:    # the collapse monitor reads every rank's usage
                         all_reduce_usage(self.model)
-                    record = {"kind": "train", "step": self.step, "loss": window_loss / window_n,
-                              "aux_loss": window_aux / window_n, "lr": lr,
-                              "items_per_s": per_step * window_n / max(window_time, 1e-9),
+                    window = self._window
+                    record = {"kind": "train", "step": self.step,
+                              "loss": window.loss / window.steps,
+                              "aux_loss": window.aux / window.steps, "lr": lr,
+                              "items_per_s": per_step * window.steps / max(window.time, 1e-9),
                               "train_time": self.train_time}
                     if scaling.enabled:  # the scale after the window, its steps skipped
-                        record.update(loss_scale=scaling.scale, skipped_steps=window_skipped)
-                        window_skipped = 0
+                        record.update(loss_scale=scaling.scale,
+                                      skipped_steps=scaling.skipped - window.skipped_before)
                     collapse_note = self._collapse_monitor(record, collapse_note)
                     self._log(record)
-                    window_loss, window_aux, window_n, window_time = 0.0, 0.0, 0, 0.0
+                    self._window = _Window(skipped_before=scaling.skipped)
                 if bar:
-                    bar.update(self.step, per_step, loss=loss_value, lr=lr, note=collapse_note)
-                if self.step % t.eval_every == 0 or self.step == self.steps:
+                    shown = {} if self._last_loss is None else {"loss": self._last_loss}
+                    bar.update(self.step, per_step, note=collapse_note, **shown, lr=lr)
+                if evaluating:
                     result = self._evaluate()
                     reset_usage(self.model)   # evaluation's routing is not training's
                     self._log({"kind": "eval", "split": "val", "step": self.step,
                                "train_time": self.train_time, **result.as_dict()})
-                if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                if saving:
                     self.save_checkpoint()
                 if parallel.any(self._stop_requested):   # every rank stops at this step
                     raise KeyboardInterrupt
@@ -495,6 +499,7 @@ class Trainer:
                 print(f"\nstopped during step {self.step + 1}/{self.steps}; no checkpoint written "
                       f"(the last one in {self.out} stands)", file=sys.stderr)
                 raise
+            self._settle()    # (a non-finite loss raises here, and nothing is saved)
             path = self.save_checkpoint()
             if parallel.main:
                 print(f"\ninterrupted at step {self.step}/{self.steps}; checkpoint written to {path}; "
@@ -507,6 +512,80 @@ class Trainer:
         if parallel.main:
             (self.out / SUMMARY).write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _step(self, step: int) -> float:
+        """Train on step ``step``'s batch (0-based); returns the learning rate it used. Reads
+        nothing on the host unless the loop reads every step's loss."""
+        t, parallel, scaling = self.run.train, self.parallel, self.loss_scaling
+        lr = t.lr * lr_factor(t.schedule, step, self.steps, t.warmup_steps, t.final_lr_ratio)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        inputs, targets, share = parallel.local(*self._batch(step))
+        with _autocast(t, self.device):
+            loss = (self.compiled_loss or self.model.loss)(inputs, targets)
+            if parallel.active:   # the ranks' mean is the global batch's mean
+                loss = loss * share
+            aux = aux_loss(self.model)
+        self._losses.add(step + 1, loss, aux)
+        if self._read_each_step:   # a non-finite loss stops the run before the update
+            self._read_losses(updated=False)
+        scaling.backward(loss + aux)
+        parallel.sync(self.model)
+        scaling.unscale(self.optimizers)     # (fp16 only; before clipping)
+        if t.clip:
+            parallel.clip_grad_norm_(self.dense_params, t.clip, self.model)
+        scaling.step(self.optimizers)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return lr
+
+    def _settle(self) -> None:
+        """Where the loop logs, evaluates, saves or stops: read the pending losses (a
+        non-finite one raises), the loss scale and the skipped steps, wait for the device,
+        and add the time since the clock started to the run's and the window's."""
+        self._read_losses(updated=True)
+        self.loss_scaling.settle()
+        synchronize(self.device)
+        if self._clock is not None:
+            elapsed = time.perf_counter() - self._clock
+            self.train_time += elapsed
+            self._window.time += elapsed
+            self._clock = None
+
+    def _read_losses(self, updated: bool) -> None:
+        """Read the pending losses (their mean over the ranks) into the window; raise
+        FloatingPointError at the first that is not finite (``updated``: the parameters have
+        been updated since it was computed)."""
+        window = self._window
+        for read in self._losses.read(self.parallel.mean):
+            if not math.isfinite(read.loss):
+                raise FloatingPointError(self._non_finite_message(read.step, read.loss, updated))
+            window.loss += read.loss
+            window.aux += read.aux
+            window.steps += 1
+            self._last_loss = read.loss
+
+    def _non_finite_message(self, step: int, loss: float, updated: bool) -> str:
+        last = (f"the last checkpoint in {self.out} stands" if (self.out / CHECKPOINT).exists()
+                else "no checkpoint was written")
+        when = ("read after later steps had updated the parameters (on this device the loop "
+                "reads the losses where it logs, evaluates or saves); nothing was written since"
+                if updated else "stopped before updating the parameters")
+        return (f"loss is {loss} at step {step}; {when} ({last}); lower train.lr or enable "
+                f"train.clip" + ("; float16 overflows above 65504, train.bf16 does not"
+                                 if self.run.train.fp16 else ""))
+
+    def _name_a_non_finite_loss(self, error: Exception) -> None:
+        """A step failed: if a pending loss was not finite, raise that (the failure is likely
+        its consequence: a NaN weight reaching a check); otherwise return, and the caller
+        re-raises ``error``."""
+        try:
+            self._read_losses(updated=True)
+        except FloatingPointError as non_finite:
+            raise non_finite from error
+        except Exception:   # the device may be unable to read (a CUDA error): error stands
+            pass
 
     def _collapse_monitor(self, record: dict, previous_note: str | None) -> str | None:
         """Add the usage of the steps since the last log to ``record`` (per sparse layer: the
