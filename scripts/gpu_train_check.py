@@ -10,6 +10,9 @@ For each FFN preset of a small byte-level LM on pydoc (no download):
     (tokens per second of the last step of each, the compiled one's long past compiling);
   - fp16 autocast with loss scaling (``train.fp16``) follows the fp32 CUDA curve to 2% and
     skips no step at the initial scale;
+  - no training step synchronises with the host, in bf16 and in fp16 (each step after the
+    first two runs under ``torch.cuda.set_sync_debug_mode("warn")``; the trainer reads the
+    losses where it logs, evaluates or saves, outside the steps);
   - a run stopped after half its steps and resumed on CUDA ends with exactly the losses and
     weights of the straight run (deterministic mode: cuBLAS workspace fixed; ops without a
     deterministic CUDA kernel are listed, since they warn instead of failing);
@@ -66,9 +69,37 @@ def _last_rate(folder: Path) -> float:
     return _train_records(folder)[-1]["items_per_s"]
 
 
+def _watch_syncs(trainer: Trainer, found: list[str], warm: int = 2) -> None:
+    """Run each of ``trainer``'s steps after the first ``warm`` (lazy initialisation may
+    synchronise once) under the CUDA sync debug mode "warn"; add where one synchronised to
+    ``found``."""
+    step = trainer._step
+
+    def watched(index):
+        if index < warm:
+            return step(index)
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return step(index)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+                found.extend(f"step {index + 1}: {w.filename}:{w.lineno}" for w in caught
+                             if "synchroniz" in str(w.message))
+    trainer._step = watched
+
+
 def _train(run: RunConfig, folder: Path, device: str, stop_at: int | None = None,
-           resume: bool = False) -> tuple[dict | None, list[str]]:
+           resume: bool = False, syncs: list[str] | None = None
+           ) -> tuple[dict | None, list[str]]:
+    """Train ``run`` on ``device``: its summary (None if stopped at ``stop_at``) and the ops
+    that warned they are not deterministic; with a ``syncs`` list (on CUDA), the steps'
+    synchronisations are added to it."""
     trainer = Trainer(run, folder, progress=False, device=device)
+    if syncs is not None:
+        _watch_syncs(trainer, syncs)
     if stop_at is not None:
         original = trainer._batch
 
@@ -106,7 +137,10 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
            f"{cpu['val']['loss']:.4f}")
     record("ms per step", True, f"{device} {1e3 * gpu['train_time_s'] / steps:.1f}, cpu "
                                 f"{1e3 * cpu['train_time_s'] / steps:.1f}")
-    bf16, _ = _train(_run(preset, steps, bf16=True), tmp / f"{preset}-bf16", device)
+    cuda = torch.device(device).type == "cuda"
+    syncs: list[str] | None = [] if cuda else None
+    bf16, _ = _train(_run(preset, steps, bf16=True), tmp / f"{preset}-bf16", device,
+                     syncs=syncs)
     record("bf16 autocast", math.isfinite(bf16["val"]["loss"]), f"val {bf16['val']['loss']:.4f}")
     compiled, _ = _train(_run(preset, steps, bf16=True, compile=True),
                          tmp / f"{preset}-bf16-compiled", device)
@@ -114,11 +148,16 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
            f"val {compiled['val']['loss']:.4f}; tokens/s at the last step "
            f"{_last_rate(tmp / f'{preset}-bf16-compiled'):.0f}, eager "
            f"{_last_rate(tmp / f'{preset}-bf16'):.0f}")
-    fp16, _ = _train(_run(preset, steps, fp16=True), tmp / f"{preset}-fp16", device)
+    fp16, _ = _train(_run(preset, steps, fp16=True), tmp / f"{preset}-fp16", device,
+                     syncs=syncs)
     gap = max(abs(x - y) / abs(y) for x, y in zip(_curve(tmp / f"{preset}-fp16"), a))
     record("fp16 autocast", gap < 2e-2 and fp16["skipped_steps"] == 0
            and math.isfinite(fp16["val"]["loss"]),
            f"largest relative gap to fp32 {gap:.2e}; skipped steps {fp16['skipped_steps']}")
+    if cuda:
+        record("no sync in a step", not syncs,
+               f"{len(syncs)} synchronising calls in the bf16 and fp16 steps"
+               + (f", the first at {syncs[0]}" if syncs else ""))
     folder = tmp / f"{preset}-resumed"
     _train(run, folder, device, stop_at=steps // 2)
     _train(run, folder, device, resume=True)
