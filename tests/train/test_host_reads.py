@@ -17,6 +17,7 @@ from sparseffn.models.lm import TransformerLM
 from sparseffn.train import checkpoint as ckpt
 from sparseffn.train import loss_scaling
 from sparseffn.train.config import TrainSpec
+from sparseffn.train.parallel import Parallel
 from sparseffn.train.trainer import Trainer
 
 from .test_train import metrics
@@ -124,10 +125,11 @@ def test_the_deferred_loop_reads_nothing_inside_a_step(corpus, tmp_path, monkeyp
     assert inside == [(step, "train/step_losses.py:read") for step in range(9)]
 
 
-def _loss_turns_nan_at(monkeypatch, call: int, then_fails: bool = False) -> None:
+def _loss_turns_nan_at(monkeypatch, call: int, then_fails: bool = False) -> list:
     """The LM's training loss is NaN at its ``call``-th computation (1-based), so that the
     update of that step turns the weights NaN; with ``then_fails`` the next computation
-    raises a ValueError (as a check that refuses NaN would)."""
+    raises a ValueError (as a check that refuses NaN would). Returns the list that grows by
+    one item per computation."""
     original, calls = TransformerLM.loss, []
 
     def loss(self, *args, **kwargs):
@@ -137,6 +139,7 @@ def _loss_turns_nan_at(monkeypatch, call: int, then_fails: bool = False) -> None
         value = original(self, *args, **kwargs)
         return value * float("nan") if len(calls) == call else value
     monkeypatch.setattr(TransformerLM, "loss", loss)
+    return calls
 
 
 def test_reading_every_step_a_non_finite_loss_stops_the_run_before_the_update(
@@ -160,8 +163,16 @@ def test_read_at_the_boundaries_a_non_finite_loss_is_named_and_nothing_is_writte
     """Step 7's loss is NaN and its update turns the weights NaN. The run goes on to the next
     boundary (the log at step 8), which names step 7 and writes nothing. If a step fails
     before that boundary (a check refusing NaN weights), the error raised is still the NaN
-    loss of step 7, caused by that failure."""
-    _loss_turns_nan_at(monkeypatch, 7, then_fails)
+    loss of step 7, caused by that failure. That failure happens on one rank only, so its
+    losses are read without averaging them with the other ranks' (a collective there would
+    wait for ranks that are not coming)."""
+    calls = _loss_turns_nan_at(monkeypatch, 7, then_fails)
+    mean = Parallel.mean
+
+    def mean_not_after_a_failure(parallel, values):
+        assert not (then_fails and len(calls) > 7), "a collective after a rank's step failed"
+        return mean(parallel, values)
+    monkeypatch.setattr(Parallel, "mean", mean_not_after_a_failure)
     with pytest.raises(FloatingPointError,
                        match=r"loss is nan at step 7; read after later steps had updated the "
                              r"parameters .*nothing was written since \(the last checkpoint in "

@@ -553,12 +553,12 @@ class Trainer:
             self._window.time += elapsed
             self._clock = None
 
-    def _read_losses(self, updated: bool) -> None:
-        """Read the pending losses (their mean over the ranks) into the window; raise
-        FloatingPointError at the first that is not finite (``updated``: the parameters have
-        been updated since it was computed)."""
+    def _read_losses(self, updated: bool, over_ranks: bool = True) -> None:
+        """Read the pending losses (their mean over the ranks, or this rank's without
+        ``over_ranks``) into the window; raise FloatingPointError at the first that is not
+        finite (``updated``: the parameters have been updated since it was computed)."""
         window = self._window
-        for read in self._losses.read(self.parallel.mean):
+        for read in self._losses.read(self.parallel.mean if over_ranks else list):
             if not math.isfinite(read.loss):
                 raise FloatingPointError(self._non_finite_message(read.step, read.loss, updated))
             window.loss += read.loss
@@ -579,9 +579,10 @@ class Trainer:
     def _name_a_non_finite_loss(self, error: Exception) -> None:
         """A step failed: if a pending loss was not finite, raise that (the failure is likely
         its consequence: a NaN weight reaching a check); otherwise return, and the caller
-        re-raises ``error``."""
+        re-raises ``error``. This rank's losses only: the other ranks are not here to
+        average with (a NaN in one rank's loss is a NaN in the mean)."""
         try:
-            self._read_losses(updated=True)
+            self._read_losses(updated=True, over_ranks=False)
         except FloatingPointError as non_finite:
             raise non_finite from error
         except Exception:   # the device may be unable to read (a CUDA error): error stands
