@@ -321,6 +321,22 @@ def test_bench_lm_times_every_preset_beside_the_parameter_equal_dense(tmp_path, 
     assert "ms/step" in out and "sigma_moe" in out
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, None])
+def test_bench_lms_float16_step_scales_the_loss_as_training_does(monkeypatch, dtype):
+    """From a loss scale of 2^60 the scaled float16 gradients overflow: the step is skipped
+    and no weight moves, as in ``train.fp16``. bf16 and float32 steps have no scale, and
+    move the weights."""
+    from sparseffn.bench import lm_step
+    from sparseffn.train import loss_scaling
+    monkeypatch.setattr(loss_scaling, "INITIAL_LOSS_SCALE", 2.0 ** 60)
+    model = lm_step.lm_model("sigma_moe", d_model=32, n_layers=1, n_heads=2, context=8,
+                             d_ff=256)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lm_step.training_step_fn(model, lm_step.byte_tokens(2, 8), dtype)()
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert (moved == []) == (dtype == torch.float16)
+
+
 def test_bench_lm_compiles_each_model_when_asked(tmp_path, capsys):
     path = tmp_path / "lm.json"
     assert cli.main(["bench", "lm", "--presets", "sigma_moe", "--d-model", "32", "--n-layers",

@@ -9,9 +9,10 @@ arXiv:2310.10837 §6), so ``dense`` is the parameter-equal baseline of all the o
 A step is what a user's training loop pays: the forward pass and the loss (next-token
 cross-entropy plus the layers' auxiliary losses), under autocast when a reduced ``dtype`` is
 asked for, the backward pass, and the trainer's Adam update (:func:`sparseffn.adam_optimizers`:
-fused Adam, SparseAdam for parameters with sparse gradients; with ``--dtype float16`` no loss
-scaling, which training in float16 needs: ``train.fp16`` adds an unscaling pass over the
-gradients and a host read a step). The models are timed in rotation,
+fused Adam, SparseAdam for parameters with sparse gradients), with ``--dtype float16`` the
+trainer's dynamic loss scaling around it (:class:`sparseffn.train.loss_scaling.LossScaling`:
+the scaled backward, an unscaling pass over the gradients, the inf check and the scale's
+update, all on the device). The models are timed in rotation,
 one step of each per round (CUDA events on a GPU, the wall clock on a CPU); a model's ratio to
 ``dense`` is the median of the per-round ratios. Peak MiB (CUDA only) is the allocator's peak
 during one step above what was allocated before it. The tokens are random bytes: only the time
@@ -32,6 +33,7 @@ from ..auxiliary import aux_loss
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
 from ..runtime import compiling_many, deterministic_algorithms
+from ..train.loss_scaling import LossScaling
 from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
                       first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
                       peak_mib, verdict, write_json)
@@ -72,11 +74,13 @@ def byte_tokens(batch: int, context: int, device: torch.device | str = "cpu") ->
 def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
                      autocast_dtype: torch.dtype | None, compile: str = "none"
                      ) -> Callable[[], None]:
-    """One training step on ``tokens`` [batch, context + 1]: loss, backward, Adam update,
-    with the loss's forward compiled as ``compile`` says (see :func:`measure.compiled`).
-    Returns a function that runs it (and returns nothing read from the device)."""
+    """One training step on ``tokens`` [batch, context + 1]: loss, backward, Adam update
+    (with loss scaling in float16, as ``train.fp16`` trains), with the loss's forward
+    compiled as ``compile`` says (see :func:`measure.compiled`). Returns a function that runs
+    it (and returns nothing read from the device)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     optimizers = adam_optimizers(model, lr=1e-4)     # as the trainer's
+    scaling = LossScaling(tokens.device, enabled=autocast_dtype == torch.float16)
     device_type = tokens.device.type
     loss_of = compiled(model.loss, compile)
 
@@ -86,9 +90,9 @@ def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
             opt.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss = loss_of(inputs, targets) + aux_loss(model)
-        loss.backward()
-        for opt in optimizers:
-            opt.step()
+        scaling.backward(loss)
+        scaling.unscale(optimizers)
+        scaling.step(optimizers)
     return step
 
 
