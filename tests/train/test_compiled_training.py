@@ -10,7 +10,7 @@ from sparseffn.train import checkpoint as ckpt
 from sparseffn.train.config import ConfigError, TrainSpec
 from sparseffn.train.trainer import Trainer
 
-from tests.train.test_train import interrupt_at, lm_run, metrics
+from tests.train.test_train import lm_run, metrics, straight_and_resumed
 
 
 def _losses(folder):
@@ -47,16 +47,8 @@ def test_a_compiled_run_trains_as_the_eager_one(corpus, tmp_path):
 
 def test_a_compiled_run_with_dropout_resumes_to_the_bit(corpus, tmp_path):
     run = lm_run(corpus, "sigma_moe", steps=6, compile=True)     # dropout 0.1
-    Trainer(run, tmp_path / "straight", progress=False).train()
-    stopped = Trainer(run, tmp_path / "resumed", progress=False)
-    interrupt_at(stopped, 4)
-    with pytest.raises(KeyboardInterrupt):
-        stopped.train()
-    Trainer(run, tmp_path / "resumed", progress=False).train(resume=True)
+    assert straight_and_resumed(run, tmp_path, 4)
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")   # exact floats
-    a = ckpt.load(tmp_path / "straight" / "checkpoint.pt")["model"]
-    b = ckpt.load(tmp_path / "resumed" / "checkpoint.pt")["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_compile_with_expert_parallel_is_a_config_error():

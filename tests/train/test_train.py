@@ -81,6 +81,21 @@ def interrupt_at(trainer, step):
     trainer._batch = batch
 
 
+def straight_and_resumed(run, folder, stop_at):
+    """Train ``run`` straight in ``folder/straight``, and in ``folder/resumed`` stopped (a
+    KeyboardInterrupt) before step ``stop_at`` (0-based) and resumed; whether the two
+    checkpoints' weights are equal to the bit."""
+    Trainer(run, folder / "straight", progress=False).train()
+    stopped = Trainer(run, folder / "resumed", progress=False)
+    interrupt_at(stopped, stop_at)
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    Trainer(run, folder / "resumed", progress=False).train(resume=True)
+    a = ckpt.load(folder / "straight" / "checkpoint.pt")["model"]
+    b = ckpt.load(folder / "resumed" / "checkpoint.pt")["model"]
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("make_run", [
     lambda corpus: lm_run(corpus, "sigma_moe", steps=8),
     lambda corpus: lm_run(corpus, {"type": "moe", "num_experts": 4, "expert_size": 16, "k": 2,
