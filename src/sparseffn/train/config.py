@@ -151,6 +151,7 @@ class TrainSpec:
     steps: int | None = None        # None (and no epochs): 1000
     epochs: float | None = None     # classification: steps = epochs · (train size // batch)
     batch_size: int = 32
+    micro_batches: int = 1          # each step's batch in this many parts, gradients summed
     lr: float = 1e-3
     schedule: str = "cosine"
     warmup_steps: int = 0
@@ -180,6 +181,11 @@ class TrainSpec:
                f"train.steps must be a positive integer, got {self.steps!r}")
         _check(self.epochs is None or self.epochs > 0, "train.epochs must be positive")
         _check(self.batch_size > 0, f"train.batch_size must be positive, got {self.batch_size}")
+        _check(self.micro_batches > 0,
+               f"train.micro_batches must be positive, got {self.micro_batches}")
+        _check(self.micro_batches <= self.batch_size,
+               f"train.micro_batches ({self.micro_batches}) must be at most train.batch_size "
+               f"({self.batch_size}): each micro-batch takes at least one row")
         _check(self.lr > 0, f"train.lr must be positive, got {self.lr}")
         # a negative max-norm would flip the gradient's sign in clip_grad_norm_
         _check(self.clip is None or self.clip >= 0,

@@ -240,9 +240,11 @@ class Trainer:
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
         parallel = self.parallel
-        _check(run.train.batch_size >= parallel.world,
+        _check(run.train.batch_size >= parallel.world * run.train.micro_batches,
                f"train.batch_size ({run.train.batch_size}) must be at least the number of "
-               f"processes ({parallel.world}): each takes a share of every batch")
+               f"processes ({parallel.world}) times train.micro_batches "
+               f"({run.train.micro_batches}): each process takes a share of every batch, and "
+               f"each of its micro-batches at least one row")
         if state is not None:    # the one-process state: load it, then keep this rank's experts
             self.model.load_state_dict(state["model"])
         parallel.shard(self.model)
@@ -522,15 +524,23 @@ class Trainer:
             for group in opt.param_groups:
                 group["lr"] = lr
         inputs, targets, share = parallel.local(*self._batch(step))
-        with _autocast(t, self.device):
-            loss = (self.compiled_loss or self.model.loss)(inputs, targets)
-            if parallel.active:   # the ranks' mean is the global batch's mean
-                loss = loss * share
-            aux = aux_loss(self.model)
-        self._losses.add(step + 1, loss, aux)
+        rows, step_loss, step_aux = inputs.shape[0], 0.0, 0.0
+        for part, part_targets in zip(inputs.tensor_split(t.micro_batches),
+                                      targets.tensor_split(t.micro_batches)):
+            fraction = part.shape[0] / rows    # of this rank's rows
+            with _autocast(t, self.device):
+                loss = (self.compiled_loss or self.model.loss)(part, part_targets)
+                aux = aux_loss(self.model)
+                if share * fraction != 1.0:   # the mean over the global batch's rows
+                    loss = loss * (share * fraction)
+                if fraction != 1.0:           # the aux losses' mean over the micro-batches
+                    aux = aux * fraction
+            scaling.backward(loss + aux)      # gradients add up over the micro-batches
+            step_loss = step_loss + loss.detach()
+            step_aux = step_aux + aux.detach()
+        self._losses.add(step + 1, step_loss, step_aux)
         if self._read_each_step:   # a non-finite loss stops the run before the update
             self._read_losses(updated=False)
-        scaling.backward(loss + aux)
         parallel.sync(self.model)
         scaling.unscale(self.optimizers)     # (fp16 only; before clipping)
         if t.clip:
