@@ -98,3 +98,17 @@ def compiling_many():
              else ("cache_size_limit", "fail_on_cache_limit_hit"))
     return config.patch(**{name: value for name, value in zip(names, (COMPILED_VERSIONS, True))
                            if hasattr(config, name)})
+
+
+def compiling_checkpointed_sparse_layers():
+    """A context in which ``torch.compile`` traces a non-reentrant activation checkpoint
+    around sparse layers in one graph: it skips replaying the forward's side effects (a
+    layer's aux-loss record and usage update) in the recomputation, as the layers do eagerly
+    (docs/architecture.md, "Checkpointing inside torch.compile"). Without it the compiled
+    block breaks its graph at each sparse layer and runs it eagerly. Process-wide while it
+    lasts, so for code that owns every checkpointed block (the trainer's LM); nothing on a
+    PyTorch without the setting."""
+    import torch
+    config = torch._dynamo.config
+    name = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    return config.patch(**{name: True} if hasattr(config, name) else {})

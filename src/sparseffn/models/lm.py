@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import DenseMLPConfig, LayerConfig, config_from_dict
 from ..matching import compute_equal_dense, param_equal_dense
@@ -189,7 +190,17 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """forward(tokens: int64 [B, T]) -> logits [B, T, vocab_size], T <= context."""
+    """forward(tokens: int64 [B, T]) -> logits [B, T, vocab_size], T <= context.
+
+    ``activation_checkpointing = True`` (an attribute, off by default; ``train.
+    activation_checkpointing`` sets it) keeps only each block's input while a forward builds
+    a graph and recomputes the block's activations in the backward
+    (``torch.utils.checkpoint``, non-reentrant, RNG state preserved): the same losses and
+    gradients for about one more forward's compute, with one block's activations alive at a
+    time instead of every block's. Sparse layers record their aux losses and usage once (the
+    recomputation records nothing)."""
+
+    activation_checkpointing: bool = False
 
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
@@ -217,8 +228,9 @@ class TransformerLM(nn.Module):
                              f"{self.config.context}")
         positions = torch.arange(t, device=tokens.device)
         x = self.dropout(self.embed(tokens) + self.position(positions))
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         x = self.norm(x)
         if self.head is None:
             # tied: logits = x Eᵀ / sqrt(d), so unit-variance embeddings give unit-scale logits

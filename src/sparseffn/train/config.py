@@ -168,6 +168,7 @@ class TrainSpec:
     checkpoint_every: int = 0       # 0: only at the end and on Ctrl-C
     expert_parallel: bool = False   # under torchrun: shard the experts across the ranks
     compile: bool = False           # torch.compile the training forward and loss (not eval)
+    activation_checkpointing: bool = False   # recompute each block's activations in backward
 
     def __post_init__(self) -> None:
         _typed(self, "train")

@@ -41,7 +41,8 @@ from torch import nn
 from ..analysis.summary import collapse_warning, usage_health
 from ..auxiliary import aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage
 from ..optim import adam_optimizers
-from ..runtime import compiling_many, deterministic_algorithms
+from ..runtime import (compiling_checkpointed_sparse_layers, compiling_many,
+                       deterministic_algorithms)
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
 from ..models.lm import LMConfig, TransformerLM
@@ -237,6 +238,12 @@ class Trainer:
             self.data = load_data(run, tokenizer)
         with _config_errors("model"):
             self.model = build_model(run, self.data, state).to(self.device)
+        if run.train.activation_checkpointing:
+            if not isinstance(self.model, TransformerLM):
+                raise ConfigError("train.activation_checkpointing is for language models (it "
+                                  "recomputes each Transformer block); the classifier has one "
+                                  "layer")
+            self.model.activation_checkpointing = True
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
         parallel = self.parallel
@@ -378,8 +385,11 @@ class Trainer:
                   "matrix products take several times float32's (train.bf16 is the fast reduced "
                   "precision there; docs/training.md)", file=sys.stderr)
         # the process's setting comes back after the run, however it ends
-        with deterministic_algorithms(self.run.train.deterministic, self.parallel.device), \
-                (compiling_many() if self.run.train.compile else contextlib.nullcontext()):
+        t = self.run.train
+        with deterministic_algorithms(t.deterministic, self.parallel.device), \
+                (compiling_many() if t.compile else contextlib.nullcontext()), \
+                (compiling_checkpointed_sparse_layers()
+                 if t.compile and t.activation_checkpointing else contextlib.nullcontext()):
             self._setup(state)   # data and model first: a run that cannot start touches no file
             # rank 0 owns the folder; the other ranks write nothing
             lock = folder_lock(self.out, "training run") if self.parallel.main \

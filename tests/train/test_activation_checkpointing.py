@@ -1,0 +1,73 @@
+"""``train.activation_checkpointing``: each Transformer block keeps only its input in the
+forward and recomputes its activations in the backward (non-reentrant
+``torch.utils.checkpoint``, RNG state preserved). The run is the same to the bit: losses, aux
+losses, usage statistics and weights, dropout and routing noise included; compiled, the
+blocks trace in one graph and train as the compiled run without checkpointing."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from sparseffn.models import lm
+from sparseffn.train import checkpoint as ckpt
+from sparseffn.train.config import ConfigError
+from sparseffn.train.trainer import Trainer
+
+from .test_train import classifier_run, lm_run, metrics
+
+
+def _without_timing(folder):
+    return [{k: v for k, v in m.items() if k not in ("train_time", "items_per_s")}
+            for m in metrics(folder)]
+
+
+def _same_weights(a, b):
+    x = ckpt.load(a / "checkpoint.pt")["model"]
+    y = ckpt.load(b / "checkpoint.pt")["model"]
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("ffn", ["sigma_moe", "switch", "pkm", "peer", "fff"])
+def test_recomputed_blocks_train_the_same_run_to_the_bit(corpus, tmp_path, monkeypatch, ffn):
+    """Dropout 0.1 (and Switch's routing noise where it has some): the recomputation draws
+    the same masks. The logged usage entropy shows each token's routing counted once."""
+    calls = []
+    checkpoint = lm.checkpoint
+
+    def counted(function, *args, **kwargs):
+        calls.append(1)
+        return checkpoint(function, *args, **kwargs)
+    monkeypatch.setattr(lm, "checkpoint", counted)
+    Trainer(lm_run(corpus, ffn), tmp_path / "kept", progress=False).train()
+    assert calls == []
+    Trainer(lm_run(corpus, ffn, activation_checkpointing=True), tmp_path / "recomputed",
+            progress=False).train()
+    assert len(calls) == 6 * 2          # each training step's two blocks; none in evaluation
+    assert _without_timing(tmp_path / "recomputed") == _without_timing(tmp_path / "kept")
+    assert _same_weights(tmp_path / "recomputed", tmp_path / "kept")
+    if ffn != "fff":
+        assert any("usage_entropy" in m for m in metrics(tmp_path / "kept"))
+
+
+def test_compiled_recomputed_blocks_trace_in_one_graph_and_train_as_compiled(corpus,
+                                                                             tmp_path):
+    """The trainer lets Dynamo skip replaying the sparse layers' side effects in the
+    recomputation (as they skip it eagerly), so nothing breaks the graph; without that each
+    sparse layer would run eagerly, with eager dropout masks instead of compiled ones."""
+    Trainer(lm_run(corpus, "sigma_moe", steps=4, compile=True), tmp_path / "compiled",
+            progress=False).train()
+    counters.clear()
+    Trainer(lm_run(corpus, "sigma_moe", steps=4, compile=True, activation_checkpointing=True),
+            tmp_path / "recomputed", progress=False).train()
+    assert sum(counters["graph_break"].values()) == 0
+    a, b = metrics(tmp_path / "compiled"), metrics(tmp_path / "recomputed")
+    assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-5)
+    assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint   # restored
+
+
+def test_activation_checkpointing_is_for_language_models(tmp_path):
+    layer = {"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3}
+    with pytest.raises(ConfigError, match="activation_checkpointing is for language models"):
+        Trainer(classifier_run(layer, steps=2, activation_checkpointing=True), tmp_path,
+                progress=False).train()
+    assert not tmp_path.joinpath("checkpoint.pt").exists()
