@@ -10,6 +10,8 @@ For each FFN preset of a small byte-level LM on pydoc (no download):
     (tokens per second of the last step of each, the compiled one's long past compiling);
   - fp16 autocast with loss scaling (``train.fp16``) follows the fp32 CUDA curve to 2% and
     skips no step at the initial scale;
+  - the memory levers in bf16: ``micro_batches = 2`` follows the plain run's curve to 2%,
+    ``activation_checkpointing`` repeats it exactly; on CUDA the allocator's peak of each run;
   - no training step synchronises with the host, in bf16 and in fp16 (each step after the
     first two runs under ``torch.cuda.set_sync_debug_mode("warn")``; the trainer reads the
     losses where it logs, evaluates or saves, outside the steps);
@@ -45,13 +47,13 @@ PRESETS = ("dense", "sigma_moe", "switch", "fff", "pkm", "peer")
 
 
 def _run(preset: str, steps: int, bf16: bool = False, compile: bool = False,
-         fp16: bool = False) -> RunConfig:
+         fp16: bool = False, **train) -> RunConfig:
     return RunConfig(name=f"check-{preset}", data=DataSpec(corpus="pydoc"),
                      model=ModelSpec(d_model=64, n_layers=2, n_heads=4, context=64, ffn=preset,
                                      d_ff=256),
                      train=TrainSpec(steps=steps, batch_size=16, lr=3e-3, eval_every=steps,
                                      log_every=1, eval_windows=16, bf16=bf16,
-                                     fp16=fp16, compile=compile))
+                                     fp16=fp16, compile=compile, **train))
 
 
 def _train_records(folder: Path) -> list[dict]:
@@ -142,6 +144,22 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
     bf16, _ = _train(_run(preset, steps, bf16=True), tmp / f"{preset}-bf16", device,
                      syncs=syncs)
     record("bf16 autocast", math.isfinite(bf16["val"]["loss"]), f"val {bf16['val']['loss']:.4f}")
+    peaks, curves = {}, {}
+    for name, fields in (("plain", {}), ("micro_batches 2", {"micro_batches": 2}),
+                         ("recomputed", {"activation_checkpointing": True})):
+        folder = tmp / f"{preset}-bf16-{name.split()[0]}"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        _train(_run(preset, steps, bf16=True, **fields), folder, device)
+        peaks[name] = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+        curves[name] = _curve(folder)
+    gap = max(abs(x - y) / abs(y) for x, y in zip(curves["micro_batches 2"], curves["plain"]))
+    same = curves["recomputed"] == curves["plain"]
+    record("memory levers", gap < 2e-2 and same,
+           f"micro-batches' largest relative gap {gap:.2e}, recomputed "
+           f"{'equal' if same else 'DIFFERENT'}"
+           + ("; peak MiB " + ", ".join(f"{name} {mib:.0f}" for name, mib in peaks.items())
+              if cuda else ""))
     compiled, _ = _train(_run(preset, steps, bf16=True, compile=True),
                          tmp / f"{preset}-bf16-compiled", device)
     record("bf16 compiled", math.isfinite(compiled["val"]["loss"]),
