@@ -22,8 +22,10 @@ writes the files.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
+import operator
 import os
 import resource
 import shutil
@@ -534,7 +536,7 @@ class Trainer:
             for group in opt.param_groups:
                 group["lr"] = lr
         inputs, targets, share = parallel.local(*self._batch(step))
-        rows, step_loss, step_aux = inputs.shape[0], 0.0, 0.0
+        rows, parts = inputs.shape[0], []
         for part, part_targets in zip(inputs.tensor_split(t.micro_batches),
                                       targets.tensor_split(t.micro_batches)):
             fraction = part.shape[0] / rows    # of this rank's rows
@@ -546,9 +548,10 @@ class Trainer:
                 if fraction != 1.0:           # the aux losses' mean over the micro-batches
                     aux = aux * fraction
             scaling.backward(loss + aux)      # gradients add up over the micro-batches
-            step_loss = step_loss + loss.detach()
-            step_aux = step_aux + aux.detach()
-        self._losses.add(step + 1, step_loss, step_aux)
+            parts.append((loss.detach(), aux.detach()))
+        losses, auxes = zip(*parts)     # (one part: its own tensors, no addition)
+        self._losses.add(step + 1, functools.reduce(operator.add, losses),
+                         functools.reduce(operator.add, auxes))
         if self._read_each_step:   # a non-finite loss stops the run before the update
             self._read_losses(updated=False)
         parallel.sync(self.model)
