@@ -174,9 +174,8 @@ def test_read_at_the_boundaries_a_non_finite_loss_is_named_and_nothing_is_writte
         return mean(parallel, values)
     monkeypatch.setattr(Parallel, "mean", mean_not_after_a_failure)
     with pytest.raises(FloatingPointError,
-                       match=r"loss is nan at step 7; read after later steps had updated the "
-                             r"parameters .*nothing was written since \(the last checkpoint in "
-                             r".* stands\)") as raised:
+                       match=r"loss is nan at step 7; found after that step's update .*nothing "
+                             r"was written since \(the last checkpoint in .* stands\)") as raised:
         Trainer(_run(corpus, "sigma_moe"), tmp_path, progress=False,
                 read_every_step=False).train()
     if then_fails:
@@ -207,7 +206,7 @@ def test_a_non_finite_loss_before_a_stop_is_named_and_no_checkpoint_is_written(
             trainer._stop_requested = True
         return original(step)
     trainer._batch = batch
-    with pytest.raises(FloatingPointError, match="loss is nan at step 2; read after .*no "
+    with pytest.raises(FloatingPointError, match="loss is nan at step 2; found after .*no "
                                                  "checkpoint was written"):
         trainer.train()
     assert not (tmp_path / "checkpoint.pt").exists()

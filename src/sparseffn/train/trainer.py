@@ -147,7 +147,8 @@ def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split
                 logits = model(xs).float()
                 sums.append(nn.functional.cross_entropy(logits, ys, reduction="sum"))
                 hits.append((logits.argmax(-1) == ys).sum())
-            nats, correct = sum(_read(sums)), int(sum(_read(hits)))
+            values = _read(sums + hits)
+            nats, correct = sum(values[:len(sums)]), int(sum(values[len(sums):]))
             return Evaluation(nats / len(y), None, correct / len(y), len(y))
     finally:
         model.train(was_training)
@@ -592,8 +593,8 @@ class Trainer:
     def _non_finite_message(self, step: int, loss: float, updated: bool) -> str:
         last = (f"the last checkpoint in {self.out} stands" if (self.out / CHECKPOINT).exists()
                 else "no checkpoint was written")
-        when = ("read after later steps had updated the parameters (on this device the loop "
-                "reads the losses where it logs, evaluates or saves); nothing was written since"
+        when = ("found after that step's update (on this device the loop reads the losses "
+                "where it logs, evaluates or saves); nothing was written since"
                 if updated else "stopped before updating the parameters")
         return (f"loss is {loss} at step {step}; {when} ({last}); lower train.lr or enable "
                 f"train.clip" + ("; float16 overflows above 65504, train.bf16 does not"
