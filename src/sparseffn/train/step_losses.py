@@ -43,9 +43,6 @@ class StepLosses:
     def __init__(self) -> None:
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def add(self, step: int, loss: torch.Tensor, aux: torch.Tensor) -> None:
         """Keep step ``step``'s loss and auxiliary loss (scalars; detached, so no graph is
         kept)."""
