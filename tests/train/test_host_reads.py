@@ -96,11 +96,12 @@ class _TrainerReads:
 
 
 def _sparseffn_caller() -> str | None:
-    """``module path:function`` of the nearest sparseffn frame on the stack."""
+    """``module path:function`` of the nearest sparseffn frame on the stack (past
+    ``step_losses.host_values``, which reads for its caller)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if "/sparseffn/" in name:
+        if "/sparseffn/" in name and frame.f_code.co_name != "host_values":
             return f"{name.split('/sparseffn/')[-1]}:{frame.f_code.co_name}"
         frame = frame.f_back
     return None

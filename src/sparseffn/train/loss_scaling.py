@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .step_losses import host_values
+
 
 #: The loss scale an fp16 run starts from (GradScaler's default; tests start higher to force
 #: skipped steps).
@@ -70,8 +72,7 @@ class LossScaling:
         ``skipped`` (one host read; none if no step ran since)."""
         if self._unread is None:
             return
-        scale, skipped = torch.stack([self.scaler._get_scale_async().float(),
-                                      self._unread.float()]).tolist()
+        scale, skipped = host_values([self.scaler._get_scale_async(), self._unread])
         self.scale, self.skipped, self._unread = scale, self.skipped + int(skipped), None
 
     def state(self) -> dict:

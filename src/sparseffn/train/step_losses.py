@@ -31,6 +31,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def host_values(scalars: list[torch.Tensor]) -> list[float]:
+    """The values of device scalars (any float or integer dtype) as Python floats, in one
+    host read: a float64 stack of them, exact for float32, bfloat16, float16 and integers
+    below 2^53."""
+    return torch.stack([value.double() for value in scalars]).tolist() if scalars else []
+
+
 class StepLoss(NamedTuple):
     step: int       # 1-based: the step that computed the loss
     loss: float
@@ -55,8 +62,7 @@ class StepLosses:
         if not self._pending:
             return []
         pending, self._pending = self._pending, []
-        values = torch.stack([value.float() for _, loss, aux in pending
-                              for value in (loss, aux)]).tolist()
-        values = average(values)
+        values = average(host_values([value for _, loss, aux in pending
+                                      for value in (loss, aux)]))
         return [StepLoss(step, values[2 * i], values[2 * i + 1])
                 for i, (step, _, _) in enumerate(pending)]

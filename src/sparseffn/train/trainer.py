@@ -57,7 +57,7 @@ from .loss_scaling import LossScaling
 from .parallel import Parallel
 from .progress import ProgressBar
 from .schedule import lr_factor
-from .step_losses import StepLosses, reads_every_step, synchronize
+from .step_losses import StepLosses, host_values, reads_every_step, synchronize
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -138,7 +138,7 @@ def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split
                     sums.append(nn.functional.cross_entropy(
                         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
                     count += targets.numel()
-                nats = sum(_read(sums))
+                nats = sum(host_values(sums))   # in float64, in chunk order
                 return Evaluation(nats / count, bits_per_byte(nats, nbytes), None, count)
             x, y = data.x[split], data.y[split]
             sums, hits = [], []
@@ -147,17 +147,11 @@ def evaluate(model: nn.Module, data: TextData | ArrayData, run: RunConfig, split
                 logits = model(xs).float()
                 sums.append(nn.functional.cross_entropy(logits, ys, reduction="sum"))
                 hits.append((logits.argmax(-1) == ys).sum())
-            values = _read(sums + hits)
+            values = host_values(sums + hits)
             nats, correct = sum(values[:len(sums)]), int(sum(values[len(sums):]))
             return Evaluation(nats / len(y), None, correct / len(y), len(y))
     finally:
         model.train(was_training)
-
-
-def _read(scalars: list[torch.Tensor]) -> list[float]:
-    """The values of device scalars, in one host read (the chunks' sums add up in float64 on
-    the host, in order, as a read per chunk did)."""
-    return torch.stack([value.double() for value in scalars]).tolist() if scalars else []
 
 
 def _autocast(train: TrainSpec, device: torch.device):
