@@ -7,7 +7,8 @@ effects, because eager checkpointing replays them when it recomputes the forward
 layer has two: it keeps its aux losses for ``sparseffn.aux_loss(model)`` and adds to its usage
 statistics. Eager sparseffn layers already record nothing in a recomputation (usage is counted
 once), so skipping the replay is what they want: with
-``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True`` the block
+``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True`` (set here by
+``sparseffn.runtime.compiling_checkpointed_sparse_layers``, as the trainer sets it) the block
 compiles in one graph and trains as the eager layer does without checkpointing (output, aux
 loss, every gradient, usage). Without the setting, ``fullgraph=True`` fails with PyTorch's
 "HOP: Unsafe side effect" (whose hint names the setting), and without ``fullgraph`` Dynamo
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sparseffn
 from sparseffn.bench.compiled import layer_configs
+from sparseffn.runtime import compiling_checkpointed_sparse_layers
 
 
 class _Block(torch.nn.Module):
@@ -56,7 +58,7 @@ def test_a_compiled_checkpointed_layer_trains_as_the_eager_layer(name):
     counters.clear()
     try:
         compiled = torch.compile(_Block(layer), fullgraph=True, backend="aot_eager")
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        with compiling_checkpointed_sparse_layers():
             y, aux = _step(compiled, layer, x_compiled)
         assert counters["stats"]["unique_graphs"] == 1
     finally:

@@ -9,22 +9,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from sparseffn.models import lm
-from sparseffn.train import checkpoint as ckpt
 from sparseffn.train.config import ConfigError
 from sparseffn.train.trainer import Trainer
 
-from .test_train import classifier_run, lm_run, metrics
-
-
-def _without_timing(folder):
-    return [{k: v for k, v in m.items() if k not in ("train_time", "items_per_s")}
-            for m in metrics(folder)]
-
-
-def _same_weights(a, b):
-    x = ckpt.load(a / "checkpoint.pt")["model"]
-    y = ckpt.load(b / "checkpoint.pt")["model"]
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+from .test_train import classifier_run, lm_run, metrics, same_weights, without_timing
 
 
 @pytest.mark.parametrize("ffn", ["sigma_moe", "switch", "pkm", "peer", "fff"])
@@ -43,8 +31,9 @@ def test_recomputed_blocks_train_the_same_run_to_the_bit(corpus, tmp_path, monke
     Trainer(lm_run(corpus, ffn, activation_checkpointing=True), tmp_path / "recomputed",
             progress=False).train()
     assert len(calls) == 6 * 2          # each training step's two blocks; none in evaluation
-    assert _without_timing(tmp_path / "recomputed") == _without_timing(tmp_path / "kept")
-    assert _same_weights(tmp_path / "recomputed", tmp_path / "kept")
+    assert without_timing(metrics(tmp_path / "recomputed")) == \
+        without_timing(metrics(tmp_path / "kept"))
+    assert same_weights(tmp_path / "recomputed", tmp_path / "kept")
     if ffn != "fff":
         assert any("usage_entropy" in m for m in metrics(tmp_path / "kept"))
 

@@ -20,7 +20,7 @@ from sparseffn.train.config import TrainSpec
 from sparseffn.train.parallel import Parallel
 from sparseffn.train.trainer import Trainer
 
-from .test_train import metrics
+from .test_train import metrics, same_weights, without_timing
 
 _READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
 
@@ -35,11 +35,6 @@ def _run(corpus, ffn="sigma_moe", steps=9, **train):
     return run.replace(train=TrainSpec(**fields))
 
 
-def _without_timing(records):
-    return [{k: v for k, v in m.items() if k not in ("train_time", "items_per_s")}
-            for m in records]
-
-
 @pytest.mark.parametrize("ffn, fields", [("dense", {}), ("sigma_moe", {}), ("pkm", {}),
                                          ("switch", {"clip": 0.5}), ("sigma_moe", {"fp16": True})])
 def test_reading_at_the_boundaries_logs_and_trains_what_reading_every_step_does(
@@ -52,14 +47,12 @@ def test_reading_at_the_boundaries_logs_and_trains_what_reading_every_step_does(
     summaries = {each: Trainer(run, tmp_path / str(each), progress=False,
                                read_every_step=each).train() for each in (True, False)}
     every, deferred = metrics(tmp_path / "True"), metrics(tmp_path / "False")
-    assert _without_timing(deferred) == _without_timing(every)
+    assert without_timing(deferred) == without_timing(every)
     assert [m["step"] for m in every if m["kind"] == "train"] == [4, 8, 9]
     if run.train.fp16:
         assert sum(m["skipped_steps"] for m in every if m["kind"] == "train") > 1
         assert summaries[True]["skipped_steps"] == summaries[False]["skipped_steps"]
-    a = ckpt.load(tmp_path / "True" / "checkpoint.pt")
-    b = ckpt.load(tmp_path / "False" / "checkpoint.pt")
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert same_weights(tmp_path / "True", tmp_path / "False")
     assert summaries[True]["val"] == summaries[False]["val"]
     assert all(m["train_time"] > 0 and m["items_per_s"] > 0 for m in deferred
                if m["kind"] == "train")
