@@ -231,6 +231,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _typed(self, "")
+        _check(not (self.train.activation_checkpointing and self.model.kind != "lm"),
+               "train.activation_checkpointing is for language models (it recomputes each "
+               "Transformer block); the classifier has one layer")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -235,11 +235,7 @@ class Trainer:
             self.data = load_data(run, tokenizer)
         with _config_errors("model"):
             self.model = build_model(run, self.data, state).to(self.device)
-        if run.train.activation_checkpointing:
-            if not isinstance(self.model, TransformerLM):
-                raise ConfigError("train.activation_checkpointing is for language models (it "
-                                  "recomputes each Transformer block); the classifier has one "
-                                  "layer")
+        if run.train.activation_checkpointing:   # (a language model: RunConfig checks)
             self.model.activation_checkpointing = True
         self.steps = total_steps(run, self.data.steps_per_epoch(run.train.batch_size)
                                  if isinstance(self.data, ArrayData) else None)
