@@ -36,7 +36,7 @@ def load_language_model(path: str | Path) -> tuple[dict, TransformerLM, object]:
         model.load_state_dict(state["model"])
     else:    # an older checkpoint, or a config this version cannot build: as eval does, from
         from .trainer import load_trained    # the run config and corpus (noting what differs)
-        state, _, _, model = load_trained(path)
+        state, _, _, model = load_trained(path, state)
     assert isinstance(model.config, LMConfig)
     return state, model.eval(), tokenizer_from_state(state["tokenizer"])
 

@@ -84,10 +84,12 @@ def build_model(run: RunConfig, data: TextData | ArrayData,
     return TransformerLM(config) if isinstance(config, LMConfig) else SparseClassifier(config)
 
 
-def load_trained(path: str | Path) -> tuple[dict, RunConfig, TextData | ArrayData, nn.Module]:
+def load_trained(path: str | Path, state: dict | None = None
+                 ) -> tuple[dict, RunConfig, TextData | ArrayData, nn.Module]:
     """The checkpoint at ``path`` as (its state, its run config, the run's data with the
-    checkpoint's tokenizer, the model it was trained with, holding its weights)."""
-    state = ckpt.load(path)
+    checkpoint's tokenizer, the model it was trained with, holding its weights); ``state``:
+    the checkpoint already loaded from ``path``, not read again."""
+    state = ckpt.load(path) if state is None else state
     run = run_config_from_dict(state["config"])
     data = load_data(run, state.get("tokenizer"))
     model = build_model(run, data, state)
