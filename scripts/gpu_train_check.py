@@ -66,6 +66,24 @@ def _curve(folder: Path) -> list[float]:
     return [m["loss"] for m in _train_records(folder)]
 
 
+def _reset_peak(device: str) -> None:
+    """Start the CUDA allocator's peak afresh (nothing on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mib(device: str) -> float | None:
+    """The CUDA allocator's peak since :func:`_reset_peak`, in MiB (None on the CPU)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def _largest_gap(curve: list[float], reference: list[float]) -> float:
+    """The largest relative difference between two loss curves, step by step."""
+    return max(abs(x - y) / abs(y) for x, y in zip(curve, reference))
+
+
 def _last_rate(folder: Path) -> float:
     """Tokens per second of the last logged training step."""
     return _train_records(folder)[-1]["items_per_s"]
@@ -132,7 +150,7 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
     gpu, nondeterministic = _train(run, tmp / f"{preset}-gpu", device)
     cpu, _ = _train(run, tmp / f"{preset}-cpu", "cpu")
     a, b = _curve(tmp / f"{preset}-gpu"), _curve(tmp / f"{preset}-cpu")
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    worst = _largest_gap(a, b)
     record("fp32 vs cpu", worst < 1e-3 and math.isclose(gpu["val"]["loss"], cpu["val"]["loss"],
                                                         rel_tol=1e-3),
            f"largest relative gap in the curve {worst:.2e}; val {gpu['val']['loss']:.4f} vs "
@@ -141,19 +159,18 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
                                 f"{1e3 * cpu['train_time_s'] / steps:.1f}")
     cuda = torch.device(device).type == "cuda"
     syncs: list[str] | None = [] if cuda else None
+    _reset_peak(device)
     bf16, _ = _train(_run(preset, steps, bf16=True), tmp / f"{preset}-bf16", device,
                      syncs=syncs)
     record("bf16 autocast", math.isfinite(bf16["val"]["loss"]), f"val {bf16['val']['loss']:.4f}")
-    peaks, curves = {}, {}
-    for name, fields in (("plain", {}), ("micro_batches 2", {"micro_batches": 2}),
+    peaks, curves = {"plain": _peak_mib(device)}, {"plain": _curve(tmp / f"{preset}-bf16")}
+    for name, fields in (("micro_batches 2", {"micro_batches": 2}),
                          ("recomputed", {"activation_checkpointing": True})):
         folder = tmp / f"{preset}-bf16-{name.split()[0]}"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
+        _reset_peak(device)
         _train(_run(preset, steps, bf16=True, **fields), folder, device)
-        peaks[name] = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
-        curves[name] = _curve(folder)
-    gap = max(abs(x - y) / abs(y) for x, y in zip(curves["micro_batches 2"], curves["plain"]))
+        peaks[name], curves[name] = _peak_mib(device), _curve(folder)
+    gap = _largest_gap(curves["micro_batches 2"], curves["plain"])
     same = curves["recomputed"] == curves["plain"]
     record("memory levers", gap < 2e-2 and same,
            f"micro-batches' largest relative gap {gap:.2e}, recomputed "
@@ -168,7 +185,7 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
            f"{_last_rate(tmp / f'{preset}-bf16'):.0f}")
     fp16, _ = _train(_run(preset, steps, fp16=True), tmp / f"{preset}-fp16", device,
                      syncs=syncs)
-    gap = max(abs(x - y) / abs(y) for x, y in zip(_curve(tmp / f"{preset}-fp16"), a))
+    gap = _largest_gap(_curve(tmp / f"{preset}-fp16"), a)
     record("fp16 autocast", gap < 2e-2 and fp16["skipped_steps"] == 0
            and math.isfinite(fp16["val"]["loss"]),
            f"largest relative gap to fp32 {gap:.2e}; skipped steps {fp16['skipped_steps']}")
