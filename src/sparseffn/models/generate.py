@@ -1,11 +1,18 @@
 """Sampling text from a :class:`~sparseffn.models.lm.TransformerLM`: greedy, with temperature,
 top-k and nucleus (top-p) truncation.
 
-There is no key-value cache: each new token runs the model over the last ``context`` tokens
-(the window slides once the text is longer than the context), so a token costs one forward
-pass of up to ``context`` positions. That is fine for the small models this library trains
-and keeps every layer's routing exactly what the model computes in training; a cache would
-also have to hold each sparse layer's routing state where it depends on the whole sequence.
+The model first runs over the prompt (its last ``context`` tokens); each drawn token then
+runs alone, attending to the keys and values the earlier positions left in a
+:class:`~sparseffn.models.kv_cache.KVCache`, until the sequence fills the context. From
+there each token runs the model over the last ``context`` tokens (the window slides, and the
+learned positions move with it, so nothing cached can be reused). Without a cache
+(``use_cache=False``) every token runs the window.
+
+Both give each token the logits a forward of the whole window gives it, to rounding, as long
+as every FFN computes a token's output from that token alone in evaluation mode. Every layer
+does, except a router with an evaluation capacity (Switch's or GShard's
+``eval_capacity_factor``: first come, first served among the tokens evaluated together);
+such a model runs the window.
 """
 
 from __future__ import annotations
@@ -59,17 +66,57 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None,
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
 
 
+def cache_blocker(model: nn.Module) -> str | None:
+    """The name of the first module of ``model`` that routes a token by the other tokens
+    evaluated with it (:attr:`~sparseffn.routers.base.Router.routes_tokens_alone_in_eval`),
+    so that a KV cache would change the model's outputs; None if there is none."""
+    from ..routers.base import Router
+    for name, module in model.named_modules():
+        if isinstance(module, Router) and not module.routes_tokens_alone_in_eval:
+            return name or type(module).__name__
+    return None
+
+
+def _kv_cache(model: nn.Module, use_cache: bool | None):
+    """The model's new KV cache where ``use_cache`` (None: where it can) asks for one; a
+    ValueError naming the reason where ``use_cache=True`` cannot have one."""
+    if use_cache is False:
+        return None
+    if use_cache not in (None, True):
+        raise ValueError(f"use_cache must be True, False or None (where the model allows), "
+                         f"got {use_cache!r}")
+    if not hasattr(model, "new_kv_cache"):
+        if use_cache:
+            raise ValueError(f"use_cache=True: {type(model).__name__} has no KV cache "
+                             f"(new_kv_cache)")
+        return None
+    blocker = cache_blocker(model)
+    if blocker is not None:
+        if use_cache:
+            raise ValueError(f"use_cache=True: {blocker} routes each token by the tokens "
+                             f"evaluated with it (an evaluation capacity), so a KV cache would "
+                             f"change the model's outputs; leave use_cache=None to run the "
+                             f"window for each token")
+        return None
+    return model.new_kv_cache()
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None,
+             use_cache: bool | None = None) -> torch.Tensor:
     """``prompt`` (int64 [B, T], T >= 1, on the model's device) followed by
     ``max_new_tokens`` tokens drawn one at a time from :func:`next_token_distribution` of the
     model's logits at the last position: int64 [B, T + max_new_tokens].
 
     The model runs in eval mode (its mode is restored after), on at most its last
     ``model.config.context`` tokens. ``generator`` (on the model's device) makes the draws
-    reproducible; without it they come from the global RNG."""
+    reproducible; without it they come from the global RNG. ``use_cache``: run each new token
+    alone against a :class:`~sparseffn.models.kv_cache.KVCache` while the sequence fits the
+    context (True; a ValueError where the model's routing forbids it, see
+    :func:`cache_blocker`), run the window for every token (False), or the first where the
+    model allows it (None, the default)."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     vocab, context = model.config.vocab_size, model.config.context
     if prompt.dim() != 2 or prompt.dtype not in (torch.int64, torch.int32):
@@ -80,12 +127,20 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
     if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
         raise ValueError(f"prompt holds token ids outside [0, {vocab}): "
                          f"{int(prompt.min())}..{int(prompt.max())}")
+    cache = _kv_cache(model, use_cache)
     was_training = model.training
     model.eval()
     tokens = prompt.long()
     try:
-        for _ in range(max_new_tokens):
-            logits = model(tokens[:, -context:])[:, -1]
+        for step in range(max_new_tokens):
+            if cache is None:
+                logits = model(tokens[:, -context:])[:, -1]
+            elif step == 0:          # the prompt fills the cache
+                logits = model(tokens[:, -context:], cache=cache)[:, -1]
+            else:
+                logits = model(tokens[:, -1:], cache=cache)[:, -1]
+            if cache is not None and cache.full:   # the next position is past the table
+                cache = None
             if temperature == 0:     # greedy: the arg-max, without building its one-hot
                 following = logits.argmax(-1, keepdim=True)
             else:

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import DenseMLPConfig, LayerConfig, config_from_dict
 from ..matching import compute_equal_dense, param_equal_dense
 from ..validation import (require_bool, require_positive_int, require_probability)
+from .kv_cache import AttentionCache, KVCache, causal_mask
 
 
 def _layer_config(value: Any, field: str) -> LayerConfig | None:
@@ -151,7 +152,11 @@ class LMConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention. forward(x: [B, T, d]) -> [B, T, d]."""
+    """Multi-head causal self-attention. forward(x: [B, T, d], cache=None) -> [B, T, d].
+
+    With an :class:`~sparseffn.models.kv_cache.AttentionCache` the T positions follow the
+    cache's: their keys and values are added to it and each attends to every cached position
+    and to the new ones up to itself."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float, n_layers: int) -> None:
         super().__init__()
@@ -163,11 +168,18 @@ class CausalSelfAttention(nn.Module):
         # scaled by depth so the residual stream's variance grows slowly (GPT-2)
         nn.init.normal_(self.out.weight, 0.0, 1.0 / math.sqrt(d_model * 2 * n_layers))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        past = 0 if cache is None else cache.length
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, causal_mask(t, past, x.device),
+                                               dropout_p=dropout)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -184,13 +196,18 @@ class Block(nn.Module):
         self.ffn = build_layer(ffn)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.norm1(x)))
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.norm1(x), cache))
         return x + self.dropout(self.ffn(self.norm2(x)))
 
 
 class TransformerLM(nn.Module):
-    """forward(tokens: int64 [B, T]) -> logits [B, T, vocab_size], T <= context.
+    """forward(tokens: int64 [B, T], cache=None) -> logits [B, T, vocab_size], T <= context.
+
+    ``cache``: a :class:`~sparseffn.models.kv_cache.KVCache` from :meth:`new_kv_cache`. The
+    tokens then continue the sequences the cache holds (positions ``cache.length`` on, at
+    most ``context`` in all) and are added to it; used by :meth:`generate` to run one new
+    token at a time.
 
     ``activation_checkpointing = True`` (an attribute, off by default; ``train.
     activation_checkpointing`` sets it) keeps only each block's input while a forward builds
@@ -218,29 +235,43 @@ class TransformerLM(nn.Module):
         if self.head is not None:
             nn.init.normal_(self.head.weight, 0.0, 1.0 / math.sqrt(config.d_model))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"TransformerLM expects int64 tokens [batch, time], got "
                              f"{tuple(tokens.shape)} {tokens.dtype}")
+        past = 0 if cache is None else cache.length
         t = tokens.shape[1]
-        if t > self.config.context:
-            raise ValueError(f"TransformerLM: sequence of {t} tokens exceeds context="
-                             f"{self.config.context}")
-        positions = torch.arange(t, device=tokens.device)
+        if past + t > self.config.context:
+            what = f"{past} cached and {t} new tokens exceed" if past \
+                else f"sequence of {t} tokens exceeds"
+            raise ValueError(f"TransformerLM: {what} context={self.config.context}")
+        if cache is not None and len(cache.layers) != len(self.blocks):
+            raise ValueError(f"TransformerLM: a KVCache of {len(cache.layers)} layers for a "
+                             f"model of {len(self.blocks)} blocks (use model.new_kv_cache())")
+        positions = torch.arange(past, past + t, device=tokens.device)
         x = self.dropout(self.embed(tokens) + self.position(positions))
-        recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled() and cache is None
+        for index, block in enumerate(self.blocks):
+            if recompute:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, None if cache is None else cache.layers[index])
         x = self.norm(x)
         if self.head is None:
             # tied: logits = x Eᵀ / sqrt(d), so unit-variance embeddings give unit-scale logits
             return F.linear(x, self.embed.weight) / math.sqrt(self.config.d_model)
         return self.head(x)
 
+    def new_kv_cache(self) -> KVCache:
+        """An empty :class:`~sparseffn.models.kv_cache.KVCache` for this model (its memory is
+        allocated by the first forward that uses it)."""
+        return KVCache(len(self.blocks), self.config.context)
+
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
         """``prompt`` int64 [B, T] and ``max_new_tokens`` sampled tokens after it, int64
         [B, T + max_new_tokens]; ``sampling``: ``temperature`` (0: greedy), ``top_k``,
-        ``top_p``, ``generator`` (:func:`sparseffn.models.generate.generate`)."""
+        ``top_p``, ``generator``, ``use_cache``
+        (:func:`sparseffn.models.generate.generate`)."""
         from .generate import generate
         return generate(self, prompt, max_new_tokens, **sampling)
 

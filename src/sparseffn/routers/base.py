@@ -138,6 +138,15 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         raise NotImplementedError
 
+    @property
+    def routes_tokens_alone_in_eval(self) -> bool:
+        """Whether, in evaluation mode, a token's routing depends on that token alone and not
+        on the tokens evaluated with it, so that a model gives a token the same output
+        whether a sequence runs at once or a token at a time (generation with a KV cache).
+        True except under an evaluation capacity (``eval_capacity_factor`` of Switch and
+        GShard: first come, first served; see :func:`active_capacity_factor`)."""
+        return not getattr(self.config, "eval_capacity_factor", None)
+
     def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype this router's products read ``x`` in when autocast casts it, or None
         where they read ``x`` as it comes (float32 routing). A layer whose store casts ``x`` to
