@@ -46,6 +46,16 @@ def test_greedy_text_is_the_models_argmax_continuation(trained, capsys):
     assert text.startswith("the ") and state["step"] == 3
 
 
+def test_the_kv_cache_can_be_turned_off_for_the_same_text(trained, capsys):
+    def texts(*extra):
+        code, out, _ = run_cli(capsys, trained, "--tokens", 30, "--samples", 2, "--seed", 4,
+                               "--json", *extra)
+        assert code == 0
+        return json.loads(out)["samples"]
+    assert texts("--no-kv-cache") == texts()
+    assert texts("--no-kv-cache", "--temperature", 0) == texts("--temperature", 0)
+
+
 def test_seeds_reproduce_and_samples_differ(trained, capsys):
     def texts(*extra):
         code, out, _ = run_cli(capsys, trained, "--tokens", 40, "--samples", 3, "--json", *extra)

@@ -79,7 +79,8 @@ def sample_command(args: argparse.Namespace) -> int:
     from .sample import sample_texts
     try:
         texts = sample_texts(args.checkpoint, args.prompt, args.tokens, args.samples,
-                             args.temperature, args.top_k, args.top_p, args.seed, args.device)
+                             args.temperature, args.top_k, args.top_p, args.seed, args.device,
+                             use_cache=False if args.no_kv_cache else None)
     except ValueError as error:          # a sampling argument out of range, an empty prompt
         print(f"sparseffn: sample: {error}", file=sys.stderr)
         return 2
@@ -143,6 +144,10 @@ def add_commands(commands) -> None:
                              "probability (nucleus sampling)")
     sample.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0)")
     sample.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    sample.add_argument("--no-kv-cache", action="store_true",
+                        help="run the model over the whole window for every token instead of "
+                             "one token at a time against the attention keys and values kept "
+                             "(the same text, to rounding; slower)")
     sample.add_argument("--json", action="store_true", help="print one JSON object")
     sample.set_defaults(func=sample_command)
 

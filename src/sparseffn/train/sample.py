@@ -44,11 +44,11 @@ def load_language_model(path: str | Path) -> tuple[dict, TransformerLM, object]:
 def sample_texts(path: str | Path, prompt: str = "\n", tokens: int = 200, samples: int = 1,
                  temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0,
-                 device: str = "cpu") -> list[str]:
+                 device: str = "cpu", use_cache: bool | None = None) -> list[str]:
     """``samples`` texts, each ``prompt`` followed by ``tokens`` tokens drawn from the model
-    at ``path`` (:func:`sparseffn.models.generate.generate`); the same ``seed`` gives the same
-    texts on the same device. Bytes that do not decode as UTF-8 (a token may end inside a
-    character) show as U+FFFD."""
+    at ``path`` (:func:`sparseffn.models.generate.generate`, with its ``use_cache``); the
+    same ``seed`` gives the same texts on the same device. Bytes that do not decode as UTF-8
+    (a token may end inside a character) show as U+FFFD."""
     from .trainer import training_device
     target = training_device(device)
     _, model, tokenizer = load_language_model(path)
@@ -58,5 +58,5 @@ def sample_texts(path: str | Path, prompt: str = "\n", tokens: int = 200, sample
                          "from (the default is a newline)")
     generator = torch.Generator(device=target).manual_seed(seed)
     out = generate(model.to(target), ids.to(target).expand(samples, -1), tokens, temperature,
-                   top_k, top_p, generator)
+                   top_k, top_p, generator, use_cache)
     return [tokenizer.decode(row.tolist()).decode("utf-8", errors="replace") for row in out]
