@@ -30,6 +30,8 @@
 #                                                   #   Adam included) under sync debug "error"
 #   bash scripts/gpu_session.sh decode              # host-bound sizes: bench layers at 1 token,
 #                                                   #   no bf16 (decoding), configs a and b
+#   bash scripts/gpu_session.sh generate            # bench generate, bf16: greedy generation of
+#                                                   #   each preset's LM, KV cache vs window
 #
 # fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
 # /.peers/ in .git/info/exclude, so that it travels as an ignored, carried folder). Peers from
@@ -83,6 +85,8 @@ for what in "$@"; do
               --tokens 32768 --json "$OUT/layers.json" ;;
     decode) stage decode 300 $PY -m sparseffn bench layers --device cuda --tokens 1 --configs a b \
               --no-routers --json "$OUT/decode.json" ;;
+    generate) stage generate 400 $PY -m sparseffn bench generate --device cuda --dtype bfloat16 \
+                --batch 8 --json "$OUT/generate.json" ;;
     routers) stage routers 300 $PY -m sparseffn bench routers --device cuda --json "$OUT/routers.json" ;;
     routers-graphs) stage routers-graphs 300 $PY -m sparseffn bench routers --device cuda --graphs \
                       --json "$OUT/routers-graphs.json" ;;
@@ -102,6 +106,6 @@ for what in "$@"; do
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile train decode" \
-            "lm-sync)"; exit 2 ;;
+            "generate lm-sync)"; exit 2 ;;
   esac
 done

@@ -321,6 +321,25 @@ def test_bench_lm_times_every_preset_beside_the_parameter_equal_dense(tmp_path, 
     assert "ms/step" in out and "sigma_moe" in out
 
 
+def test_bench_generate_times_both_modes_of_every_preset(tmp_path, capsys):
+    from sparseffn.models import PRESETS
+    path = tmp_path / "generate.json"
+    assert cli.main(["bench", "generate", "--d-model", "32", "--n-layers", "2", "--n-heads",
+                     "2", "--context", "12", "--d-ff", "256", "--prompt", "3", "--batch", "2",
+                     "--repeats", "1", "--device", "cpu", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["preset"] for r in records] == list(PRESETS)   # dense first, then the rest
+    assert records[0]["cache_over_dense"] == 1.0
+    for r in records:
+        assert r["tokens"] == 9 and r["batch"] == 2 and r["same_tokens"], r["preset"]
+        assert r["cache_ms_per_token"] > 0 and r["window_ms_per_token"] > 0
+        assert r["window_over_cache"] > 0
+    out = capsys.readouterr().out
+    assert "window/cache" in out and "peer" in out
+    assert cli.main(["bench", "generate", "--context", "8", "--prompt", "9"]) == 2
+    assert "the prompt must hold 1..context (8) tokens" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, None])
 def test_bench_lms_float16_step_scales_the_loss_as_training_does(monkeypatch, dtype):
     """From a loss scale of 2^60 the scaled float16 gradients overflow: the step is skipped

@@ -74,6 +74,34 @@ def _bench_lm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_lm_arguments(parser: argparse.ArgumentParser) -> None:
+    """The LM of ``bench lm`` and ``bench generate``: presets and sizes."""
+    parser.add_argument("--presets", nargs="+", metavar="NAME",
+                        help="FFN presets (default: all; dense is always timed)")
+    parser.add_argument("--d-model", type=int, default=256, help="model width (256)")
+    parser.add_argument("--n-layers", type=int, default=6, help="blocks (6)")
+    parser.add_argument("--n-heads", type=int, default=4, help="attention heads (4)")
+    parser.add_argument("--context", type=int,
+                        help="the model's context, tokens per sequence (256 on a GPU, 128 on "
+                             "a CPU)")
+    parser.add_argument("--d-ff", type=int, default=2048,
+                        help="width of the dense MLP every FFN is sized to (2048)")
+
+
+def _bench_generate(args: argparse.Namespace) -> int:
+    from .bench import generation
+    try:
+        generation.run(args.presets, d_model=args.d_model, n_layers=args.n_layers,
+                       n_heads=args.n_heads, context=args.context, d_ff=args.d_ff,
+                       batch=args.batch, prompt=args.prompt, tokens=args.tokens,
+                       repeats=args.repeats, device=args.device, dtype=args.dtype,
+                       json_path=args.json)
+    except ValueError as error:   # a preset that does not fit these sizes, an unknown name
+        print(f"sparseffn bench generate: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _bench_routers(args: argparse.Namespace) -> int:
     from .bench import tree_routers
     try:
@@ -198,15 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     lm = benches.add_parser(
         "lm", help="one training step of a byte-level LM with each FFN preset beside the "
                    "parameter-equal dense model (GPU or CPU)")
-    lm.add_argument("--presets", nargs="+", metavar="NAME",
-                    help="FFN presets (default: all; dense is always timed)")
-    lm.add_argument("--d-model", type=int, default=256, help="model width (256)")
-    lm.add_argument("--n-layers", type=int, default=6, help="blocks (6)")
-    lm.add_argument("--n-heads", type=int, default=4, help="attention heads (4)")
-    lm.add_argument("--context", type=int, help="tokens per sequence (256 on a GPU, 128 on a CPU)")
+    _add_lm_arguments(lm)
     lm.add_argument("--batch", type=int, help="sequences per step (64 on a GPU, 4 on a CPU)")
-    lm.add_argument("--d-ff", type=int, default=2048,
-                    help="width of the dense MLP every FFN is sized to (2048)")
     lm.add_argument("--repeats", type=int, default=10, help="timed rounds (10)")
     lm.add_argument("--device", default="cuda" if _cuda() else "cpu",
                     help="cuda (default when there is one) or cpu")
@@ -221,6 +242,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "runs by default")
     lm.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     lm.set_defaults(func=_bench_lm)
+
+    gen = benches.add_parser(
+        "generate", help="greedy generation with each FFN preset, one token at a time against "
+                         "the KV cache and running the window per token (GPU or CPU)")
+    _add_lm_arguments(gen)
+    gen.add_argument("--batch", type=int, default=1, help="sequences generated at once (1)")
+    gen.add_argument("--prompt", type=int, default=16, help="prompt tokens (16)")
+    gen.add_argument("--tokens", type=int,
+                     help="tokens to generate (default: up to the context)")
+    gen.add_argument("--repeats", type=int, default=3, help="timed rounds (3)")
+    gen.add_argument("--device", default="cuda" if _cuda() else "cpu",
+                     help="cuda (default when there is one) or cpu")
+    gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="float32",
+                     help="autocast dtype, or float32 for no autocast (the default)")
+    gen.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    gen.set_defaults(func=_bench_generate)
 
     routers = benches.add_parser(
         "routers", help="FFF tree routers vs MoE: Chaunin & Mikhailovskiy's Table 2 and Figure 3, and ours")

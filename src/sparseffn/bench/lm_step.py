@@ -71,6 +71,17 @@ def byte_tokens(batch: int, context: int, device: torch.device | str = "cpu") ->
     return torch.randint(0, 256, (batch, context + 1), generator=generator).to(device)
 
 
+def preset_names(presets: list[str] | None) -> list[str]:
+    """``dense`` (the baseline), then ``presets`` (None: every preset); a ValueError naming
+    the unknown ones."""
+    names = ["dense"] + [p for p in (presets or list(PRESETS)) if p != "dense"]
+    unknown = [p for p in names if p not in PRESETS]
+    if unknown:
+        raise ValueError(f"unknown FFN preset(s) {', '.join(unknown)}; presets are "
+                         f"{', '.join(PRESETS)}")
+    return names
+
+
 def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
                      autocast_dtype: torch.dtype | None, compile: str = "none"
                      ) -> Callable[[], None]:
@@ -111,11 +122,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     on_gpu = dev.type == "cuda"
     context = context or (256 if on_gpu else 128)
     batch = batch or (64 if on_gpu else 4)
-    names = ["dense"] + [p for p in (presets or list(PRESETS)) if p != "dense"]
-    unknown = [p for p in names if p not in PRESETS]
-    if unknown:
-        raise ValueError(f"unknown FFN preset(s) {', '.join(unknown)}; presets are "
-                         f"{', '.join(PRESETS)}")
+    names = preset_names(presets)
     autocast_dtype = autocast_dtype_of(dtype)
     print(f"sparseffn bench lm: {describe_device(dev)}, {dtype}, d_model {d_model}, {n_layers} blocks, context "
           f"{context}, batch {batch}, FFNs sized to a dense d_ff {d_ff}, torch "

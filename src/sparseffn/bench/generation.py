@@ -1,0 +1,93 @@
+"""``sparseffn bench generate``: greedy text generation with each FFN preset, one token at a
+time against the KV cache and running the window for every token, on any device.
+
+The models are :func:`~sparseffn.bench.lm_step.lm_model`'s (``bench lm``'s byte-level LM, each
+FFN sized to a dense MLP of ``d_ff``), in evaluation mode and untrained: only the time is
+measured. One call generates ``tokens`` tokens after a prompt of ``prompt`` random bytes
+(:func:`sparseffn.models.generate.generate`, greedy). Every (preset, mode) call is timed in
+rotation, one of each per round (CUDA events on a GPU, the wall clock on a CPU); ratios are
+medians of per-round ratios. ``same tokens`` says whether both modes drew the same tokens,
+which they do unless two logits tie to within rounding.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ..models.generate import generate
+from .lm_step import byte_tokens, lm_model, preset_names
+from .measure import (autocast_dtype_of, describe_device, interleaved_times, paired_ratio,
+                      write_json)
+
+MODES = ("cache", "window")
+
+
+def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
+        n_heads: int = 4, context: int | None = None, d_ff: int = 2048, batch: int = 1,
+        prompt: int = 16, tokens: int | None = None, repeats: int = 3, device: str = "cpu",
+        dtype: str = "float32", json_path: str | None = None) -> list[dict]:
+    """Time generating ``tokens`` tokens (default: up to the context) after a ``prompt``-token
+    prompt, ``batch`` sequences at once, with each preset (``dense`` always included) in both
+    modes; print a table and return one record per preset."""
+    dev = torch.device(device)
+    context = context or (256 if dev.type == "cuda" else 128)
+    tokens = context - prompt if tokens is None else tokens
+    names = preset_names(presets)
+    if not 1 <= prompt <= context or tokens < 1:
+        raise ValueError(f"the prompt must hold 1..context ({context}) tokens and at least one "
+                         f"token must be generated, got prompt {prompt}, tokens {tokens}")
+    autocast_dtype = autocast_dtype_of(dtype)
+    print(f"sparseffn bench generate: {describe_device(dev)}, {dtype}, d_model {d_model}, "
+          f"{n_layers} blocks, context {context}, batch {batch}, prompt {prompt}, {tokens} new "
+          f"tokens (greedy), FFNs sized to a dense d_ff {d_ff}, torch {torch.__version__}",
+          flush=True)
+    start = byte_tokens(batch, prompt - 1, dev)
+    outputs: dict[str, torch.Tensor] = {}
+
+    def call(name: str, model, mode: str):
+        def generate_once():
+            with torch.autocast(dev.type, dtype=autocast_dtype,
+                                enabled=autocast_dtype is not None):
+                outputs[name] = generate(model, start, tokens, temperature=0,
+                                         use_cache=mode == "cache")
+        return generate_once
+
+    fns = {}
+    for name in names:
+        model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev).eval()
+        for mode in MODES:
+            fns[f"{name}/{mode}"] = call(f"{name}/{mode}", model, mode)
+    times = interleaved_times(fns, repeats, warmup=1, device=dev)
+    records = []
+    for name in names:
+        cache, window = times[f"{name}/cache"], times[f"{name}/window"]
+        records.append({
+            "preset": name, "device": str(dev), "dtype": dtype, "d_model": d_model,
+            "n_layers": n_layers, "context": context, "batch": batch, "prompt": prompt,
+            "tokens": tokens,
+            "cache_ms_per_token": statistics.median(cache) / tokens,
+            "window_ms_per_token": statistics.median(window) / tokens,
+            "window_over_cache": paired_ratio(window, cache),
+            "cache_over_dense": paired_ratio(cache, times["dense/cache"]),
+            "same_tokens": torch.equal(outputs[f"{name}/cache"], outputs[f"{name}/window"])})
+    print(format_table(records))
+    if json_path:
+        write_json(records, json_path)
+        print(f"wrote {json_path}")
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    width = max([len("preset")] + [len(r["preset"]) for r in records])
+    header = (f"{'preset':{width}s} {'cache ms/tok':>12s} {'window ms/tok':>13s} "
+              f"{'window/cache':>12s} {'cache/dense':>11s} {'same tokens':>11s}")
+    lines = [header, "-" * len(header)]
+    for r in records:
+        lines.append(f"{r['preset']:{width}s} {r['cache_ms_per_token']:12.3f} "
+                     f"{r['window_ms_per_token']:13.3f} {r['window_over_cache']:12.2f} "
+                     f"{r['cache_over_dense']:11.2f} {'yes' if r['same_tokens'] else 'NO':>11s}")
+    lines.append("ms per generated token (batch sequences at once); ratios are medians of "
+                 "per-round ratios")
+    return "\n".join(lines)
