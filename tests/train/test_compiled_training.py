@@ -55,3 +55,67 @@ def test_compile_with_expert_parallel_is_a_config_error():
     with pytest.raises(ConfigError, match="train.compile is not supported with "
                                           "train.expert_parallel"):
         TrainSpec(compile=True, expert_parallel=True)
+
+
+def test_compile_takes_true_false_or_reduce_overhead():
+    assert TrainSpec(compile=True).compile_mode == "default"
+    assert TrainSpec(compile="reduce-overhead").compile_mode == "reduce-overhead"
+    assert TrainSpec().compile_mode is None
+    for bad in ["max-autotune", "true", 1, None]:
+        with pytest.raises(ConfigError, match='train.compile must be true, false or '
+                                              '"reduce-overhead"'):
+            TrainSpec(compile=bad)
+    with pytest.raises(ConfigError, match="not supported with train.expert_parallel"):
+        TrainSpec(compile="reduce-overhead", expert_parallel=True)
+
+
+class _GraphOutputs:
+    """torch.compile as CUDA graphs treat their outputs, on the CPU: the function runs
+    eagerly, and each new graph step (cudagraph_mark_step_begin) writes NaN over every output
+    of the steps before, as a replay writes over the memory a graph's outputs live in."""
+
+    def __init__(self):
+        self.outputs, self.steps, self.modes = [], 0, []
+
+    def compile(self, fn, mode=None, dynamic=None):
+        self.modes.append(mode)
+        def replayed(*args):
+            out = fn(*args)
+            self.outputs.append(out)
+            return out
+        return replayed
+
+    def mark_step_begin(self):
+        self.steps += 1
+        with torch.no_grad():
+            for out in self.outputs:
+                out.fill_(float("nan"))
+        self.outputs.clear()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_under_cuda_graphs_the_step_keeps_no_output_a_replay_overwrites(
+        corpus, tmp_path, monkeypatch, micro_batches):
+    """With the losses read at the boundaries only (as on a GPU), the loss of every step
+    waits in StepLosses while later steps replay the graph: it must be a copy, or the run
+    logs (here: stops on) the next replays' values. One graph step per micro-batch."""
+    graphs = _GraphOutputs()
+    monkeypatch.setattr(torch, "compile", graphs.compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", graphs.mark_step_begin)
+    run = lm_run(corpus, "sigma_moe", steps=6, micro_batches=micro_batches)
+    run = run.replace(train=dataclasses.replace(run.train, log_every=3))  # 3 steps pending
+    Trainer(run, tmp_path / "eager", progress=False, read_every_step=False).train()
+    graphed = run.replace(train=dataclasses.replace(run.train, compile="reduce-overhead"))
+    Trainer(graphed, tmp_path / "graphs", progress=False, read_every_step=False).train()
+    assert graphs.modes == ["reduce-overhead"] and graphs.steps == 6 * micro_batches
+    assert _losses(tmp_path / "graphs") == _losses(tmp_path / "eager")
+
+
+def test_reduce_overhead_on_the_cpu_trains_as_compile_true(corpus, tmp_path):
+    """On a CPU Inductor skips the CUDA graphs: the same compiled step, to the bit."""
+    run = _without_dropout(lm_run(corpus, "pkm", steps=4, compile=True))
+    Trainer(run, tmp_path / "default", progress=False).train()
+    torch._dynamo.reset()
+    graphed = run.replace(train=dataclasses.replace(run.train, compile="reduce-overhead"))
+    Trainer(graphed, tmp_path / "graphs", progress=False).train()
+    assert _losses(tmp_path / "graphs") == _losses(tmp_path / "default")

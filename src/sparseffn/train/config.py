@@ -167,7 +167,9 @@ class TrainSpec:
     log_every: int = 10
     checkpoint_every: int = 0       # 0: only at the end and on Ctrl-C
     expert_parallel: bool = False   # under torchrun: shard the experts across the ranks
-    compile: bool = False           # torch.compile the training forward and loss (not eval)
+    # torch.compile the training forward and loss (not eval): true, or "reduce-overhead" for
+    # the same replayed from CUDA graphs on a GPU (on a CPU it is true)
+    compile: Any = False
     activation_checkpointing: bool = False   # recompute each block's activations in backward
 
     def __post_init__(self) -> None:
@@ -209,6 +211,9 @@ class TrainSpec:
                "train.fp16 is not supported with train.expert_parallel (each rank's loss "
                "scaler would judge its own experts' gradients, and a step skipped on one rank "
                "only would split the replicas); use train.bf16")
+        _check(isinstance(self.compile, bool) or self.compile == "reduce-overhead",
+               f"train.compile must be true, false or \"reduce-overhead\" (CUDA graphs), got "
+               f"{self.compile!r}")
         _check(not (self.compile and self.expert_parallel),
                "train.compile is not supported with train.expert_parallel (the experts' "
                "all-to-all exchange has not been checked under torch.compile)")
@@ -219,6 +224,15 @@ class TrainSpec:
                        and 0.0 <= b < 1.0 for b in self.betas),
                f"train.betas must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+
+
+    @property
+    def compile_mode(self) -> str | None:
+        """``torch.compile``'s mode for the training step: None (eager), ``"default"`` or
+        ``"reduce-overhead"``."""
+        if self.compile is True:
+            return "default"
+        return self.compile or None
 
 
 @dataclass(frozen=True)
