@@ -25,7 +25,8 @@
 #                                                   #   on a GPU switched off in turn, and dense
 #   bash scripts/gpu_session.sh rows                # product-key top-k, PEER step, fused
 #                                                   #   backward, row kernels or dense products
-#   bash scripts/gpu_session.sh train               # sparseffn train --device cuda: vs CPU, bf16, resume
+#   bash scripts/gpu_session.sh train train-more    # sparseffn train --device cuda: vs CPU, bf16,
+#                                                   #   compiled, CUDA graphs, fp16, memory, resume
 #   bash scripts/gpu_session.sh lm-sync             # ~1 min: each preset's whole LM step (fused
 #                                                   #   Adam included) under sync debug "error"
 #   bash scripts/gpu_session.sh decode              # host-bound sizes: bench layers at 1 token,
@@ -96,7 +97,11 @@ for what in "$@"; do
     profile-lm) stage profile-lm 540 $PY scripts/gpu_profile.py --top 15 \
                   --lm dense,sigma_moe,sbase,switch,glam,fff,fff_sparse,pkm,peer ;;
     profile-fig2) stage profile-fig2 400 $PY scripts/gpu_profile.py --top 15 --fig2 512,2048 ;;
-    train) stage train 540 $PY scripts/gpu_train_check.py --json "$OUT/train.json" ;;
+    # three presets a stage: each trains 9 runs, 3 of them compiled (one with CUDA graphs)
+    train) stage train 540 $PY scripts/gpu_train_check.py --presets dense,sigma_moe,pkm \
+             --json "$OUT/train.json" ;;
+    train-more) stage train-more 540 $PY scripts/gpu_train_check.py --presets switch,fff,peer \
+                  --json "$OUT/train-more.json" ;;
     lm-sync) stage lm-sync 240 $PY scripts/gpu_lm_sync.py ;;
     cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
     rows) stage rows 300 $PY scripts/gpu_rows_calls.py ;;
@@ -105,7 +110,7 @@ for what in "$@"; do
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
-            "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile train decode" \
-            "generate lm-sync)"; exit 2 ;;
+            "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile" \
+            "train train-more decode generate lm-sync)"; exit 2 ;;
   esac
 done
