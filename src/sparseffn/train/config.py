@@ -225,7 +225,6 @@ class TrainSpec:
                f"train.betas must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
 
-
     @property
     def compile_mode(self) -> str | None:
         """``torch.compile``'s mode for the training step: None (eager), ``"default"`` or
