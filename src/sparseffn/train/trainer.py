@@ -256,10 +256,8 @@ class Trainer:
         t = run.train
         # the step's forward and loss compiled (evaluation and checkpoints use the model
         # itself); without it, each step looks up model.loss afresh
-        mode = t.compile_mode
-        self.compiled_loss = None if mode is None else torch.compile(
-            self.model.loss, mode=None if mode == "default" else mode, dynamic=False)
-        self._graphs = mode == "reduce-overhead"
+        self.compiled_loss = None if t.compile_mode is None else torch.compile(
+            self.model.loss, mode=t.compile_mode, dynamic=False)
         # with weight decay, weights only: no biases, norm gains or expert/leaf biases
         self.optimizers = adam_optimizers(self.model, t.lr, t.betas, t.weight_decay)
         self.loss_scaling = LossScaling(self.device, t.fp16,
@@ -531,15 +529,16 @@ class Trainer:
             for group in opt.param_groups:
                 group["lr"] = lr
         inputs, targets, share = parallel.local(*self._batch(step))
+        graphs = t.compile_mode == "reduce-overhead"
         rows, parts = inputs.shape[0], []
         for part, part_targets in zip(inputs.tensor_split(t.micro_batches),
                                       targets.tensor_split(t.micro_batches)):
             fraction = part.shape[0] / rows    # of this rank's rows
-            if self._graphs:   # the last part's graph outputs may now be overwritten
+            if graphs:   # the last part's graph outputs may now be overwritten
                 torch.compiler.cudagraph_mark_step_begin()
             with _autocast(t, self.device):
                 loss = (self.compiled_loss or self.model.loss)(part, part_targets)
-                if self._graphs:   # the graph's own output: the next replay writes over it,
+                if graphs:   # the graph's own output: the next replay writes over it,
                     loss = loss.clone()   # and StepLosses keeps the loss until a boundary
                 aux = aux_loss(self.model)
                 if share * fraction != 1.0:   # the mean over the global batch's rows
