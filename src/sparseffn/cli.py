@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .bench.compiled import LAYER_NAMES
-from .bench.measure import COMPILE_MODES
+from .runtime import COMPILE_MODES
 from .runtime import tune_cpu_allocator
 
 

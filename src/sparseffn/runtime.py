@@ -78,6 +78,16 @@ def deterministic_algorithms(enabled: bool, device) -> Iterator[None]:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
+COMPILE_MODES = ("none", "default", "reduce-overhead")
+
+
+def check_compile_mode(mode: str) -> None:
+    """A ValueError unless ``mode`` is one of :data:`COMPILE_MODES`: no compile, the default
+    ``torch.compile``, or the compile with CUDA graphs."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+
+
 # How many compiled versions of one function compiling_many lets torch.compile keep.
 COMPILED_VERSIONS = 64
 

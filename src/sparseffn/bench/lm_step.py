@@ -32,9 +32,9 @@ import torch
 from ..auxiliary import aux_loss
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
-from ..runtime import compiling_many, deterministic_algorithms
+from ..runtime import check_compile_mode, compiling_many, deterministic_algorithms
 from ..train.loss_scaling import LossScaling
-from .measure import (autocast_dtype_of, check_compile_mode, compiled, describe_device,
+from .measure import (autocast_dtype_of, compiled, describe_device,
                       first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
                       peak_mib, verdict, write_json)
 

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..runtime import check_compile_mode
+
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2,
                       device: torch.device | str | None = None) -> dict[str, list[float]]:
@@ -84,14 +86,6 @@ def forward_fn(layer: nn.Module, x: torch.Tensor,
                                              enabled=autocast_dtype is not None):
             return layer(x)
     return run
-
-
-COMPILE_MODES = ("none", "default", "reduce-overhead")
-
-
-def check_compile_mode(mode: str) -> None:
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
 
 def compiled(fn: Callable, mode: str) -> Callable:
