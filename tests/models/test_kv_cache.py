@@ -16,9 +16,11 @@ from sparseffn.layers import MoEConfig
 from .test_generate import greedy_by_hand, tiny_lm
 
 
-def in_pieces(model, tokens, sizes):
-    """The logits of ``tokens`` [B, T] run as pieces of ``sizes`` against one cache."""
-    cache, start, logits = model.new_kv_cache(), 0, []
+def in_pieces(model, tokens, sizes, cache=None):
+    """The logits of ``tokens`` [B, T] run as pieces of ``sizes`` against one cache (by
+    default a new KV cache)."""
+    cache = model.new_kv_cache() if cache is None else cache
+    start, logits = 0, []
     for size in sizes:
         logits.append(model(tokens[:, start:start + size], cache=cache))
         start += size

@@ -13,14 +13,21 @@ as every FFN computes a token's output from that token alone in evaluation mode.
 does, except a router with an evaluation capacity (Switch's or GShard's
 ``eval_capacity_factor``: first come, first served among the tokens evaluated together);
 such a model runs the window.
+
+:class:`Decoder` draws the same tokens from steps whose shapes never change (a
+:class:`~sparseffn.models.kv_cache.StaticKVCache`), so that ``torch.compile`` makes one graph
+for every token and, on a GPU, CUDA graphs replay it without the host launching each kernel.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
+
+from ..runtime import check_compile_mode, compiling_many
 
 
 def next_token_distribution(logits: torch.Tensor, temperature: float = 1.0,
@@ -93,12 +100,51 @@ def _kv_cache(model: nn.Module, use_cache: bool | None):
     blocker = cache_blocker(model)
     if blocker is not None:
         if use_cache:
-            raise ValueError(f"use_cache=True: {blocker} routes each token by the tokens "
-                             f"evaluated with it (an evaluation capacity), so a KV cache would "
-                             f"change the model's outputs; leave use_cache=None to run the "
-                             f"window for each token")
+            raise ValueError(f"use_cache=True: {_blocked_by(blocker)}; leave use_cache=None "
+                             f"to run the window for each token")
         return None
     return model.new_kv_cache()
+
+
+def _blocked_by(blocker: str) -> str:
+    return (f"{blocker} routes each token by the tokens evaluated with it (an evaluation "
+            f"capacity), so a KV cache would change the model's outputs")
+
+
+def _check_prompt(model: nn.Module, prompt: torch.Tensor) -> None:
+    vocab = model.config.vocab_size
+    if prompt.dim() != 2 or prompt.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"prompt must be int64 token ids [batch, time], got "
+                         f"{tuple(prompt.shape)} {prompt.dtype}")
+    if prompt.shape[1] == 0:
+        raise ValueError("prompt must hold at least one token (the model has no start token)")
+    if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
+        raise ValueError(f"prompt holds token ids outside [0, {vocab}): "
+                         f"{int(prompt.min())}..{int(prompt.max())}")
+
+
+def _sample(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
+            next_logits: Callable[[torch.Tensor, int], torch.Tensor], temperature: float,
+            top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """``prompt`` followed by ``max_new_tokens`` tokens, each drawn from
+    ``next_logits(tokens so far, step)`` [B, V] with the model in eval mode (restored after)."""
+    was_training = model.training
+    model.eval()
+    tokens = prompt.long()
+    try:
+        for step in range(max_new_tokens):
+            logits = next_logits(tokens, step)
+            if temperature == 0:     # greedy: the arg-max, without building its one-hot
+                following = logits.argmax(-1, keepdim=True)
+            else:
+                following = torch.multinomial(
+                    next_token_distribution(logits, temperature, top_k, top_p), 1,
+                    generator=generator)
+            tokens = torch.cat([tokens, following], dim=1)
+    finally:
+        model.train(was_training)
+    return tokens
 
 
 @torch.no_grad()
@@ -118,36 +164,119 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
     :func:`cache_blocker`), run the window for every token (False), or the first where the
     model allows it (None, the default)."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
-    vocab, context = model.config.vocab_size, model.config.context
-    if prompt.dim() != 2 or prompt.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"prompt must be int64 token ids [batch, time], got "
-                         f"{tuple(prompt.shape)} {prompt.dtype}")
-    if prompt.shape[1] == 0:
-        raise ValueError("prompt must hold at least one token (the model has no start token)")
-    if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
-        raise ValueError(f"prompt holds token ids outside [0, {vocab}): "
-                         f"{int(prompt.min())}..{int(prompt.max())}")
+    _check_prompt(model, prompt)
+    context = model.config.context
     cache = _kv_cache(model, use_cache)
-    was_training = model.training
-    model.eval()
-    tokens = prompt.long()
-    try:
-        for step in range(max_new_tokens):
-            if cache is None:
-                logits = model(tokens[:, -context:])[:, -1]
-            elif step == 0:          # the prompt fills the cache
-                logits = model(tokens[:, -context:], cache=cache)[:, -1]
-            else:
-                logits = model(tokens[:, -1:], cache=cache)[:, -1]
-            if cache is not None and cache.full:   # the next position is past the table
-                cache = None
-            if temperature == 0:     # greedy: the arg-max, without building its one-hot
-                following = logits.argmax(-1, keepdim=True)
-            else:
-                following = torch.multinomial(
-                    next_token_distribution(logits, temperature, top_k, top_p), 1,
-                    generator=generator)
-            tokens = torch.cat([tokens, following], dim=1)
-    finally:
-        model.train(was_training)
-    return tokens
+
+    def next_logits(tokens: torch.Tensor, step: int) -> torch.Tensor:
+        nonlocal cache
+        if cache is None:
+            logits = model(tokens[:, -context:])[:, -1]
+        elif step == 0:          # the prompt fills the cache
+            logits = model(tokens[:, -context:], cache=cache)[:, -1]
+        else:
+            logits = model(tokens[:, -1:], cache=cache)[:, -1]
+        if cache is not None and cache.full:   # the next position is past the table
+            cache = None
+        return logits
+
+    return _sample(model, prompt, max_new_tokens, next_logits, temperature, top_k, top_p,
+                   generator)
+
+
+def _fresh(piece: torch.Tensor) -> torch.Tensor:
+    """A copy of ``piece`` (a slice of the sequences) with the strides of a new tensor: a
+    slice's strides follow the sequences' length (even where a dimension has size 1, for a
+    batch of one, which ``contiguous()`` leaves alone), and a compiled step is specialised
+    to its inputs' strides."""
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
+class Decoder:
+    """Generation from a :class:`~sparseffn.models.lm.TransformerLM` in steps of fixed shapes,
+    for ``torch.compile`` and CUDA graphs: ``batch`` sequences at a time, against one
+    :class:`~sparseffn.models.kv_cache.StaticKVCache` that every call reuses.
+
+        decoder = Decoder(model, batch=8, compile="reduce-overhead")
+        tokens = decoder.generate(prompt, 200, temperature=0.8, top_p=0.95)
+
+    The prompt runs eagerly into the cache; each new token then runs alone (the compiled
+    one-token step: :meth:`~sparseffn.models.lm.TransformerLM.forward_at` at a position held
+    in a tensor, so one graph serves every position) until the sequence fills the context,
+    after which each token runs the last ``context`` tokens (a second compiled step, of
+    shape [batch, context]). The tokens drawn are :func:`generate`'s (same ``generator``
+    draws), to rounding: the one-token step attends over every cached position under a mask
+    instead of over the positions so far.
+
+    ``compile``: ``"none"`` (eager), ``"default"`` or ``"reduce-overhead"`` (CUDA graphs; on
+    a CPU the default compile). Compiling happens at the first :meth:`generate`. ``dtype``:
+    the cache's (default: autocast's where autocast is on for the model's device when the
+    decoder is made, else the parameters'); generate under the same autocast. A model whose
+    routing depends on the tokens evaluated together (:func:`cache_blocker`) is refused."""
+
+    def __init__(self, model: nn.Module, batch: int, compile: str = "none",
+                 dtype: torch.dtype | None = None) -> None:
+        check_compile_mode(compile)
+        if not hasattr(model, "new_static_kv_cache"):
+            raise ValueError(f"Decoder: {type(model).__name__} has no static KV cache "
+                             f"(new_static_kv_cache)")
+        blocker = cache_blocker(model)
+        if blocker is not None:
+            raise ValueError(f"Decoder: {_blocked_by(blocker)}; use generate(), which runs "
+                             f"the window for each token")
+        self.model, self.compile = model, compile
+        self.cache = model.new_static_kv_cache(batch, dtype)
+        self._one_token = self._compiled(self._one_token_logits)
+        self._window = self._compiled(self._window_logits)
+
+    def _compiled(self, step: Callable) -> Callable:
+        if self.compile == "none":
+            return step
+        return torch.compile(step, mode=None if self.compile == "default" else self.compile,
+                             fullgraph=True, dynamic=False)
+
+    def _one_token_logits(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_at(token, position, self.cache)[:, -1]
+
+    def _window_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)[:, -1]
+
+    def _run(self, step: Callable, *args: torch.Tensor) -> torch.Tensor:
+        if self.compile == "none":
+            return step(*args)
+        if self.compile == "reduce-overhead":
+            # a new replay may write over the last step's outputs, read by now
+            torch.compiler.cudagraph_mark_step_begin()
+        with compiling_many():   # every decoder's steps share one code object
+            return step(*args)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """``prompt`` (int64 [batch, T], T >= 1) followed by ``max_new_tokens`` drawn tokens,
+        int64 [batch, T + max_new_tokens]; the arguments are :func:`generate`'s. Empties the
+        cache first (the prompt starts new sequences)."""
+        check_sampling(temperature, top_k, top_p, max_new_tokens)
+        _check_prompt(self.model, prompt)
+        cache, model = self.cache, self.model
+        if prompt.shape[0] != cache.batch:
+            raise ValueError(f"Decoder: made for {cache.batch} sequences, the prompt holds "
+                             f"{prompt.shape[0]}")
+        context = model.config.context
+        cache.reset()
+
+        def next_logits(tokens: torch.Tensor, step: int) -> torch.Tensor:
+            if step == 0:        # the prompt fills the cache, eagerly (its length varies)
+                return model(tokens[:, -context:], cache=cache)[:, -1]
+            if cache.full:       # the next position is past the table: the window
+                return self._run(self._window, _fresh(tokens[:, -context:]))
+            token = _fresh(tokens[:, -1:])
+            start = cache.claim(token)
+            logits = self._run(self._one_token, token,
+                               torch.full((1,), start, dtype=torch.long, device=token.device))
+            cache.length = start + 1
+            return logits
+
+        return _sample(model, prompt, max_new_tokens, next_logits, temperature, top_k, top_p,
+                       generator)

@@ -76,3 +76,87 @@ def causal_mask(new: int, past: int, device: torch.device) -> torch.Tensor | Non
     if new == 1:
         return None
     return torch.ones(new, past + new, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
+class StaticKVCache:
+    """Every attention layer's keys and values of ``batch`` sequences, [batch, heads,
+    context, d_head] each, allocated (zeroed) when the cache is made: a forward of t new
+    tokens against it writes them at their positions and attends over all ``context``
+    positions under a mask, so its shapes are the same at every position and it reads nothing
+    on the host. That is what lets ``torch.compile`` make one graph for every decoding step
+    (and CUDA graphs replay it); :class:`~sparseffn.models.generate.Decoder` uses it.
+
+    ``length`` (a host count) is checked and advanced by ``model(tokens, cache=cache)``;
+    :meth:`~sparseffn.models.lm.TransformerLM.forward_at` takes the positions as a tensor and
+    checks nothing (the compiled step). The tensors are marked static for the compiler
+    (``torch._dynamo.mark_static_address``), so a compiled step keeps to one cache: reuse it
+    with :meth:`reset` rather than making a new one.
+    """
+
+    def __init__(self, layers: int, batch: int, heads: int, context: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.context = context
+        self.batch = batch
+        self.length = 0
+        shape = (batch, heads, context, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        for tensor in self.keys + self.values:
+            torch._dynamo.mark_static_address(tensor)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype if self.keys else torch.get_default_dtype()
+
+    @property
+    def full(self) -> bool:
+        """Whether no position is left: the next token needs the window run again."""
+        return self.length >= self.context
+
+    def reset(self) -> None:
+        """Empty the cache for new sequences (the memory is kept, and zeroed: a position not
+        yet written holds zeros, which the mask hides, never a NaN an old sequence left)."""
+        for tensor in self.keys + self.values:
+            tensor.zero_()
+        self.length = 0
+
+    def claim(self, tokens: torch.Tensor) -> int:
+        """The first position of ``tokens`` [B, t] and a ValueError if they do not fit: another
+        batch size, or more positions than the context has left. Advances nothing."""
+        b, t = tokens.shape
+        if b != self.batch:
+            raise ValueError(f"StaticKVCache: the cache holds {self.batch} sequences, got "
+                             f"{b}")
+        if self.length + t > self.context:
+            raise ValueError(f"StaticKVCache: {self.length} cached and {t} new tokens exceed "
+                             f"the model's context of {self.context}")
+        return self.length
+
+    def slots(self, positions: torch.Tensor) -> list["StaticSlot"]:
+        """Each layer's view of a forward of tokens at ``positions`` (int64 [t], on the cache's
+        device): the tensors to write and the mask [t, context], query i seeing the keys at
+        positions 0..positions[i]."""
+        seen = torch.arange(self.context, device=positions.device) <= positions[:, None]
+        return [StaticSlot(keys, values, positions, seen)
+                for keys, values in zip(self.keys, self.values)]
+
+
+class StaticSlot:
+    """One attention layer's part of a :class:`StaticKVCache` in one forward (see
+    :meth:`StaticKVCache.slots`)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor) -> None:
+        self.keys, self.values, self.positions, self.mask = keys, values, positions, mask
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new positions' ``keys`` and ``values`` [B, H, t, d_head] in place; return
+        the cache's, [B, H, context, d_head] each."""
+        if keys.dtype != self.keys.dtype:
+            raise ValueError(f"StaticKVCache: the cache holds {self.keys.dtype}, the "
+                             f"attention computes {keys.dtype} (make the cache in the dtype "
+                             f"autocast gives)")
+        self.keys.index_copy_(2, self.positions, keys)
+        self.values.index_copy_(2, self.positions, values)
+        return self.keys, self.values

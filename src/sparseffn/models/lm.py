@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import DenseMLPConfig, LayerConfig, config_from_dict
 from ..matching import compute_equal_dense, param_equal_dense
 from ..validation import (require_bool, require_positive_int, require_probability)
-from .kv_cache import AttentionCache, KVCache, causal_mask
+from .kv_cache import AttentionCache, KVCache, StaticKVCache, StaticSlot, causal_mask
 
 
 def _layer_config(value: Any, field: str) -> LayerConfig | None:
@@ -156,7 +156,9 @@ class CausalSelfAttention(nn.Module):
 
     With an :class:`~sparseffn.models.kv_cache.AttentionCache` the T positions follow the
     cache's: their keys and values are added to it and each attends to every cached position
-    and to the new ones up to itself."""
+    and to the new ones up to itself. With a :class:`~sparseffn.models.kv_cache.StaticSlot`
+    they are written at the slot's positions and each attends over the whole cache under the
+    slot's mask."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float, n_layers: int) -> None:
         super().__init__()
@@ -168,10 +170,15 @@ class CausalSelfAttention(nn.Module):
         # scaled by depth so the residual stream's variance grows slowly (GPT-2)
         nn.init.normal_(self.out.weight, 0.0, 1.0 / math.sqrt(d_model * 2 * n_layers))
 
-    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: AttentionCache | StaticSlot | None = None
+                ) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         dropout = self.dropout if self.training else 0.0
+        if isinstance(cache, StaticSlot):
+            k, v = cache.extend(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, cache.mask, dropout_p=dropout)
+            return self.out(y.transpose(1, 2).reshape(b, t, d))
         past = 0 if cache is None else cache.length
         if cache is not None:
             k, v = cache.extend(k, v)
@@ -196,7 +203,8 @@ class Block(nn.Module):
         self.ffn = build_layer(ffn)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: AttentionCache | StaticSlot | None = None
+                ) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.norm1(x), cache))
         return x + self.dropout(self.ffn(self.norm2(x)))
 
@@ -204,10 +212,12 @@ class Block(nn.Module):
 class TransformerLM(nn.Module):
     """forward(tokens: int64 [B, T], cache=None) -> logits [B, T, vocab_size], T <= context.
 
-    ``cache``: a :class:`~sparseffn.models.kv_cache.KVCache` from :meth:`new_kv_cache`. The
+    ``cache``: a :class:`~sparseffn.models.kv_cache.KVCache` from :meth:`new_kv_cache` or a
+    :class:`~sparseffn.models.kv_cache.StaticKVCache` from :meth:`new_static_kv_cache`. The
     tokens then continue the sequences the cache holds (positions ``cache.length`` on, at
     most ``context`` in all) and are added to it; used by :meth:`generate` to run one new
-    token at a time.
+    token at a time (the static cache by :class:`~sparseffn.models.generate.Decoder`, whose
+    compiled step calls :meth:`forward_at`).
 
     ``activation_checkpointing = True`` (an attribute, off by default; ``train.
     activation_checkpointing`` sets it) keeps only each block's input while a forward builds
@@ -239,6 +249,12 @@ class TransformerLM(nn.Module):
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"TransformerLM expects int64 tokens [batch, time], got "
                              f"{tuple(tokens.shape)} {tokens.dtype}")
+        if isinstance(cache, StaticKVCache):
+            start = cache.claim(tokens)
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+            logits = self.forward_at(tokens, positions, cache)
+            cache.length = start + tokens.shape[1]
+            return logits
         past = 0 if cache is None else cache.length
         t = tokens.shape[1]
         if past + t > self.config.context:
@@ -249,13 +265,29 @@ class TransformerLM(nn.Module):
             raise ValueError(f"TransformerLM: a KVCache of {len(cache.layers)} layers for a "
                              f"model of {len(self.blocks)} blocks (use model.new_kv_cache())")
         positions = torch.arange(past, past + t, device=tokens.device)
+        return self._logits(tokens, positions, None if cache is None else cache.layers)
+
+    def forward_at(self, tokens: torch.Tensor, positions: torch.Tensor,
+                   cache: StaticKVCache) -> torch.Tensor:
+        """The logits [B, t, vocab_size] of ``tokens`` [B, t] at ``positions`` (int64 [t], on
+        the tokens' device, in [0, context)) of the sequences ``cache`` holds, their keys and
+        values written into it. Nothing is read on the host and nothing is checked: positions
+        out of range are an indexing error on the device, and ``cache.length`` is not
+        advanced (``model(tokens, cache=cache)`` checks and advances it). This is the step
+        :class:`~sparseffn.models.generate.Decoder` compiles: its shapes depend on t alone."""
+        return self._logits(tokens, positions, cache.slots(positions))
+
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor,
+                caches: list | None) -> torch.Tensor:
+        """The logits of ``tokens`` [B, t] at ``positions`` [t], each block given its cache
+        (``caches[i]``) or none."""
         x = self.dropout(self.embed(tokens) + self.position(positions))
-        recompute = self.activation_checkpointing and torch.is_grad_enabled() and cache is None
+        recompute = self.activation_checkpointing and torch.is_grad_enabled() and caches is None
         for index, block in enumerate(self.blocks):
             if recompute:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x, None if cache is None else cache.layers[index])
+                x = block(x, None if caches is None else caches[index])
         x = self.norm(x)
         if self.head is None:
             # tied: logits = x Eᵀ / sqrt(d), so unit-variance embeddings give unit-scale logits
@@ -266,6 +298,23 @@ class TransformerLM(nn.Module):
         """An empty :class:`~sparseffn.models.kv_cache.KVCache` for this model (its memory is
         allocated by the first forward that uses it)."""
         return KVCache(len(self.blocks), self.config.context)
+
+    def new_static_kv_cache(self, batch: int, dtype: torch.dtype | None = None
+                            ) -> StaticKVCache:
+        """A :class:`~sparseffn.models.kv_cache.StaticKVCache` of ``batch`` sequences on the
+        model's device, allocated now: in ``dtype``, by default the one the attention will
+        compute in (autocast's where autocast is on for the model's device, else the
+        parameters')."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+            raise ValueError(f"new_static_kv_cache: batch must be a positive integer, got "
+                             f"{batch!r}")
+        weight = self.embed.weight
+        if dtype is None:
+            dtype = torch.get_autocast_dtype(weight.device.type) \
+                if torch.is_autocast_enabled(weight.device.type) else weight.dtype
+        config = self.config
+        return StaticKVCache(len(self.blocks), batch, config.n_heads, config.context,
+                             config.d_model // config.n_heads, dtype, weight.device)
 
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
         """``prompt`` int64 [B, T] and ``max_new_tokens`` sampled tokens after it, int64
