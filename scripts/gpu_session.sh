@@ -33,6 +33,7 @@
 #                                                   #   no bf16 (decoding), configs a and b
 #   bash scripts/gpu_session.sh generate            # bench generate, bf16: greedy generation of
 #                                                   #   each preset's LM, KV cache vs window
+#   bash scripts/gpu_session.sh generate-graphs     # the same, Decoder's steps from CUDA graphs
 #
 # fig2's peers are read from PEERS_DIR (default .peers: copy ../shared/peers there, and list
 # /.peers/ in .git/info/exclude, so that it travels as an ignored, carried folder). Peers from
@@ -67,7 +68,7 @@ for what in "$@"; do
              tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py tests/ops/test_triton_tree.py \
              tests/ops/test_triton_sinkhorn.py \
              tests/ops/test_operator_autocast.py tests/layers/test_no_host_sync.py \
-             tests/test_bench_graphs.py \
+             tests/test_bench_graphs.py tests/models/test_static_kv_cache.py \
              "tests/layers/test_fff.py::test_every_formulation_compiles_in_one_graph_on_cuda" \
              tests/layers/test_dynamic_shapes.py::test_on_cuda_inductor_compiles_one_graph_for_every_batch_size ;;
     check) stage check 540 $PY scripts/gpu_check.py --json "$OUT/check.json" ;;
@@ -88,6 +89,11 @@ for what in "$@"; do
               --no-routers --json "$OUT/decode.json" ;;
     generate) stage generate 400 $PY -m sparseffn bench generate --device cuda --dtype bfloat16 \
                 --batch 8 --json "$OUT/generate.json" ;;
+    # Decoder's steps replayed from CUDA graphs (two graphs a preset to compile: five presets)
+    generate-graphs) stage generate-graphs 540 $PY -m sparseffn bench generate --device cuda \
+                       --dtype bfloat16 --batch 8 --compile reduce-overhead \
+                       --presets sigma_moe switch fff_sparse pkm peer \
+                       --json "$OUT/generate-graphs.json" ;;
     routers) stage routers 300 $PY -m sparseffn bench routers --device cuda --json "$OUT/routers.json" ;;
     routers-graphs) stage routers-graphs 300 $PY -m sparseffn bench routers --device cuda --graphs \
                       --json "$OUT/routers-graphs.json" ;;
@@ -111,6 +117,6 @@ for what in "$@"; do
     *) echo "unknown stage $what (tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile" \
-            "train train-more decode generate lm-sync)"; exit 2 ;;
+            "train train-more decode generate generate-graphs lm-sync)"; exit 2 ;;
   esac
 done

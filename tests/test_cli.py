@@ -321,7 +321,7 @@ def test_bench_lm_times_every_preset_beside_the_parameter_equal_dense(tmp_path, 
     assert "ms/step" in out and "sigma_moe" in out
 
 
-def test_bench_generate_times_both_modes_of_every_preset(tmp_path, capsys):
+def test_bench_generate_times_the_three_modes_of_every_preset(tmp_path, capsys):
     from sparseffn.models import PRESETS
     path = tmp_path / "generate.json"
     assert cli.main(["bench", "generate", "--d-model", "32", "--n-layers", "2", "--n-heads",
@@ -333,9 +333,10 @@ def test_bench_generate_times_both_modes_of_every_preset(tmp_path, capsys):
     for r in records:
         assert r["tokens"] == 9 and r["batch"] == 2 and r["same_tokens"], r["preset"]
         assert r["cache_ms_per_token"] > 0 and r["window_ms_per_token"] > 0
-        assert r["window_over_cache"] > 0
+        assert r["static_ms_per_token"] > 0 and r["compile"] == "none"
+        assert r["window_over_cache"] > 0 and r["static_over_cache"] > 0
     out = capsys.readouterr().out
-    assert "window/cache" in out and "peer" in out
+    assert "window/cache" in out and "static/dense" in out and "peer" in out
     assert cli.main(["bench", "generate", "--context", "8", "--prompt", "9"]) == 2
     assert "the prompt must hold 1..context (8) tokens" in capsys.readouterr().err
 

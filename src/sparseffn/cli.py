@@ -95,7 +95,7 @@ def _bench_generate(args: argparse.Namespace) -> int:
                        n_heads=args.n_heads, context=args.context, d_ff=args.d_ff,
                        batch=args.batch, prompt=args.prompt, tokens=args.tokens,
                        repeats=args.repeats, device=args.device, dtype=args.dtype,
-                       json_path=args.json)
+                       compile=args.compile, json_path=args.json)
     except ValueError as error:   # a preset that does not fit these sizes, an unknown name
         print(f"sparseffn bench generate: {error}", file=sys.stderr)
         return 2
@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = benches.add_parser(
         "generate", help="greedy generation with each FFN preset, one token at a time against "
-                         "the KV cache and running the window per token (GPU or CPU)")
+                         "the KV cache, running the window per token, and in Decoder's "
+                         "fixed-shape (compilable) steps (GPU or CPU)")
     _add_lm_arguments(gen)
     gen.add_argument("--batch", type=int, default=1, help="sequences generated at once (1)")
     gen.add_argument("--prompt", type=int, default=16, help="prompt tokens (16)")
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cuda (default when there is one) or cpu")
     gen.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="float32",
                      help="autocast dtype, or float32 for no autocast (the default)")
+    gen.add_argument("--compile", choices=COMPILE_MODES, default="none",
+                     help="torch.compile the static mode's steps: none (the default), default, "
+                          "or reduce-overhead (CUDA graphs)")
     gen.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     gen.set_defaults(func=_bench_generate)
 

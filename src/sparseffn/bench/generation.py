@@ -1,13 +1,16 @@
 """``sparseffn bench generate``: greedy text generation with each FFN preset, one token at a
-time against the KV cache and running the window for every token, on any device.
+time against the KV cache, running the window for every token, and in the fixed-shape steps
+of :class:`~sparseffn.models.generate.Decoder` (compiled as ``compile`` says: with
+``"reduce-overhead"``, replayed from CUDA graphs), on any device.
 
 The models are :func:`~sparseffn.bench.lm_step.lm_model`'s (``bench lm``'s byte-level LM, each
 FFN sized to a dense MLP of ``d_ff``), in evaluation mode and untrained: only the time is
 measured. One call generates ``tokens`` tokens after a prompt of ``prompt`` random bytes
 (:func:`sparseffn.models.generate.generate`, greedy). Every (preset, mode) call is timed in
-rotation, one of each per round (CUDA events on a GPU, the wall clock on a CPU); ratios are
-medians of per-round ratios. ``same tokens`` says whether both modes drew the same tokens,
-which they do unless two logits tie to within rounding.
+rotation, one of each per round (CUDA events on a GPU, the wall clock on a CPU), after one
+call of each that compiles and warms up; ratios are medians of per-round ratios.
+``same tokens`` says whether the three modes drew the same tokens, which they do unless two
+logits tie to within rounding.
 """
 
 from __future__ import annotations
@@ -16,21 +19,26 @@ import statistics
 
 import torch
 
-from ..models.generate import generate
+from ..models.generate import Decoder, generate
+from ..runtime import check_compile_mode
 from .lm_step import byte_tokens, lm_model, preset_names
 from .measure import (autocast_dtype_of, describe_device, interleaved_times, paired_ratio,
                       write_json)
 
-MODES = ("cache", "window")
+# the KV cache (generate), the window for every token, Decoder's fixed-shape steps
+MODES = ("cache", "window", "static")
 
 
 def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         n_heads: int = 4, context: int | None = None, d_ff: int = 2048, batch: int = 1,
         prompt: int = 16, tokens: int | None = None, repeats: int = 3, device: str = "cpu",
-        dtype: str = "float32", json_path: str | None = None) -> list[dict]:
+        dtype: str = "float32", compile: str = "none",
+        json_path: str | None = None) -> list[dict]:
     """Time generating ``tokens`` tokens (default: up to the context) after a ``prompt``-token
-    prompt, ``batch`` sequences at once, with each preset (``dense`` always included) in both
-    modes; print a table and return one record per preset."""
+    prompt, ``batch`` sequences at once, with each preset (``dense`` always included) in the
+    three modes, the static one compiled as ``compile`` says (``"none"``, ``"default"``,
+    ``"reduce-overhead"``); print a table and return one record per preset."""
+    check_compile_mode(compile)
     dev = torch.device(device)
     context = context or (256 if dev.type == "cuda" else 128)
     tokens = context - prompt if tokens is None else tokens
@@ -41,17 +49,22 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     autocast_dtype = autocast_dtype_of(dtype)
     print(f"sparseffn bench generate: {describe_device(dev)}, {dtype}, d_model {d_model}, "
           f"{n_layers} blocks, context {context}, batch {batch}, prompt {prompt}, {tokens} new "
-          f"tokens (greedy), FFNs sized to a dense d_ff {d_ff}, torch {torch.__version__}",
-          flush=True)
+          f"tokens (greedy), FFNs sized to a dense d_ff {d_ff}, static steps compiled: "
+          f"{compile}, torch {torch.__version__}", flush=True)
     start = byte_tokens(batch, prompt - 1, dev)
     outputs: dict[str, torch.Tensor] = {}
 
     def call(name: str, model, mode: str):
+        autocast = torch.autocast(dev.type, dtype=autocast_dtype,
+                                  enabled=autocast_dtype is not None)
+        with autocast:     # the static cache takes autocast's dtype
+            decoder = Decoder(model, batch, compile) if mode == "static" else None
+
         def generate_once():
-            with torch.autocast(dev.type, dtype=autocast_dtype,
-                                enabled=autocast_dtype is not None):
-                outputs[name] = generate(model, start, tokens, temperature=0,
-                                         use_cache=mode == "cache")
+            with autocast:
+                outputs[name] = (decoder.generate(start, tokens, temperature=0) if decoder
+                                 else generate(model, start, tokens, temperature=0,
+                                               use_cache=mode == "cache"))
         return generate_once
 
     fns = {}
@@ -62,16 +75,20 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     times = interleaved_times(fns, repeats, warmup=1, device=dev)
     records = []
     for name in names:
-        cache, window = times[f"{name}/cache"], times[f"{name}/window"]
+        cache, window, static = (times[f"{name}/{mode}"] for mode in MODES)
+        drawn = [outputs[f"{name}/{mode}"] for mode in MODES]
         records.append({
             "preset": name, "device": str(dev), "dtype": dtype, "d_model": d_model,
             "n_layers": n_layers, "context": context, "batch": batch, "prompt": prompt,
-            "tokens": tokens,
+            "tokens": tokens, "compile": compile,
             "cache_ms_per_token": statistics.median(cache) / tokens,
             "window_ms_per_token": statistics.median(window) / tokens,
+            "static_ms_per_token": statistics.median(static) / tokens,
             "window_over_cache": paired_ratio(window, cache),
+            "static_over_cache": paired_ratio(static, cache),
             "cache_over_dense": paired_ratio(cache, times["dense/cache"]),
-            "same_tokens": torch.equal(outputs[f"{name}/cache"], outputs[f"{name}/window"])})
+            "static_over_dense": paired_ratio(static, times["dense/static"]),
+            "same_tokens": all(torch.equal(drawn[0], other) for other in drawn[1:])})
     print(format_table(records))
     if json_path:
         write_json(records, json_path)
@@ -82,12 +99,17 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
 def format_table(records: list[dict]) -> str:
     width = max([len("preset")] + [len(r["preset"]) for r in records])
     header = (f"{'preset':{width}s} {'cache ms/tok':>12s} {'window ms/tok':>13s} "
-              f"{'window/cache':>12s} {'cache/dense':>11s} {'same tokens':>11s}")
+              f"{'static ms/tok':>13s} {'window/cache':>12s} {'static/cache':>12s} "
+              f"{'cache/dense':>11s} {'static/dense':>12s} {'same tokens':>11s}")
     lines = [header, "-" * len(header)]
     for r in records:
         lines.append(f"{r['preset']:{width}s} {r['cache_ms_per_token']:12.3f} "
-                     f"{r['window_ms_per_token']:13.3f} {r['window_over_cache']:12.2f} "
-                     f"{r['cache_over_dense']:11.2f} {'yes' if r['same_tokens'] else 'NO':>11s}")
-    lines.append("ms per generated token (batch sequences at once); ratios are medians of "
-                 "per-round ratios")
+                     f"{r['window_ms_per_token']:13.3f} {r['static_ms_per_token']:13.3f} "
+                     f"{r['window_over_cache']:12.2f} {r['static_over_cache']:12.2f} "
+                     f"{r['cache_over_dense']:11.2f} {r['static_over_dense']:12.2f} "
+                     f"{'yes' if r['same_tokens'] else 'NO':>11s}")
+    compile = records[0]["compile"] if records else "none"
+    lines.append(f"ms per generated token (batch sequences at once); static: Decoder's "
+                 f"fixed-shape steps, compile {compile}; ratios are medians of per-round "
+                 f"ratios")
     return "\n".join(lines)
