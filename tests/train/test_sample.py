@@ -56,6 +56,28 @@ def test_the_kv_cache_can_be_turned_off_for_the_same_text(trained, capsys):
     assert texts("--no-kv-cache", "--temperature", 0) == texts("--temperature", 0)
 
 
+def test_compiled_decoding_draws_the_same_text(trained, capsys, monkeypatch):
+    from sparseffn.train import sample
+    made = []
+
+    class Recording(sample.Decoder):
+        def __init__(self, model, batch, compile="none", dtype=None):
+            made.append((batch, compile))
+            super().__init__(model, batch, compile, dtype)
+    monkeypatch.setattr(sample, "Decoder", Recording)
+
+    def texts(*extra):
+        code, out, err = run_cli(capsys, trained, "--tokens", 20, "--samples", 2, "--seed", 4,
+                                 "--json", *extra)
+        assert code == 0, err
+        return json.loads(out)["samples"]
+    assert texts("--compile", "default") == texts()
+    assert texts("--compile", "default", "--temperature", 0) == texts("--temperature", 0)
+    assert made == [(2, "default")] * 2             # only the compiled runs, with the mode
+    code, _, err = run_cli(capsys, trained, "--compile", "default", "--no-kv-cache")
+    assert code == 2 and "compiling the decoding steps needs the KV cache" in err
+
+
 def test_seeds_reproduce_and_samples_differ(trained, capsys):
     def texts(*extra):
         code, out, _ = run_cli(capsys, trained, "--tokens", 40, "--samples", 3, "--json", *extra)

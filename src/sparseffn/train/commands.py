@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..runtime import COMPILE_MODES
 from .config import (apply_overrides, dense_baseline, read_config_file, run_config_from_dict)
 
 
@@ -80,7 +81,8 @@ def sample_command(args: argparse.Namespace) -> int:
     try:
         texts = sample_texts(args.checkpoint, args.prompt, args.tokens, args.samples,
                              args.temperature, args.top_k, args.top_p, args.seed, args.device,
-                             use_cache=False if args.no_kv_cache else None)
+                             use_cache=False if args.no_kv_cache else None,
+                             compile=args.compile)
     except ValueError as error:          # a sampling argument out of range, an empty prompt
         print(f"sparseffn: sample: {error}", file=sys.stderr)
         return 2
@@ -148,6 +150,10 @@ def add_commands(commands) -> None:
                         help="run the model over the whole window for every token instead of "
                              "one token at a time against the attention keys and values kept "
                              "(the same text, to rounding; slower)")
+    sample.add_argument("--compile", choices=COMPILE_MODES, default="none",
+                        help="draw with steps of fixed shapes compiled by torch.compile: none "
+                             "(the default), default, or reduce-overhead (CUDA graphs); the "
+                             "same text, to rounding, faster on long runs after a compile")
     sample.add_argument("--json", action="store_true", help="print one JSON object")
     sample.set_defaults(func=sample_command)
 
