@@ -3,6 +3,7 @@ and MoEfication of whole models. Tiny randomly initialised configs; nothing is d
 
 import json
 import logging
+import warnings
 
 import pytest
 import torch
@@ -190,6 +191,26 @@ def test_cached_and_uncached_generation_agree_with_a_capacity_router():
     cached = model.generate(prompt, use_cache=True, **kwargs)
     uncached = model.generate(prompt, use_cache=False, **kwargs)
     assert torch.equal(cached, uncached)
+
+
+def test_a_router_with_an_evaluation_capacity_is_warned_of_where_it_is_built(tmp_path):
+    """Under an evaluation capacity a token's output depends on the tokens evaluated with it,
+    which HF's KV cache changes: sparsify and loading say so, naming the router; the
+    dropless default says nothing."""
+    def switch(eval_capacity_factor):
+        return MoEConfig(d_model=32, num_experts=4, expert_size=32, k=1,
+                         router=SwitchRouterConfig(capacity_factor=1.0,
+                                                   eval_capacity_factor=eval_capacity_factor))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.sparsify(gpt2(), switch(None))
+    model = gpt2()
+    with pytest.warns(UserWarning, match=r"sparsify: transformer\.h\.0\.mlp\.ffn\.router "
+                                         r"routes each token by the tokens evaluated with it"):
+        hf.sparsify(model, switch(0.5))
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="the sparse layers loaded: transformer"):
+        hf.from_pretrained(str(tmp_path))
 
 
 def test_layers_in_a_hugging_face_model_follow_its_dtype_device_and_mode():

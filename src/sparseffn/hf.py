@@ -17,6 +17,7 @@ alone: they are marked initialised. Other architectures join with :func:`registe
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
@@ -401,7 +402,21 @@ def sparsify(model: nn.Module, layer: LayerSpec, *,
         report.replacements.append(_replacement(site, config, module))
         _install(model, site, module)
         _record(model, site, config)
+    _warn_if_a_cache_changes_outputs(model, "sparsify")
     return report
+
+
+def _warn_if_a_cache_changes_outputs(model: nn.Module, who: str) -> None:
+    """A warning where a router of ``model`` routes each token by the tokens evaluated with
+    it: Hugging Face's ``generate()`` with its KV cache then changes the model's outputs."""
+    from .models.generate import cache_blocker
+    blocker = cache_blocker(model)
+    if blocker is not None:
+        warnings.warn(f"{who}: {blocker} routes each token by the tokens evaluated with it "
+                      f"(an eval_capacity_factor), and generate() with Hugging Face's KV cache "
+                      f"evaluates each new token alone, so its outputs differ from a forward of "
+                      f"the whole sequence; generate with use_cache=False, or leave "
+                      f"eval_capacity_factor unset (dropless evaluation)", stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,6 +518,7 @@ def apply_record(model: nn.Module, record: dict | None = None) -> None:
                              f"no MLP of a known type at")
         config = config_from_dict(entry["layer"])
         _install(model, sites[path], build_layer(config))
+    _warn_if_a_cache_changes_outputs(model, "the sparse layers loaded")
 
 
 def _sparse_class(model_class: type) -> type:
