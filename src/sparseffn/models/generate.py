@@ -21,6 +21,7 @@ for every token and, on a GPU, CUDA graphs replay it without the host launching 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -242,13 +243,10 @@ class Decoder:
         return self.model(tokens)[:, -1]
 
     def _run(self, step: Callable, *args: torch.Tensor) -> torch.Tensor:
-        if self.compile == "none":
-            return step(*args)
         if self.compile == "reduce-overhead":
             # a new replay may write over the last step's outputs, read by now
             torch.compiler.cudagraph_mark_step_begin()
-        with compiling_many():   # every decoder's steps share one code object
-            return step(*args)
+        return step(*args)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -278,5 +276,7 @@ class Decoder:
             cache.length = start + 1
             return logits
 
-        return _sample(model, prompt, max_new_tokens, next_logits, temperature, top_k, top_p,
-                       generator)
+        # every decoder's steps share two code objects: one graph each per decoder
+        with contextlib.nullcontext() if self.compile == "none" else compiling_many():
+            return _sample(model, prompt, max_new_tokens, next_logits, temperature, top_k,
+                           top_p, generator)
