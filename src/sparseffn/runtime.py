@@ -88,6 +88,22 @@ def check_compile_mode(mode: str) -> None:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
 
 
+def compiled(fn, mode: str, fullgraph: bool = False):
+    """``fn`` (a module or a function) under ``torch.compile`` as ``mode`` says: ``"none"``
+    gives ``fn`` itself, ``"default"`` the default compile, ``"reduce-overhead"`` the compile
+    with CUDA graphs (start each step with ``torch.compiler.cudagraph_mark_step_begin()``).
+    Shapes are static (``dynamic=False``): a function run at several shapes gets a graph
+    specialised to each, as a user's fixed-shape step does, not one made dynamic at the second
+    shape. ``fullgraph``: a graph break is an error rather than a split graph. Compile
+    several models under :func:`compiling_many`."""
+    import torch
+    check_compile_mode(mode)
+    if mode == "none":
+        return fn
+    return torch.compile(fn, mode=None if mode == "default" else mode, fullgraph=fullgraph,
+                         dynamic=False)
+
+
 # How many compiled versions of one function compiling_many lets torch.compile keep.
 COMPILED_VERSIONS = 64
 

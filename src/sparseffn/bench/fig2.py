@@ -57,8 +57,8 @@ from ..layers.dense import DenseMLPConfig
 from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
-from ..runtime import check_compile_mode, compiling_many, deterministic_algorithms
-from .measure import (autocast_dtype_of, compiled, describe_device,
+from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
+from .measure import (autocast_dtype_of, describe_device,
                       dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
                       new_graph_step, paired_ratio, peak_mib, verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE

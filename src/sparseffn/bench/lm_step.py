@@ -32,9 +32,9 @@ import torch
 from ..auxiliary import aux_loss
 from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
-from ..runtime import check_compile_mode, compiling_many, deterministic_algorithms
+from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from ..train.loss_scaling import LossScaling
-from .measure import (autocast_dtype_of, compiled, describe_device,
+from .measure import (autocast_dtype_of, describe_device,
                       first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
                       peak_mib, verdict, write_json)
 
@@ -87,8 +87,8 @@ def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
                      ) -> Callable[[], None]:
     """One training step on ``tokens`` [batch, context + 1]: loss, backward, Adam update
     (with loss scaling in float16, as ``train.fp16`` trains), with the loss's forward
-    compiled as ``compile`` says (see :func:`measure.compiled`). Returns a function that runs
-    it (and returns nothing read from the device)."""
+    compiled as ``compile`` says (see :func:`sparseffn.runtime.compiled`). Returns a function
+    that runs it (and returns nothing read from the device)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     optimizers = adam_optimizers(model, lr=1e-4)     # as the trainer's
     scaling = LossScaling(tokens.device, enabled=autocast_dtype == torch.float16)

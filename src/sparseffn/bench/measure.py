@@ -13,8 +13,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..runtime import check_compile_mode
-
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2,
                       device: torch.device | str | None = None) -> dict[str, list[float]]:
@@ -86,19 +84,6 @@ def forward_fn(layer: nn.Module, x: torch.Tensor,
                                              enabled=autocast_dtype is not None):
             return layer(x)
     return run
-
-
-def compiled(fn: Callable, mode: str) -> Callable:
-    """``fn`` (a module or a function) under ``torch.compile`` as ``mode`` says: ``"none"``
-    gives ``fn`` itself, ``"default"`` the default compile, ``"reduce-overhead"`` the compile
-    with CUDA graphs (see :func:`new_graph_step`). Shapes are static (``dynamic=False``): a
-    benchmark that runs one function at several shapes times a graph specialised to each,
-    as a user's fixed-shape step gets, not one made dynamic at the second shape. Compile
-    several models under :func:`~sparseffn.runtime.compiling_many`."""
-    check_compile_mode(mode)
-    if mode == "none":
-        return fn
-    return torch.compile(fn, mode=None if mode == "default" else mode, dynamic=False)
 
 
 def new_graph_step(mode: str) -> None:

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..runtime import check_compile_mode, compiling_many
+from ..runtime import check_compile_mode, compiled, compiling_many
 
 
 def next_token_distribution(logits: torch.Tensor, temperature: float = 1.0,
@@ -227,14 +227,8 @@ class Decoder:
                              f"the window for each token")
         self.model, self.compile = model, compile
         self.cache = model.new_static_kv_cache(batch, dtype)
-        self._one_token = self._compiled(self._one_token_logits)
-        self._window = self._compiled(self._window_logits)
-
-    def _compiled(self, step: Callable) -> Callable:
-        if self.compile == "none":
-            return step
-        return torch.compile(step, mode=None if self.compile == "default" else self.compile,
-                             fullgraph=True, dynamic=False)
+        self._one_token = compiled(self._one_token_logits, compile, fullgraph=True)
+        self._window = compiled(self._window_logits, compile, fullgraph=True)
 
     def _one_token_logits(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         return self.model.forward_at(token, position, self.cache)[:, -1]
