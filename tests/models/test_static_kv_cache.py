@@ -81,6 +81,10 @@ def test_static_cache_misuse_is_named():
     assert cache.length == 8                       # the refused call added nothing
     with pytest.raises(ValueError, match="holds 2 sequences, got 3"):
         model(torch.randint(0, 20, (3, 1)), cache=cache)
+    other = tiny_lm("dense").eval()
+    other.blocks.append(other.blocks[0])
+    with pytest.raises(ValueError, match="a StaticKVCache of 3 layers for a model of 2 blocks"):
+        model(tokens, cache=other.new_static_kv_cache(2))
     for batch in (0, 1.5, True):
         with pytest.raises(ValueError, match="batch must be a positive integer"):
             model.new_static_kv_cache(batch)

@@ -60,6 +60,10 @@ class KVCache:
         self.layers = [AttentionCache(context) for _ in range(layers)]
 
     @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
 
@@ -103,6 +107,10 @@ class StaticKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         for tensor in self.keys + self.values:
             torch._dynamo.mark_static_address(tensor)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
 
     @property
     def dtype(self) -> torch.dtype:

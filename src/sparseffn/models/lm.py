@@ -245,10 +245,15 @@ class TransformerLM(nn.Module):
         if self.head is not None:
             nn.init.normal_(self.head.weight, 0.0, 1.0 / math.sqrt(config.d_model))
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | StaticKVCache | None = None
+                ) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"TransformerLM expects int64 tokens [batch, time], got "
                              f"{tuple(tokens.shape)} {tokens.dtype}")
+        if cache is not None and cache.num_layers != len(self.blocks):
+            raise ValueError(f"TransformerLM: a {type(cache).__name__} of {cache.num_layers} "
+                             f"layers for a model of {len(self.blocks)} blocks (make it with "
+                             f"model.new_kv_cache() or model.new_static_kv_cache())")
         if isinstance(cache, StaticKVCache):
             start = cache.claim(tokens)
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
@@ -261,9 +266,6 @@ class TransformerLM(nn.Module):
             what = f"{past} cached and {t} new tokens exceed" if past \
                 else f"sequence of {t} tokens exceeds"
             raise ValueError(f"TransformerLM: {what} context={self.config.context}")
-        if cache is not None and len(cache.layers) != len(self.blocks):
-            raise ValueError(f"TransformerLM: a KVCache of {len(cache.layers)} layers for a "
-                             f"model of {len(self.blocks)} blocks (use model.new_kv_cache())")
         positions = torch.arange(past, past + t, device=tokens.device)
         return self._logits(tokens, positions, None if cache is None else cache.layers)
 
