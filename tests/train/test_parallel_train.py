@@ -19,6 +19,7 @@ from sparseffn.train.config import (DataSpec, ModelSpec, RunConfig, TrainSpec,
                                     run_config_from_dict)
 from sparseffn.train.trainer import Trainer, load_trained
 from tests.train.conftest import CORPUS
+from tests.train.test_host_reads import _TrainerReads
 
 
 def _run(corpus, dropout, steps=6):
@@ -63,10 +64,15 @@ def _rank(rank, world, port, jobs):
                     trainer._stop_requested = True
                 return original(step)
             trainer._batch = batch
-        try:
-            trainer.train(resume=resume)
-        except KeyboardInterrupt:
-            assert stop_after
+        with pytest.MonkeyPatch.context() as patch:
+            reads = _TrainerReads(patch) if read_every_step is False else None
+            try:
+                trainer.train(resume=resume)
+            except KeyboardInterrupt:
+                assert stop_after
+        if reads is not None:   # the training package's host reads inside a step
+            (out / f"step_reads{rank}-{int(resume)}.json").write_text(
+                json.dumps([where for inside, _, where in reads.found if inside]))
         if trainer.loss_scaling.enabled:   # what each rank ends with, to compare the ranks
             torch.save({"model": trainer.model.state_dict(),
                         "loss_scaling": trainer.loss_scaling.state()}, out / f"rank{rank}.pt")
@@ -136,6 +142,10 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     # ... and the same with the losses read at the boundaries only, as on a GPU: the ranks
     #    average the same losses there, and stop at the same step
     assert _curve(tmp_path / "noisy_deferred") == _curve(tmp_path / "noisy")
+    # ... and no step read the device on the host in the training package's code (the
+    #     gradient clipping over the sharded experts included)
+    for name in ("step_reads0-0", "step_reads1-0", "step_reads0-1", "step_reads1-1"):
+        assert json.loads((tmp_path / "noisy_deferred" / f"{name}.json").read_text()) == []
 
     # 3. the 2-rank checkpoint of step 3 resumes on one process
     stopped = tmp_path / "ep_stopped"

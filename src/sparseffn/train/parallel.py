@@ -123,24 +123,26 @@ class Parallel:
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float, model: nn.Module
                         ) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the replicated gradients
-        (equal on every rank after :meth:`sync`) once, the experts' of every rank."""
+        (equal on every rank after :meth:`sync`) once, the experts' of every rank. With
+        sharded experts the norm stays on the training device: the experts' sum of squares
+        is added over the ranks there (NCCL on GPUs), and every gradient is multiplied by
+        ``min(1, max_norm / (norm + 1e-6))`` as ``clip_grad_norm_`` does, so the step reads
+        nothing on the host."""
         params = [p for p in params if p.grad is not None]
         if not self.sharded:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
             return
         experts = {id(p) for p in expert_parameters(model)}
-        squares = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for p in params:      # [replicated, this rank's experts], summed on the device
-            squares[int(id(p) in experts)] += p.grad.detach().double().square().sum()
-        replicated, experts_here = squares.tolist()   # one host read
-        expert_squares = torch.tensor([experts_here], dtype=torch.float64)
+        replicated = _sum_of_squares([p.grad for p in params if id(p) not in experts],
+                                     self.device)
+        expert_squares = _sum_of_squares([p.grad for p in params if id(p) in experts],
+                                         self.device)
         with explained("all-reduce (gradient norm)"):
-            dist.all_reduce(expert_squares)   # a CPU tensor: gloo, also beside NCCL
-        norm = (replicated + float(expert_squares)) ** 0.5
-        scale = max_norm / (norm + 1e-6)
-        if scale < 1.0:
-            for p in params:
-                p.grad.detach().mul_(scale)
+            dist.all_reduce(expert_squares)
+        norm = (replicated + expert_squares).sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grads in _by_dtype([p.grad.detach() for p in params]):
+            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -201,3 +203,19 @@ class Parallel:
         with explained("all-gather (RNG states)"):
             dist.all_gather_object(states, state)
         return states
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ g² over every element of ``grads``, a 0-d float64 tensor on ``device``."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        total += grad.detach().double().square().sum()
+    return total
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by dtype (one ``_foreach`` call each)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return list(groups.values())
