@@ -4,13 +4,18 @@ scaler's state is checkpointed, so a resumed run continues to the bit; bad combi
 config errors."""
 
 import math
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from sparseffn.train import checkpoint as ckpt
 from sparseffn.train import loss_scaling
 from sparseffn.train.config import ConfigError, TrainSpec
+from sparseffn.train.loss_scaling import LossScaling
+from sparseffn.train.parallel import Parallel
 from sparseffn.train.trainer import Trainer, build_model
 
 from .test_train import classifier_run, interrupt_at, lm_run, metrics
@@ -128,10 +133,44 @@ def test_a_run_without_fp16_keeps_no_loss_scale_and_fp16_on_the_cpu_says_it_is_s
 
 @pytest.mark.parametrize("fields, message", [
     ({"fp16": True, "bf16": True}, "pick one autocast dtype"),
-    ({"fp16": True, "expert_parallel": True}, "train.fp16 is not supported with "
-                                              "train.expert_parallel"),
     ({"fp16": 1}, "true or false"),
 ])
 def test_fp16_config_errors(fields, message):
     with pytest.raises(ConfigError, match=message):
         TrainSpec(**fields)
+
+
+def _overflow_on_rank_0(rank, world, init_file, out_dir):
+    """Each rank scales, unscales and steps its own parameter (as a rank does with its own
+    experts); only rank 0's gradient overflows. With and without agreeing over the ranks."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    parallel = Parallel(rank, world, expert_parallel=True)
+    for agree in (True, False):
+        param = torch.nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.Adam([param], lr=0.1)
+        scaling = LossScaling(torch.device("cpu"), agree=parallel.max_ if agree else None)
+        scaling.backward((param * (math.inf if rank == 0 else 1.0)).sum())
+        scaling.unscale([optimizer])
+        scaling.step([optimizer])
+        scaling.settle()
+        torch.save({"param": param.detach(), "scale": scaling.scale,
+                    "skipped": scaling.skipped}, f"{out_dir}/rank{rank}-{agree}.pt")
+    dist.barrier()
+    os._exit(0)      # see tests/layers/test_distributed_usage.py
+
+
+def test_with_sharded_experts_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Ranks that agree skip together and halve the same scale; alone, the rank whose
+    gradients were finite would update and keep its scale (the replicas would split)."""
+    mp.spawn(_overflow_on_rank_0, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    got = {(rank, agree): torch.load(tmp_path / f"rank{rank}-{agree}.pt")
+           for rank in range(2) for agree in (True, False)}
+    start = loss_scaling.INITIAL_LOSS_SCALE
+    for rank in range(2):
+        assert torch.equal(got[rank, True]["param"], torch.ones(3))
+        assert (got[rank, True]["scale"], got[rank, True]["skipped"]) == (start / 2, 1)
+    assert torch.equal(got[0, False]["param"], torch.ones(3))       # the control
+    assert not torch.equal(got[1, False]["param"], torch.ones(3))
+    assert (got[1, False]["scale"], got[1, False]["skipped"]) == (start, 0)

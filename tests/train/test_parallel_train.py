@@ -5,6 +5,7 @@ one-process format, resumes on one process; in data-parallel fp16 the ranks skip
 steps and stay equal."""
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -17,6 +18,7 @@ from sparseffn.train import checkpoint as ckpt
 from sparseffn.train import loss_scaling
 from sparseffn.train.config import (DataSpec, ModelSpec, RunConfig, TrainSpec,
                                     run_config_from_dict)
+from sparseffn.train.parallel import Parallel
 from sparseffn.train.trainer import Trainer, load_trained
 from tests.train.conftest import CORPUS
 from tests.train.test_host_reads import _TrainerReads
@@ -38,6 +40,13 @@ def _data_parallel_fp16(corpus):
     run = _run(corpus, 0.0, steps=8)
     return run.replace(name="tiny-dp-fp16", train=TrainSpec(
         **{**run.train.__dict__, "expert_parallel": False, "fp16": True}))
+
+
+def _expert_parallel_fp16(corpus):
+    """Sharded experts in float16 autocast, from a loss scale of 2^24 (steps are skipped)."""
+    run = _run(corpus, 0.0, steps=8)
+    return run.replace(name="tiny-ep-fp16", train=TrainSpec(
+        **{**run.train.__dict__, "fp16": True}))
 
 
 FP16_SCALE = 2.0 ** 24
@@ -65,6 +74,8 @@ def _rank(rank, world, port, jobs):
                 return original(step)
             trainer._batch = batch
         with pytest.MonkeyPatch.context() as patch:
+            if run_dict["name"] == "tiny-ep-fp16" and rank == 0:
+                _overflow_own_experts_at(patch, trainer, step=7)
             reads = _TrainerReads(patch) if read_every_step is False else None
             try:
                 trainer.train(resume=resume)
@@ -80,6 +91,20 @@ def _rank(rank, world, port, jobs):
     os._exit(0)      # see tests/layers/test_distributed_usage.py
 
 
+def _overflow_own_experts_at(patch, trainer, step):
+    """An inf in this rank's first expert gradient after step ``step``'s gradient sync, as
+    when only this rank's experts overflow (the replicated gradients stay finite)."""
+    sync = Parallel.sync
+
+    def sync_then_overflow(parallel, model):
+        sync(parallel, model)
+        if trainer.step + 1 == step:
+            grad = next(p.grad for name, p in model.named_parameters()
+                        if name.endswith("store.local.w1"))
+            grad.view(-1)[0] = math.inf
+    patch.setattr(Parallel, "sync", sync_then_overflow)
+
+
 def _curve(folder):
     return [(m["kind"], m["step"], m["loss"])
             for m in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
@@ -90,6 +115,7 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     corpus.write_bytes(CORPUS)
     exact, noisy = _run(str(corpus), 0.0), _run(str(corpus), 0.1)
     fp16 = _data_parallel_fp16(str(corpus)).to_dict()
+    ep_fp16 = _expert_parallel_fp16(str(corpus)).to_dict()
     # (run, folder, resume, the step after which rank 0 asks to stop, read_every_step)
     jobs = [(exact.to_dict(), tmp_path / "ep", False, None, None),
             (exact.to_dict(), tmp_path / "ep_stopped", False, 3, None),
@@ -99,7 +125,8 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
             (noisy.to_dict(), tmp_path / "noisy_deferred", False, 3, False),
             (noisy.to_dict(), tmp_path / "noisy_deferred", True, None, False),
             (fp16, tmp_path / "dp_fp16", False, None, None),
-            (fp16, tmp_path / "dp_fp16_deferred", False, None, False)]
+            (fp16, tmp_path / "dp_fp16_deferred", False, None, False),
+            (ep_fp16, tmp_path / "ep_fp16", False, None, None)]
     mp.spawn(_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
 
     # 1. two ranks with sharded experts = one process on the same global batches
@@ -185,7 +212,25 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     assert [m["loss"] for m in records][:before] == pytest.approx(
         [m["loss"] for m in one][:before], rel=1e-3)
 
-    # 5. a missing shard is named
+    # 5. fp16 with sharded experts: the ranks agree on every skipped step (each checks its
+    #    own experts' gradients; at step 7 only rank 0's overflow), so they hold the same
+    #    scale and replicated weights, and the run trains past the overflowing start
+    ranks = [torch.load(tmp_path / "ep_fp16" / f"rank{r}.pt", weights_only=True)
+             for r in range(2)]
+    assert ranks[0]["loss_scaling"] == ranks[1]["loss_scaling"]
+    replicated = [k for k in ranks[0]["model"]
+                  if not k.endswith(("store.local.w1", "store.local.w2"))]
+    assert replicated and all(torch.equal(ranks[0]["model"][k], ranks[1]["model"][k])
+                              for k in replicated)
+    assert not torch.equal(ranks[0]["model"]["blocks.0.ffn.store.local.w1"],
+                           ranks[1]["model"]["blocks.0.ffn.store.local.w1"])   # own experts
+    records = [m for m in map(json.loads, (tmp_path / "ep_fp16" / "metrics.jsonl")
+                              .read_text().splitlines()) if m["kind"] == "train"]
+    assert 0 < ranks[0]["loss_scaling"]["skipped"] == sum(m["skipped_steps"] for m in records) < 8
+    assert records[6]["step"] == 7 and records[6]["skipped_steps"] == 1    # rank 0's overflow
+    assert all(math.isfinite(m["loss"]) for m in records)
+
+    # 6. a missing shard is named
     (tmp_path / "ep" / "checkpoint.pt.experts-step6-rank1-of-2").unlink()
     with pytest.raises(ckpt.CheckpointError, match="rank1-of-2 is missing"):
         ckpt.load(tmp_path / "ep" / "checkpoint.pt")

@@ -205,12 +205,6 @@ class TrainSpec:
                f"{self.eval_windows}")
         _check(not (self.bf16 and self.fp16),
                "train.bf16 and train.fp16 both set: pick one autocast dtype")
-        # GradScaler decides on each rank alone whether a step overflowed; with sharded
-        # experts the ranks' gradients differ, so one rank could skip a step another takes
-        _check(not (self.fp16 and self.expert_parallel),
-               "train.fp16 is not supported with train.expert_parallel (each rank's loss "
-               "scaler would judge its own experts' gradients, and a step skipped on one rank "
-               "only would split the replicas); use train.bf16")
         _check(isinstance(self.compile, bool) or self.compile == "reduce-overhead",
                f"train.compile must be true, false or \"reduce-overhead\" (CUDA graphs), got "
                f"{self.compile!r}")

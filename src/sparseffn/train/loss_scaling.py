@@ -4,6 +4,8 @@ small gradients lose their bits or flush to zero)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .step_losses import host_values
@@ -27,11 +29,21 @@ class LossScaling:
     values of the last settle; :meth:`state` settles first.
 
     Not ``enabled`` (float32 and bf16 runs), it is the plain step: backward, the optimizers'
-    steps, nothing skipped, no host read."""
+    steps, nothing skipped, no host read.
+
+    ``agree``: with experts sharded across ranks, each rank checks only its own experts'
+    gradients, so a step could overflow on one rank and not on another. ``agree(flag)`` takes
+    this rank's overflow flag (a float tensor of one element on the device, 0 or 1) and
+    leaves the maximum over the ranks in it (an all-reduce); a step is then skipped, and the
+    scale halved, on every rank or on none. Such a step skips every optimizer's update, where
+    one process skips only the optimizers whose gradients overflowed."""
 
     def __init__(self, device: torch.device, enabled: bool = True,
-                 state: dict | None = None) -> None:
+                 state: dict | None = None,
+                 agree: Callable[[torch.Tensor], None] | None = None) -> None:
         self.enabled = enabled
+        self._agree = agree
+        self._device = device
         self.scaler = torch.amp.GradScaler(device.type, init_scale=INITIAL_LOSS_SCALE,
                                            enabled=enabled)
         self.skipped = 0
@@ -48,8 +60,22 @@ class LossScaling:
         """Divide the gradients by the scale (before clipping reads their norm)."""
         if not self.enabled:
             return
-        for opt in _with_gradients(optimizers):
+        unscaled = _with_gradients(optimizers)
+        for opt in unscaled:
             self.scaler.unscale_(opt)
+        if self._agree is not None:
+            self._agree_on_overflow(unscaled)
+
+    def _agree_on_overflow(self, unscaled: list[torch.optim.Optimizer]) -> None:
+        """Set every inf check GradScaler recorded for ``unscaled`` to whether any of them,
+        on any rank, found an inf or NaN (on the device: no host read)."""
+        flags = [flag for opt in unscaled for flag in
+                 self.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()]
+        found = (torch.stack([flag.reshape(()).float() for flag in flags]).amax() if flags
+                 else torch.zeros((), device=self._device))
+        self._agree(found)
+        for flag in flags:
+            flag.copy_(found)
 
     def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Step the optimizers unless a gradient is not finite, and update the scale; a

@@ -109,6 +109,13 @@ class Parallel:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value)
 
+    def max_(self, flags: torch.Tensor) -> None:
+        """Leave in ``flags`` (on the training device) their elementwise maximum over the
+        ranks: one all-reduce on the device, no host read."""
+        if self.active:
+            with explained("all-reduce (overflow check)"):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+
     def barrier(self) -> None:
         if self.active:
             with explained("barrier"):

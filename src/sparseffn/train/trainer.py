@@ -260,8 +260,9 @@ class Trainer:
             self.model.loss, mode=t.compile_mode, dynamic=False)
         # with weight decay, weights only: no biases, norm gains or expert/leaf biases
         self.optimizers = adam_optimizers(self.model, t.lr, t.betas, t.weight_decay)
-        self.loss_scaling = LossScaling(self.device, t.fp16,
-                                        state.get("loss_scaling") if state else None)
+        self.loss_scaling = LossScaling(   # (ranks with their own experts agree on skips)
+            self.device, t.fp16, state.get("loss_scaling") if state else None,
+            agree=self.parallel.max_ if self.parallel.sharded else None)
         self.step, self.train_time = 0, 0.0
         if state is not None:
             for opt, opt_state in zip(self.optimizers, state["optimizers"]):
