@@ -1,8 +1,9 @@
 """``sparseffn train`` on two processes (gloo on 127.0.0.1, as torchrun starts them): expert
 parallelism computes what one process computes on the same global batches, a run stopped on
 one rank stops on both and resumes to the bit on two ranks, and its checkpoint, in the
-one-process format, resumes on one process; in data-parallel fp16 the ranks skip the same
-steps and stay equal."""
+one-process format, resumes on one process; in fp16 (data-parallel, and with sharded experts,
+one rank's experts overflowing alone) the ranks skip the same steps and stay equal; uneven
+ranks split into micro-batches train what one process does."""
 
 import json
 import math
@@ -47,6 +48,15 @@ def _expert_parallel_fp16(corpus):
     run = _run(corpus, 0.0, steps=8)
     return run.replace(name="tiny-ep-fp16", train=TrainSpec(
         **{**run.train.__dict__, "fp16": True}))
+
+
+def _data_parallel_micro(corpus, micro_batches):
+    """A dense LM without dropout, each step's rows split into ``micro_batches`` parts (on two
+    ranks each rank's 3 or 2 rows of 5: parts of 2 and 1, and 1 and 1 rows)."""
+    run = _run(corpus, 0.0, steps=6)
+    return run.replace(name="tiny-dp-micro", model=ModelSpec(
+        **{**run.model.__dict__, "ffn": "dense"}), train=TrainSpec(
+        **{**run.train.__dict__, "expert_parallel": False, "micro_batches": micro_batches}))
 
 
 FP16_SCALE = 2.0 ** 24
@@ -116,6 +126,7 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     exact, noisy = _run(str(corpus), 0.0), _run(str(corpus), 0.1)
     fp16 = _data_parallel_fp16(str(corpus)).to_dict()
     ep_fp16 = _expert_parallel_fp16(str(corpus)).to_dict()
+    micro = _data_parallel_micro(str(corpus), 2)
     # (run, folder, resume, the step after which rank 0 asks to stop, read_every_step)
     jobs = [(exact.to_dict(), tmp_path / "ep", False, None, None),
             (exact.to_dict(), tmp_path / "ep_stopped", False, 3, None),
@@ -126,7 +137,8 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
             (noisy.to_dict(), tmp_path / "noisy_deferred", True, None, False),
             (fp16, tmp_path / "dp_fp16", False, None, None),
             (fp16, tmp_path / "dp_fp16_deferred", False, None, False),
-            (ep_fp16, tmp_path / "ep_fp16", False, None, None)]
+            (ep_fp16, tmp_path / "ep_fp16", False, None, None),
+            (micro.to_dict(), tmp_path / "dp_micro", False, None, None)]
     mp.spawn(_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
 
     # 1. two ranks with sharded experts = one process on the same global batches
@@ -230,7 +242,18 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     assert records[6]["step"] == 7 and records[6]["skipped_steps"] == 1    # rank 0's overflow
     assert all(math.isfinite(m["loss"]) for m in records)
 
-    # 6. a missing shard is named
+    # 6. micro-batches of uneven ranks: each part's mean loss weighted by its share of the
+    #    global batch, so two ranks of two parts each train what one process does whole
+    Trainer(_data_parallel_micro(str(corpus), 1), tmp_path / "one_whole", progress=False).train()
+    for (kind, step, a), (kind_b, step_b, b) in zip(_curve(tmp_path / "dp_micro"),
+                                                    _curve(tmp_path / "one_whole"), strict=True):
+        assert (kind, step) == (kind_b, step_b) and a == pytest.approx(b, rel=1e-5)
+    parts = ckpt.load(tmp_path / "dp_micro" / "checkpoint.pt")["model"]
+    whole = ckpt.load(tmp_path / "one_whole" / "checkpoint.pt")["model"]
+    for key, value in whole.items():
+        torch.testing.assert_close(parts[key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+    # 7. a missing shard is named
     (tmp_path / "ep" / "checkpoint.pt.experts-step6-rank1-of-2").unlink()
     with pytest.raises(ckpt.CheckpointError, match="rank1-of-2 is missing"):
         ckpt.load(tmp_path / "ep" / "checkpoint.pt")
