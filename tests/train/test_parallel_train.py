@@ -259,6 +259,28 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
         ckpt.load(tmp_path / "ep" / "checkpoint.pt")
 
 
+def _compiled_rank(rank, world, port, jobs):
+    """:func:`_rank`, failing at any recompilation (one graph set must serve every step)."""
+    torch._dynamo.config.error_on_recompile = True
+    _rank(rank, world, port, jobs)
+
+
+def test_compiled_expert_parallel_training_follows_the_eager_run(tmp_path):
+    """``train.compile`` with sharded experts: the experts' exchange runs eagerly (its sizes
+    change every step; traced, each step would compile again), the rest compiled; the two
+    ranks log the eager run's losses and compile nothing twice."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(CORPUS)
+    eager = _run(str(corpus), 0.0, steps=8)     # (compiled dropout draws other numbers)
+    compiled = eager.replace(train=TrainSpec(**{**eager.train.__dict__, "compile": True}))
+    jobs = [(eager.to_dict(), tmp_path / "eager", False, None, None),
+            (compiled.to_dict(), tmp_path / "compiled", False, None, None)]
+    mp.spawn(_compiled_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
+    for (kind, step, a), (kind_b, step_b, b) in zip(_curve(tmp_path / "compiled"),
+                                                    _curve(tmp_path / "eager"), strict=True):
+        assert (kind, step) == (kind_b, step_b) and a == pytest.approx(b, rel=1e-5)
+
+
 def test_compare_under_torchrun_is_refused_with_what_to_do(tmp_path, monkeypatch):
     from sparseffn.train.compare import compare
     from sparseffn.train.config import ConfigError

@@ -80,7 +80,9 @@ class ExpertParallelMLP(ExpertStore):
 
     One host read per forward: the exchanged counts, which ``all_to_all_single`` takes as
     Python ints (so the layer cannot be captured in a CUDA graph, unlike the one-process
-    store).
+    store). For the same reason ``torch.compile`` runs this store eagerly (a graph break
+    around :meth:`forward`, the rest of the model compiled): traced, every new count would
+    be a new graph.
     """
 
     def __init__(self, local: MLPExperts, num_experts: int, group=None) -> None:
@@ -104,6 +106,7 @@ class ExpertParallelMLP(ExpertStore):
     def reset_parameters(self) -> None:
         self.local.reset_parameters()
 
+    @torch.compiler.disable(recursive=True)
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         if routing.dense:
             raise ValueError("ExpertParallelMLP: a dense routing (every token to every expert, "

@@ -208,9 +208,10 @@ class TrainSpec:
         _check(isinstance(self.compile, bool) or self.compile == "reduce-overhead",
                f"train.compile must be true, false or \"reduce-overhead\" (CUDA graphs), got "
                f"{self.compile!r}")
-        _check(not (self.compile and self.expert_parallel),
-               "train.compile is not supported with train.expert_parallel (the experts' "
-               "all-to-all exchange has not been checked under torch.compile)")
+        _check(not (self.compile == "reduce-overhead" and self.expert_parallel),
+               "train.compile = \"reduce-overhead\" is not supported with "
+               "train.expert_parallel (the experts' all-to-all reads its sizes on the host "
+               "every step, which a CUDA graph cannot hold); use train.compile = true")
         _check(self.checkpoint_every >= 0,
                f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check(isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
