@@ -213,10 +213,12 @@ class Parallel:
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Σ g² over every element of ``grads``, a 0-d float64 tensor on ``device``."""
+    """Σ g² over every element of ``grads``, a 0-d float64 tensor on ``device``: the
+    gradients' norms by one ``_foreach_norm`` per dtype (as ``clip_grad_norm_`` takes them; a
+    few launches, not several per parameter), their squares added in float64."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        total += grad.detach().double().square().sum()
+    for group in _by_dtype([grad.detach() for grad in grads]):
+        total += torch.stack(torch._foreach_norm(group)).double().square().sum()
     return total
 
 
