@@ -132,24 +132,21 @@ class Parallel:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the replicated gradients
         (equal on every rank after :meth:`sync`) once, the experts' of every rank. With
         sharded experts the norm stays on the training device: the experts' sum of squares
-        is added over the ranks there (NCCL on GPUs), and every gradient is multiplied by
-        ``min(1, max_norm / (norm + 1e-6))`` as ``clip_grad_norm_`` does, so the step reads
-        nothing on the host."""
+        is added over the ranks there (NCCL on GPUs), and ``clip_grads_with_norm_`` (the
+        second half of ``clip_grad_norm_``) multiplies every gradient by ``min(1, max_norm /
+        (norm + 1e-6))``, so the step reads nothing on the host."""
         params = [p for p in params if p.grad is not None]
         if not self.sharded:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
             return
         experts = {id(p) for p in expert_parameters(model)}
-        replicated = _sum_of_squares([p.grad for p in params if id(p) not in experts],
-                                     self.device)
-        expert_squares = _sum_of_squares([p.grad for p in params if id(p) in experts],
-                                         self.device)
+        replicated = _norm([p.grad for p in params if id(p) not in experts], self.device)
+        expert_squares = _norm([p.grad for p in params if id(p) in experts],
+                               self.device).square()
         with explained("all-reduce (gradient norm)"):
             dist.all_reduce(expert_squares)
-        norm = (replicated + expert_squares).sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for grads in _by_dtype([p.grad.detach() for p in params]):
-            torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        norm = (replicated.square() + expert_squares).sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -212,19 +209,8 @@ class Parallel:
         return states
 
 
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Σ g² over every element of ``grads``, a 0-d float64 tensor on ``device``: the
-    gradients' norms by one ``_foreach_norm`` per dtype (as ``clip_grad_norm_`` takes them; a
-    few launches, not several per parameter), their squares added in float64."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for group in _by_dtype([grad.detach() for grad in grads]):
-        total += torch.stack(torch._foreach_norm(group)).double().square().sum()
-    return total
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` grouped by dtype (one ``_foreach`` call each)."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    return list(groups.values())
+def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The 2-norm of all of ``grads`` together (``torch.nn.utils.get_total_norm``, as
+    ``clip_grad_norm_`` takes it: one ``_foreach_norm`` per device and dtype), a 0-d float64
+    tensor on ``device`` (also for no gradients)."""
+    return torch.nn.utils.get_total_norm(grads).to(device=device, dtype=torch.float64)
