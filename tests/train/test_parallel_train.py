@@ -101,6 +101,42 @@ def _rank(rank, world, port, jobs):
     os._exit(0)      # see tests/layers/test_distributed_usage.py
 
 
+def _stop_flags(rank, world, init_file, out_dir):
+    """Two series of five calls of ``any_later``, each answer with whether flags are left in
+    flight: rank 0's flag set at the third call of the first, rank 1's at the last call of
+    the second, then collected by ``settle_later``."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                         world_size=world)
+    parallel = Parallel(rank, world)
+    calls = {}
+    for series, (setter, at) in enumerate(((0, 2), (1, 4))):
+        calls[series] = [(parallel.any_later(rank == setter and call == at),
+                          parallel._pending is not None) for call in range(5)]
+    settled = parallel.settle_later()
+    json.dump({"calls": calls, "settled": settled, "left": parallel._pending is not None,
+               "again": parallel.settle_later()}, open(f"{out_dir}/flags{rank}.json", "w"))
+    torch.distributed.barrier()
+    os._exit(0)      # see tests/layers/test_distributed_usage.py
+
+
+def test_the_ranks_agree_on_a_stop_one_call_later_and_leave_nothing_in_flight(tmp_path):
+    """A flag set on one rank reaches every rank at the next call (its all-reduce runs in the
+    background meanwhile), the same answer on both; after a True nothing is in flight (the
+    run stops there), and settling collects the last call's flags. One process answers at
+    once."""
+    mp.spawn(_stop_flags, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    in_flight = [False, True]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"flags{rank}.json").read_text())
+        assert got == {"calls": {"0": [in_flight] * 3 + [[True, False], in_flight],
+                                 "1": [in_flight] * 5},
+                       "settled": True, "left": False, "again": False}, rank
+    one = Parallel()
+    assert [one.any_later(flag) for flag in (False, True, False)] == [False, True, False]
+    assert one.settle_later() is False
+
+
 def _overflow_own_experts_at(patch, trainer, step):
     """An inf in this rank's first expert gradient after step ``step``'s gradient sync, as
     when only this rank's experts overflow (the replicated gradients stay finite)."""
@@ -127,7 +163,7 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     fp16 = _data_parallel_fp16(str(corpus)).to_dict()
     ep_fp16 = _expert_parallel_fp16(str(corpus)).to_dict()
     micro = _data_parallel_micro(str(corpus), 2)
-    # (run, folder, resume, the step after which rank 0 asks to stop, read_every_step)
+    # (run, folder, resume, the step during which rank 0 asks to stop, read_every_step)
     jobs = [(exact.to_dict(), tmp_path / "ep", False, None, None),
             (exact.to_dict(), tmp_path / "ep_stopped", False, 3, None),
             (noisy.to_dict(), tmp_path / "noisy", False, None, None),
@@ -169,14 +205,15 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     assert all(shard["model"][k].shape[0] == 2 for k in expert_keys)      # 2 of 4 experts
     assert load_trained(tmp_path / "ep" / "checkpoint.pt")[3] is not None   # sparseffn eval
 
-    # 2. a stop seen by rank 0 only stopped both after step 3; resumed on 2 ranks, the run
-    #    continues to the bit (dropout and all)
+    # 2. a stop seen by rank 0 only, during step 3, stopped both after step 4 (agreed on in
+    #    the background during step 4); resumed on 2 ranks, the run continues to the bit
+    #    (dropout and all)
     assert _curve(tmp_path / "noisy_resumed") == _curve(tmp_path / "noisy")
     a = ckpt.load(tmp_path / "noisy" / "checkpoint.pt")["model"]
     b = ckpt.load(tmp_path / "noisy_resumed" / "checkpoint.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [f.name for f in ckpt.shard_files(tmp_path / "noisy_resumed" / "checkpoint.pt")] == \
-        [f"checkpoint.pt.experts-step6-rank{r}-of-2" for r in range(2)]   # step 3's removed
+        [f"checkpoint.pt.experts-step6-rank{r}-of-2" for r in range(2)]   # step 4's removed
 
     # ... and the same with the losses read at the boundaries only, as on a GPU: the ranks
     #    average the same losses there, and stop at the same step
@@ -186,9 +223,9 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     for name in ("step_reads0-0", "step_reads1-0", "step_reads0-1", "step_reads1-1"):
         assert json.loads((tmp_path / "noisy_deferred" / f"{name}.json").read_text()) == []
 
-    # 3. the 2-rank checkpoint of step 3 resumes on one process
+    # 3. the 2-rank checkpoint of step 4 resumes on one process
     stopped = tmp_path / "ep_stopped"
-    assert ckpt.load(stopped / "checkpoint.pt")["step"] == 3
+    assert ckpt.load(stopped / "checkpoint.pt")["step"] == 4
     shutil.copytree(stopped, tmp_path / "one", dirs_exist_ok=True)
     resumed = Trainer(exact, tmp_path / "one", progress=False).train(resume=True)
     assert resumed["steps"] == 6 and resumed["processes"] == 1

@@ -435,7 +435,9 @@ class Trainer:
                 self._stopped_mid_step = True
                 raise KeyboardInterrupt
             self._stop_requested = True
-            print("\nstopping after this step (Ctrl-C again to stop now, without a checkpoint)",
+            which = "the next step (the processes agree on it during this one)" \
+                if self.parallel.active else "this step"
+            print(f"\nstopping after {which} (Ctrl-C again to stop now, without a checkpoint)",
                   file=sys.stderr)
         previous = signal.signal(signal.SIGINT, handler)
         try:
@@ -498,7 +500,8 @@ class Trainer:
                                "train_time": self.train_time, **result.as_dict()})
                 if saving:
                     self.save_checkpoint()
-                if parallel.any(self._stop_requested):   # every rank stops at this step
+                # every rank stops at the same step: this one, or the next on several ranks
+                if parallel.any_later(self._stop_requested):
                     raise KeyboardInterrupt
         except KeyboardInterrupt:
             if bar:
@@ -507,6 +510,7 @@ class Trainer:
                 print(f"\nstopped during step {self.step + 1}/{self.steps}; no checkpoint written "
                       f"(the last one in {self.out} stands)", file=sys.stderr)
                 raise
+            parallel.settle_later()   # a KeyboardInterrupt between steps: nothing in flight
             self._settle()    # (a non-finite loss raises here, and nothing is saved)
             path = self.save_checkpoint()
             if parallel.main:
@@ -515,6 +519,7 @@ class Trainer:
             raise
         if bar:
             bar.close()
+        parallel.settle_later()
         self.save_checkpoint()
         summary = self.summary(per_step)
         if parallel.main:
