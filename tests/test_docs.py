@@ -1,0 +1,55 @@
+"""The README's and docs' links to the project's own files lead somewhere: every relative
+link names a file that exists and, with ``#anchor``, a heading of that file (GitHub's anchor:
+lower case, punctuation dropped, spaces as hyphens, ``-1``, ``-2`` ... for repeats)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _prose(path: Path) -> str:
+    """The file without its fenced code blocks (a ``# comment`` there is no heading)."""
+    return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading's text."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)     # a link: its text
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found, seen = set(), {}
+    for match in re.finditer(r"^#{1,6} (.+)$", _prose(path), re.M):
+        base = anchor(match.group(1))
+        repeat = seen.get(base, 0)
+        seen[base] = repeat + 1
+        found.add(base if repeat == 0 else f"{base}-{repeat}")
+    return found
+
+
+def test_anchor_follows_githubs_rule():
+    assert anchor("Set-up: two commands") == "set-up-two-commands"
+    assert anchor("On a GPU: the `Triton` kernels") == "on-a-gpu-the-triton-kernels"
+    assert anchor("σ-MoE × dense, [PEER](x.md)") == "σ-moe--dense-peer"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_relative_links_lead_to_a_file_and_heading(doc):
+    broken = []
+    for match in re.finditer(r"\]\(([^)\s]+)\)", _prose(doc)):
+        target = match.group(1)
+        if re.match(r"[a-z]+:", target):      # http:, https:, mailto:
+            continue
+        path, _, fragment = target.partition("#")
+        dest = doc.parent / path if path else doc
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+            broken.append(f"{target}: no such heading")
+    assert not broken, f"{doc.name}: {broken}"
