@@ -53,3 +53,14 @@ def test_relative_links_lead_to_a_file_and_heading(doc):
         elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
             broken.append(f"{target}: no such heading")
     assert not broken, f"{doc.name}: {broken}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_the_project_files_the_docs_name_exist(doc):
+    """A path in backticks under one of the project's folders (``tests/...``,
+    ``scripts/...``) names a file or folder that is there."""
+    named = re.findall(r"`((?:src|tests|scripts|experiments|docs)/[\w./\-]*\w)`",
+                       doc.read_text())
+    assert named or doc.name != "README.md"     # the README names some: the pattern reads them
+    missing = sorted({path for path in named if not (ROOT / path).exists()})
+    assert not missing, f"{doc.name} names files that do not exist: {missing}"
