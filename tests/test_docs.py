@@ -1,6 +1,7 @@
-"""The README's and docs' links to the project's own files lead somewhere: every relative
-link names a file that exists and, with ``#anchor``, a heading of that file (GitHub's anchor:
-lower case, punctuation dropped, spaces as hyphens, ``-1``, ``-2`` ... for repeats)."""
+"""What the README and docs point at is there: each relative link's file and ``#anchor``
+(a heading, by GitHub's rule: lower case, punctuation dropped, spaces as hyphens, ``-1``,
+``-2`` ... for repeats), each project path named in backticks, and each ``sparseffn``
+command line shown (the CLI parses it)."""
 
 import re
 from pathlib import Path
@@ -64,3 +65,45 @@ def test_the_project_files_the_docs_name_exist(doc):
     assert named or doc.name != "README.md"     # the README names some: the pattern reads them
     missing = sorted({path for path in named if not (ROOT / path).exists()})
     assert not missing, f"{doc.name} names files that do not exist: {missing}"
+
+
+# what the synopses' placeholders stand for, to parse them
+_PLACEHOLDERS = {"PATH": "out.json", "N": "2", "D": "64", "MODE": "default",
+                 "NAME": "dense", "P": "float32", "DIR": "peers", "FILE": "model.safetensors",
+                 "CHECKPOINT": "runs/x/checkpoint.pt", "CONFIG": "experiments/lm_pydoc.toml"}
+
+
+def _commands(doc: Path) -> list[str]:
+    """The ``sparseffn ...`` command lines of ``doc``: in its code blocks (comments cut) and
+    in backticks with arguments; a bare ``sparseffn train`` names the command only."""
+    text = doc.read_text()
+    lines = [line.strip() for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
+             for line in block.splitlines()]
+    lines += [" ".join(found.split()) for found in re.findall(r"`(sparseffn [^`]+)`", text)]
+    commands = [re.sub(r"\s+#.*$", "", line) for line in lines if line.startswith("sparseffn ")]
+    return [command for command in commands if len(command.split()) > 2]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_the_commands_the_docs_show_parse(doc):
+    """Each command line the README and docs show is one the CLI takes: its subcommand,
+    options and choices (``[...]`` optional parts included, placeholders filled in)."""
+    import contextlib
+    import io
+    import shlex
+
+    from sparseffn.cli import build_parser
+    refused = []
+    for command in _commands(doc):
+        args = [_PLACEHOLDERS.get(word, word)
+                for word in shlex.split(command.replace("[", " ").replace("]", " "))[1:]
+                if word != "..."]
+        if args[0] == "reproduce" and args[1] == "dense":   # NAME of a reproduction
+            args[1] = "pkm"
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors):
+                build_parser().parse_args(args)
+        except SystemExit:
+            refused.append(f"{command}: {errors.getvalue().strip().splitlines()[-1]}")
+    assert not refused, f"{doc.name}: {refused}"
