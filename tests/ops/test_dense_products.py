@@ -49,7 +49,7 @@ def test_dense_products_give_indexing_values_and_every_gradient(dense, counted):
         + ((w[..., None] * table[idx]).sum(1) * g2).sum()
     torch.testing.assert_close(got, want)
     grads = torch.autograd.grad(got, (x, table, w))
-    assert len(counted) == 4           # gather_dot's x and table gradients, gather_sum's both
+    assert len(counted) == 3           # gather_dot's two gradients, gather_sum's two: one each
     for a, b in zip(grads, torch.autograd.grad(want, (x, table, w))):
         torch.testing.assert_close(a, b)
     assert torch.count_nonzero(grads[1][-3:]) == 0      # rows no pair read: zero gradient
@@ -65,6 +65,28 @@ def test_each_operator_matches_the_row_kernels_in_float32(dense):
     for a, b in zip(got, calls()):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [37, 0])
+def test_gather_dots_two_gradients_are_the_two_operators_from_one_s(dense, counted, tokens):
+    """``gather_sum_scatter_rows``: gather_sum and scatter_rows of the same pairs, one S in
+    the dense form (two when src and table differ in dtype, none for an empty batch); the
+    same as the row kernels; an operator that traces (opcheck)."""
+    idx, w, table, x = _pairs(tokens=tokens, dtype=torch.float32)
+    n = table.shape[0]
+    got = kernels.gather_sum_scatter_rows(idx, w, table, x)
+    assert len(counted) == (1 if tokens else 0)
+    mixed = kernels.gather_sum_scatter_rows(idx, w, table, x.double())
+    assert mixed[1].dtype == torch.float64 and len(counted) == (3 if tokens else 0)
+    dense_products.set_dense_products_enabled(False)
+    want = kernels.gather_sum(idx, w, table), kernels.scatter_rows(idx, w, x, n)
+    for a, b, c in zip(got, want, mixed):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c.float(), b, rtol=1e-5, atol=1e-5)
+    dense_products.set_dense_products_enabled(True)
+    torch.library.opcheck(torch.ops.sparseffn.gather_sum_scatter_rows.default,
+                          (idx, w, table, x))
 
 
 def test_out_of_range_pairs_read_zero_rows_and_land_nowhere(dense):

@@ -106,6 +106,14 @@ def scatter_rows(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int) -> Te
     return spread(idx, weights, num_rows, src.dtype).t() @ src
 
 
+def gather_dot_grads(idx: Tensor, weights: Tensor, table: Tensor, src: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+    """``sparseffn::gather_sum_scatter_rows`` densely, src in the table's dtype: (S · table
+    [T, d], Sᵀ · src [N, d]) with one S, where the two operators would build it twice."""
+    s = spread(idx, weights, table.shape[0], table.dtype)
+    return s @ table, s.t() @ src
+
+
 def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor
                      ) -> tuple[Tensor, Tensor]:
     """``sparseffn::scatter_rows_dot`` densely: (table gradient [N, d], dots [T, m])."""

@@ -32,6 +32,7 @@ capacity) is never computed, and where it appears in an output it is exactly zer
     sparseffn::gather_sum         Σ_j w[t, j] · table[idx[t, j]]
     sparseffn::scatter_rows       the transpose of gather_sum (a table's gradient)
     sparseffn::scatter_rows_dot   both gradients of gather_sum, in one pass over the pairs
+    sparseffn::gather_sum_scatter_rows  both gradients of gather_dot (one S in dense form)
     sparseffn::row_index          a batch's pairs grouped by table row (for scatter_rows)
     sparseffn::dense_rows         each row's pairs as one dense row (small tables' gradients)
     sparseffn::topk_rows          top-k per row, ties to the lower index
@@ -384,6 +385,30 @@ def scatter_rows_and_gather_dot(idx: Tensor, weights: Tensor, src: Tensor, table
 def _(idx, weights, src, table, order=None, offsets=None):
     return (src.new_empty(table.shape[0], src.shape[1]),
             src.new_empty(idx.shape, dtype=torch.promote_types(src.dtype, table.dtype)))
+
+
+@operator("gather_sum_scatter_rows")
+def gather_sum_scatter_rows(idx: Tensor, weights: Tensor, table: Tensor, src: Tensor,
+                            order: Optional[Tensor] = None, offsets: Optional[Tensor] = None
+                            ) -> tuple[Tensor, Tensor]:
+    """``(gather_sum(idx, weights, table), scatter_rows(idx, weights, src, N))``: the two
+    gradients of ``gather_dot(src, table, idx)`` for an output gradient ``weights`` (src's
+    [T, d] in the table's dtype, the table's [N, d] in src's). In the dense form both are
+    products with the same S, built once (:func:`dense_products.gather_dot_grads`); elsewhere
+    they are the two operators, each over the pairs as it reads them.
+
+    idx, weights: [T, m]; table: [N, d]; src: [T, d]; ``order``, ``offsets``: as for
+    :func:`scatter_rows`."""
+    if src.dtype == table.dtype and dense_products.pays(idx, table.shape[0]):
+        return dense_products.gather_dot_grads(idx, weights, table, src)
+    return (gather_sum(idx, weights, table),
+            scatter_rows(idx, weights, src, table.shape[0], order, offsets))
+
+
+@gather_sum_scatter_rows.register_fake
+def _(idx, weights, table, src, order=None, offsets=None):
+    return (table.new_empty(idx.shape[0], table.shape[1]),
+            src.new_empty(table.shape[0], src.shape[1]))
 
 
 @operator("row_index")

@@ -74,6 +74,13 @@ class _GatherDot(torch.autograd.Function):
         x, table, idx, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_table = None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not ctx.sparse \
+                and dense_products.pays(idx, table.shape[0]):
+            # both as products with one S (the row kernels take the two operators below,
+            # without the combined operator's extra call)
+            grad_x, grad_table = kernels.gather_sum_scatter_rows(
+                idx, grad, table, x.to(table.dtype))
+            return grad_x.to(x.dtype), grad_table, None, None, None
         if ctx.needs_input_grad[0]:
             grad_x = kernels.gather_sum(idx, grad, table).to(x.dtype)
         if ctx.needs_input_grad[1]:
