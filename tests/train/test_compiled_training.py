@@ -72,7 +72,7 @@ class _GraphOutputs:
     def __init__(self):
         self.outputs, self.steps, self.modes = [], 0, []
 
-    def compile(self, fn, mode=None, dynamic=None):
+    def compile(self, fn, mode=None, **options):
         self.modes.append(mode)
         def replayed(*args):
             out = fn(*args)

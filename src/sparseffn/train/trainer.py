@@ -43,7 +43,7 @@ from torch import nn
 from ..analysis.summary import collapse_warning, usage_health
 from ..auxiliary import aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage
 from ..optim import adam_optimizers
-from ..runtime import (compiling_checkpointed_sparse_layers, compiling_many,
+from ..runtime import (compiled, compiling_checkpointed_sparse_layers, compiling_many,
                        deterministic_algorithms)
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
 from ..models.classifier import SparseClassifier
@@ -256,8 +256,8 @@ class Trainer:
         t = run.train
         # the step's forward and loss compiled (evaluation and checkpoints use the model
         # itself); without it, each step looks up model.loss afresh
-        self.compiled_loss = None if t.compile_mode is None else torch.compile(
-            self.model.loss, mode=t.compile_mode, dynamic=False)
+        self.compiled_loss = None if t.compile_mode is None else compiled(
+            self.model.loss, t.compile_mode)
         # with weight decay, weights only: no biases, norm gains or expert/leaf biases
         self.optimizers = adam_optimizers(self.model, t.lr, t.betas, t.weight_decay)
         self.loss_scaling = LossScaling(   # (ranks with their own experts agree on skips)
