@@ -3,10 +3,15 @@
 ``-2`` ... for repeats), each project path named in backticks, and each ``sparseffn``
 command line shown (the CLI parses it)."""
 
+import contextlib
+import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+
+from sparseffn.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -88,11 +93,6 @@ def _commands(doc: Path) -> list[str]:
 def test_the_commands_the_docs_show_parse(doc):
     """Each command line the README and docs show is one the CLI takes: its subcommand,
     options and choices (``[...]`` optional parts included, placeholders filled in)."""
-    import contextlib
-    import io
-    import shlex
-
-    from sparseffn.cli import build_parser
     refused = []
     for command in _commands(doc):
         args = [_PLACEHOLDERS.get(word, word)

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 from .bench.compiled import LAYER_NAMES
-from .runtime import COMPILE_MODES
-from .runtime import tune_cpu_allocator
+from .runtime import COMPILE_MODES, tune_cpu_allocator
 
 
 def _bench_layers(args: argparse.Namespace) -> int:
