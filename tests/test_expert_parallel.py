@@ -239,9 +239,10 @@ def test_sharding_needs_a_process_group():
         shard_experts(_sigma())
 
 
-def _autocast_main(rank, world, init_file, out_dir):
-    """A bf16-autocast step of the sharded σ-MoE, recording the dtype of every exchange."""
-    from sparseffn.distributed import expert_parallel
+def _autocast_main(rank, world, init_file, out_dir, fixed):
+    """A bf16-autocast step of the sharded σ-MoE, recording the dtype of every exchange
+    (``fixed``: with a fixed exchange whose blocks hold every pair)."""
+    from sparseffn.distributed import FixedExchange, expert_parallel
     _init(rank, world, init_file)
     sent = []
     exchange = expert_parallel.all_to_all
@@ -251,7 +252,8 @@ def _autocast_main(rank, world, init_file, out_dir):
         return exchange(tensor, *args)
     expert_parallel.all_to_all = recording
     layer = _sigma()
-    shard_experts(layer, batch_statistics="local")
+    shard_experts(layer, batch_statistics="local",
+                  fixed_exchange=FixedExchange(tokens=7, capacity_factor=2.0) if fixed else None)
     x = _batch(rank, world).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
@@ -263,13 +265,14 @@ def _autocast_main(rank, world, init_file, out_dir):
     os._exit(0)
 
 
-def test_under_bf16_autocast_the_ranks_exchange_bf16_rows_and_equal_one_process():
+@pytest.mark.parametrize("fixed", [False, True], ids=["sized", "fixed"])
+def test_under_bf16_autocast_the_ranks_exchange_bf16_rows_and_equal_one_process(fixed):
     """The experts read their rows in bf16 under autocast, so the rows are cast before the
     exchange (half the bytes each way), and the result is the one-process layer's."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_autocast_main, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world,
-                 join=True)
+        mp.spawn(_autocast_main, args=(world, os.path.join(tmp, "init"), tmp, fixed),
+                 nprocs=world, join=True)
         got = [torch.load(f"{tmp}/autocast{r}.pt") for r in range(world)]
     one = _sigma()
     for rank, result in enumerate(got):   # the experts' gradients sum over every rank's batch
@@ -286,3 +289,222 @@ def test_under_bf16_autocast_the_ranks_exchange_bf16_rows_and_equal_one_process(
         first = result["first"]
         want = one.store.w1.grad[first:first + result["w1"].shape[0]]
         torch.testing.assert_close(result["w1"], want, atol=5e-2, rtol=5e-2)
+
+
+# --- the fixed-size exchange (shard_experts(fixed_exchange=FixedExchange(...))) ----------
+
+# run name: (layer, batch statistics, capacity factor (None: the exchange of sizes read on
+# the host), tokens on each of the 2 ranks); the blocks are sized for 7 tokens a rank
+FIXED_RUNS = {"sigma_roomy": ("sigma", "global", 2.0, (7, 4)),
+              "switch_roomy": ("switch", "local", 2.0, (7, 4)),
+              "sigma_tight": ("sigma", "local", 0.5, (7, 4)),
+              "sigma_empty_rank": ("sigma", "local", 0.5, (7, 0)),
+              "sized": ("sigma", "global", None, (7, 4))}
+
+
+def _fixed_batch(rank, sizes):
+    x = torch.randn(sizes[rank], D, generator=torch.Generator().manual_seed(70 + rank))
+    x[:, 0] = x[:, 0].abs() + 1.0
+    return x
+
+
+def _kept_at_exchange(indices, dispatched, world, per_rank, capacity):
+    """bool [T, k], slowly: a pair is sent if its router dispatched it and fewer than
+    ``capacity`` earlier pairs of this rank (in token, then slot order) go to its expert's
+    rank."""
+    sent, kept = [0] * world, []
+    flags = [True] * indices.numel() if dispatched is None else dispatched.reshape(-1).tolist()
+    for expert, routed in zip(indices.reshape(-1).tolist(), flags):
+        owner = expert // per_rank
+        kept.append(bool(routed) and sent[owner] < capacity)
+        sent[owner] += bool(routed)
+    return torch.tensor(kept, dtype=torch.bool).view(indices.shape)
+
+
+def _dropping_at_exchange(layer, world, capacity):
+    """``layer`` (one process, every expert) whose routing also drops what the fixed
+    exchange of ``world`` ranks with blocks of ``capacity`` rows drops."""
+    per_rank = layer.num_experts // world
+
+    def route(x):
+        routing = layer.router(x)
+        routing.dispatched = _kept_at_exchange(routing.indices, routing.dispatched, world,
+                                               per_rank, capacity)
+        return routing
+    layer.route = route
+    return layer
+
+
+_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+
+
+def _recording_host_reads(found):
+    """Record in ``found`` each host read whose caller is in sparseffn/distributed/, until
+    :func:`_stop_recording`."""
+    import inspect
+    for name in _READS:
+        read = getattr(torch.Tensor, name)
+
+        def recorded(tensor, *args, _read=read, _name=name, **kwargs):
+            caller = inspect.currentframe().f_back
+            if caller and "sparseffn/distributed/" in caller.f_code.co_filename:
+                found.append(f"{caller.f_code.co_name}: {_name}")
+            return _read(tensor, *args, **kwargs)
+        setattr(torch.Tensor, name, recorded)
+
+
+def _stop_recording():
+    for name in _READS:
+        delattr(torch.Tensor, name)   # torch.Tensor's own again (inherited from C)
+
+
+def _fixed_rank_main(rank, world, init_file, out_dir):
+    from sparseffn.distributed import FixedExchange
+    _init(rank, world, init_file)
+    results = {}
+    for name, (layer_name, statistics, factor, sizes) in FIXED_RUNS.items():
+        layer = LAYERS[layer_name]()
+        fixed = None if factor is None else FixedExchange(tokens=7, capacity_factor=factor)
+        shard_experts(layer, batch_statistics=statistics, fixed_exchange=fixed)
+        x = _fixed_batch(rank, sizes).requires_grad_()
+        reads = []
+        _recording_host_reads(reads)
+        try:
+            loss = _loss(layer, x)
+            loss.backward()
+        finally:
+            _stop_recording()
+        dropped = layer.routing_stats.get("exchange_dropped_fraction")
+        y = layer(x.detach()).detach()          # the same forward again, for its output
+        sync_gradients(layer)
+        layer.eval()
+        results[name] = {
+            "y": y, "loss": loss.detach(), "x_grad": x.grad, "reads": reads, "dropped": dropped,
+            "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+            "first_expert": layer.store.first_expert, "repr": repr(layer.store),
+            "capacity": fixed and fixed.capacity(layer.router.k, world),
+            "eval_y": layer(_fixed_batch(rank, sizes)).detach()}
+    torch.save(results, f"{out_dir}/fixed{rank}.pt")
+    dist.barrier()
+    os._exit(0)
+
+
+def _fixed_reference(layer_name, statistics, world, sizes, capacity):
+    """The one-process layer on the ranks' batches (global statistics: as one batch), with
+    the pairs the exchange drops dropped; the gradients of the mean of the ranks' losses,
+    and each rank's pairs that were kept."""
+    layer = LAYERS[layer_name]()
+    xs = [_fixed_batch(rank, sizes).requires_grad_() for rank in range(world)]
+    if statistics == "local":    # each rank's batch alone, as its exchange sees it
+        if capacity is not None:
+            _dropping_at_exchange(layer, world, capacity)
+        ys, losses = [], []
+        for x in xs:
+            loss = _loss(layer, x)
+            ys.append(layer(x.detach()).detach())
+            (loss / world).backward()
+            losses.append(loss.detach())
+    else:
+        assert capacity is None or capacity >= max(sizes) * layer.router.k  # nothing dropped
+        y = layer(torch.cat(xs))
+        aux = aux_loss(layer)
+        ys = list(torch.split(y.detach(), list(sizes)))
+        (y.pow(2).sum() / (10 * world) + aux).backward()
+        losses = [part.pow(2).sum() / 10 + aux.detach() for part in ys]
+    dropped = None
+    if capacity and statistics == "local":   # the pairs routed, less those kept, per pair
+        dropped = []
+        for x in xs:
+            routed, kept = layer.router(x.detach()).dispatched, layer.route(x.detach()).dispatched
+            pairs = kept.numel()
+            routed = pairs if routed is None else routed.sum().item()
+            dropped.append((routed - kept.sum().item()) / max(pairs, 1))
+    return ys, losses, [x.grad * world for x in xs], \
+        {n: p.grad.clone() for n, p in layer.named_parameters()}, dropped
+
+
+def test_the_fixed_size_exchange_reads_nothing_on_the_host_and_drops_what_it_says():
+    """Blocks roomy enough for every pair: the one-process layer's outputs, losses and
+    gradients (σ-MoE with global statistics, Switch with its own capacity drops). Blocks too
+    small (factor 0.5): the one-process layer with the same pairs dropped, in pair order,
+    and the dropped fraction it reports. Ranks with fewer tokens than the blocks are sized
+    for, and with none. Evaluation sends every pair. The exchange of sizes read on the host
+    is the one that reads."""
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_fixed_rank_main, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world,
+                 join=True)
+        got = [torch.load(f"{tmp}/fixed{r}.pt") for r in range(world)]
+    for name, (layer_name, statistics, factor, sizes) in FIXED_RUNS.items():
+        capacity = got[0][name]["capacity"]
+        ys, losses, x_grads, grads, dropped = _fixed_reference(layer_name, statistics, world,
+                                                               sizes, capacity)
+        one = LAYERS[layer_name]().eval()
+        for rank, result in enumerate(got):
+            r = result[name]
+            torch.testing.assert_close(r["y"], ys[rank], atol=1e-5, rtol=1e-5, msg=name)
+            torch.testing.assert_close(r["loss"], losses[rank], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(r["x_grad"], x_grads[rank], atol=1e-5, rtol=1e-5)
+            first = r["first_expert"]
+            for pname, grad in r["grads"].items():
+                full = grads[pname.replace("local.", "")]
+                want = full[first:first + grad.shape[0]] if "local." in pname else full
+                torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-5,
+                                           msg=f"{name} rank {rank} {pname}")
+            # evaluation: every pair, the one-process layer as it is
+            torch.testing.assert_close(r["eval_y"], one(_fixed_batch(rank, sizes)),
+                                       atol=1e-5, rtol=1e-5)
+            if factor is None:
+                assert r["reads"] and r["dropped"] is None, name   # the sizes, on the host
+                continue
+            assert r["reads"] == [], (name, r["reads"])
+            assert f"capacity_factor={factor}" in r["repr"]
+            if dropped is None:         # global statistics: a block holds every pair
+                assert capacity >= sizes[rank] * LAYERS[layer_name]().router.k
+                assert float(r["dropped"]) == 0.0
+            else:
+                assert float(r["dropped"]) == pytest.approx(dropped[rank]), (name, rank)
+    assert got[0]["sigma_tight"]["capacity"] == 4                    # ceil(0.5 · 7 · 2 / 2)
+    assert float(got[0]["sigma_tight"]["dropped"]) > 0               # the case occurred
+    assert got[1]["sigma_empty_rank"]["y"].shape == (0, D)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_capacity_layout_matches_a_slow_loop(seed):
+    from sparseffn.distributed.exchange import capacity_layout
+    g = torch.Generator().manual_seed(seed)
+    world = 1 + seed
+    pairs = (0, 1, 13, 40)[seed]
+    owner = torch.randint(0, world + 1, (pairs,), generator=g)   # world: not sent
+    for capacity in (0, 1, 3, pairs):
+        order, row_of_sorted, source, filled = capacity_layout(owner, world, capacity)
+        assert torch.equal(order, torch.argsort(owner, stable=True))
+        # slowly: each sent pair's row, and each row's pair
+        rows, taken = {}, [0] * world
+        for pair, rank in enumerate(owner.tolist()):
+            if rank < world and taken[rank] < capacity:
+                rows[pair] = rank * capacity + taken[rank]
+            if rank < world:
+                taken[rank] += 1
+        want = [rows.get(pair, world * capacity) for pair in order.tolist()]
+        assert row_of_sorted.tolist() == want
+        carried = {row: pair for pair, row in rows.items()}
+        assert filled.tolist() == [row in carried for row in range(world * capacity)]
+        assert source.shape == (world * capacity,)
+        for row in carried:
+            assert order[source[row]].item() == carried[row]
+        assert (source >= 0).all() and (source < max(pairs, 1)).all()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"tokens": 0}, "tokens must be a positive integer"),
+    ({"tokens": 7.0}, "tokens must be a positive integer"),
+    ({"tokens": 7, "capacity_factor": 0}, "capacity_factor must be a finite number > 0"),
+    ({"tokens": 7, "capacity_factor": float("nan")}, "capacity_factor must be a finite"),
+    ({"tokens": 7, "capacity_factor": True}, "capacity_factor must be a finite")])
+def test_a_bad_fixed_exchange_is_refused_by_name(fields, message):
+    from sparseffn.distributed import FixedExchange
+    with pytest.raises(ValueError, match=message):
+        FixedExchange(**fields)
+    with pytest.raises(TypeError, match="fixed_exchange must be a FixedExchange"):
+        shard_experts(_sigma(), fixed_exchange=2.0)

@@ -17,6 +17,12 @@ arXiv:2101.03961 §2.2):
 4. the inverse all-to-all brings each pair's output home, where the gates weight it and each
    token sums its k outputs in slot order (no atomics).
 
+Steps 1-2 read the exchanged counts on the host. ``shard_experts(model,
+fixed_exchange=FixedExchange(tokens=T, capacity_factor=f))`` instead sends, in training,
+blocks of a fixed ``ceil(f · T·k / world)`` rows to each rank, as GShard's fixed-capacity
+buffers do: nothing is read on the host, and pairs past a block are dropped (see
+:class:`FixedExchange`).
+
 The gates never leave their rank, so the router's gradient is computed at home. Gradients of
 the experts stay on their rank; those of the replicated parameters are averaged as in data
 parallelism: :func:`sync_gradients` after ``backward()`` (or DDP for the replicated part, with
@@ -45,6 +51,9 @@ group by its definition. The per-forward ``routing_stats`` are this rank's;
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,12 +62,52 @@ from ..auxiliary import sparse_grad_parameters
 from ..routing import RoutedFFN, Routing
 from ..stores import MLPExperts
 from ..stores.base import ExpertStore
-from .exchange import all_to_all, exchange_counts
+from .exchange import all_to_all, capacity_layout, exchange_counts
 from .batch import GroupBatchSum
 from .errors import explained
 from .sparse_grads import all_reduce_sparse_grads
 
 BATCH_STATISTICS = ("global", "local")
+
+
+@dataclass(frozen=True)
+class FixedExchange:
+    """The expert exchange in blocks of a fixed size, for training: each rank sends each rank
+    ``ceil(capacity_factor · tokens · k / world)`` rows per layer and forward (k: the
+    layer's experts per token), whatever the routing, as GShard dispatches to buffers of a
+    fixed capacity (Lepikhin et al. 2020, arXiv:2006.16668, §2.2). Nothing is read on the
+    host, so the host never waits for the device at an expert layer.
+
+    tokens: the tokens one rank routes in a training forward, **the same number on every
+      rank** (the block size must be, and it is computed from this, not from each rank's
+      batch). A forward with fewer tokens sends the same blocks, partly empty; one with
+      more drops more.
+    capacity_factor: the block's size relative to an even share (``tokens · k / world``).
+      With balanced routing nothing is dropped at 1.0; at ``world`` nothing ever is.
+
+    A destination's pairs beyond its block, the later tokens first, are dropped like pairs
+    past an expert's capacity (Fedus et al. 2022, §2.2): their output is zero and their gate
+    gets no gradient; ``routing_stats["exchange_dropped_fraction"]`` says how many of the
+    rank's (token, slot) pairs were. Evaluation sends every pair (the exchange of sizes read
+    on the host), so no evaluation output depends on the blocks.
+    """
+
+    tokens: int
+    capacity_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        tokens, factor = self.tokens, self.capacity_factor
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise ValueError(f"FixedExchange.tokens must be a positive integer (the tokens one "
+                             f"rank routes in a training forward), got {tokens!r}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+                or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"FixedExchange.capacity_factor must be a finite number > 0, got "
+                             f"{factor!r}")
+
+    def capacity(self, k: int, world: int) -> int:
+        """The rows each rank sends each rank: ``ceil(capacity_factor · tokens · k / world)``."""
+        return math.ceil(self.capacity_factor * self.tokens * k / world)
 
 
 def _group_rank_world(group) -> tuple[int, int]:
@@ -78,19 +127,30 @@ class ExpertParallelMLP(ExpertStore):
     Parameters: ``local.*`` (this rank's experts; ``local.b_out``, a dense MLP's output bias,
     is replicated).
 
-    One host read per forward: the exchanged counts, which ``all_to_all_single`` takes as
-    Python ints (so the layer cannot be captured in a CUDA graph, unlike the one-process
-    store). For the same reason ``torch.compile`` runs this store eagerly (a graph break
-    around :meth:`forward`, the rest of the model compiled): traced, every new count would
-    be a new graph.
+    Two exchanges:
+
+    - ``fixed_exchange=None`` (the default): every dispatched pair is sent, in exchanges of
+      the sizes the ranks tell each other first. One host read per forward: those sizes,
+      which ``all_to_all_single`` takes as Python ints, so the host waits for the device at
+      every layer and a CUDA graph cannot hold the store.
+    - a :class:`FixedExchange`: in training, blocks of a fixed size to each rank, nothing
+      read on the host, pairs past a block dropped; in evaluation, as None.
+
+    ``torch.compile`` runs this store eagerly either way (a graph break around
+    :meth:`forward`, the rest of the model compiled).
     """
 
-    def __init__(self, local: MLPExperts, num_experts: int, group=None) -> None:
+    def __init__(self, local: MLPExperts, num_experts: int, group=None,
+                 fixed_exchange: FixedExchange | None = None) -> None:
         super().__init__()
         rank, world = _group_rank_world(group)
         if local.num_experts * world != num_experts:
             raise ValueError(f"ExpertParallelMLP: {world} ranks of {local.num_experts} experts "
                              f"do not make {num_experts}")
+        if fixed_exchange is not None and not isinstance(fixed_exchange, FixedExchange):
+            raise TypeError(f"ExpertParallelMLP: fixed_exchange must be a FixedExchange or "
+                            f"None, got {type(fixed_exchange).__name__}")
+        self.fixed_exchange = fixed_exchange
         self.local = local
         self.group = group
         self.world = world
@@ -112,45 +172,99 @@ class ExpertParallelMLP(ExpertStore):
             raise ValueError("ExpertParallelMLP: a dense routing (every token to every expert, "
                              "the soft mode of a fast feed-forward tree) is not expert-parallel; "
                              "use a sparse train_mode or keep the layer unsharded")
-        tokens, k = routing.indices.shape
         experts = routing.indices.reshape(-1)
         owner = torch.div(experts, self.experts_per_rank, rounding_mode="floor")
         if routing.dispatched is not None:   # dropped at capacity: a rank past the last, never sent
             owner = torch.where(routing.dispatched.reshape(-1), owner, self.world)
+        if self.fixed_exchange is not None and self.training:
+            y = self._fixed_exchange(x, routing, experts, owner)
+        else:
+            y = self._sized_exchange(x, routing, experts, owner)
+        local = self.local
+        return y if local.b_out is None else y + local.b_out.to(y.dtype)
+
+    def _sized_exchange(self, x: torch.Tensor, routing: Routing, experts: torch.Tensor,
+                        owner: torch.Tensor) -> torch.Tensor:
+        """Every dispatched pair, in exchanges of the sizes the ranks tell each other: one
+        host read (the split sizes)."""
+        k = routing.indices.shape[1]
         # the pairs in the order of their ranks, stable; one host read: the split sizes
-        pairs = torch.argsort(owner, stable=True)
+        order = torch.argsort(owner, stable=True)
         send = torch.bincount(owner, minlength=self.world + 1)[:self.world]
         recv = exchange_counts(send, self.group)
         send_splits, recv_splits = send.tolist(), recv.tolist()
-        pairs = pairs[:sum(send_splits)]
-        experts, owner = experts.index_select(0, pairs), owner.index_select(0, pairs)
+        order = order[:sum(send_splits)]
+        rows = self._rows(x, torch.div(order, k, rounding_mode="floor"))            # [P, d]
+        rows = all_to_all(rows, send_splits, recv_splits, self.group)               # [R, d]
+        local_ids = all_to_all(experts.index_select(0, order) % self.experts_per_rank,
+                               send_splits, recv_splits, self.group)                 # [R]
+        out = self._expert_outputs(rows, local_ids)                                  # [R, d_out]
+        back = all_to_all(out, recv_splits, send_splits, self.group)                 # [P, d_out]
+        return self._combine(back, routing, order)
 
-        rows = x.index_select(0, torch.div(pairs, k, rounding_mode="floor"))         # [P, d]
+    def _fixed_exchange(self, x: torch.Tensor, routing: Routing, experts: torch.Tensor,
+                        owner: torch.Tensor) -> torch.Tensor:
+        """At most ``capacity`` pairs to each rank, in exchanges of ``world · capacity`` rows
+        whatever the routing (:func:`~sparseffn.distributed.exchange.capacity_layout`): no
+        host read. Records ``exchange_dropped_fraction`` in the routing's stats."""
+        tokens, k = routing.indices.shape
+        capacity = self.fixed_exchange.capacity(k, self.world)
+        order, row_of_sorted, source, filled = capacity_layout(owner, self.world, capacity)
+        if tokens:
+            pair_of_row = order.index_select(0, source)                              # [W·C]
+            rows = self._rows(x, torch.div(pair_of_row, k, rounding_mode="floor"))
+            local_ids = torch.where(filled, experts.index_select(0, pair_of_row)
+                                    % self.experts_per_rank, -1)
+        else:   # no token here: empty blocks, which the other ranks still expect; made
+            # from x, so that this rank's backward runs the same exchanges as theirs
+            rows = self._rows(torch.cat((x, x.new_zeros(1, x.shape[1]))), source)
+            local_ids = torch.full_like(source, -1)
+        splits = [capacity] * self.world
+        rows = all_to_all(rows, splits, splits, self.group)                          # [W·C, d]
+        local_ids = all_to_all(local_ids, splits, splits, self.group)                # [W·C]
+        out = self._expert_outputs(rows, local_ids.clamp(min=0), filled=local_ids >= 0)
+        back = all_to_all(out, splits, splits, self.group)                           # [W·C, d_out]
+        # each sorted pair's output, zero where it was not sent (the row past the buffer)
+        back = torch.cat((back, back.new_zeros(1, back.shape[1]))).index_select(0, row_of_sorted)
+        routed = (owner < self.world).sum()
+        routing.stats["exchange_dropped_fraction"] = (
+            (routed - filled.sum()).float() / max(tokens * k, 1)).detach()
+        return self._combine(back, routing, order)
+
+    def _rows(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of ``x`` to send, in the experts' dtype."""
+        rows = x.index_select(0, tokens)
         dtype = self.local.input_dtype(rows)
         if dtype is not None and rows.dtype != dtype:
             # cast before the exchange, not after: half the bytes sent each way under bf16
             # autocast, and the same bits (the experts would cast each row the same way)
             rows = rows.to(dtype)
-        rows = all_to_all(rows, send_splits, recv_splits, self.group)               # [R, d]
-        local_ids = all_to_all(experts - owner * self.experts_per_rank, send_splits,
-                               recv_splits, self.group)                               # [R]
-        ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=x.device)
-        out = self.local.expert_output(rows, Routing(indices=local_ids.unsqueeze(1),
-                                                     weights=ones))                  # [R, d_out]
-        back = all_to_all(out, recv_splits, send_splits, self.group)                 # [P, d_out]
+        return rows
 
-        # home again: weight by the gates, sum each token's k slots in order
-        gates = routing.weights.reshape(-1).index_select(0, pairs).to(back.dtype)
+    def _expert_outputs(self, rows: torch.Tensor, local_ids: torch.Tensor,
+                        filled: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's experts on the rows it received, unweighted; rows where ``filled`` is
+        False are not computed (their output is zero)."""
+        ones = torch.ones(local_ids.shape[0], 1, dtype=torch.float32, device=rows.device)
+        return self.local.expert_output(rows, Routing(
+            indices=local_ids.unsqueeze(1), weights=ones,
+            dispatched=None if filled is None else filled.unsqueeze(1)))
+
+    @staticmethod
+    def _combine(back: torch.Tensor, routing: Routing, order: torch.Tensor) -> torch.Tensor:
+        """Home again: weight the output of sorted pair j (``back`` [J, d_out], pair
+        ``order[j]``) by its gate and sum each token's k slots in order (no atomics)."""
+        tokens, k = routing.indices.shape
+        gates = routing.weights.reshape(-1).index_select(0, order).to(back.dtype)
         slots = back.new_zeros(tokens * k, back.shape[1]).index_copy(
-            0, pairs, back * gates.unsqueeze(1))
-        y = slots.view(tokens, k, back.shape[1]).sum(1)
-        local = self.local
-        return y if local.b_out is None else y + local.b_out.to(y.dtype)
+            0, order, back * gates.unsqueeze(1))
+        return slots.view(tokens, k, back.shape[1]).sum(1)
 
     def extra_repr(self) -> str:
+        exchange = "" if self.fixed_exchange is None else f", {self.fixed_exchange}"
         return (f"num_experts={self.num_experts}, world={self.world}, "
                 f"experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1} "
-                f"here")
+                f"here{exchange}")
 
 
 def sharded_stores(model: nn.Module):
@@ -175,7 +289,8 @@ def _local_copy(store: MLPExperts, first: int, count: int) -> MLPExperts:
     return local.train(store.training)
 
 
-def shard_experts(model: nn.Module, group=None, batch_statistics: str = "global") -> list[str]:
+def shard_experts(model: nn.Module, group=None, batch_statistics: str = "global",
+                  fixed_exchange: FixedExchange | None = None) -> list[str]:
     """Keep on this rank only its share of the experts of every mixture of MLP experts in
     ``model`` (any :class:`~sparseffn.routing.RoutedFFN` with an
     :class:`~sparseffn.stores.MLPExperts` store: :class:`~sparseffn.MoE` with every router,
@@ -185,11 +300,16 @@ def shard_experts(model: nn.Module, group=None, batch_statistics: str = "global"
     checkpoint first): rank r keeps experts ``[r·E/world, (r+1)·E/world)``. ``num_experts``
     must be a multiple of the group's size. ``batch_statistics``: ``"global"`` (the routers'
     aux losses over every rank's tokens) or ``"local"`` (over this rank's; see the module's
-    notes).
+    notes). ``fixed_exchange``: None (every pair, in exchanges whose sizes are read on the
+    host) or a :class:`FixedExchange` (in training, blocks of a fixed size, nothing read on
+    the host, pairs past a block dropped).
     """
     if batch_statistics not in BATCH_STATISTICS:
         raise ValueError(f"batch_statistics must be one of {BATCH_STATISTICS}, got "
                          f"{batch_statistics!r}")
+    if fixed_exchange is not None and not isinstance(fixed_exchange, FixedExchange):
+        raise TypeError(f"shard_experts: fixed_exchange must be a FixedExchange or None, got "
+                        f"{type(fixed_exchange).__name__}")
     rank, world = _group_rank_world(group)
     names = []
     for name, module in model.named_modules():
@@ -201,7 +321,7 @@ def shard_experts(model: nn.Module, group=None, batch_statistics: str = "global"
                              f"{store.num_experts} experts, not a multiple of the {world} ranks")
         count = store.num_experts // world
         module.store = ExpertParallelMLP(_local_copy(store, rank * count, count),
-                                         store.num_experts, group)
+                                         store.num_experts, group, fixed_exchange)
         module.router.global_batch = GroupBatchSum(group) if batch_statistics == "global" \
             else None
         names.append(name)
