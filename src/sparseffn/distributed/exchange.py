@@ -59,7 +59,7 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
 
 
 def capacity_layout(owner: torch.Tensor, world: int, capacity: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lay out this rank's (token, slot) pairs in ``world`` blocks of ``capacity`` rows, one
     block per destination rank: the send buffer of a fixed-size exchange, as GShard sends each
     expert group a buffer of fixed capacity (Lepikhin et al. 2020, arXiv:2006.16668, §2.2 and
@@ -72,8 +72,6 @@ def capacity_layout(owner: torch.Tensor, world: int, capacity: int
     Returns
       order: int64 [P], the pairs sorted by destination, stable (``order[j]`` is the pair at
         sorted position j);
-      row_of_sorted: int64 [P], the send-buffer row of sorted pair j, or ``world·capacity``
-        where it is not sent;
       source: int64 [world·capacity], the sorted position each buffer row carries (clamped
         into ``[0, P)`` where the row is empty; 0 when P = 0);
       filled: bool [world·capacity], whether the row carries a pair.
@@ -83,14 +81,11 @@ def capacity_layout(owner: torch.Tensor, world: int, capacity: int
     order = torch.argsort(owner, stable=True)
     sorted_owner = owner.index_select(0, order)
     # starts[r]: the first sorted position of rank r's pairs; starts[world]: of the unsent
-    starts = torch.searchsorted(sorted_owner, torch.arange(world + 2, device=device))
-    position = torch.arange(pairs, device=device) - starts.index_select(0, sorted_owner)
-    sent = (sorted_owner < world) & (position < capacity)
-    row_of_sorted = torch.where(sent, sorted_owner * capacity + position,
-                                torch.full_like(position, world * capacity))
+    starts = torch.searchsorted(sorted_owner, torch.arange(world + 1, device=device))
     rows = torch.arange(world * capacity, device=device)
     block = torch.div(rows, max(capacity, 1), rounding_mode="floor")   # rows is empty at 0
     offset = rows - block * capacity
+    # row `offset` of rank `block`'s block: the offset-th of that rank's run, if it has one
     source = starts.index_select(0, block) + offset
     filled = source < starts.index_select(0, block + 1)
-    return order, row_of_sorted, source.clamp(max=max(pairs - 1, 0)), filled
+    return order, source.clamp(max=max(pairs - 1, 0)), filled

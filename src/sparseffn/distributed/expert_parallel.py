@@ -200,7 +200,7 @@ class ExpertParallelMLP(ExpertStore):
                                send_splits, recv_splits, self.group)                 # [R]
         out = self._expert_outputs(rows, local_ids)                                  # [R, d_out]
         back = all_to_all(out, recv_splits, send_splits, self.group)                 # [P, d_out]
-        return self._combine(back, routing, order)
+        return self._combine(back, order, routing)
 
     def _fixed_exchange(self, x: torch.Tensor, routing: Routing, experts: torch.Tensor,
                         owner: torch.Tensor) -> torch.Tensor:
@@ -209,7 +209,7 @@ class ExpertParallelMLP(ExpertStore):
         host read. Records ``exchange_dropped_fraction`` in the routing's stats."""
         tokens, k = routing.indices.shape
         capacity = self.fixed_exchange.capacity(k, self.world)
-        order, row_of_sorted, source, filled = capacity_layout(owner, self.world, capacity)
+        order, source, filled = capacity_layout(owner, self.world, capacity)
         if tokens:
             pair_of_row = order.index_select(0, source)                              # [W·C]
             rows = self._rows(x, torch.div(pair_of_row, k, rounding_mode="floor"))
@@ -217,6 +217,7 @@ class ExpertParallelMLP(ExpertStore):
                                     % self.experts_per_rank, -1)
         else:   # no token here: empty blocks, which the other ranks still expect; made
             # from x, so that this rank's backward runs the same exchanges as theirs
+            pair_of_row = source
             rows = self._rows(torch.cat((x, x.new_zeros(1, x.shape[1]))), source)
             local_ids = torch.full_like(source, -1)
         splits = [capacity] * self.world
@@ -224,12 +225,11 @@ class ExpertParallelMLP(ExpertStore):
         local_ids = all_to_all(local_ids, splits, splits, self.group)                # [W·C]
         out = self._expert_outputs(rows, local_ids.clamp(min=0), filled=local_ids >= 0)
         back = all_to_all(out, splits, splits, self.group)                           # [W·C, d_out]
-        # each sorted pair's output, zero where it was not sent (the row past the buffer)
-        back = torch.cat((back, back.new_zeros(1, back.shape[1]))).index_select(0, row_of_sorted)
         routed = (owner < self.world).sum()
         routing.stats["exchange_dropped_fraction"] = (
             (routed - filled.sum()).float() / max(tokens * k, 1)).detach()
-        return self._combine(back, routing, order)
+        # the pair each row of the blocks carries; tokens·k (past the last) for an empty row
+        return self._combine(back, torch.where(filled, pair_of_row, tokens * k), routing)
 
     def _rows(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The rows of ``x`` to send, in the experts' dtype."""
@@ -251,14 +251,18 @@ class ExpertParallelMLP(ExpertStore):
             dispatched=None if filled is None else filled.unsqueeze(1)))
 
     @staticmethod
-    def _combine(back: torch.Tensor, routing: Routing, order: torch.Tensor) -> torch.Tensor:
-        """Home again: weight the output of sorted pair j (``back`` [J, d_out], pair
-        ``order[j]``) by its gate and sum each token's k slots in order (no atomics)."""
+    def _combine(back: torch.Tensor, pairs: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Home again: weight each output row (``back`` [J, d_out], of pair ``pairs[j]``, or
+        of none where ``pairs[j]`` is T·k) by its pair's gate, and sum each token's k slots
+        in order (no atomics). A pair no row carries contributes zero, and its gate gets no
+        gradient."""
         tokens, k = routing.indices.shape
-        gates = routing.weights.reshape(-1).index_select(0, order).to(back.dtype)
-        slots = back.new_zeros(tokens * k, back.shape[1]).index_copy(
-            0, order, back * gates.unsqueeze(1))
-        return slots.view(tokens, k, back.shape[1]).sum(1)
+        # rows that carry no pair: gate 0, written to a spare slot past the last
+        weights = torch.cat((routing.weights.reshape(-1), routing.weights.new_zeros(1)))
+        gates = weights.index_select(0, pairs).to(back.dtype)
+        slots = back.new_zeros(tokens * k + 1, back.shape[1]).index_copy(
+            0, pairs, back * gates.unsqueeze(1))
+        return slots[:tokens * k].view(tokens, k, back.shape[1]).sum(1)
 
     def extra_repr(self) -> str:
         exchange = "" if self.fixed_exchange is None else f", {self.fixed_exchange}"
