@@ -60,11 +60,11 @@ def test_reading_at_the_boundaries_logs_and_trains_what_reading_every_step_does(
 
 class _TrainerReads:
     """Every host read (``.item()``, ``.tolist()``, ``float()``, ``int()``, ``bool()``,
-    ``__index__``) whose nearest sparseffn caller is the training package's code, as
-    (inside a step, the steps done, where)."""
+    ``__index__``) whose nearest sparseffn caller is in one of ``packages`` (by default the
+    training package's code), as (inside a step, the steps done, where)."""
 
-    def __init__(self, monkeypatch):
-        self.found = []
+    def __init__(self, monkeypatch, packages=("train/",)):
+        self.found, self.packages = [], packages
         self.trainer, self.in_step = None, False
         for name in _READS:
             monkeypatch.setattr(torch.Tensor, name, self._recording(getattr(torch.Tensor, name)))
@@ -81,7 +81,7 @@ class _TrainerReads:
     def _recording(self, read):
         def recorded(tensor, *args, **kwargs):
             where = _sparseffn_caller()
-            if where is not None and where.startswith("train/"):
+            if where is not None and where.startswith(self.packages):
                 done = self.trainer.step if self.trainer else 0
                 self.found.append((self.in_step, done, where))
             return read(tensor, *args, **kwargs)

@@ -50,6 +50,14 @@ def _expert_parallel_fp16(corpus):
         **{**run.train.__dict__, "fp16": True}))
 
 
+def _fixed_exchange(corpus):
+    """Sharded experts exchanged in blocks of a fixed size, roomy enough (factor 2 on two
+    ranks) that no pair is dropped."""
+    run = _run(corpus, 0.0)
+    return run.replace(name="tiny-ep-fixed", train=TrainSpec(
+        **{**run.train.__dict__, "exchange_capacity_factor": 2.0}))
+
+
 def _data_parallel_micro(corpus, micro_batches):
     """A dense LM without dropout, each step's rows split into ``micro_batches`` parts (on two
     ranks each rank's 3 or 2 rows of 5: parts of 2 and 1, and 1 and 1 rows)."""
@@ -86,12 +94,14 @@ def _rank(rank, world, port, jobs):
         with pytest.MonkeyPatch.context() as patch:
             if run_dict["name"] == "tiny-ep-fp16" and rank == 0:
                 _overflow_own_experts_at(patch, trainer, step=7)
-            reads = _TrainerReads(patch) if read_every_step is False else None
+            # the training package's host reads inside a step, and the expert exchange's
+            reads = _TrainerReads(patch, ("train/", "distributed/")) \
+                if read_every_step is False else None
             try:
                 trainer.train(resume=resume)
             except KeyboardInterrupt:
                 assert stop_after
-        if reads is not None:   # the training package's host reads inside a step
+        if reads is not None:
             (out / f"step_reads{rank}-{int(resume)}.json").write_text(
                 json.dumps([where for inside, _, where in reads.found if inside]))
         if trainer.loss_scaling.enabled:   # what each rank ends with, to compare the ranks
@@ -163,6 +173,7 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     fp16 = _data_parallel_fp16(str(corpus)).to_dict()
     ep_fp16 = _expert_parallel_fp16(str(corpus)).to_dict()
     micro = _data_parallel_micro(str(corpus), 2)
+    fixed = _fixed_exchange(str(corpus)).to_dict()
     # (run, folder, resume, the step during which rank 0 asks to stop, read_every_step)
     jobs = [(exact.to_dict(), tmp_path / "ep", False, None, None),
             (exact.to_dict(), tmp_path / "ep_stopped", False, 3, None),
@@ -174,7 +185,8 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
             (fp16, tmp_path / "dp_fp16", False, None, None),
             (fp16, tmp_path / "dp_fp16_deferred", False, None, False),
             (ep_fp16, tmp_path / "ep_fp16", False, None, None),
-            (micro.to_dict(), tmp_path / "dp_micro", False, None, None)]
+            (micro.to_dict(), tmp_path / "dp_micro", False, None, None),
+            (fixed, tmp_path / "ep_fixed", False, None, False)]
     mp.spawn(_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
 
     # 1. two ranks with sharded experts = one process on the same global batches
@@ -219,9 +231,11 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     #    average the same losses there, and stop at the same step
     assert _curve(tmp_path / "noisy_deferred") == _curve(tmp_path / "noisy")
     # ... and no step read the device on the host in the training package's code (the
-    #     gradient clipping over the sharded experts included)
+    #     gradient clipping over the sharded experts included); the expert exchange read its
+    #     sizes
     for name in ("step_reads0-0", "step_reads1-0", "step_reads0-1", "step_reads1-1"):
-        assert json.loads((tmp_path / "noisy_deferred" / f"{name}.json").read_text()) == []
+        reads = json.loads((tmp_path / "noisy_deferred" / f"{name}.json").read_text())
+        assert reads and all(where.startswith("distributed/") for where in reads), reads
 
     # 3. the 2-rank checkpoint of step 4 resumes on one process
     stopped = tmp_path / "ep_stopped"
@@ -290,7 +304,15 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     for key, value in whole.items():
         torch.testing.assert_close(parts[key], value, atol=1e-5, rtol=1e-4, msg=key)
 
-    # 7. a missing shard is named
+    # 7. the fixed-size exchange with blocks that hold every pair: one process's run, and
+    #    no step read the device on the host, in the exchange or in the training package
+    for (kind, step, a), (kind_b, step_b, b) in zip(_curve(tmp_path / "ep_fixed"),
+                                                    _curve(tmp_path / "single"), strict=True):
+        assert (kind, step) == (kind_b, step_b) and a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    for rank in range(2):
+        assert json.loads((tmp_path / "ep_fixed" / f"step_reads{rank}-0.json").read_text()) == []
+
+    # 8. a missing shard is named
     (tmp_path / "ep" / "checkpoint.pt.experts-step6-rank1-of-2").unlink()
     with pytest.raises(ckpt.CheckpointError, match="rank1-of-2 is missing"):
         ckpt.load(tmp_path / "ep" / "checkpoint.pt")
@@ -326,3 +348,22 @@ def test_compare_under_torchrun_is_refused_with_what_to_do(tmp_path, monkeypatch
         compare({"name": "c", "data": {"corpus": "pydoc"}, "compare": {"variants": ["dense"]}},
                 tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_fixed_exchange_is_sized_for_the_largest_micro_batch_of_a_rank():
+    """5 rows on 2 ranks: 3 and 2; in 2 micro-batches: parts of 2 and 1 rows, so blocks for
+    2 rows of 16 tokens on every rank."""
+    from sparseffn.train.config import ConfigError
+    parallel = Parallel(rank=1, world=2, expert_parallel=True)
+    fixed = parallel.fixed_exchange(1.5, rows=5, micro_batches=2, tokens_per_row=16)
+    assert (fixed.tokens, fixed.capacity_factor) == (32, 1.5)
+    assert fixed.capacity(k=2, world=2) == math.ceil(1.5 * 32 * 2 / 2)
+    assert parallel.fixed_exchange(None, rows=5, micro_batches=2, tokens_per_row=16) is None
+    assert TrainSpec(expert_parallel=True, exchange_capacity_factor=1).exchange_capacity_factor \
+        == 1.0
+    for bad in (0, -1.0, float("inf"), "2"):
+        with pytest.raises(ConfigError, match="train.exchange_capacity_factor must be a finite "
+                                              "number"):
+            TrainSpec(expert_parallel=True, exchange_capacity_factor=bad)
+    with pytest.raises(ConfigError, match="it needs train.expert_parallel = true"):
+        TrainSpec(exchange_capacity_factor=1.25)

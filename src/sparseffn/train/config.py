@@ -167,6 +167,10 @@ class TrainSpec:
     log_every: int = 10
     checkpoint_every: int = 0       # 0: only at the end and on Ctrl-C
     expert_parallel: bool = False   # under torchrun: shard the experts across the ranks
+    # with expert_parallel: exchange the experts' tokens in blocks of a fixed size, this
+    # factor times an even share of a micro-batch's pairs (nothing read on the host; pairs
+    # past a block dropped); none: every pair, in exchanges whose sizes are read on the host
+    exchange_capacity_factor: float | None = None
     # torch.compile the training forward and loss (not eval): true, or "reduce-overhead" for
     # the same replayed from CUDA graphs on a GPU (on a CPU it is true)
     compile: Any = False
@@ -210,8 +214,16 @@ class TrainSpec:
                f"{self.compile!r}")
         _check(not (self.compile == "reduce-overhead" and self.expert_parallel),
                "train.compile = \"reduce-overhead\" is not supported with "
-               "train.expert_parallel (the experts' all-to-all reads its sizes on the host "
-               "every step, which a CUDA graph cannot hold); use train.compile = true")
+               "train.expert_parallel (the experts' all-to-all runs eagerly between the "
+               "compiled parts, and by default reads its sizes on the host every step; CUDA "
+               "graphs around it are untested); use train.compile = true")
+        factor = self.exchange_capacity_factor
+        _check(factor is None or (math.isfinite(factor) and factor > 0),
+               f"train.exchange_capacity_factor must be a finite number > 0 (or none: every "
+               f"pair, sizes read on the host), got {factor!r}")
+        _check(factor is None or self.expert_parallel,
+               "train.exchange_capacity_factor sizes the exchange of sharded experts: it needs "
+               "train.expert_parallel = true")
         _check(self.checkpoint_every >= 0,
                f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _check(isinstance(self.betas, (list, tuple)) and len(self.betas) == 2

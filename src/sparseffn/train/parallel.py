@@ -19,6 +19,7 @@ A single process (no ``WORLD_SIZE`` above 1) does none of this.
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 
@@ -26,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import (expert_parameters, shard_experts, sharded_stores, split_state_dict,
-                           sync_gradients)
+from ..distributed import (FixedExchange, expert_parameters, shard_experts, sharded_stores,
+                           split_state_dict, sync_gradients)
 from ..distributed.errors import explained
 
 #: How long a rank waits for the others in a collective before it fails.
@@ -76,10 +77,24 @@ class Parallel:
         """Whether the experts are split across the ranks (and checkpoints with them)."""
         return self.active and self.expert_parallel
 
-    def shard(self, model: nn.Module) -> None:
-        """Keep this rank's experts only (with ``expert_parallel``)."""
+    def shard(self, model: nn.Module, fixed_exchange: FixedExchange | None = None) -> None:
+        """Keep this rank's experts only (with ``expert_parallel``), exchanging their tokens
+        in blocks of a fixed size when ``fixed_exchange`` is given."""
         if self.sharded:
-            shard_experts(model)
+            shard_experts(model, fixed_exchange=fixed_exchange)
+
+    def fixed_exchange(self, capacity_factor: float | None, rows: int, micro_batches: int,
+                       tokens_per_row: int) -> FixedExchange | None:
+        """The experts' fixed-size exchange for ``capacity_factor`` (None: None), its blocks
+        sized for the largest micro-batch a rank gets from a batch of ``rows`` rows (the
+        same number on every rank, as the blocks must be): ``ceil(ceil(rows / world) /
+        micro_batches)`` rows of ``tokens_per_row`` tokens (``tensor_split`` hands out the
+        larger parts first)."""
+        if capacity_factor is None:
+            return None
+        per_rank = math.ceil(rows / self.world)
+        return FixedExchange(tokens=math.ceil(per_rank / micro_batches) * tokens_per_row,
+                             capacity_factor=capacity_factor)
 
     def local(self, inputs: torch.Tensor, targets: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -249,11 +249,13 @@ class Trainer:
                f"each of its micro-batches at least one row")
         if state is not None:    # the one-process state: load it, then keep this rank's experts
             self.model.load_state_dict(state["model"])
-        parallel.shard(self.model)
+        t = run.train
+        parallel.shard(self.model, parallel.fixed_exchange(
+            t.exchange_capacity_factor, t.batch_size, t.micro_batches,
+            run.model.context if isinstance(self.data, TextData) else 1))
         if parallel.active:      # different dropout and routing noise on every rank
             torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))   # (CUDA's too)
         self.dense_params = dense_grad_parameters(self.model)
-        t = run.train
         # the step's forward and loss compiled (evaluation and checkpoints use the model
         # itself); without it, each step looks up model.loss afresh
         self.compiled_loss = None if t.compile_mode is None else compiled(
