@@ -217,15 +217,24 @@ def test_bench_tokenizers_times_both_engines_and_finds_them_agreeing(tmp_path, c
 
 
 def test_bench_distributed_measures_the_exchange_share(tmp_path, capsys):
+    """Two exchanges on two processes (sizes read on the host, and fixed blocks at a tight
+    factor, which drop pairs), none on one."""
     path = tmp_path / "dist.json"
     assert cli.main(["bench", "distributed", "--processes", "1", "2", "3", "--tokens", "64",
                      "--d-model", "16", "--num-experts", "4", "--expert-size", "8", "--k", "2",
-                     "--repeats", "1", "--json", str(path)]) == 0
+                     "--repeats", "1", "--capacity-factor", "0.5", "--json", str(path)]) == 0
     records = json.loads(path.read_text())
-    assert [r["processes"] for r in records] == [1, 2]          # 4 experts do not split over 3
+    # 4 experts do not split over 3
+    assert [(r["processes"], r["exchange"]) for r in records] == \
+        [(1, "none"), (2, "sized"), (2, "fixed")]
     assert records[0]["all_to_all_ms"] == 0 and records[1]["all_to_all_ms"] > 0
     assert all(0 <= r["all_to_all_share"] < 1 and r["tokens_per_s"] > 0 for r in records)
+    assert records[1]["dropped_fraction"] == 0 < records[2]["dropped_fraction"] < 1
+    assert [r["capacity_factor"] for r in records] == [None, None, 0.5]
     assert "skipped: 4 experts do not split over 3" in capsys.readouterr().out
+    for bad in ("0", "nan"):
+        assert cli.main(["bench", "distributed", "--capacity-factor", bad]) == 2
+        assert "--capacity-factor must be a finite number > 0" in capsys.readouterr().err
 
 
 def test_bad_depths_are_rejected(capsys):

@@ -147,9 +147,18 @@ def _bench_tokenizers(args: argparse.Namespace) -> int:
 
 def _bench_distributed(args: argparse.Namespace) -> int:
     from .bench import distributed
+    from .distributed import FixedExchange
+    if args.capacity_factor is not None:
+        try:
+            FixedExchange(tokens=1, capacity_factor=args.capacity_factor)
+        except ValueError:
+            print(f"sparseffn: --capacity-factor must be a finite number > 0, got "
+                  f"{args.capacity_factor}", file=sys.stderr)
+            return 2
     distributed.run(tuple(args.processes), tokens=args.tokens, d_model=args.d_model,
                     num_experts=args.num_experts, expert_size=args.expert_size, k=args.k,
-                    repeats=args.repeats, json_path=args.json)
+                    repeats=args.repeats, capacity_factor=args.capacity_factor,
+                    json_path=args.json)
     return 0
 
 
@@ -354,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist_bench.add_argument("--expert-size", type=int, default=128, help="expert width (128)")
     dist_bench.add_argument("--k", type=int, default=4, help="experts per token (4)")
     dist_bench.add_argument("--repeats", type=int, default=5, help="timed steps (5)")
+    dist_bench.add_argument("--capacity-factor", type=float, metavar="F",
+                            help="also time the fixed-size exchange (blocks of F times an even "
+                                 "share), in the same processes, alternate steps")
     dist_bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     dist_bench.set_defaults(func=_bench_distributed)
 

@@ -37,52 +37,67 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, settings: dict) -
     import torch.distributed as dist
 
     from ..layers import MoE, MoEConfig
-    from ..distributed import shard_experts, sync_gradients
+    from ..distributed import FixedExchange, shard_experts, sync_gradients
     torch.set_num_threads(max(1, settings["threads"] // world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    torch.manual_seed(0)
-    layer = MoE(MoEConfig(d_model=settings["d_model"], num_experts=settings["num_experts"],
-                          expert_size=settings["expert_size"], k=settings["k"]))
-    if world > 1:
-        shard_experts(layer)
     tokens = settings["tokens"] // world
+    factor = settings["capacity_factor"]
+    exchanges = ["sized", "fixed"] if world > 1 and factor else ["sized" if world > 1 else "none"]
+    layers = {}
+    for exchange in exchanges:    # the same weights each
+        torch.manual_seed(0)
+        layer = MoE(MoEConfig(d_model=settings["d_model"], num_experts=settings["num_experts"],
+                              expert_size=settings["expert_size"], k=settings["k"]))
+        if world > 1:
+            shard_experts(layer, fixed_exchange=FixedExchange(tokens, factor)
+                          if exchange == "fixed" else None)
+        layers[exchange] = layer
     x = torch.randn(tokens, settings["d_model"],
                     generator=torch.Generator().manual_seed(rank)).requires_grad_()
-    exchange = [0.0]
-    _timed_exchanges(exchange)
-    steps, exchanges = [], []
+    spent = [0.0]
+    _timed_exchanges(spent)
+    results = {exchange: {"steps": [], "exchanges": [], "dropped": []} for exchange in layers}
     for repeat in range(settings["warmup"] + settings["repeats"]):
-        dist.barrier()
-        exchange[0] = 0.0
-        start = time.perf_counter()
-        layer(x).square().mean().backward()
-        if world > 1:
-            sync_gradients(layer)
-        elapsed = time.perf_counter() - start
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        if repeat >= settings["warmup"]:
-            steps.append(elapsed)
-            exchanges.append(exchange[0])
+        for exchange, layer in layers.items():     # interleaved rounds
+            dist.barrier()
+            spent[0] = 0.0
+            start = time.perf_counter()
+            layer(x).square().mean().backward()
+            if world > 1:
+                sync_gradients(layer)
+            elapsed = time.perf_counter() - start
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            if repeat >= settings["warmup"]:
+                result = results[exchange]
+                result["steps"].append(elapsed)
+                result["exchanges"].append(spent[0])
+                dropped = layer.routing_stats.get("exchange_dropped_fraction")
+                result["dropped"].append(0.0 if dropped is None else float(dropped))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
-        json.dump({"steps": steps, "exchanges": exchanges}, file)
+        json.dump(results, file)
     dist.barrier()
     os._exit(0)        # gloo's teardown can abort a finished process (tests/layers notes)
 
 
 def run(processes: tuple[int, ...] = (1, 2, 4), tokens: int = 8192, d_model: int = 256,
         num_experts: int = 16, expert_size: int = 128, k: int = 4, repeats: int = 5,
-        warmup: int = 2, json_path: str | None = None) -> list[dict]:
+        warmup: int = 2, capacity_factor: float | None = None,
+        json_path: str | None = None) -> list[dict]:
+    """``capacity_factor``: on several processes, also the fixed-size exchange
+    (:class:`~sparseffn.distributed.FixedExchange`, blocks sized for each process's tokens),
+    timed in the same processes as the exchange of sizes read on the host, in alternate
+    steps."""
     import torch.multiprocessing as mp
     settings = {"tokens": tokens, "d_model": d_model, "num_experts": num_experts,
                 "expert_size": expert_size, "k": k, "repeats": repeats, "warmup": warmup,
-                "threads": torch.get_num_threads()}
-    print(f"expert-parallel σ-MoE layer, forward+backward: {tokens} tokens in all, d_model "
+                "threads": torch.get_num_threads(), "capacity_factor": capacity_factor}
+    print(f"expert-parallel MoE layer, forward+backward: {tokens} tokens in all, d_model "
           f"{d_model}, {num_experts} experts of {expert_size}, k = {k}; gloo, "
           f"{settings['threads']} threads shared by the processes")
-    print(f"{'processes':>9} {'step ms':>8} {'tokens/s':>10} {'all-to-all ms':>14} "
-          f"{'all-to-all share':>17}")
+    print(f"{'processes':>9} {'exchange':>9} {'step ms':>8} {'tokens/s':>10} "
+          f"{'all-to-all ms':>14} {'all-to-all share':>17} {'dropped':>8}")
     records = []
     for world in processes:
         if num_experts % world:
@@ -95,19 +110,24 @@ def run(processes: tuple[int, ...] = (1, 2, 4), tokens: int = 8192, d_model: int
             for r in range(world):
                 with open(os.path.join(tmp, f"rank{r}.json")) as file:
                     ranks.append(json.load(file))
-        # a step lasts as long as its slowest rank
-        steps = [max(r["steps"][i] for r in ranks) for i in range(repeats)]
-        exchanges = [max(r["exchanges"][i] for r in ranks) for i in range(repeats)]
-        step_ms = statistics.median(steps) * 1e3
-        exchange_ms = statistics.median(exchanges) * 1e3
-        record = {"processes": world, "tokens": tokens, "d_model": d_model,
-                  "num_experts": num_experts, "expert_size": expert_size, "k": k,
-                  "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1e3),
-                  "all_to_all_ms": exchange_ms,
-                  "all_to_all_share": exchange_ms / step_ms if step_ms else 0.0}
-        records.append(record)
-        print(f"{world:>9} {step_ms:>8.1f} {record['tokens_per_s']:>10.0f} {exchange_ms:>14.1f} "
-              f"{record['all_to_all_share']:>16.1%}")
+        for exchange in ranks[0]:
+            # a step lasts as long as its slowest rank
+            steps = [max(r[exchange]["steps"][i] for r in ranks) for i in range(repeats)]
+            spent = [max(r[exchange]["exchanges"][i] for r in ranks) for i in range(repeats)]
+            dropped = statistics.mean(d for r in ranks for d in r[exchange]["dropped"])
+            step_ms = statistics.median(steps) * 1e3
+            exchange_ms = statistics.median(spent) * 1e3
+            record = {"processes": world, "exchange": exchange, "tokens": tokens,
+                      "d_model": d_model, "num_experts": num_experts,
+                      "expert_size": expert_size, "k": k, "capacity_factor":
+                      capacity_factor if exchange == "fixed" else None,
+                      "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1e3),
+                      "all_to_all_ms": exchange_ms,
+                      "all_to_all_share": exchange_ms / step_ms if step_ms else 0.0,
+                      "dropped_fraction": dropped}
+            records.append(record)
+            print(f"{world:>9} {exchange:>9} {step_ms:>8.1f} {record['tokens_per_s']:>10.0f} "
+                  f"{exchange_ms:>14.1f} {record['all_to_all_share']:>16.1%} {dropped:>8.2%}")
     if json_path:
         write_json(records, json_path)
     return records
