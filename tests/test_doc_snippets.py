@@ -54,6 +54,8 @@ STAND_INS = {
 NOT_RUN = {
     ("distributed.md", 'dist.init_process_group("gloo")'):
         "needs torchrun's processes; tests/test_expert_parallel.py runs the same calls",
+    ("distributed.md", "fixed_exchange=FixedExchange(tokens=4096"):
+        "needs a process group; tests/test_expert_parallel.py runs the fixed exchange",
     ("huggingface.md", 'load_safetensors_model("runs/NAME/model.safetensors"'):
         "needs a trained run; tests/train/test_export_model.py exports and loads one",
 }
