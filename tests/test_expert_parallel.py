@@ -89,7 +89,8 @@ def _rank_main(rank, world, init_file, out_dir, checkpoint_in):
             loss.backward()
             scale_expert_gradients(layer)
         elif ddp:   # DDP averages the rest; the experts stay out of it
-            assert ddp_ignore_expert_parameters(layer) == ["store.local.w1", "store.local.w2"]
+            assert ddp_ignore_expert_parameters(layer) == ["store.local.w1", "store.local.w2",
+                                                           "store.exchange_counts"]
             model = DistributedDataParallel(layer, broadcast_buffers=False)
             loss = model(x).pow(2).sum() / 10 + aux_loss(layer)
             loss.backward()
@@ -359,7 +360,7 @@ def _stop_recording():
 
 
 def _fixed_rank_main(rank, world, init_file, out_dir):
-    from sparseffn.distributed import FixedExchange
+    from sparseffn.distributed import FixedExchange, exchange_drops
     _init(rank, world, init_file)
     results = {}
     for name, (layer_name, statistics, factor, sizes) in FIXED_RUNS.items():
@@ -378,8 +379,11 @@ def _fixed_rank_main(rank, world, init_file, out_dir):
         y = layer(x.detach()).detach()          # the same forward again, for its output
         sync_gradients(layer)
         layer.eval()
+        layer(x.detach())                       # evaluation: not counted
+        drops = (exchange_drops(layer), exchange_drops(layer))   # read, then counted afresh
         results[name] = {
             "y": y, "loss": loss.detach(), "x_grad": x.grad, "reads": reads, "dropped": dropped,
+            "drops": drops,
             "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
             "first_expert": layer.store.first_expert, "repr": repr(layer.store),
             "capacity": fixed and fixed.capacity(layer.router.k, world),
@@ -456,7 +460,13 @@ def test_the_fixed_size_exchange_reads_nothing_on_the_host_and_drops_what_it_say
                                        atol=1e-5, rtol=1e-5)
             if factor is None:
                 assert r["reads"] and r["dropped"] is None, name   # the sizes, on the host
+                assert r["drops"] == (None, None)
                 continue
+            # the training forwards' drops over both ranks (two forwards each, equal)
+            pairs = [size * LAYERS[layer_name]().router.k for size in sizes]
+            want = sum(float(result[name]["dropped"]) * n for result, n in zip(got, pairs)) \
+                / sum(pairs)
+            assert r["drops"][0] == pytest.approx(want) and r["drops"][1] == 0.0, name
             assert r["reads"] == [], (name, r["reads"])
             assert f"capacity_factor={factor}" in r["repr"]
             if dropped is None:         # global statistics: a block holds every pair

@@ -311,6 +311,13 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
         assert (kind, step) == (kind_b, step_b) and a == pytest.approx(b, rel=1e-4, abs=1e-5)
     for rank in range(2):
         assert json.loads((tmp_path / "ep_fixed" / f"step_reads{rank}-0.json").read_text()) == []
+    # ... whose records say what it dropped (nothing); the sized exchange's have no such field
+    fixed_records = [m for m in map(json.loads, (tmp_path / "ep_fixed" / "metrics.jsonl")
+                                    .read_text().splitlines()) if m["kind"] == "train"]
+    assert len(fixed_records) == 6
+    assert all(m["exchange_dropped_fraction"] == 0.0 for m in fixed_records)
+    assert not any("exchange_dropped_fraction" in json.loads(line) for line in
+                   (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines())
 
     # 8. a missing shard is named
     (tmp_path / "ep" / "checkpoint.pt.experts-step6-rank1-of-2").unlink()

@@ -11,14 +11,14 @@ from .batch import GroupBatchSum
 from .errors import ExchangeError
 from .exchange import all_to_all, exchange_counts
 from .expert_parallel import (ExpertParallelMLP, FixedExchange, ddp_ignore_expert_parameters,
-                              expert_parameters, gathered_state_dict, scale_expert_gradients,
-                              shard_experts, sharded_stores, split_state_dict,
-                              sync_gradients)
+                              exchange_drops, expert_parameters, gathered_state_dict,
+                              scale_expert_gradients, shard_experts, sharded_stores,
+                              split_state_dict, sync_gradients)
 from .sparse_grads import all_reduce_sparse_grads, ddp_ignore_sparse_grad_parameters
 
 __all__ = ["ExchangeError", "ExpertParallelMLP", "FixedExchange", "GroupBatchSum",
            "all_reduce_sparse_grads", "all_to_all",
            "ddp_ignore_expert_parameters", "ddp_ignore_sparse_grad_parameters",
-           "exchange_counts", "expert_parameters", "gathered_state_dict",
+           "exchange_counts", "exchange_drops", "expert_parameters", "gathered_state_dict",
            "scale_expert_gradients", "shard_experts", "sharded_stores", "split_state_dict",
            "sync_gradients"]

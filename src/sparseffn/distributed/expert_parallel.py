@@ -151,6 +151,11 @@ class ExpertParallelMLP(ExpertStore):
             raise TypeError(f"ExpertParallelMLP: fixed_exchange must be a FixedExchange or "
                             f"None, got {type(fixed_exchange).__name__}")
         self.fixed_exchange = fixed_exchange
+        # the fixed exchange's pairs dropped and pairs in all, summed over training forwards
+        # until exchange_drops() reads them (integers: a model's .to(dtype) leaves them be)
+        self.register_buffer("exchange_counts", torch.zeros(2, dtype=torch.int64,
+                                                            device=local.w1.device),
+                             persistent=False)
         self.local = local
         self.group = group
         self.world = world
@@ -225,9 +230,11 @@ class ExpertParallelMLP(ExpertStore):
         local_ids = all_to_all(local_ids, splits, splits, self.group)                # [W·C]
         out = self._expert_outputs(rows, local_ids.clamp(min=0), filled=local_ids >= 0)
         back = all_to_all(out, splits, splits, self.group)                           # [W·C, d_out]
-        routed = (owner < self.world).sum()
+        dropped = (owner < self.world).sum() - filled.sum()
         routing.stats["exchange_dropped_fraction"] = (
-            (routed - filled.sum()).float() / max(tokens * k, 1)).detach()
+            dropped.float() / max(tokens * k, 1)).detach()
+        self.exchange_counts[0].add_(dropped)
+        self.exchange_counts[1].add_(tokens * k)     # a Python number: no copy to the device
         # the pair each row of the blocks carries; tokens·k (past the last) for an empty row
         return self._combine(back, torch.where(filled, pair_of_row, tokens * k), routing)
 
@@ -332,6 +339,25 @@ def shard_experts(model: nn.Module, group=None, batch_statistics: str = "global"
     return names
 
 
+@torch.no_grad()
+def exchange_drops(model: nn.Module) -> float | None:
+    """The share of (token, slot) pairs that the fixed-size exchanges of ``model``'s sharded
+    layers dropped in the training forwards since the last call, over every rank and layer
+    (None when no layer has a :class:`FixedExchange`); then start counting again. Every rank
+    must call it: one all-reduce and one host read, for a training loop to call where it
+    reads anyway (as ``sparseffn train`` does at its log steps)."""
+    stores = [store for _, store in sharded_stores(model) if store.fixed_exchange is not None]
+    if not stores:
+        return None
+    counts = torch.stack([store.exchange_counts for store in stores]).sum(0)   # [dropped, all]
+    with explained("all-reduce (exchange drops)", stores[0].group):
+        dist.all_reduce(counts, group=stores[0].group)
+    for store in stores:
+        store.exchange_counts.zero_()
+    dropped, pairs = counts.tolist()
+    return dropped / pairs if pairs else 0.0
+
+
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of ``model`` that live on this rank only (its experts)."""
     return [p for _, store in sharded_stores(model) for p in store.expert_parameters()]
@@ -339,11 +365,14 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def ddp_ignore_expert_parameters(model: nn.Module) -> list[str]:
     """Keep the expert parameters out of a ``DistributedDataParallel(model)`` built afterwards
-    (each rank's are different: DDP must neither broadcast nor average them); returns their
-    names. After ``backward()`` call :func:`scale_expert_gradients`."""
+    (each rank's are different: DDP must neither broadcast nor average them), and the
+    sharded stores' own counts (``exchange_counts``, each rank's); returns their names.
+    After ``backward()`` call :func:`scale_expert_gradients`."""
     from torch.nn.parallel import DistributedDataParallel
     ids = {id(p) for p in expert_parameters(model)}
     names = [name for name, p in model.named_parameters() if id(p) in ids]
+    names += [f"{name}.store.exchange_counts" if name else "store.exchange_counts"
+              for name, _ in sharded_stores(model)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     return names
 

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..analysis.summary import collapse_warning, usage_health
 from ..auxiliary import aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage
+from ..distributed import exchange_drops
 from ..optim import adam_optimizers
 from ..runtime import (compiled, compiling_checkpointed_sparse_layers, compiling_many,
                        deterministic_algorithms)
@@ -489,6 +490,9 @@ class Trainer:
                     if scaling.enabled:  # the scale after the window, its steps skipped
                         record.update(loss_scale=scaling.scale,
                                       skipped_steps=scaling.skipped - window.skipped_before)
+                    dropped = exchange_drops(self.model) if parallel.sharded else None
+                    if dropped is not None:   # the fixed exchange's, over the window
+                        record["exchange_dropped_fraction"] = dropped
                     collapse_note = self._collapse_monitor(record, collapse_note)
                     self._log(record)
                     self._window = _Window(skipped_before=scaling.skipped)
