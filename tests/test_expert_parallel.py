@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.utils.checkpoint
 
 from sparseffn import MoE, MoEConfig, SigmaMoE, SwitchRouterConfig, aux_loss
 from sparseffn.distributed import (ExpertParallelMLP, ddp_ignore_expert_parameters,
@@ -378,14 +379,21 @@ def _fixed_rank_main(rank, world, init_file, out_dir):
         dropped = layer.routing_stats.get("exchange_dropped_fraction")
         y = layer(x.detach()).detach()          # the same forward again, for its output
         sync_gradients(layer)
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
         layer.eval()
         layer(x.detach())                       # evaluation: not counted
         drops = (exchange_drops(layer), exchange_drops(layer))   # read, then counted afresh
+        if factor is not None:   # a checkpointed forward's recomputation counts nothing more
+            layer.train()
+            torch.utils.checkpoint.checkpoint(layer, x.detach().requires_grad_(),
+                                              use_reentrant=False).sum().backward()
+            counted = layer.store.exchange_counts.tolist()
+            exchange_drops(layer)
+            layer.eval()
         results[name] = {
             "y": y, "loss": loss.detach(), "x_grad": x.grad, "reads": reads, "dropped": dropped,
-            "drops": drops,
-            "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
-            "first_expert": layer.store.first_expert, "repr": repr(layer.store),
+            "drops": drops, "counted": counted if factor is not None else None,
+            "grads": grads, "first_expert": layer.store.first_expert, "repr": repr(layer.store),
             "capacity": fixed and fixed.capacity(layer.router.k, world),
             "eval_y": layer(_fixed_batch(rank, sizes)).detach()}
     torch.save(results, f"{out_dir}/fixed{rank}.pt")
@@ -467,6 +475,7 @@ def test_the_fixed_size_exchange_reads_nothing_on_the_host_and_drops_what_it_say
             want = sum(float(result[name]["dropped"]) * n for result, n in zip(got, pairs)) \
                 / sum(pairs)
             assert r["drops"][0] == pytest.approx(want) and r["drops"][1] == 0.0, name
+            assert r["counted"][1] == pairs[rank], (name, r["counted"])   # one forward's pairs
             assert r["reads"] == [], (name, r["reads"])
             assert f"capacity_factor={factor}" in r["repr"]
             if dropped is None:         # global statistics: a block holds every pair

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..auxiliary import sparse_grad_parameters
-from ..routing import RoutedFFN, Routing
+from ..routing import RoutedFFN, Routing, recomputing
 from ..stores import MLPExperts
 from ..stores.base import ExpertStore
 from .exchange import all_to_all, capacity_layout, exchange_counts
@@ -233,8 +233,9 @@ class ExpertParallelMLP(ExpertStore):
         dropped = (owner < self.world).sum() - filled.sum()
         routing.stats["exchange_dropped_fraction"] = (
             dropped.float() / max(tokens * k, 1)).detach()
-        self.exchange_counts[0].add_(dropped)
-        self.exchange_counts[1].add_(tokens * k)     # a Python number: no copy to the device
+        if not recomputing():   # an activation checkpoint's second forward counts nothing
+            self.exchange_counts[0].add_(dropped)
+            self.exchange_counts[1].add_(tokens * k)   # a Python number: no copy to the device
         # the pair each row of the blocks carries; tokens·k (past the last) for an empty row
         return self._combine(back, torch.where(filled, pair_of_row, tokens * k), routing)
 
