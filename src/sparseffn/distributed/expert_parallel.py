@@ -110,6 +110,13 @@ class FixedExchange:
         return math.ceil(self.capacity_factor * self.tokens * k / world)
 
 
+def _checked_fixed_exchange(fixed_exchange, where: str) -> FixedExchange | None:
+    if fixed_exchange is not None and not isinstance(fixed_exchange, FixedExchange):
+        raise TypeError(f"{where}: fixed_exchange must be a FixedExchange or None, got "
+                        f"{type(fixed_exchange).__name__}")
+    return fixed_exchange
+
+
 def _group_rank_world(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("expert parallelism needs an initialised torch.distributed process "
@@ -147,10 +154,7 @@ class ExpertParallelMLP(ExpertStore):
         if local.num_experts * world != num_experts:
             raise ValueError(f"ExpertParallelMLP: {world} ranks of {local.num_experts} experts "
                              f"do not make {num_experts}")
-        if fixed_exchange is not None and not isinstance(fixed_exchange, FixedExchange):
-            raise TypeError(f"ExpertParallelMLP: fixed_exchange must be a FixedExchange or "
-                            f"None, got {type(fixed_exchange).__name__}")
-        self.fixed_exchange = fixed_exchange
+        self.fixed_exchange = _checked_fixed_exchange(fixed_exchange, "ExpertParallelMLP")
         # the fixed exchange's pairs dropped and pairs in all, summed over training forwards
         # until exchange_drops() reads them (integers: a model's .to(dtype) leaves them be)
         self.register_buffer("exchange_counts", torch.zeros(2, dtype=torch.int64,
@@ -319,9 +323,7 @@ def shard_experts(model: nn.Module, group=None, batch_statistics: str = "global"
     if batch_statistics not in BATCH_STATISTICS:
         raise ValueError(f"batch_statistics must be one of {BATCH_STATISTICS}, got "
                          f"{batch_statistics!r}")
-    if fixed_exchange is not None and not isinstance(fixed_exchange, FixedExchange):
-        raise TypeError(f"shard_experts: fixed_exchange must be a FixedExchange or None, got "
-                        f"{type(fixed_exchange).__name__}")
+    _checked_fixed_exchange(fixed_exchange, "shard_experts")   # before any layer changes
     rank, world = _group_rank_world(group)
     names = []
     for name, module in model.named_modules():

@@ -217,8 +217,8 @@ class TrainSpec:
                "train.expert_parallel (the experts' all-to-all runs eagerly between the "
                "compiled parts, and by default reads its sizes on the host every step; CUDA "
                "graphs around it are untested); use train.compile = true")
-        factor = self.exchange_capacity_factor
-        _check(factor is None or (math.isfinite(factor) and factor > 0),
+        factor = self.exchange_capacity_factor   # (a finite number or None: _typed checked)
+        _check(factor is None or factor > 0,
                f"train.exchange_capacity_factor must be a finite number > 0 (or none: every "
                f"pair, sizes read on the host), got {factor!r}")
         _check(factor is None or self.expert_parallel,
