@@ -488,6 +488,76 @@ def test_the_fixed_size_exchange_reads_nothing_on_the_host_and_drops_what_it_say
     assert got[1]["sigma_empty_rank"]["y"].shape == (0, D)
 
 
+# run name: (layer, batch statistics, capacity factor, tokens on each of the 2 ranks,
+# the layer under a non-reentrant activation checkpoint)
+COMPILED_RUNS = {"sigma_global": ("sigma", "global", 2.0, (7, 4), False),
+                 "switch": ("switch", "local", 2.0, (7, 4), False),
+                 "sigma_tight_empty_rank": ("sigma", "local", 0.5, (7, 0), False),
+                 "sigma_tight_checkpointed": ("sigma", "global", 0.5, (7, 4), True)}
+
+
+def _compiled_rank_main(rank, world, init_file, out_dir):
+    """Each run's training loss, input gradient, gradients and drop counts, eagerly and
+    under ``torch.compile(fullgraph=True)`` (a graph break would raise), with the graphs
+    and graph breaks Dynamo counted for the compiled one."""
+    from torch._dynamo.utils import counters
+    from sparseffn.distributed import FixedExchange
+    from sparseffn.runtime import compiling_checkpointed_sparse_layers
+    _init(rank, world, init_file)
+    results = {}
+    for name, (layer_name, statistics, factor, sizes, checkpointed) in COMPILED_RUNS.items():
+        for compiled in (False, True):
+            layer = LAYERS[layer_name]()
+            shard_experts(layer, batch_statistics=statistics,
+                          fixed_exchange=FixedExchange(tokens=7, capacity_factor=factor))
+            run = (lambda x: torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)) \
+                if checkpointed else layer
+            step = (lambda x, layer=layer, run=run: run(x).pow(2).sum() / 10 + aux_loss(layer))
+            if compiled:
+                torch._dynamo.reset()
+                counters.clear()
+                step = torch.compile(step, fullgraph=True)
+            x = _fixed_batch(rank, sizes).requires_grad_()
+            # the recomputation's side effects skipped, as the trainer compiles checkpoints
+            with compiling_checkpointed_sparse_layers():
+                loss = step(x)
+                loss.backward()
+            results[name, compiled] = {
+                "loss": loss.detach(), "x_grad": x.grad,
+                "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+                "counted": layer.store.exchange_counts.clone(),
+                "graphs": counters["stats"]["unique_graphs"] if compiled else None}
+    torch.save(results, f"{out_dir}/compiled{rank}.pt")
+    dist.barrier()
+    os._exit(0)
+
+
+def test_the_fixed_exchange_compiles_into_the_models_graph_and_trains_as_eagerly():
+    """The fixed exchange's all-to-alls and the global batch statistics' all-reduce trace
+    into the graph (as functional collectives): a sharded layer's training step compiles in
+    one graph (fullgraph), whose loss, gradients and drop counts are the eager step's, with
+    roomy and tight blocks, a rank without tokens, and under activation checkpointing (the
+    exchanges run again in the backward; the drops are counted once)."""
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_compiled_rank_main, args=(world, os.path.join(tmp, "init"), tmp),
+                 nprocs=world, join=True)
+        got = [torch.load(f"{tmp}/compiled{r}.pt") for r in range(world)]
+    for rank, result in enumerate(got):
+        for name in COMPILED_RUNS:
+            eager, compiled = result[name, False], result[name, True]
+            assert compiled["graphs"] == 1, (name, rank)
+            torch.testing.assert_close(compiled["loss"], eager["loss"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(compiled["x_grad"], eager["x_grad"], atol=1e-5,
+                                       rtol=1e-5)
+            for pname, grad in eager["grads"].items():
+                torch.testing.assert_close(compiled["grads"][pname], grad, atol=1e-5,
+                                           rtol=1e-5, msg=f"{name} rank {rank} {pname}")
+            assert torch.equal(compiled["counted"], eager["counted"]), name
+    assert got[0]["sigma_tight_empty_rank", True]["counted"][0] > 0   # pairs were dropped
+    assert got[1]["sigma_tight_empty_rank", True]["x_grad"].shape == (0, D)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_capacity_layout_matches_a_slow_loop(seed):
     from sparseffn.distributed.exchange import capacity_layout

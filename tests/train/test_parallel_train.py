@@ -326,25 +326,50 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
 
 
 def _compiled_rank(rank, world, port, jobs):
-    """:func:`_rank`, failing at any recompilation (one graph set must serve every step)."""
+    """:func:`_rank`, failing at any recompilation within a job (one graph set must serve
+    every step), and writing the graph breaks Dynamo met in each job to
+    ``graph_breaks{rank}`` in its folder."""
+    from torch._dynamo.utils import counters
     torch._dynamo.config.error_on_recompile = True
+    original = Trainer.train
+
+    def train(trainer, *args, **kwargs):
+        torch._dynamo.reset()    # each job in a fresh process, as a user's run is
+        before = sum(counters["graph_break"].values())
+        try:
+            return original(trainer, *args, **kwargs)
+        finally:
+            breaks = sum(counters["graph_break"].values()) - before
+            (trainer.out / f"graph_breaks{rank}").write_text(str(breaks))
+    Trainer.train = train
     _rank(rank, world, port, jobs)
 
 
 def test_compiled_expert_parallel_training_follows_the_eager_run(tmp_path):
-    """``train.compile`` with sharded experts: the experts' exchange runs eagerly (its sizes
-    change every step; traced, each step would compile again), the rest compiled; the two
-    ranks log the eager run's losses and compile nothing twice."""
+    """``train.compile`` with sharded experts: the exchange of sizes runs eagerly (it reads
+    its sizes; traced, each step would compile again), the rest compiled; the fixed exchange
+    (``exchange_capacity_factor``) compiles into the step's graph, without a graph break.
+    Both log the eager run's losses on the two ranks and compile nothing twice."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(CORPUS)
     eager = _run(str(corpus), 0.0, steps=8)     # (compiled dropout draws other numbers)
     compiled = eager.replace(train=TrainSpec(**{**eager.train.__dict__, "compile": True}))
+    fixed = compiled.replace(train=TrainSpec(**{**compiled.train.__dict__,
+                                                "exchange_capacity_factor": 2.0}))
     jobs = [(eager.to_dict(), tmp_path / "eager", False, None, None),
-            (compiled.to_dict(), tmp_path / "compiled", False, None, None)]
+            (compiled.to_dict(), tmp_path / "compiled", False, None, None),
+            (fixed.to_dict(), tmp_path / "fixed", False, None, None)]
     mp.spawn(_compiled_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
-    for (kind, step, a), (kind_b, step_b, b) in zip(_curve(tmp_path / "compiled"),
-                                                    _curve(tmp_path / "eager"), strict=True):
-        assert (kind, step) == (kind_b, step_b) and a == pytest.approx(b, rel=1e-5)
+    for run in ("compiled", "fixed"):
+        for (kind, step, a), (kind_b, step_b, b) in zip(_curve(tmp_path / run),
+                                                        _curve(tmp_path / "eager"), strict=True):
+            assert (kind, step) == (kind_b, step_b) and a == pytest.approx(b, rel=1e-5), run
+    for rank in range(2):
+        assert int((tmp_path / "compiled" / f"graph_breaks{rank}").read_text()) > 0
+        assert int((tmp_path / "fixed" / f"graph_breaks{rank}").read_text()) == 0
+    records = [json.loads(line) for line in (tmp_path / "fixed" / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert all(m["exchange_dropped_fraction"] == 0.0 for m in records if m["kind"] == "train")
 
 
 def test_compare_under_torchrun_is_refused_with_what_to_do(tmp_path, monkeypatch):

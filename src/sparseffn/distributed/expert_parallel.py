@@ -143,8 +143,10 @@ class ExpertParallelMLP(ExpertStore):
     - a :class:`FixedExchange`: in training, blocks of a fixed size to each rank, nothing
       read on the host, pairs past a block dropped; in evaluation, as None.
 
-    ``torch.compile`` runs this store eagerly either way (a graph break around
-    :meth:`forward`, the rest of the model compiled).
+    ``torch.compile`` traces the fixed exchange's training forward into the model's graph
+    (Dynamo turns its collectives into functional ones: no graph break, and its splits are
+    constants); the exchange of sizes runs eagerly between compiled parts (a graph break
+    around it), as it reads its splits on the host.
     """
 
     def __init__(self, local: MLPExperts, num_experts: int, group=None,
@@ -175,7 +177,6 @@ class ExpertParallelMLP(ExpertStore):
     def reset_parameters(self) -> None:
         self.local.reset_parameters()
 
-    @torch.compiler.disable(recursive=True)
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         if routing.dense:
             raise ValueError("ExpertParallelMLP: a dense routing (every token to every expert, "
@@ -192,6 +193,7 @@ class ExpertParallelMLP(ExpertStore):
         local = self.local
         return y if local.b_out is None else y + local.b_out.to(y.dtype)
 
+    @torch.compiler.disable(recursive=True)
     def _sized_exchange(self, x: torch.Tensor, routing: Routing, experts: torch.Tensor,
                         owner: torch.Tensor) -> torch.Tensor:
         """Every dispatched pair, in exchanges of the sizes the ranks tell each other: one

@@ -214,9 +214,10 @@ class TrainSpec:
                f"{self.compile!r}")
         _check(not (self.compile == "reduce-overhead" and self.expert_parallel),
                "train.compile = \"reduce-overhead\" is not supported with "
-               "train.expert_parallel (the experts' all-to-all runs eagerly between the "
-               "compiled parts, and by default reads its sizes on the host every step; CUDA "
-               "graphs around it are untested); use train.compile = true")
+               "train.expert_parallel (by default the experts' all-to-all reads its sizes on "
+               "the host every step, between the compiled parts; with "
+               "train.exchange_capacity_factor it compiles into the step's graph, but CUDA "
+               "graphs around its collectives are untested); use train.compile = true")
         factor = self.exchange_capacity_factor   # (a finite number or None: _typed checked)
         _check(factor is None or factor > 0,
                f"train.exchange_capacity_factor must be a finite number > 0 (or none: every "
