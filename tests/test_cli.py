@@ -232,6 +232,17 @@ def test_bench_distributed_measures_the_exchange_share(tmp_path, capsys):
     assert records[1]["dropped_fraction"] == 0 < records[2]["dropped_fraction"] < 1
     assert [r["capacity_factor"] for r in records] == [None, None, 0.5]
     assert "skipped: 4 experts do not split over 3" in capsys.readouterr().out
+    assert {r["compile"] for r in records} == {"none"}
+    # compiled: the fixed exchange runs inside the graph, so no exchange is timed alone
+    assert cli.main(["bench", "distributed", "--processes", "2", "--tokens", "64", "--d-model",
+                     "16", "--num-experts", "4", "--expert-size", "8", "--k", "2", "--repeats",
+                     "1", "--capacity-factor", "0.5", "--compile", "default", "--json",
+                     str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["exchange"], r["compile"], r["all_to_all_ms"]) for r in records] == \
+        [("sized", "default", None), ("fixed", "default", None)]
+    assert records[0]["dropped_fraction"] == 0 < records[1]["dropped_fraction"] < 1
+    assert "compile: default" in capsys.readouterr().out
     for bad in ("0", "nan"):
         assert cli.main(["bench", "distributed", "--capacity-factor", bad]) == 2
         assert "--capacity-factor must be a finite number > 0" in capsys.readouterr().err

@@ -158,7 +158,7 @@ def _bench_distributed(args: argparse.Namespace) -> int:
     distributed.run(tuple(args.processes), tokens=args.tokens, d_model=args.d_model,
                     num_experts=args.num_experts, expert_size=args.expert_size, k=args.k,
                     repeats=args.repeats, capacity_factor=args.capacity_factor,
-                    json_path=args.json)
+                    compile=args.compile, json_path=args.json)
     return 0
 
 
@@ -366,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist_bench.add_argument("--capacity-factor", type=float, metavar="F",
                             help="also time the fixed-size exchange (blocks of F times an even "
                                  "share), in the same processes, alternate steps")
+    dist_bench.add_argument("--compile", choices=["none", "default"], default="none",
+                            help="time the steps eagerly (none) or under torch.compile "
+                                 "(default; the all-to-alls are then not timed alone)")
     dist_bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     dist_bench.set_defaults(func=_bench_distributed)
 

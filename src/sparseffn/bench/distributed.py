@@ -3,6 +3,10 @@
 each step spent in the all-to-all exchanges. On a few CPU cores there is no speed-up to expect
 (the processes share the cores); what it measures is the exchange's share. docs/distributed.md
 turns the bytes and FLOPs per token into the same share for GPUs and their interconnects.
+
+``compile="default"`` times the step (forward, loss and backward) under ``torch.compile``:
+the fixed exchange then runs inside the graph, where its all-to-alls cannot be timed alone
+(``all_to_all_ms`` is None); the exchange of sizes still runs eagerly between graphs.
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, settings: dict) -
 
     from ..layers import MoE, MoEConfig
     from ..distributed import FixedExchange, shard_experts, sync_gradients
+    from ..runtime import compiled
     torch.set_num_threads(max(1, settings["threads"] // world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     tokens = settings["tokens"] // world
     factor = settings["capacity_factor"]
     exchanges = ["sized", "fixed"] if world > 1 and factor else ["sized" if world > 1 else "none"]
-    layers = {}
+    layers, steps = {}, {}
     for exchange in exchanges:    # the same weights each
         torch.manual_seed(0)
         layer = MoE(MoEConfig(d_model=settings["d_model"], num_experts=settings["num_experts"],
@@ -53,17 +58,20 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, settings: dict) -
             shard_experts(layer, fixed_exchange=FixedExchange(tokens, factor)
                           if exchange == "fixed" else None)
         layers[exchange] = layer
+        steps[exchange] = compiled(lambda x, layer=layer: layer(x).square().mean(),
+                                   settings["compile"])
     x = torch.randn(tokens, settings["d_model"],
                     generator=torch.Generator().manual_seed(rank)).requires_grad_()
     spent = [0.0]
-    _timed_exchanges(spent)
+    if settings["compile"] == "none":   # a compiled fixed exchange has no Python to time
+        _timed_exchanges(spent)
     results = {exchange: {"steps": [], "exchanges": [], "dropped": []} for exchange in layers}
     for repeat in range(settings["warmup"] + settings["repeats"]):
         for exchange, layer in layers.items():     # interleaved rounds
             dist.barrier()
             spent[0] = 0.0
             start = time.perf_counter()
-            layer(x).square().mean().backward()
+            steps[exchange](x).backward()
             if world > 1:
                 sync_gradients(layer)
             elapsed = time.perf_counter() - start
@@ -83,19 +91,21 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, settings: dict) -
 
 def run(processes: tuple[int, ...] = (1, 2, 4), tokens: int = 8192, d_model: int = 256,
         num_experts: int = 16, expert_size: int = 128, k: int = 4, repeats: int = 5,
-        warmup: int = 2, capacity_factor: float | None = None,
+        warmup: int = 2, capacity_factor: float | None = None, compile: str = "none",
         json_path: str | None = None) -> list[dict]:
     """``capacity_factor``: on several processes, also the fixed-size exchange
     (:class:`~sparseffn.distributed.FixedExchange`, blocks sized for each process's tokens),
     timed in the same processes as the exchange of sizes read on the host, in alternate
-    steps."""
+    steps. ``compile``: ``"none"`` or ``"default"`` (each step under ``torch.compile``; the
+    warm-up steps compile)."""
     import torch.multiprocessing as mp
     settings = {"tokens": tokens, "d_model": d_model, "num_experts": num_experts,
                 "expert_size": expert_size, "k": k, "repeats": repeats, "warmup": warmup,
-                "threads": torch.get_num_threads(), "capacity_factor": capacity_factor}
+                "threads": torch.get_num_threads(), "capacity_factor": capacity_factor,
+                "compile": compile}
     print(f"expert-parallel MoE layer, forward+backward: {tokens} tokens in all, d_model "
           f"{d_model}, {num_experts} experts of {expert_size}, k = {k}; gloo, "
-          f"{settings['threads']} threads shared by the processes")
+          f"{settings['threads']} threads shared by the processes; compile: {compile}")
     print(f"{'processes':>9} {'exchange':>9} {'step ms':>8} {'tokens/s':>10} "
           f"{'all-to-all ms':>14} {'all-to-all share':>17} {'dropped':>8}")
     records = []
@@ -116,18 +126,23 @@ def run(processes: tuple[int, ...] = (1, 2, 4), tokens: int = 8192, d_model: int
             spent = [max(r[exchange]["exchanges"][i] for r in ranks) for i in range(repeats)]
             dropped = statistics.mean(d for r in ranks for d in r[exchange]["dropped"])
             step_ms = statistics.median(steps) * 1e3
-            exchange_ms = statistics.median(spent) * 1e3
+            # compiled, the exchanges run inside the graphs, untimed (the sized one's too:
+            # its timer is not installed)
+            exchange_ms = statistics.median(spent) * 1e3 if compile == "none" else None
             record = {"processes": world, "exchange": exchange, "tokens": tokens,
                       "d_model": d_model, "num_experts": num_experts,
                       "expert_size": expert_size, "k": k, "capacity_factor":
-                      capacity_factor if exchange == "fixed" else None,
+                      capacity_factor if exchange == "fixed" else None, "compile": compile,
                       "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1e3),
                       "all_to_all_ms": exchange_ms,
-                      "all_to_all_share": exchange_ms / step_ms if step_ms else 0.0,
+                      "all_to_all_share": None if exchange_ms is None else
+                      exchange_ms / step_ms if step_ms else 0.0,
                       "dropped_fraction": dropped}
             records.append(record)
+            timed = ("-", "-") if exchange_ms is None else \
+                (f"{exchange_ms:.1f}", f"{record['all_to_all_share']:.1%}")
             print(f"{world:>9} {exchange:>9} {step_ms:>8.1f} {record['tokens_per_s']:>10.0f} "
-                  f"{exchange_ms:>14.1f} {record['all_to_all_share']:>16.1%} {dropped:>8.2%}")
+                  f"{timed[0]:>14} {timed[1]:>17} {dropped:>8.2%}")
     if json_path:
         write_json(records, json_path)
     return records
