@@ -227,6 +227,12 @@ class Trainer:
 
     # -- set-up ------------------------------------------------------------------------------
 
+    @property
+    def _tokens_per_row(self) -> int:
+        """Tokens in one row of a batch: the context of a language model's window, one
+        example of a classification dataset."""
+        return self.run.model.context if isinstance(self.data, TextData) else 1
+
     def _setup(self, state: dict | None) -> None:
         run = self.run
         self.device = self.parallel.device   # under torchrun with cuda: cuda:LOCAL_RANK
@@ -252,8 +258,7 @@ class Trainer:
             self.model.load_state_dict(state["model"])
         t = run.train
         parallel.shard(self.model, parallel.fixed_exchange(
-            t.exchange_capacity_factor, t.batch_size, t.micro_batches,
-            run.model.context if isinstance(self.data, TextData) else 1))
+            t.exchange_capacity_factor, t.batch_size, t.micro_batches, self._tokens_per_row))
         if parallel.active:      # different dropout and routing noise on every rank
             torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))   # (CUDA's too)
         self.dense_params = dense_grad_parameters(self.model)
@@ -449,9 +454,9 @@ class Trainer:
             signal.signal(signal.SIGINT, previous)
 
     def _loop(self) -> dict:
-        run, t = self.run, self.run.train
+        t = self.run.train
         text = isinstance(self.data, TextData)
-        per_step = t.batch_size * (run.model.context if text else 1)
+        per_step = t.batch_size * self._tokens_per_row
         parallel, scaling = self.parallel, self.loss_scaling
         bar = ProgressBar(self.steps, self.step, self.label, "tok" if text else "ex") \
             if self.progress and parallel.main else None
