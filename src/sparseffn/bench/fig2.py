@@ -58,7 +58,7 @@ from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
-from .measure import (autocast_dtype_of, describe_device,
+from .measure import (RoundsInterrupted, autocast_dtype_of, describe_device,
                       dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
                       new_graph_step, paired_ratio, peak_mib, verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE
@@ -212,20 +212,18 @@ def fig2_dense_widths(d_model: int) -> dict[str, int]:
     return {"dense_param": 4 * d_model, "dense_active": K * EXPERT_SIZE}
 
 
-def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
-                dtype: torch.dtype | None, peers: dict[str, Callable[[int, int], nn.Module]],
-                compile: str = "none", router_precision: str = "autocast") -> dict:
-    """One d_model: every contender's forward+backward ms and peak MiB."""
-    torch.manual_seed(0)
-    num_experts = 4 * d_model // EXPERT_SIZE
-    x = torch.randn(tokens, d_model, device=device)
-
-    def sigma_moe():
-        return fig2_sigma_moe(d_model, router_precision).to(device).train()
-    contenders: dict[str, Callable[[], None]] = {}
-    is_compiled: dict[str, bool] = {}
+def _prepare_contenders(contenders: dict[str, Callable[[], None]], is_compiled: dict[str, bool],
+                        sigma_moe: Callable[[], SigmaMoE], x: torch.Tensor, d_model: int,
+                        num_experts: int, device: torch.device, dtype: torch.dtype | None,
+                        peers: dict[str, Callable[[int, int], nn.Module]], compile: str) -> None:
+    """Fill ``contenders`` (name: a forward+backward to time) and ``is_compiled`` in the
+    order σ-MoE, the dense MLPs, σ-MoE's PyTorch path (CUDA), the peers, so that what an
+    interrupt leaves ready starts with what the targets compare."""
     contenders["sparseffn"], is_compiled["sparseffn"] = timed_step(sigma_moe(), x, aux_loss,
                                                                    dtype, compile)
+    for name, d_ff in fig2_dense_widths(d_model).items():
+        dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
+        contenders[name], is_compiled[name] = timed_step(dense, x, None, dtype, compile)
     if device.type == "cuda" and triton_cvmm.triton_enabled():
         triton_cvmm.set_triton_enabled(False)   # the choice is made inside the operators
         try:
@@ -249,9 +247,6 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
             finally:
                 triton_cvmm.set_triton_enabled(True)
         contenders["sparseffn_torch"] = torch_path
-    for name, d_ff in fig2_dense_widths(d_model).items():
-        dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
-        contenders[name], is_compiled[name] = timed_step(dense, x, None, dtype, compile)
     for name, build in peers.items():
         try:
             contenders[name], is_compiled[name] = timed_step(
@@ -263,8 +258,35 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
             is_compiled.pop(name, None)
             print(f"  peer {name}: skipped at d_model {d_model} ({type(error).__name__}: "
                   f"{str(error).splitlines()[0][:200]})")
+
+
+def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
+                dtype: torch.dtype | None, peers: dict[str, Callable[[int, int], nn.Module]],
+                compile: str = "none", router_precision: str = "autocast") -> dict:
+    """One d_model: every contender's forward+backward ms and peak MiB."""
+    torch.manual_seed(0)
+    num_experts = 4 * d_model // EXPERT_SIZE
+    x = torch.randn(tokens, d_model, device=device)
+
+    def sigma_moe():
+        return fig2_sigma_moe(d_model, router_precision).to(device).train()
+    contenders: dict[str, Callable[[], None]] = {}
+    is_compiled: dict[str, bool] = {}
+    stopped = ""
+    try:
+        _prepare_contenders(contenders, is_compiled, sigma_moe, x, d_model, num_experts,
+                            device, dtype, peers, compile)
+    except KeyboardInterrupt:
+        if not {"sparseffn", "dense_param"} <= contenders.keys():
+            raise
+        stopped = f"interrupted while preparing d_model {d_model}'s contenders"
+        print(f"  {stopped}; timing the {len(contenders)} ready", flush=True)
     # three warm-up rounds: compilation, autotuning, the allocator
-    times = interleaved_times(contenders, repeats, warmup=3, device=device)
+    try:
+        times = interleaved_times(contenders, repeats, warmup=3, device=device,
+                                  keep_on_interrupt=True)
+    except RoundsInterrupted as cut:
+        times, stopped = cut.times, "; ".join(filter(None, [stopped, str(cut)]))
     record = {"d_model": d_model, "tokens": tokens, "num_experts": num_experts,
               "expert_size": EXPERT_SIZE, "k": K, "device": str(device),
               "dtype": dtype_name(dtype), "compile": compile,
@@ -272,7 +294,10 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
               "ms": {name: statistics.median(ts) for name, ts in times.items()},
               "peak_mib": {name: peak_mib(run, device) for name, run in contenders.items()},
               "over_dense_param": {name: paired_ratio(ts, times["dense_param"])
-                                   for name, ts in times.items()}}
+                                   for name, ts in times.items()},
+              "rounds": len(times["sparseffn"])}
+    if stopped:
+        record["interrupted"] = stopped
     speedups = {name: paired_ratio(times[name], times["sparseffn"])
                 for name in peers if name in times}
     record["speedup_over"] = speedups
@@ -343,7 +368,7 @@ def check_targets(records: list[dict]) -> list[str]:
 
 
 def format_table(records: list[dict]) -> str:
-    names = list(records[0]["ms"]) if records else []
+    names = list(dict.fromkeys(n for r in records for n in r["ms"]))   # every width's, in order
     header = f"{'d_model':>8}" + "".join(f"{n:>22}" for n in names)
     lines = [header, "-" * len(header)]
     for r in records:
@@ -362,6 +387,8 @@ def format_table(records: list[dict]) -> str:
             extra = (f"; best peer {r['best_peer']} / sparseffn = "
                      f"{r['best_peer_over_sparseffn']:.2f}")
         lines.append(f"  d_model {r['d_model']}: {ratios}{extra}")
+    lines += [f"  d_model {r['d_model']}: {r['interrupted']} ({r['rounds']} rounds timed)"
+              for r in records if "interrupted" in r]
     return "\n".join(lines + check_targets(records))
 
 
@@ -371,7 +398,12 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
         router_precision: str = "autocast", deterministic: bool = False) -> list[dict]:
     """Time each width's contenders (see the module's docstring), print the table and return
     one record per width. ``deterministic`` times them under
-    ``torch.use_deterministic_algorithms(True)``, as ``sparseffn train`` runs by default."""
+    ``torch.use_deterministic_algorithms(True)``, as ``sparseffn train`` runs by default.
+
+    Ctrl-C (or ``timeout -s INT``) stops the run and reports what was measured: the widths
+    done, and the cut-short one's contenders that were ready (once σ-MoE and the
+    parameter-equal dense MLP are) over its whole rounds; that record's ``interrupted``
+    says what was cut short, and ``rounds`` counts the rounds of every record."""
     check_compile_mode(compile)
     dev = torch.device(device)
     autocast_dtype = autocast_dtype_of(dtype)
@@ -391,11 +423,23 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
           + (", deterministic algorithms" if deterministic else ""), flush=True)
     records = []
     with deterministic_algorithms(deterministic, dev), compiling_many():
-        for d_model in d_models:
+        for i, d_model in enumerate(d_models):
             print(f"d_model {d_model} ...", flush=True)
-            records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype, builders,
-                                       compile, router_precision))
+            try:
+                records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype,
+                                           builders, compile, router_precision))
+            except KeyboardInterrupt:
+                if not records:
+                    raise
+                print(f"bench fig2: interrupted at d_model {d_model}: not timed: "
+                      f"{', '.join(map(str, d_models[i:]))}", flush=True)
+                break
             records[-1]["deterministic"] = deterministic
+            if "interrupted" in records[-1]:
+                if d_models[i + 1:]:
+                    print(f"bench fig2: not timed: {', '.join(map(str, d_models[i + 1:]))}",
+                          flush=True)
+                break
     print(format_table(records))
     if json_path:
         write_json(records, json_path)

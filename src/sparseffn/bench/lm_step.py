@@ -34,7 +34,7 @@ from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from ..train.loss_scaling import LossScaling
-from .measure import (autocast_dtype_of, describe_device,
+from .measure import (RoundsInterrupted, autocast_dtype_of, describe_device,
                       first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
                       peak_mib, verdict, write_json)
 
@@ -107,6 +107,22 @@ def training_step_fn(model: TransformerLM, tokens: torch.Tensor,
     return step
 
 
+def _ready_step(name: str, model: TransformerLM, tokens: torch.Tensor,
+                autocast_dtype: torch.dtype | None, compile: str
+                ) -> tuple[Callable[[], None], bool]:
+    """The training step to time for one preset's ``model``, and whether it is compiled; it
+    has run (twice compiled: warm-up and capture) so that a step that fails raises here,
+    before the timed rounds, where it would stop the whole benchmark."""
+    step = training_step_fn(model, tokens, autocast_dtype, compile)
+    if compile != "none":
+        step, ok = first_call_or_eager(
+            step, lambda: training_step_fn(model, tokens, autocast_dtype), name)
+        if ok:
+            return step, True
+    step()
+    return step, False
+
+
 def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         n_heads: int = 4, context: int | None = None, batch: int | None = None,
         d_ff: int = 2048, repeats: int = 10, device: str = "cpu", dtype: str = "float32",
@@ -116,7 +132,13 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     table and return one record per preset. ``compile``: ``"none"``, ``"default"`` or
     ``"reduce-overhead"`` (CUDA graphs) for every model; one that does not compile is timed
     eagerly and its record says so. ``deterministic`` times the steps under
-    ``torch.use_deterministic_algorithms(True)``, as ``sparseffn train`` runs by default."""
+    ``torch.use_deterministic_algorithms(True)``, as ``sparseffn train`` runs by default.
+
+    A preset whose step raises is not timed: its record holds the ``error`` instead (the
+    others are timed; ``dense``, the baseline, failing stops the benchmark). Ctrl-C (or
+    ``timeout -s INT``) while the models compile times those already ready, and during the
+    timed rounds keeps the whole rounds: the table and JSON hold what was measured, and a
+    line under the table says what was cut short (a record's ``rounds`` counts its rounds)."""
     check_compile_mode(compile)
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
@@ -130,30 +152,52 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
           + (", deterministic algorithms" if deterministic else ""), flush=True)
     tokens = byte_tokens(batch, context, dev)
     with deterministic_algorithms(deterministic, dev), compiling_many():
-        steps, costs, is_compiled = {}, {}, {}
-        for name in names:
-            model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev)
-            steps[name] = training_step_fn(model, tokens, autocast_dtype, compile)
-            is_compiled[name] = False
-            if compile != "none":
-                steps[name], is_compiled[name] = first_call_or_eager(
-                    steps[name], lambda: training_step_fn(model, tokens, autocast_dtype), name)
-            costs[name] = model.config.cost()
-        times = interleaved_times(steps, repeats, warmup=2, device=dev)
+        steps, costs, is_compiled, failed, stopped = {}, {}, {}, {}, ""
+        try:
+            for name in names:
+                model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev)
+                costs[name] = model.config.cost()
+                try:
+                    steps[name], is_compiled[name] = _ready_step(name, model, tokens,
+                                                                 autocast_dtype, compile)
+                except Exception as error:
+                    if name == "dense":          # no baseline, nothing to compare
+                        raise
+                    failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    print(f"  {name}: failed ({failed[name]}); not timed", flush=True)
+        except KeyboardInterrupt:
+            if "dense" not in steps:
+                raise
+            left = names[names.index(name):]
+            stopped = f"interrupted while preparing {name}: not timed: {', '.join(left)}"
+            print(f"  {stopped}; timing the {len(steps)} ready", flush=True)
+        try:
+            times = interleaved_times(steps, repeats, warmup=2, device=dev,
+                                      keep_on_interrupt=True)
+        except RoundsInterrupted as cut:
+            times = cut.times
+            stopped = "; ".join(filter(None, [stopped, str(cut)]))
         records = []
         for name in names:
-            ms = statistics.median(times[name])
-            records.append({
+            if name not in costs:           # interrupted before it was built
+                continue
+            record = {
                 "preset": name, "device": str(dev), "dtype": dtype, "d_model": d_model,
                 "n_layers": n_layers, "context": context, "batch": batch, "d_ff": d_ff,
-                "compile": compile, "compiled": is_compiled[name],
+                "compile": compile, "compiled": is_compiled.get(name, False),
                 "deterministic": deterministic,
-                "total_params": costs[name]["total_params"],
-                "active_params": costs[name]["active_params"],
-                "flops_per_token": costs[name]["flops_per_token"],
-                "ms": ms, "tokens_per_s": batch * context / ms * 1e3,
-                "over_dense": paired_ratio(times[name], times["dense"]),
-                "peak_mib": peak_mib(steps[name], dev)})
+                **{key: costs[name][key] for key in
+                   ("total_params", "active_params", "flops_per_token")}}
+            if name in failed:
+                records.append({**record, "error": failed[name]})
+            elif name in times:
+                ms = statistics.median(times[name])
+                records.append({
+                    **record, "ms": ms, "tokens_per_s": batch * context / ms * 1e3,
+                    "over_dense": paired_ratio(times[name], times["dense"]),
+                    "rounds": len(times[name]), "peak_mib": peak_mib(steps[name], dev)})
+    if stopped:
+        print(f"bench lm: {stopped}")
     print(format_table(records))
     if json_path:
         write_json(records, json_path)
@@ -179,6 +223,10 @@ def check_targets(records: list[dict]) -> list[str]:
            f"{first['dtype']}, compile {first['compile']}):"]
     for r in timed:
         limit = TARGET_OVER_DENSE[r["preset"]]
+        if "error" in r:
+            out.append(f"target: {r['preset']} / dense <= {limit:.1f}: failed "
+                       f"({r['error']}): {verdict(False)}")
+            continue
         eager = " (timed eagerly: it did not compile)" \
             if r["compile"] != "none" and not r["compiled"] else ""
         out.append(f"target: {r['preset']} / dense <= {limit:.1f}: {r['over_dense']:.2f}{eager}: "
@@ -192,9 +240,13 @@ def format_table(records: list[dict]) -> str:
               f"{'ms/step':>9s} {'/ dense':>8s} {'tokens/s':>10s} {'peak MiB':>9s}")
     lines = [header, "-" * len(header)]
     for r in records:
+        sizes = (f"{r['preset']:{width}s} {r['total_params']:10,d} {r['active_params']:10,d} "
+                 f"{r['flops_per_token'] / 1e6:10.2f}")
+        if "error" in r:
+            lines.append(f"{sizes} failed: {r['error']}")
+            continue
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(f"{r['preset']:{width}s} {r['total_params']:10,d} {r['active_params']:10,d} "
-                     f"{r['flops_per_token'] / 1e6:10.2f} {r['ms']:9.2f} {r['over_dense']:8.2f} "
+        lines.append(f"{sizes} {r['ms']:9.2f} {r['over_dense']:8.2f} "
                      f"{r['tokens_per_s']:10,.0f} {peak:>9s}")
     lines.append("one training step (forward, loss + auxiliary losses, backward, Adam); "
                  "'/ dense' is the median per-round ratio to the parameter-equal dense model")

@@ -14,19 +14,42 @@ import torch
 from torch import nn
 
 
+class RoundsInterrupted(Exception):
+    """Ctrl-C (SIGINT: also what ``timeout -s INT`` sends) during the timed rounds of
+    :func:`interleaved_times` after at least one whole round: ``times`` holds the whole
+    rounds (the same count for every contender), ``rounds`` their number of ``repeats``."""
+
+    def __init__(self, times: dict[str, list[float]], rounds: int, repeats: int) -> None:
+        super().__init__(f"interrupted after {rounds} of {repeats} timed rounds")
+        self.times, self.rounds, self.repeats = times, rounds, repeats
+
+
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2,
-                      device: torch.device | str | None = None) -> dict[str, list[float]]:
+                      device: torch.device | str | None = None,
+                      keep_on_interrupt: bool = False) -> dict[str, list[float]]:
     """Milliseconds of each function per round, timed in rotation (one run of each per
     round) so that a slow spell of a noisy machine hits every contender alike. On a CUDA
-    ``device`` each run is timed by CUDA events around it (the GPU's own time, synchronised)."""
+    ``device`` each run is timed by CUDA events around it (the GPU's own time, synchronised).
+
+    ``keep_on_interrupt``: a KeyboardInterrupt in a timed round after the first whole one
+    raises :class:`RoundsInterrupted` with the whole rounds (the part-round is dropped), for
+    a benchmark that reports what it measured before it was stopped; before that, the
+    KeyboardInterrupt goes through."""
     timed = _cuda_ms if device is not None and torch.device(device).type == "cuda" else _wall_ms
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(timed(fn))
+    rounds = 0
+    try:
+        for rounds in range(repeats):
+            for name, fn in fns.items():
+                times[name].append(timed(fn))
+    except KeyboardInterrupt:
+        if not keep_on_interrupt or rounds == 0:
+            raise
+        raise RoundsInterrupted({name: ts[:rounds] for name, ts in times.items()},
+                                rounds, repeats) from None
     return times
 
 

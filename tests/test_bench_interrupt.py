@@ -1,0 +1,254 @@
+"""What `bench lm` and `bench fig2` report when they are cut short or a contender fails.
+
+A GPU stage runs them under ``timeout -s INT`` (scripts/gpu_session.sh): a benchmark stopped
+while it still compiles, or in its timed rounds, must print and write what it measured, not
+lose every number; a preset whose step raises must not stop the others. Interrupts are
+raised from inside the steps here, where a SIGINT would land.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+
+from sparseffn import cli
+from sparseffn.bench import fig2, lm_step
+from sparseffn.bench.measure import RoundsInterrupted, interleaved_times
+
+LM_SIZES = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "8",
+            "--batch", "2", "--d-ff", "256", "--device", "cpu"]
+
+
+def interrupted_on_call(n: int, then=KeyboardInterrupt):
+    """A step that raises ``then`` on its n-th call (1-based) and only then."""
+    calls = []
+
+    def step():
+        calls.append(1)
+        if len(calls) == n:
+            raise then()
+    return step
+
+
+def test_interleaved_times_keeps_the_whole_rounds_when_asked():
+    fns = {"a": lambda: None, "b": interrupted_on_call(2 + 3)}   # 2 warm-up calls, round 3
+    with pytest.raises(RoundsInterrupted) as cut:
+        interleaved_times(fns, repeats=5, warmup=2, keep_on_interrupt=True)
+    assert (cut.value.rounds, cut.value.repeats) == (2, 5)
+    assert {name: len(ts) for name, ts in cut.value.times.items()} == {"a": 2, "b": 2}
+    assert str(cut.value) == "interrupted after 2 of 5 timed rounds"
+    # not asked, or before a whole round: the interrupt goes through
+    with pytest.raises(KeyboardInterrupt):
+        interleaved_times({"a": interrupted_on_call(3)}, repeats=5, warmup=0)
+    with pytest.raises(KeyboardInterrupt):
+        interleaved_times({"a": lambda: None, "b": interrupted_on_call(1)}, repeats=5,
+                          warmup=0, keep_on_interrupt=True)
+    with pytest.raises(KeyboardInterrupt):     # in the warm-up
+        interleaved_times({"a": interrupted_on_call(1)}, repeats=5, warmup=1,
+                          keep_on_interrupt=True)
+
+
+def patched_lm_model(monkeypatch, preset: str, loss=None, build_raises=None):
+    """bench lm's models, with ``preset``'s loss replaced by ``loss(model)`` or its building
+    raising ``build_raises``."""
+    original = lm_step.lm_model
+
+    def lm_model(name, *args, **kwargs):
+        if name == preset and build_raises is not None:
+            raise build_raises()
+        model = original(name, *args, **kwargs)
+        if name == preset and loss is not None:
+            model.loss = loss(model)
+        return model
+    monkeypatch.setattr(lm_step, "lm_model", lm_model)
+
+
+def test_bench_lm_reports_a_failing_preset_and_times_the_others(monkeypatch, tmp_path, capsys):
+    def broken(model):
+        def loss(inputs, targets):
+            raise RuntimeError("Triton: no kernel for sm_90\nsecond line")
+        return loss
+    patched_lm_model(monkeypatch, "pkm", loss=broken)
+    path = tmp_path / "lm.json"
+    assert cli.main(["bench", "lm", "--presets", "sigma_moe", "pkm", "peer", *LM_SIZES,
+                     "--repeats", "2", "--json", str(path)]) == 0
+    records = {r["preset"]: r for r in json.loads(path.read_text())}
+    assert list(records) == ["dense", "sigma_moe", "pkm", "peer"]
+    assert records["pkm"]["error"] == "RuntimeError: Triton: no kernel for sm_90"
+    assert "ms" not in records["pkm"] and records["pkm"]["total_params"] > 0
+    for name in ("dense", "sigma_moe", "peer"):
+        assert records[name]["ms"] > 0 and records[name]["rounds"] == 2
+    out = capsys.readouterr().out
+    assert "  pkm: failed (RuntimeError: Triton: no kernel for sm_90); not timed" in out
+    assert "failed: RuntimeError: Triton: no kernel for sm_90" in out        # the table's row
+    assert "target: pkm / dense <= 1.5: failed (RuntimeError: " in out and "MISSED" in out
+    assert "target: peer / dense <= 1.5: " in out
+
+
+def test_bench_lm_stops_when_dense_fails(monkeypatch):
+    def broken(model):
+        def loss(inputs, targets):
+            raise RuntimeError("no baseline")
+        return loss
+    patched_lm_model(monkeypatch, "dense", loss=broken)
+    with pytest.raises(RuntimeError, match="no baseline"):
+        lm_step.run(["sigma_moe"], d_model=32, n_layers=1, n_heads=2, context=8, batch=2,
+                    d_ff=256, repeats=1)
+
+
+def test_bench_lm_interrupted_while_preparing_times_the_ready_models(monkeypatch, tmp_path,
+                                                                     capsys):
+    patched_lm_model(monkeypatch, "pkm", build_raises=KeyboardInterrupt)
+    path = tmp_path / "lm.json"
+    assert cli.main(["bench", "lm", "--presets", "sigma_moe", "pkm", "peer", *LM_SIZES,
+                     "--repeats", "2", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["preset"] for r in records] == ["dense", "sigma_moe"]
+    assert records[1]["over_dense"] > 0 and records[1]["rounds"] == 2
+    out = capsys.readouterr().out
+    assert "interrupted while preparing pkm: not timed: pkm, peer; timing the 2 ready" in out
+    assert "bench lm: interrupted while preparing pkm: not timed: pkm, peer\n" in out
+    assert "target: sigma_moe / dense <= 1.0: " in out
+    patched_lm_model(monkeypatch, "dense", build_raises=KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):       # nothing to compare with: stop
+        lm_step.run(["sigma_moe"], d_model=32, n_layers=1, n_heads=2, context=8, batch=2,
+                    d_ff=256, repeats=1)
+
+
+def test_bench_lm_interrupted_in_its_rounds_keeps_the_whole_ones(monkeypatch, tmp_path, capsys):
+    def stops_on_call(n):
+        def loss(model):
+            calls, real = [], model.loss
+
+            def counted(inputs, targets):
+                calls.append(1)
+                if len(calls) == n:
+                    raise KeyboardInterrupt
+                return real(inputs, targets)
+            return counted
+        return loss
+    # its step's calls: 1 to check it runs, 2 warm-ups, then rounds 1, 2 and (6) 3
+    patched_lm_model(monkeypatch, "sigma_moe", loss=stops_on_call(6))
+    path = tmp_path / "lm.json"
+    assert cli.main(["bench", "lm", "--presets", "sigma_moe", "switch", *LM_SIZES,
+                     "--repeats", "5", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["preset"], r["rounds"]) for r in records] == [
+        ("dense", 2), ("sigma_moe", 2), ("switch", 2)]
+    assert "bench lm: interrupted after 2 of 5 timed rounds\n" in capsys.readouterr().out
+
+
+FIG2_SIZES = ["--tokens", "32", "--dtype", "float32", "--device", "cpu", "--repeats", "3"]
+
+
+def test_bench_fig2_interrupted_at_a_later_width_keeps_the_earlier(monkeypatch, tmp_path,
+                                                                   capsys):
+    original = fig2.bench_width
+
+    def bench_width(d_model, *args, **kwargs):
+        if d_model == 256:
+            raise KeyboardInterrupt
+        return original(d_model, *args, **kwargs)
+    monkeypatch.setattr(fig2, "bench_width", bench_width)
+    path = tmp_path / "fig2.json"
+    assert cli.main(["bench", "fig2", "--d-models", "128,256,384", *FIG2_SIZES,
+                     "--json", str(path)]) == 0
+    (record,) = json.loads(path.read_text())
+    assert record["d_model"] == 128 and record["rounds"] == 3 and "interrupted" not in record
+    out = capsys.readouterr().out
+    assert "bench fig2: interrupted at d_model 256: not timed: 256, 384" in out
+    assert "target: sparseffn / dense_param <= " not in out     # no target at d_model 128
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(fig2, "bench_width", interrupted)
+    with pytest.raises(KeyboardInterrupt):       # at the first width: nothing to report
+        fig2.run([128], tokens=32, repeats=1, device="cpu", dtype="float32")
+
+
+def test_bench_fig2_interrupted_while_preparing_peers_times_what_is_ready(monkeypatch, tmp_path,
+                                                                          capsys):
+    """An interrupt while a peer compiles (Liger's took minutes a width on an H100): σ-MoE and
+    the dense MLPs are timed, that width ends the run and says so."""
+    def interrupting(d_model, num_experts):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(fig2, "portable_peer_builders",
+                        lambda dtype=None: {"slow_peer": interrupting})
+    path = tmp_path / "fig2.json"
+    assert cli.main(["bench", "fig2", "--d-models", "128,256", *FIG2_SIZES, "--peers",
+                     "--json", str(path)]) == 0
+    (record,) = json.loads(path.read_text())
+    assert list(record["ms"]) == ["sparseffn", "dense_param", "dense_active"]
+    assert record["interrupted"] == "interrupted while preparing d_model 128's contenders"
+    assert record["rounds"] == 3 and record["over_dense_param"]["sparseffn"] > 0
+    out = capsys.readouterr().out
+    assert "  d_model 128: interrupted while preparing d_model 128's contenders (3 rounds " \
+           "timed)" in out
+    assert "bench fig2: not timed: 256" in out
+
+
+def test_bench_fig2_interrupted_before_dense_is_ready_stops(monkeypatch):
+    original = fig2.timed_step
+
+    def timed_step(module, *args, **kwargs):
+        if isinstance(module, fig2.DenseMLP):
+            raise KeyboardInterrupt
+        return original(module, *args, **kwargs)
+    monkeypatch.setattr(fig2, "timed_step", timed_step)
+    with pytest.raises(KeyboardInterrupt):
+        fig2.run([128], tokens=32, repeats=1, device="cpu", dtype="float32")
+
+
+def test_bench_fig2_interrupted_in_its_rounds_keeps_the_whole_ones(monkeypatch, tmp_path,
+                                                                   capsys):
+    original = fig2.timed_step
+
+    def timed_step(module, *args, **kwargs):
+        step, ok = original(module, *args, **kwargs)
+        if not isinstance(module, fig2.DenseMLP) or module.config.d_ff != 4 * 128:
+            return step, ok
+        stop = interrupted_on_call(3 + 2)     # 3 warm-up rounds, then the 2nd timed round
+
+        def stepped():
+            stop()
+            return step()
+        return stepped, ok
+    monkeypatch.setattr(fig2, "timed_step", timed_step)
+    path = tmp_path / "fig2.json"
+    assert cli.main(["bench", "fig2", "--d-models", "128", *FIG2_SIZES, "--json",
+                     str(path)]) == 0
+    (record,) = json.loads(path.read_text())
+    assert record["rounds"] == 1 and record["interrupted"] == \
+        "interrupted after 1 of 3 timed rounds"
+    assert torch.isfinite(torch.tensor(record["over_dense_param"]["sparseffn"]))
+    assert "d_model 128: interrupted after 1 of 3 timed rounds (1 rounds timed)" in \
+        capsys.readouterr().out
+
+
+def test_bench_lm_stopped_by_a_real_sigint_while_inductor_compiles(tmp_path):
+    """The GPU stage's case end to end: `bench lm --compile default` in its own process gets
+    a SIGINT while it compiles a later preset (a second after the second model compiled),
+    and still prints and writes the models compiled before it, exiting normally."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    path = tmp_path / "lm.json"
+    presets = ["sigma_moe", "pkm", "peer"]
+    command = [sys.executable, "-m", "sparseffn", "bench", "lm", "--presets", *presets,
+               *LM_SIZES, "--repeats", "2", "--compile", "default", "--json", str(path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "sigma_moe: compiled in" in line:
+            time.sleep(1.0)              # into the next preset's compilation
+            process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=300) == 0, "".join(lines)
+    out = "".join(lines)
+    timed = [r["preset"] for r in json.loads(path.read_text())]
+    assert timed[:2] == ["dense", "sigma_moe"] and len(timed) < 4, out
+    cut = (["dense"] + presets)[len(timed)]          # the one compiling when it came
+    assert f"bench lm: interrupted while preparing {cut}: not timed: {cut}" in out
+    assert "target: sigma_moe / dense <= 1.0: " in out
