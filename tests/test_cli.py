@@ -1,4 +1,5 @@
 import json
+import os
 import re
 
 import pytest
@@ -577,13 +578,14 @@ def _gpu_session_commands() -> dict[str, str]:
 
 
 def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
-    """A lent GPU comes rarely and for 30 minutes: a stage that dies on a renamed flag or preset
+    """A lent GPU comes rarely and for 15 minutes: a stage that dies on a renamed flag or preset
     wastes a call. Every ``sparseffn`` command of the script parses, and every preset it names
     exists."""
     import shlex
     from sparseffn.models import PRESETS
     stages = _gpu_session_commands()
-    assert {"tests", "lm-graphs", "fig2-graphs", "profile-lm", "routers-graphs"} <= set(stages)
+    assert {"tests", "lm-graphs", "fig2-graphs", "profile-lm", "routers-graphs", "lm-first",
+            "tests-new", "fig2-eager"} <= set(stages)
     parsed = 0
     for name, line in stages.items():
         words = shlex.split(line.replace("$", "_"))
@@ -594,3 +596,29 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
         if "--lm" in words:
             assert set(words[words.index("--lm") + 1].split(",")) <= {"dense", *PRESETS}, name
     assert parsed >= 10
+
+
+def test_gpu_session_first_runs_its_three_stages_each_under_sigint_at_its_limit(tmp_path):
+    """``first`` (a session's one call) expands to its stages in order, each run under
+    ``timeout -s INT`` so that a benchmark stopped at its limit still reports; an unknown
+    stage is refused. The stages' Python is stood in for by a script that logs its
+    arguments."""
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "scripts" / "gpu_session.sh"
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "ran: $*"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "OUT": str(tmp_path / "out"), "WHEELS": "/nowhere"}
+    done = subprocess.run(["bash", str(script), "first"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"^== ([\w-]+): exit 0$", done.stdout, re.M) == [
+        "lm-first", "tests-new", "fig2-eager"]
+    lm_log = (tmp_path / "out" / "lm-first.log").read_text()
+    assert "ran: -m sparseffn bench lm --device cuda --compile reduce-overhead" in lm_log
+    assert "tests/ops/test_triton_rows.py" in (tmp_path / "out" / "tests-new.log").read_text()
+    assert "timeout -s INT -k 20" in script.read_text()
+    refused = subprocess.run(["bash", str(script), "nope"], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "unknown stage nope (first " in refused.stdout
