@@ -5,12 +5,14 @@
 # A stage is stopped at its limit by SIGINT (then killed 20 s later): `bench lm` and `bench
 # fig2` then report what they measured (the models compiled by then, the whole rounds).
 #
-#   bash scripts/gpu_session.sh first              # THE FIRST CALL of a session, ~8.5 min at
-#                                                   #   most: lm-first (the LM target), tests-new
-#                                                   #   (kernels never run on a GPU), fig2-eager
-#                                                   #   (Fig. 2's ratios and peak memory); a
-#                                                   #   session has 15 minutes of device time,
-#                                                   #   a machine's start takes 1-2 of them
+#   bash scripts/gpu_session.sh first              # THE FIRST CALL of a session, under 9.5 min:
+#                                                   #   lm-first (the LM target), train-quick
+#                                                   #   (does `sparseffn train --device cuda`
+#                                                   #   train at all: it never ran on a GPU),
+#                                                   #   tests-new (kernels never run on a GPU),
+#                                                   #   fig2-eager (Fig. 2's ratios and peak
+#                                                   #   memory); a session has 15 minutes of
+#                                                   #   device time, a start takes 1-2 of them
 #   bash scripts/gpu_session.sh profile-first      # a second call, at once while the machine
 #                                                   #   is warm, if 3 minutes are left: the LM
 #                                                   #   step of dense, σ-MoE and PKM, kernel by
@@ -77,24 +79,28 @@ stage() {   # name, time limit in seconds, command...
 # "first": the stages of a session's first (often only) call, most wanted first
 stages=()
 for what in "$@"; do
-  if [ "$what" = first ]; then stages+=(lm-first tests-new fig2-eager); else stages+=("$what"); fi
+  if [ "$what" = first ]; then stages+=(lm-first train-quick tests-new fig2-eager)
+  else stages+=("$what"); fi
 done
 
 for what in "${stages[@]}"; do
   case $what in
     # the LM target's presets (GLaM and soft FFF left out: no target of their own, 2 fewer
-    # compilations), stopped at 250 s with what compiled by then timed
-    lm-first) stage lm-first 250 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
+    # compilations), stopped at 240 s with what compiled by then timed
+    lm-first) stage lm-first 240 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
                 --presets sigma_moe switch sbase fff_sparse pkm peer --json "$OUT/lm-first.json" ;;
+    # the trainer on CUDA: fp32 against the CPU, bf16 without a host sync, resume to the bit
+    train-quick) SPARSEFFN_TRITON_AUTOTUNE=0 stage train-quick 75 $PY scripts/gpu_train_check.py \
+                   --quick --presets sigma_moe --steps 12 --json "$OUT/train-quick.json" ;;
     # the kernels written since the last GPU session (the expert MLP's hidden padding, the
     # product-key top-k network, scatter_rows_dot, Sinkhorn, spread_rows), bf16 included
-    tests-new) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests-new 150 $PY -m pytest -q \
+    tests-new) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests-new 110 $PY -m pytest -q \
                  -p no:cacheprovider tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py \
                  tests/ops/test_triton_sinkhorn.py tests/ops/test_dense_products.py ;;
     profile-first) stage profile-first 140 $PY scripts/gpu_profile.py --top 12 \
                      --lm dense,sigma_moe,pkm ;;
     # eager: the allocator's peak (CUDA graphs hide it) and the ratios without graphs
-    fig2-eager) stage fig2-eager 80 $PY -m sparseffn bench fig2 --json "$OUT/fig2-eager.json" ;;
+    fig2-eager) stage fig2-eager 75 $PY -m sparseffn bench fig2 --json "$OUT/fig2-eager.json" ;;
     tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 420 $PY -m pytest -q -p no:cacheprovider \
              tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py tests/ops/test_triton_tree.py \
              tests/ops/test_triton_sinkhorn.py \
@@ -145,7 +151,7 @@ for what in "${stages[@]}"; do
     lm-layers) stage lm-layers 480 $PY scripts/gpu_lm_layers.py ;;
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
-    *) echo "unknown stage $what (first lm-first tests-new fig2-eager profile-first" \
+    *) echo "unknown stage $what (first lm-first train-quick tests-new fig2-eager profile-first" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile" \

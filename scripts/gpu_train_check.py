@@ -24,7 +24,9 @@ For each FFN preset of a small byte-level LM on pydoc (no download):
   - greedy text from the fp32 run's checkpoint (``TransformerLM.generate``) on CUDA: 32
     tokens, and how many of them lead as on the CPU (near-ties may flip one, so not a test).
 Prints one line per preset and check and exits 1 if any check failed. ``--device cpu`` runs it
-all on the CPU (to check the script itself).
+all on the CPU (to check the script itself). ``--quick`` runs only the fp32, bf16 (with its
+synchronisations) and resume checks: does a user's ``sparseffn train --device cuda`` train at
+all, in the minute a 15-minute GPU session can spare for it.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def _train(run: RunConfig, folder: Path, device: str, stop_at: int | None = None
     return summary, nondeterministic
 
 
-def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
+def check(preset: str, steps: int, device: str, tmp: Path, quick: bool = False) -> list[dict]:
     results = []
 
     def record(name, ok, detail):
@@ -165,6 +167,31 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
     bf16, _ = _train(_run(preset, steps, bf16=True), tmp / f"{preset}-bf16", device,
                      syncs=syncs)
     record("bf16 autocast", math.isfinite(bf16["val"]["loss"]), f"val {bf16['val']['loss']:.4f}")
+    if not quick:
+        _check_more(preset, steps, device, tmp, record, a, syncs)
+    if cuda:
+        record("no sync in a step", not syncs,
+               f"{len(syncs)} synchronising calls in the bf16"
+               + ("" if quick else " and fp16") + " steps"
+               + (f", the first at {syncs[0]}" if syncs else ""))
+    folder = tmp / f"{preset}-resumed"
+    _train(run, folder, device, stop_at=steps // 2)
+    _train(run, folder, device, resume=True)
+    same_curve = _curve(folder) == a
+    x = ckpt.load(folder / "checkpoint.pt")["model"]
+    y = ckpt.load(tmp / f"{preset}-gpu" / "checkpoint.pt")["model"]
+    same_weights = all(torch.equal(x[k], y[k]) for k in x)
+    record("resume to the bit", same_curve and same_weights,
+           "nondeterministic ops: " + (", ".join(nondeterministic) or "none"))
+    if not quick:
+        _check_sample(preset, device, tmp, record)
+    return results
+
+
+def _check_more(preset: str, steps: int, device: str, tmp: Path, record, fp32_curve,
+                syncs: list[str] | None) -> None:
+    """The checks ``--quick`` leaves out: the memory levers, compiled, CUDA graphs, fp16."""
+    cuda = torch.device(device).type == "cuda"
     peaks, curves = {"plain": _peak_mib(device)}, {"plain": _curve(tmp / f"{preset}-bf16")}
     for name, fields in (("micro_batches 2", {"micro_batches": 2}),
                          ("recomputed", {"activation_checkpointing": True})):
@@ -195,23 +222,14 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
            f"{_last_rate(tmp / f'{preset}-bf16-compiled'):.0f}")
     fp16, _ = _train(_run(preset, steps, fp16=True), tmp / f"{preset}-fp16", device,
                      syncs=syncs)
-    gap = _largest_gap(_curve(tmp / f"{preset}-fp16"), a)
+    gap = _largest_gap(_curve(tmp / f"{preset}-fp16"), fp32_curve)
     record("fp16 autocast", gap < 2e-2 and fp16["skipped_steps"] == 0
            and math.isfinite(fp16["val"]["loss"]),
            f"largest relative gap to fp32 {gap:.2e}; skipped steps {fp16['skipped_steps']}")
-    if cuda:
-        record("no sync in a step", not syncs,
-               f"{len(syncs)} synchronising calls in the bf16 and fp16 steps"
-               + (f", the first at {syncs[0]}" if syncs else ""))
-    folder = tmp / f"{preset}-resumed"
-    _train(run, folder, device, stop_at=steps // 2)
-    _train(run, folder, device, resume=True)
-    same_curve = _curve(folder) == a
-    x = ckpt.load(folder / "checkpoint.pt")["model"]
-    y = ckpt.load(tmp / f"{preset}-gpu" / "checkpoint.pt")["model"]
-    same_weights = all(torch.equal(x[k], y[k]) for k in x)
-    record("resume to the bit", same_curve and same_weights,
-           "nondeterministic ops: " + (", ".join(nondeterministic) or "none"))
+
+
+def _check_sample(preset: str, device: str, tmp: Path, record) -> None:
+    """Greedy text from the fp32 run's checkpoint, on the CPU and on ``device``."""
     _, model, tokenizer = load_language_model(tmp / f"{preset}-gpu" / "checkpoint.pt")
     prompt = torch.as_tensor(tokenizer.encode(b"def ")).view(1, -1)
     texts = {where: model.to(where).generate(prompt.to(where), 32, temperature=0).cpu()
@@ -219,7 +237,6 @@ def check(preset: str, steps: int, device: str, tmp: Path) -> list[dict]:
     same = int((texts["cpu"] == texts[device]).long().cumprod(1).sum()) - prompt.shape[1]
     record("greedy sample", texts[device].shape == (1, prompt.shape[1] + 32),
            f"the first {same} of 32 tokens as on the cpu")
-    return results
 
 
 def main() -> int:
@@ -228,12 +245,14 @@ def main() -> int:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the fp32, bf16 and resume checks")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
             try:
-                results += check(preset, args.steps, args.device, Path(tmp))
+                results += check(preset, args.steps, args.device, Path(tmp), args.quick)
             except Exception:
                 traceback.print_exc()
                 results.append({"preset": preset, "check": "ran", "ok": False,

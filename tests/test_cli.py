@@ -585,7 +585,7 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
     from sparseffn.models import PRESETS
     stages = _gpu_session_commands()
     assert {"tests", "lm-graphs", "fig2-graphs", "profile-lm", "routers-graphs", "lm-first",
-            "tests-new", "fig2-eager"} <= set(stages)
+            "train-quick", "tests-new", "fig2-eager", "profile-first"} <= set(stages)
     parsed = 0
     for name, line in stages.items():
         words = shlex.split(line.replace("$", "_"))
@@ -599,7 +599,7 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
 
 
 def test_gpu_session_first_runs_its_three_stages_each_under_sigint_at_its_limit(tmp_path):
-    """``first`` (a session's one call) expands to its stages in order, each run under
+    """``first`` (a session's one call) expands to its four stages in order, each run under
     ``timeout -s INT`` so that a benchmark stopped at its limit still reports; an unknown
     stage is refused. The stages' Python is stood in for by a script that logs its
     arguments."""
@@ -614,7 +614,7 @@ def test_gpu_session_first_runs_its_three_stages_each_under_sigint_at_its_limit(
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert re.findall(r"^== ([\w-]+): exit 0$", done.stdout, re.M) == [
-        "lm-first", "tests-new", "fig2-eager"]
+        "lm-first", "train-quick", "tests-new", "fig2-eager"]
     lm_log = (tmp_path / "out" / "lm-first.log").read_text()
     assert "ran: -m sparseffn bench lm --device cuda --compile reduce-overhead" in lm_log
     assert "tests/ops/test_triton_rows.py" in (tmp_path / "out" / "tests-new.log").read_text()
@@ -622,3 +622,22 @@ def test_gpu_session_first_runs_its_three_stages_each_under_sigint_at_its_limit(
     refused = subprocess.run(["bash", str(script), "nope"], env=env, capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "unknown stage nope (first " in refused.stdout
+
+
+def test_gpu_train_check_quick_runs_its_checks_on_the_cpu(tmp_path):
+    """``train-quick``'s script (``--device cpu`` checks the script itself): the fp32, bf16
+    and resume checks pass and are the only ones run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    path = tmp_path / "checks.json"
+    done = subprocess.run([sys.executable, str(root / "scripts" / "gpu_train_check.py"),
+                           "--device", "cpu", "--quick", "--presets", "sigma_moe", "--steps",
+                           "4", "--json", str(path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(path.read_text())
+    assert [(r["check"], r["ok"]) for r in results] == [
+        ("fp32 vs cpu", True), ("ms per step", True), ("bf16 autocast", True),
+        ("resume to the bit", True)]
