@@ -182,8 +182,8 @@ def test_bench_fig2_interrupted_while_preparing_peers_times_what_is_ready(monkey
     assert record["interrupted"] == "interrupted while preparing d_model 128's contenders"
     assert record["rounds"] == 3 and record["over_dense_param"]["sparseffn"] > 0
     out = capsys.readouterr().out
-    assert "  d_model 128: interrupted while preparing d_model 128's contenders (3 rounds " \
-           "timed)" in out
+    assert "  d_model 128: interrupted while preparing d_model 128's contenders (timed " \
+           "rounds: 3)" in out
     assert "bench fig2: not timed: 256" in out
 
 
@@ -221,7 +221,7 @@ def test_bench_fig2_interrupted_in_its_rounds_keeps_the_whole_ones(monkeypatch, 
     assert record["rounds"] == 1 and record["interrupted"] == \
         "interrupted after 1 of 3 timed rounds"
     assert torch.isfinite(torch.tensor(record["over_dense_param"]["sparseffn"]))
-    assert "d_model 128: interrupted after 1 of 3 timed rounds (1 rounds timed)" in \
+    assert "d_model 128: interrupted after 1 of 3 timed rounds (timed rounds: 1)" in \
         capsys.readouterr().out
 
 

@@ -387,7 +387,7 @@ def format_table(records: list[dict]) -> str:
             extra = (f"; best peer {r['best_peer']} / sparseffn = "
                      f"{r['best_peer_over_sparseffn']:.2f}")
         lines.append(f"  d_model {r['d_model']}: {ratios}{extra}")
-    lines += [f"  d_model {r['d_model']}: {r['interrupted']} ({r['rounds']} rounds timed)"
+    lines += [f"  d_model {r['d_model']}: {r['interrupted']} (timed rounds: {r['rounds']})"
               for r in records if "interrupted" in r]
     return "\n".join(lines + check_targets(records))
 
