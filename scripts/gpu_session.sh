@@ -13,10 +13,15 @@
 #                                                   #   fig2-eager (Fig. 2's ratios and peak
 #                                                   #   memory); a session has 15 minutes of
 #                                                   #   device time, a start takes 1-2 of them
-#   bash scripts/gpu_session.sh profile-first      # a second call, at once while the machine
-#                                                   #   is warm, if 3 minutes are left: the LM
-#                                                   #   step of dense, σ-MoE and PKM, kernel by
-#                                                   #   kernel (~2.5 min at most)
+#   bash scripts/gpu_session.sh second             # a second call, at once while the machine
+#                                                   #   is warm, if 3 minutes are left (~2.8 min
+#                                                   #   at most): lm-layers-first, the layers of
+#                                                   #   σ-MoE, PKM and PEER with each switch not
+#                                                   #   yet timed (padding, bf16 gates, one pass,
+#                                                   #   no Triton, dense products): which default
+#                                                   #   to change
+#   bash scripts/gpu_session.sh profile-first      # the LM step of dense, σ-MoE and PKM, kernel
+#                                                   #   by kernel (~2.5 min at most)
 #   bash scripts/gpu_session.sh tests check        # ~4-5 + ~7 min
 #   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ~2 min (fig2 with both peers)
 #   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs;
@@ -76,11 +81,15 @@ stage() {   # name, time limit in seconds, command...
   grep -v -i -e warn -e "^ *warnings\." -e "^$" "$OUT/$name.log" | tail -n 40 | cut -c1-240
 }
 
-# "first": the stages of a session's first (often only) call, most wanted first
+# "first" and "second": the stages of a session's first (often only) call, most wanted first,
+# and of a short second one
 stages=()
 for what in "$@"; do
-  if [ "$what" = first ]; then stages+=(lm-first train-quick tests-new fig2-eager)
-  else stages+=("$what"); fi
+  case $what in
+    first) stages+=(lm-first train-quick tests-new fig2-eager) ;;
+    second) stages+=(lm-layers-first) ;;
+    *) stages+=("$what") ;;
+  esac
 done
 
 for what in "${stages[@]}"; do
@@ -97,6 +106,8 @@ for what in "${stages[@]}"; do
     tests-new) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests-new 110 $PY -m pytest -q \
                  -p no:cacheprovider tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py \
                  tests/ops/test_triton_sinkhorn.py tests/ops/test_dense_products.py ;;
+    lm-layers-first) stage lm-layers-first 150 $PY scripts/gpu_lm_layers.py \
+                       --presets sigma_moe,pkm,peer ;;
     profile-first) stage profile-first 140 $PY scripts/gpu_profile.py --top 12 \
                      --lm dense,sigma_moe,pkm ;;
     # eager: the allocator's peak (CUDA graphs hide it) and the ratios without graphs
@@ -151,7 +162,8 @@ for what in "${stages[@]}"; do
     lm-layers) stage lm-layers 480 $PY scripts/gpu_lm_layers.py ;;
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
-    *) echo "unknown stage $what (first lm-first train-quick tests-new fig2-eager profile-first" \
+    *) echo "unknown stage $what (first second lm-first train-quick tests-new fig2-eager" \
+            "lm-layers-first profile-first" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile" \

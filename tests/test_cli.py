@@ -585,7 +585,8 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
     from sparseffn.models import PRESETS
     stages = _gpu_session_commands()
     assert {"tests", "lm-graphs", "fig2-graphs", "profile-lm", "routers-graphs", "lm-first",
-            "train-quick", "tests-new", "fig2-eager", "profile-first"} <= set(stages)
+            "train-quick", "tests-new", "fig2-eager", "lm-layers-first",
+            "profile-first"} <= set(stages)
     parsed = 0
     for name, line in stages.items():
         words = shlex.split(line.replace("$", "_"))
@@ -598,11 +599,12 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
     assert parsed >= 10
 
 
-def test_gpu_session_first_runs_its_three_stages_each_under_sigint_at_its_limit(tmp_path):
-    """``first`` (a session's one call) expands to its four stages in order, each run under
-    ``timeout -s INT`` so that a benchmark stopped at its limit still reports; an unknown
-    stage is refused. The stages' Python is stood in for by a script that logs its
-    arguments."""
+def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_limit(
+        tmp_path):
+    """``first`` (a session's one call) expands to its four stages in order, ``second`` to
+    its one, each run under ``timeout -s INT`` so that a benchmark stopped at its limit still
+    reports; an unknown stage is refused. The stages' Python is stood in for by a script
+    that logs its arguments."""
     import subprocess
     from pathlib import Path
     script = Path(__file__).parents[1] / "scripts" / "gpu_session.sh"
@@ -619,6 +621,11 @@ def test_gpu_session_first_runs_its_three_stages_each_under_sigint_at_its_limit(
     assert "ran: -m sparseffn bench lm --device cuda --compile reduce-overhead" in lm_log
     assert "tests/ops/test_triton_rows.py" in (tmp_path / "out" / "tests-new.log").read_text()
     assert "timeout -s INT -k 20" in script.read_text()
+    done = subprocess.run(["bash", str(script), "second"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert re.findall(r"^== ([\w-]+): exit 0$", done.stdout, re.M) == ["lm-layers-first"]
+    assert "ran: scripts/gpu_lm_layers.py --presets sigma_moe,pkm,peer" in \
+        (tmp_path / "out" / "lm-layers-first.log").read_text()
     refused = subprocess.run(["bash", str(script), "nope"], env=env, capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "unknown stage nope (first " in refused.stdout
