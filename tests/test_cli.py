@@ -465,14 +465,13 @@ def test_bench_deterministic_times_under_deterministic_algorithms_and_restores(
         bench, tmp_path, capsys, monkeypatch):
     """--deterministic times the steps as `sparseffn train` runs them by default, says so in
     the header and the records, and leaves the process's setting as it found it."""
-    from sparseffn.bench import fig2, lm_step
-    module = {"lm": lm_step, "fig2": fig2}[bench]
-    seen, original = [], module.interleaved_times
+    from sparseffn.bench import measure
+    seen, original = [], measure.interleaved_times
 
     def timed(*args, **kwargs):
         seen.append(torch.are_deterministic_algorithms_enabled())
         return original(*args, **kwargs)
-    monkeypatch.setattr(module, "interleaved_times", timed)
+    monkeypatch.setattr(measure, "interleaved_times", timed)   # both benchmarks' timing
     sizes = (["--presets", "sigma_moe", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
               "--context", "8", "--batch", "2", "--d-ff", "256"] if bench == "lm" else
              ["--d-models", "128", "--tokens", "32", "--dtype", "float32"])

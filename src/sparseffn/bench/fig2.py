@@ -58,9 +58,9 @@ from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
-from .measure import (RoundsInterrupted, autocast_dtype_of, describe_device,
-                      dtype_name, first_call_or_eager, forward_backward_fn, interleaved_times,
-                      new_graph_step, paired_ratio, peak_mib, verdict, write_json)
+from .measure import (autocast_dtype_of, describe_device, dtype_name, first_call_or_eager,
+                      forward_backward_fn, new_graph_step, paired_ratio, peak_mib,
+                      times_kept_on_interrupt, verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE
 
 EXPERT_SIZE = 128
@@ -282,11 +282,7 @@ def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,
         stopped = f"interrupted while preparing d_model {d_model}'s contenders"
         print(f"  {stopped}; timing the {len(contenders)} ready", flush=True)
     # three warm-up rounds: compilation, autotuning, the allocator
-    try:
-        times = interleaved_times(contenders, repeats, warmup=3, device=device,
-                                  keep_on_interrupt=True)
-    except RoundsInterrupted as cut:
-        times, stopped = cut.times, "; ".join(filter(None, [stopped, str(cut)]))
+    times, stopped = times_kept_on_interrupt(contenders, repeats, 3, device, stopped)
     record = {"d_model": d_model, "tokens": tokens, "num_experts": num_experts,
               "expert_size": EXPERT_SIZE, "k": K, "device": str(device),
               "dtype": dtype_name(dtype), "compile": compile,

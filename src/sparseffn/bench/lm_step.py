@@ -34,9 +34,9 @@ from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from ..train.loss_scaling import LossScaling
-from .measure import (RoundsInterrupted, autocast_dtype_of, describe_device,
-                      first_call_or_eager, interleaved_times, new_graph_step, paired_ratio,
-                      peak_mib, verdict, write_json)
+from .measure import (autocast_dtype_of, describe_device, first_call_or_eager,
+                      new_graph_step, paired_ratio, peak_mib, times_kept_on_interrupt, verdict,
+                      write_json)
 
 
 def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,
@@ -171,12 +171,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
             left = names[names.index(name):]
             stopped = f"interrupted while preparing {name}: not timed: {', '.join(left)}"
             print(f"  {stopped}; timing the {len(steps)} ready", flush=True)
-        try:
-            times = interleaved_times(steps, repeats, warmup=2, device=dev,
-                                      keep_on_interrupt=True)
-        except RoundsInterrupted as cut:
-            times = cut.times
-            stopped = "; ".join(filter(None, [stopped, str(cut)]))
+        times, stopped = times_kept_on_interrupt(steps, repeats, 2, dev, stopped)
         records = []
         for name in names:
             if name not in costs:           # interrupted before it was built

@@ -53,6 +53,18 @@ def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup
     return times
 
 
+def times_kept_on_interrupt(fns: dict[str, Callable[[], object]], repeats: int, warmup: int,
+                            device: torch.device | str | None,
+                            stopped: str = "") -> tuple[dict[str, list[float]], str]:
+    """:func:`interleaved_times`, keeping the whole rounds if interrupted in the timed ones
+    (a KeyboardInterrupt before the first whole round goes through). Returns the times and
+    ``stopped``, the benchmark's note of what was cut short, with the rounds' note added."""
+    try:
+        return interleaved_times(fns, repeats, warmup, device, keep_on_interrupt=True), stopped
+    except RoundsInterrupted as cut:
+        return cut.times, "; ".join(filter(None, [stopped, str(cut)]))
+
+
 def _wall_ms(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
