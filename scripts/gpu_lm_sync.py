@@ -21,7 +21,7 @@ import sys
 import torch
 
 from sparseffn.bench.lm_step import byte_tokens, lm_model, training_step_fn
-from sparseffn.bench.measure import host_sync_in
+from sparseffn.bench.measure import error_summary, host_sync_in
 from sparseffn.models import PRESETS
 
 
@@ -52,7 +52,7 @@ def main() -> None:
         try:
             result = check(preset, args.batch, dtype, device)
         except Exception as error:   # one failing preset does not hide the others
-            result = f"FAILED {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            result = f"FAILED {error_summary(error)}"
         failed += result != "ok"
         print(f"{preset:>12}: {result}", flush=True)
     sys.exit(1 if failed else 0)

@@ -40,7 +40,7 @@ import sparseffn
 from sparseffn.bench.compiled import layer_configs
 from sparseffn.bench.fig2 import fig2_dense_widths, fig2_sigma_moe, timed_step
 from sparseffn.bench.lm_step import byte_tokens, lm_model, training_step_fn
-from sparseffn.bench.measure import forward_backward_fn
+from sparseffn.bench.measure import error_summary, forward_backward_fn
 from sparseffn.models import PRESETS
 
 
@@ -156,7 +156,7 @@ def main() -> None:
         try:
             profile_step(name, make_step(), device, args.top)
         except Exception as error:   # one failing step does not hide the others
-            print(f"{name}: FAILED {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            print(f"{name}: FAILED {error_summary(error)}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,21 @@ def test_bench_lm_reports_a_failing_preset_and_times_the_others(monkeypatch, tmp
     assert "target: peer / dense <= 1.5: " in out
 
 
+def test_bench_lm_reports_a_failure_without_a_message(monkeypatch, capsys):
+    """A bare ``assert`` in a compiler raises an error with no message; reporting it must not
+    itself fail (the first line of an empty message does not exist)."""
+    def broken(model):
+        def loss(inputs, targets):
+            raise AssertionError
+        return loss
+    patched_lm_model(monkeypatch, "pkm", loss=broken)
+    records = lm_step.run(["sigma_moe", "pkm"], d_model=32, n_layers=1, n_heads=2, context=8,
+                          batch=2, d_ff=256, repeats=1)
+    assert [(r["preset"], r.get("error")) for r in records] == [
+        ("dense", None), ("sigma_moe", None), ("pkm", "AssertionError")]
+    assert "  pkm: failed (AssertionError); not timed" in capsys.readouterr().out
+
+
 def test_bench_lm_stops_when_dense_fails(monkeypatch):
     def broken(model):
         def loss(inputs, targets):

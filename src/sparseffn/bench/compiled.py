@@ -25,8 +25,8 @@ from ..config import (DenseMLPConfig, FFFConfig, MoEConfig, PEERConfig, PKMConfi
 from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRouterConfig,
                              SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig,
                              TreeRouterConfig)
-from .measure import (forward_backward_fn, host_sync_in, interleaved_times, paired_ratio,
-                      write_json)
+from .measure import (error_summary, forward_backward_fn, host_sync_in, interleaved_times,
+                      paired_ratio, write_json)
 from .op_count import count_ops
 
 
@@ -99,8 +99,7 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
             fullgraph = "yes"
         except Exception as error:   # reported, not fatal: the table says which layer failed
             fullgraph = "no"
-            print(f"  {name}: fullgraph compile failed: {type(error).__name__}: "
-                  f"{str(error).splitlines()[0][:200]}")
+            print(f"  {name}: fullgraph compile failed: {error_summary(error)}")
         times = interleaved_times({"eager": eager} | (
             {"compiled": compiled} if fullgraph == "yes" else {}), repeats, device=dev)
         eager_ms = statistics.median(times["eager"])

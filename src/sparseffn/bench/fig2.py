@@ -58,9 +58,9 @@ from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
-from .measure import (autocast_dtype_of, describe_device, dtype_name, first_call_or_eager,
-                      forward_backward_fn, new_graph_step, paired_ratio, peak_mib,
-                      times_kept_on_interrupt, verdict, write_json)
+from .measure import (autocast_dtype_of, describe_device, dtype_name, error_summary,
+                      first_call_or_eager, forward_backward_fn, new_graph_step, paired_ratio,
+                      peak_mib, times_kept_on_interrupt, verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE
 
 EXPERT_SIZE = 128
@@ -256,8 +256,7 @@ def _prepare_contenders(contenders: dict[str, Callable[[], None]], is_compiled: 
         except Exception as error:
             contenders.pop(name, None)
             is_compiled.pop(name, None)
-            print(f"  peer {name}: skipped at d_model {d_model} ({type(error).__name__}: "
-                  f"{str(error).splitlines()[0][:200]})")
+            print(f"  peer {name}: skipped at d_model {d_model} ({error_summary(error)})")
 
 
 def bench_width(d_model: int, tokens: int, repeats: int, device: torch.device,

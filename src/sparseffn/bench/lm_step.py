@@ -34,7 +34,7 @@ from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from ..train.loss_scaling import LossScaling
-from .measure import (autocast_dtype_of, describe_device, first_call_or_eager,
+from .measure import (autocast_dtype_of, describe_device, error_summary, first_call_or_eager,
                       new_graph_step, paired_ratio, peak_mib, times_kept_on_interrupt, verdict,
                       write_json)
 
@@ -163,7 +163,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
                 except Exception as error:
                     if name == "dense":          # no baseline, nothing to compare
                         raise
-                    failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    failed[name] = error_summary(error)
                     print(f"  {name}: failed ({failed[name]}); not timed", flush=True)
         except KeyboardInterrupt:
             if "dense" not in steps:

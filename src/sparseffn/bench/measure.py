@@ -14,6 +14,14 @@ import torch
 from torch import nn
 
 
+def error_summary(error: BaseException, width: int = 200) -> str:
+    """``Type: first line of the message`` (cut at ``width`` characters), or ``Type`` alone
+    for an error without a message (a bare ``assert`` in a compiler), for a benchmark that
+    reports a contender's failure in one line and goes on."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:width]}" if lines else type(error).__name__
+
+
 class RoundsInterrupted(Exception):
     """Ctrl-C (SIGINT: also what ``timeout -s INT`` sends) during the timed rounds of
     :func:`interleaved_times` after at least one whole round: ``times`` holds the whole
@@ -143,8 +151,8 @@ def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Cal
         for _ in range(2):
             step()
     except Exception as error:
-        print(f"  {what}: does not compile ({type(error).__name__}: "
-              f"{str(error).splitlines()[0][:160]}); timed eagerly", flush=True)
+        print(f"  {what}: does not compile ({error_summary(error, 160)}); timed eagerly",
+              flush=True)
         torch._dynamo.reset()
         return make_eager(), False
     print(f"  {what}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
