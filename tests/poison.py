@@ -60,11 +60,24 @@ def _let_dynamo_see_the_allocators() -> None:
     torch.compile(allocate, backend="eager", fullgraph=True)(torch.ones(1))
 
 
+def _let_device_contexts_see_the_allocators() -> None:
+    """``with torch.device(...)`` gives a default device to the factory functions it finds in
+    ``torch.utils._device._device_constructors()``, a set built on its first call (and kept)
+    from what ``torch.empty`` and the others are at that moment. Built while they are
+    patched (PyTorch 2.11 builds it lazily, as Hugging Face's meta-device init first enters
+    such a context), it would hold the wrappers: every ``torch.empty`` inside a
+    ``torch.device("meta")`` context would then land on the CPU. Build it with the originals."""
+    constructors = getattr(getattr(torch.utils, "_device", None), "_device_constructors", None)
+    if constructors is not None:
+        constructors()
+
+
 @contextlib.contextmanager
 def poisoned_allocations() -> Iterator[None]:
     """Fill every uninitialised allocation (see the module docstring) until exit, or until
     ``torch.compile`` is first called."""
     _let_dynamo_see_the_allocators()
+    _let_device_contexts_see_the_allocators()
     patches = pytest.MonkeyPatch()
     compile_patch = pytest.MonkeyPatch()
     compile_original = torch.compile

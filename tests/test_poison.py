@@ -1,6 +1,11 @@
 """The fresh-memory fill every test runs under (tests/poison.py) does what the kernel tests
 rely on: fresh memory holds the poison, and a compiled test gets the real allocators back."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,3 +45,20 @@ def test_the_allocators_are_restored_on_exit_and_at_the_first_compile():
         torch.compile(lambda t: t + 1, backend="eager")
         assert (torch.empty, torch.empty_like, torch.Tensor.new_empty) == originals[:3]
     assert (torch.empty, torch.empty_like, torch.Tensor.new_empty, torch.compile) == originals
+
+
+@pytest.mark.unpoisoned
+def test_a_device_context_still_places_what_the_poisoned_allocators_make():
+    """Hugging Face builds a model inside ``torch.device("meta")``; the first such context in a
+    process, entered under the poison, must still put ``torch.empty`` (nn.Linear's weights)
+    on its device. A fresh process, so that no earlier test has entered one."""
+    script = ("import torch\n"
+              "from tests.poison import poisoned_allocations\n"
+              "with poisoned_allocations(), torch.device('meta'):\n"
+              "    made = (torch.empty(3), torch.nn.Linear(2, 2).weight, torch.zeros(2))\n"
+              "print(' '.join(t.device.type for t in made))\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["meta", "meta", "meta"]
