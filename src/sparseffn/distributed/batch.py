@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..losses import BatchSum
+from . import traced
 from .errors import explained
 
 
@@ -41,6 +42,8 @@ class GroupBatchSum(BatchSum):
         self.group = group
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return traced.all_reduce_sum(values, self.group)
         return _AllReduceSum.apply(values, self.group)   # no graph without a gradient
 
     def __deepcopy__(self, memo) -> "GroupBatchSum":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import traced
 from .errors import explained
 
 
@@ -54,7 +55,10 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
     """Send ``x`` [sum(send_splits), ...] in consecutive chunks, one per rank, and return the
     chunks received, [sum(recv_splits), ...], in rank order; differentiable (the gradient
     travels back by the inverse exchange). Every rank of ``group`` must call it, in the same
-    order as the others, forward and backward."""
+    order as the others, forward and backward. Under ``torch.compile``: the traceable form
+    (``traced.py``)."""
+    if torch.compiler.is_compiling():
+        return traced.all_to_all(x, send_splits, recv_splits, group)
     return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)
 
 
