@@ -647,3 +647,33 @@ def test_gpu_train_check_quick_runs_its_checks_on_the_cpu(tmp_path):
     assert [(r["check"], r["ok"]) for r in results] == [
         ("fp32 vs cpu", True), ("ms per step", True), ("bf16 autocast", True),
         ("resume to the bit", True)]
+
+
+def test_test_torch_version_installs_that_torch_apart_and_runs_pytest_there(tmp_path):
+    """``scripts/test_torch_version.sh VERSION ARGS``: its own venv gets ``torch==VERSION``
+    (with NumPy below 2.3, for Triton 3.6's interpreter) and the test extras, then pytest runs
+    there with ARGS and a kernel cache of its own; without a version it refuses. A stand-in
+    Python logs what it is asked."""
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "scripts" / "test_torch_version.sh"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "log"
+    fake = venv / "bin" / "python"
+    fake.write_text(f'#!/bin/sh\necho "ran: $* cache=$SPARSEFFN_CACHE_DIR" >> {log}\n'
+                    '[ "$1" = "-" ] && cat > /dev/null\nexit 0\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "VENV": str(venv)}
+    done = subprocess.run(["bash", str(script), "2.11.0", "tests/test_hf.py", "-x"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ran = log.read_text().splitlines()
+    assert ran[0].startswith("ran: -m pip install") and "torch==2.11.0 numpy<2.3 -e .[test]" \
+        in ran[0]
+    assert ran[-1] == (f"ran: -m pytest -p no:cacheprovider tests/test_hf.py -x "
+                       f"cache={venv}/sparseffn-cache")
+    refused = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode != 0 and "usage: bash scripts/test_torch_version.sh VERSION" \
+        in refused.stderr

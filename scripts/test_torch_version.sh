@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The test suite against another PyTorch release than the CPU build that CI pins (2.13.0), in
+# a virtual environment of its own (.venv-torch<VERSION>, or $VENV; .venv is not touched).
+#
+#   bash scripts/test_torch_version.sh 2.11.0                 # the whole suite
+#   bash scripts/test_torch_version.sh 2.11.0 tests/test_hf.py -x
+#
+# Why: the lent GPU machines run PyTorch 2.11 and Triton 3.6, and a GPU session has 15 minutes
+# of device time. Code that only 2.13 runs correctly costs that session its one call, or
+# worse, passes there with wrong numbers. Run this (about 25 minutes on a 2-core machine, and
+# a one-time install of about 3 GB: PyPI's Linux wheels of torch are CUDA builds, which import
+# and run on a CPU machine) before a GPU session whenever the code changed since the last
+# run. The thirty-ninth session found this way that the compiled fixed expert exchange gave
+# wrong gradients and hung on 2.11 (docs/distributed.md).
+#
+# NumPy stays below 2.3 here: Triton 3.6's interpreter (which runs the kernel tests on the CPU)
+# raises a TypeError on NumPy 2.4. The fused CPU kernels build into the venv's own cache.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VERSION=${1:?"usage: bash scripts/test_torch_version.sh VERSION [pytest arguments]"}
+shift
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv-torch$VERSION}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "test_torch_version: creating $VENV with $($PYTHON --version)"
+    "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.sparseffn-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "test_torch_version: installing torch==$VERSION and sparseffn[test] into $VENV"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q \
+        "torch==$VERSION" "numpy<2.3" -e ".[test]"
+    touch "$stamp"
+fi
+"$VENV/bin/python" - "$VERSION" <<'PY'
+import sys, torch
+if torch.__version__.split("+")[0] != sys.argv[1]:
+    sys.exit(f"test_torch_version: the venv has torch {torch.__version__}, not {sys.argv[1]}")
+try:
+    import triton
+    print(f"test_torch_version: torch {torch.__version__}, triton {triton.__version__}")
+except ImportError:
+    print(f"test_torch_version: torch {torch.__version__}, no triton")
+PY
+export SPARSEFFN_CACHE_DIR="$(cd "$VENV" && pwd)/sparseffn-cache"
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"
