@@ -45,6 +45,30 @@ except ImportError:   # the package works without Triton: the PyTorch paths take
     triton = None
     tl = None
 
+
+def _why_kernels_cannot_be_defined() -> str | None:
+    """None, or why this Triton cannot define the kernels here. Releases before 3.3 ask the
+    GPU driver for a benchmarker the moment ``@triton.autotune`` decorates a kernel, that is
+    at import: on a machine without a GPU (under ``TRITON_INTERPRET=1`` too) Triton 3.2
+    raises "0 active drivers", which would make ``import sparseffn`` fail. A stand-in kernel
+    is decorated the same way to find out."""
+    try:
+        @triton.jit
+        def stand_in(x):
+            pass
+        triton.autotune(configs=[triton.Config({})], key=[])(stand_in)
+    except RuntimeError as error:
+        return (f"Triton {getattr(triton, '__version__', '?')} cannot define its kernels "
+                f"here: {error}")
+    return None
+
+
+# Why an installed Triton is not used (None where it is, or where none is installed).
+UNUSABLE_REASON = None if triton is None else _why_kernels_cannot_be_defined()
+if UNUSABLE_REASON is not None:     # as if it were not installed: the PyTorch paths run
+    triton = None
+    tl = None
+
 # The in-kernel tile map holds the per-expert counts in registers: above this many experts the
 # PyTorch implementation (``torch._grouped_mm``) runs instead.
 MAX_EXPERTS = 2048
@@ -58,7 +82,7 @@ _AUTOTUNE = os.environ.get("SPARSEFFN_TRITON_AUTOTUNE", "1") != "0"
 
 
 def available() -> bool:
-    """True when Triton is importable."""
+    """True when Triton is importable and can define the kernels (``UNUSABLE_REASON``)."""
     return triton is not None
 
 
