@@ -16,6 +16,16 @@ def _all_reduce(values: torch.Tensor, group) -> None:
         dist.all_reduce(values, group=group)
 
 
+def _summed(values: torch.Tensor, group) -> torch.Tensor:
+    """Σ of ``values`` over the processes of ``group``, out of place: under ``torch.compile``
+    the functional all-reduce (``traced.py``), eagerly the in-place one on a copy."""
+    if torch.compiler.is_compiling():
+        return traced.all_reduce_sum(values, group)
+    out = values.clone()
+    _all_reduce(out, group)
+    return out
+
+
 class _AllReduceSum(torch.autograd.Function):
     """Σ over the processes of ``group``; the gradient is summed the same way (every process
     computes the same loss from the sum, and the training objective averages them)."""
@@ -23,15 +33,11 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, group):
         ctx.group = group
-        out = values.clone()
-        _all_reduce(out, group)
-        return out
+        return _summed(values, group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        _all_reduce(grad, ctx.group)
-        return grad, None
+        return _summed(grad, ctx.group), None
 
 
 class GroupBatchSum(BatchSum):
@@ -42,8 +48,6 @@ class GroupBatchSum(BatchSum):
         self.group = group
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return traced.all_reduce_sum(values, self.group)
         return _AllReduceSum.apply(values, self.group)   # no graph without a gradient
 
     def __deepcopy__(self, memo) -> "GroupBatchSum":

@@ -8,8 +8,9 @@ collective. Traced as they are, on PyTorch 2.11, Dynamo's handling of such a Fun
 backward, with an in-place collective inside, gave wrong gradients through the fixed
 exchange and the global batch statistics, and on a rank without tokens a backward whose
 collectives the other ranks never matched, so the step hung. Under ``torch.compile`` the
-layers call these instead (PyTorch 2.13 traced both forms correctly; tests compare compiled
-against eager gradients on two processes).
+exchange calls :func:`all_to_all` instead, and the global batch statistics' Function sums
+with :func:`all_reduce_sum` in its forward and backward (PyTorch 2.13 traced both forms
+correctly; tests compare compiled against eager gradients on two processes).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.distributed as dist
 
 
 def _functional():
+    # imported at the first traced call, not with the package: only compiled
+    # expert-parallel steps need it
     from torch.distributed import _functional_collectives as functional
     return functional
 
@@ -35,23 +38,7 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
                                                     _group(group))
 
 
-def _all_reduce_sum(values: torch.Tensor, group) -> torch.Tensor:
-    return _functional().all_reduce(values, "sum", _group(group))
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Σ over the processes of ``group``, out of place; the gradient is summed the same way."""
-
-    @staticmethod
-    def forward(ctx, values, group):
-        ctx.group = group
-        return _all_reduce_sum(values, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce_sum(grad.contiguous(), ctx.group), None
-
-
 def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
-    """The global batch statistics' differentiable sum over ``group``, traceable."""
-    return _AllReduceSum.apply(values, group)
+    """Σ of ``values`` over the processes of ``group``, out of place (not differentiable
+    itself: ``batch.py``'s autograd Function sums the gradient the same way)."""
+    return _functional().all_reduce(values.contiguous(), "sum", _group(group))
