@@ -18,10 +18,11 @@ bench:
 	@EXTRAS=test bash scripts/setup.sh
 	$(BIN)/sparseffn bench layers --json runs/bench_layers.json
 
-# The test suite.
+# The test suite, one pytest-xdist worker per core (tests/conftest.py gives each worker its
+# share of the cores' threads); worksteal keeps the last minutes from waiting on one worker.
 test:
 	@EXTRAS=test bash scripts/setup.sh
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist worksteal
 
 setup:
 	@EXTRAS=test bash scripts/setup.sh
