@@ -5,7 +5,6 @@ checkpoints, and a rank that fails mid-step."""
 
 import os
 import tempfile
-import time
 from datetime import timedelta
 
 import pytest
@@ -211,14 +210,13 @@ def _failing_main(rank, world, init_file, out_dir, compiled):
     step = torch.compile(layer, fullgraph=True) if compiled else layer
     if rank == 1:
         raise RuntimeError("rank 1 fails before its all-to-all")
-    start = time.monotonic()
     try:
         step(_batch(rank, world))
         message = "no error"
     except Exception as error:     # what a user's training loop would see
         message = f"{type(error).__name__}: {error}"
     with open(f"{out_dir}/failed{rank}.txt", "w") as f:
-        f.write(f"{time.monotonic() - start:.1f}\n{message}")
+        f.write(message)
     os._exit(0)
 
 
@@ -226,7 +224,9 @@ def _failing_main(rank, world, init_file, out_dir, compiled):
 def test_a_rank_that_fails_mid_step_makes_the_others_fail_with_a_clear_error(compiled):
     """Eagerly an ExchangeError naming the exchange and the rank; inside a compiled step
     (the fixed exchange traced) the transport's own error, as docs/distributed.md says:
-    either way the other rank fails at once rather than hanging."""
+    either way the other rank fails at once rather than hanging: its error is gloo's
+    "Connection closed by peer", not the 20 s timeout. (Not a bound on seconds: compiled, those
+    included the compilation, 37 s with a cold cache beside another test worker.)"""
     with tempfile.TemporaryDirectory() as tmp:
         # not join=True: spawn would then terminate rank 0 as soon as rank 1 died
         context = mp.spawn(_failing_main, args=(2, os.path.join(tmp, "init"), tmp, compiled),
@@ -235,9 +235,9 @@ def test_a_rank_that_fails_mid_step_makes_the_others_fail_with_a_clear_error(com
             process.join(timeout=60)
         exit_codes = [p.exitcode for p in context.processes]
         with open(f"{tmp}/failed0.txt") as file:
-            seconds, message = file.read().split("\n", 1)
+            message = file.read()
     assert exit_codes[0] == 0 and exit_codes[1] not in (0, None)
-    assert float(seconds) < 30          # compiled: the compilation included
+    assert "Connection closed by peer" in message, message
     if compiled:
         assert message.startswith("RuntimeError") and "Connection closed by peer" in message, \
             message
