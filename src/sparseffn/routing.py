@@ -213,13 +213,19 @@ class SparseFFN(nn.Module):
         """The dtype of the first floating-point parameter (``default`` when none), in the
         order of ``parameters()``. The layer's own parameters and its first child's are looked
         at directly: ``parameters()`` walks every submodule, microseconds on every forward."""
-        first_child = next(iter(self._modules.values()), None)
-        nearest = [self] if first_child is None else [self, first_child]
+        # Plain loops, not next(iterator, default): Dynamo before PyTorch 2.9 cannot trace that.
+        nearest = [self]
+        for child in self._modules.values():
+            nearest.append(child)
+            break
         for module in nearest:
             for p in module._parameters.values():
                 if p is not None and p.is_floating_point():
                     return p.dtype
-        return next((p.dtype for p in self.parameters() if p.is_floating_point()), default)
+        for p in self.parameters():
+            if p.is_floating_point():
+                return p.dtype
+        return default
 
     def _init_usage(self, num_experts: int) -> None:
         """Register the usage buffers for ``num_experts`` experts (at construction)."""
