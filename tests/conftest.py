@@ -1,3 +1,4 @@
+import contextlib
 import importlib
 import os
 
@@ -27,6 +28,19 @@ import torch  # noqa: E402
 
 if _WORKER_THREADS is not None:
     torch.set_num_threads(_WORKER_THREADS)   # in case a plugin imported torch first
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """PyTorch's intra-op thread count set to ``n`` inside, the previous one restored after.
+    Tests of thread independence name their counts: the default is 1 under the xdist
+    workers."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 # Without a GPU the Triton kernels are tested in Triton's CPU interpreter, which must be chosen
 # before triton is first imported.

@@ -239,8 +239,7 @@ def test_a_rank_that_fails_mid_step_makes_the_others_fail_with_a_clear_error(com
     assert exit_codes[0] == 0 and exit_codes[1] not in (0, None)
     assert "Connection closed by peer" in message, message
     if compiled:
-        assert message.startswith("RuntimeError") and "Connection closed by peer" in message, \
-            message
+        assert message.startswith("RuntimeError"), message
     else:
         assert message.startswith("ExchangeError: expert-parallel") and "rank 0 of 2" in message, \
             message

@@ -12,7 +12,7 @@ from sparseffn.ops import kernels, native
 from sparseffn.ops.expert_mlp import FEW_PAIRS_MACS, expert_mlp_few, expert_mlp_few_ok
 from sparseffn.stores import MLPExperts
 from sparseffn.routing import Routing
-from tests.conftest import require_native
+from tests.conftest import require_native, torch_threads
 from tests.ops.reference import expert_mlp_reference
 
 expert_mlp_module = importlib.import_module("sparseffn.ops.expert_mlp")
@@ -103,14 +103,10 @@ def test_an_empty_batch_gives_an_empty_output(impl):
 def test_the_c_kernel_gives_the_same_bits_on_any_thread_count():
     require_native()
     indices, t = _problem(T=9, k=4, G=200, biases=True)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = _call("c", indices, t, "gelu")
-        torch.set_num_threads(2)
+    with torch_threads(2):
         two = _call("c", indices, t, "gelu")
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 

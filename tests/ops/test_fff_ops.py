@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 import sparseffn
-from tests.conftest import native_or_torch, require_native
+from tests.conftest import native_or_torch, require_native, torch_threads
 from sparseffn import TreeRouterConfig
 from sparseffn.ops import expert_mlp, DispatchPlan, fff
 from sparseffn.routers import build_router
@@ -153,16 +153,12 @@ def test_fff_c_kernels_are_thread_independent(rows):
     from sparseffn.ops import kernels, native
     z, x, w = torch.randn(rows, 511), torch.randn(rows, 33), torch.randn(511, 33)
     grad = torch.randn(rows, 512)
-    previous = torch.get_num_threads()
     results = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+    for threads in (1, 2):
+        with torch_threads(threads):
             probs = native.fff_expand(z, 9, kernels.FFF_PRODUCT_OF_LOGITS)
             results.append((probs, native.fff_expand_backward(grad, probs, z, 9, 3),
                             native.fff_descend(x, w, None, 9)))
-    finally:
-        torch.set_num_threads(previous)
     for a, b in zip(*results):
         assert torch.equal(a, b)
 

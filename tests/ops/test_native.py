@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.conftest import require_native
+from tests.conftest import require_native, torch_threads
 from tests.ops.reference import cvmm_reference
 from sparseffn.ops import DispatchPlan, cvmm, expert_mlp, native
 
@@ -81,12 +81,8 @@ def test_cvmm_rows_dots_with_unscaled_rows(scatter):
 
 
 def _with_threads(n, fn):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
+    with torch_threads(n):
         return fn()
-    finally:
-        torch.set_num_threads(saved)
 
 
 def test_cvmm_rows_reads_strided_rows_and_any_thread_count():
@@ -147,22 +143,20 @@ def test_cvmm_takes_the_fused_path_for_float32_cpu(monkeypatch):
 
 def _mixture_step(threads: int, deterministic: bool):
     """Outputs and every gradient of a ReLU expert mixture step on the fused kernels."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(deterministic)
     try:
-        gen = torch.Generator().manual_seed(0)
-        T, k, E, d, G = 300, 4, 5, 24, 16
-        indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-        x = torch.randn(T, d, generator=gen, requires_grad=True)
-        w1 = torch.randn(E, G, d, generator=gen, requires_grad=True)
-        w2 = torch.randn(E, G, d, generator=gen, requires_grad=True)
-        gates = torch.rand(T, k, generator=gen, requires_grad=True)
-        y = expert_mlp(x, DispatchPlan.build(indices, E), w1, w2, gates)
-        y.backward(torch.randn(y.shape, generator=gen))
-        return [y.detach()] + [t.grad for t in (x, w1, w2, gates)]
+        with torch_threads(threads):
+            gen = torch.Generator().manual_seed(0)
+            T, k, E, d, G = 300, 4, 5, 24, 16
+            indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+            x = torch.randn(T, d, generator=gen, requires_grad=True)
+            w1 = torch.randn(E, G, d, generator=gen, requires_grad=True)
+            w2 = torch.randn(E, G, d, generator=gen, requires_grad=True)
+            gates = torch.rand(T, k, generator=gen, requires_grad=True)
+            y = expert_mlp(x, DispatchPlan.build(indices, E), w1, w2, gates)
+            y.backward(torch.randn(y.shape, generator=gen))
+            return [y.detach()] + [t.grad for t in (x, w1, w2, gates)]
     finally:
-        torch.set_num_threads(previous)
         torch.use_deterministic_algorithms(False)
 
 
@@ -195,12 +189,8 @@ def test_weight_gradient_is_the_same_for_any_thread_count():
     scale = torch.rand(int(counts.sum()), generator=gen)
     results = []
     for threads in (1, 2, 3):
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             results.append(native.weight_grad(a, b, counts, scale=scale))
-        finally:
-            torch.set_num_threads(previous)
     assert torch.equal(results[0], results[1]) and torch.equal(results[1], results[2])
 
 

@@ -4,7 +4,7 @@ gradients, and the gathered-row operators against plain indexing."""
 import pytest
 import torch
 
-from tests.conftest import native_or_torch, require_native
+from tests.conftest import native_or_torch, require_native, torch_threads
 from tests.ops.reference import product_key_reference
 from sparseffn.ops import kernels, native, product_keys, rows
 
@@ -400,13 +400,9 @@ def test_scatter_rows_dot_is_both_gradients_of_gather_sum_at_every_width(dtype, 
     w = torch.randn(tokens, m, generator=gen)
     idx = torch.randint(0, n - 3, (tokens, m), generator=gen)   # rows n-3.. never read
     idx[0, :3] = 5                                              # a repeated row
-    threads = torch.get_num_threads()
-    try:
-        # several threads, even where the test run gives each process one (tests/conftest.py)
-        torch.set_num_threads(max(2, threads))
+    # several threads, even where the test run gives each process one (tests/conftest.py)
+    with torch_threads(max(2, torch.get_num_threads())):
         table_grad, dots = run(idx, w, src, table)
-    finally:
-        torch.set_num_threads(threads)
     assert table_grad.dtype == dots.dtype == dtype
     assert torch.equal(table_grad, _scatter_in_pair_order(idx, w, src, n).to(dtype))
     want = (table.double()[idx] * src.double()[:, None]).sum(-1)
@@ -414,11 +410,8 @@ def test_scatter_rows_dot_is_both_gradients_of_gather_sum_at_every_width(dtype, 
     rounding = 2 ** -8 if dtype == torch.bfloat16 else 0.0
     err = (dots.double() - want).abs()
     assert bool((err <= 1e-6 * scale + rounding * want.abs() + 1e-30).all()), (err / scale).max()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = run(idx, w, src, table)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one[0], table_grad) and torch.equal(one[1], dots)
 
 
@@ -451,14 +444,10 @@ def test_scatter_rows_is_independent_of_thread_count(dtype):
     require_native()
     idx = torch.randint(0, 50, (400, 16))
     w, src = torch.randn(400, 16), torch.randn(400, 33).to(dtype)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = rows.scatter_rows(idx, w, src, 50)
-        torch.set_num_threads(max(2, threads))
+    with torch_threads(max(2, torch.get_num_threads())):
         many = rows.scatter_rows(idx, w, src, 50)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, many)
     untouched = ~torch.isin(torch.arange(50), idx)
     assert torch.count_nonzero(one[untouched]) == 0
