@@ -1,5 +1,10 @@
 """The fused CPU kernels (ops/native) against plain gather / matmul / scatter references."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -207,7 +212,6 @@ def test_blas_thread_setting_of_the_caller_is_restored():
     """The kernels make each thread's BLAS single-threaded while they run; afterwards the
     calling thread's BLAS must be back to using every thread (or dense matmuls slow down)."""
     import ctypes
-    from pathlib import Path
 
     lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
     if not hasattr(lib, "mkl_get_max_threads"):
@@ -221,10 +225,6 @@ def test_blas_thread_setting_of_the_caller_is_restored():
 
 def test_without_a_working_compiler_the_pytorch_path_runs(tmp_path):
     """A failed build warns once, says why, and leaves every layer working."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import warnings, torch, sparseffn\n"
         "from sparseffn.ops import native\n"
@@ -241,6 +241,63 @@ def test_without_a_working_compiler_the_pytorch_path_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def _copying_compiler(tmp_path, before_copy=""):
+    """A ``$CC`` that logs each call to ``calls.log``, runs the shell line ``before_copy``,
+    then writes the library this process loaded to its output (the last argument), so a
+    test of the build's bookkeeping spends no time compiling."""
+    require_native()
+    fake = tmp_path / "cc"
+    fake.write_text(f"#!/bin/sh\necho called >> {tmp_path / 'calls.log'}\n{before_copy}\n"
+                    f"for out; do :; done\ncp {native.build._lib._name} \"$out\"\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def _loading_processes(tmp_path, cc, cache_dir, n, before_load=""):
+    """Run ``n`` Python processes at once that load the kernels; the paths they loaded."""
+    script = ("import os, sys\n"
+              "from sparseffn.ops import native\n"
+              f"{before_load}\n"
+              "assert native.available(), native.unavailable_reason()\n"
+              "print('loaded', native.build._lib._name)\n")
+    env = {**os.environ, "CC": str(cc), "SPARSEFFN_CACHE_DIR": str(cache_dir),
+           "TMPDIR": str(tmp_path / "tmp")}
+    env.pop("SPARSEFFN_NO_NATIVE", None)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(n)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    return [out.split()[-1] for out, _ in outs]
+
+
+def test_processes_that_need_the_kernels_at_once_build_them_once(tmp_path):
+    """pytest-xdist workers and torchrun ranks on a fresh machine all load the kernels at
+    once: one runs the compiler, the others wait for it and load what it built. The
+    compiler waits until both processes are at the build, so a second call would be in
+    its log."""
+    started = tmp_path / "started"
+    started.mkdir()
+    cc = _copying_compiler(tmp_path, before_copy=(
+        f"i=0; while [ $(ls {started} | wc -l) -lt 2 ] && [ $i -lt 600 ]; do "
+        "sleep 0.1; i=$((i+1)); done\n"
+        "sleep 1"))                          # the other process reaches the build meanwhile
+    loaded = _loading_processes(tmp_path, cc, tmp_path / "cache", 2, before_load=(
+        f"open(os.path.join({str(started)!r}, sys.argv[1]), 'w').close()"))
+    assert (tmp_path / "calls.log").read_text().splitlines() == ["called"]
+    assert len(set(loaded)) == 1 and Path(loaded[0]).parent == tmp_path / "cache"
+
+
+def test_a_cache_folder_that_cannot_be_made_builds_into_the_temp_folder(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("a user's file")
+    loaded = _loading_processes(tmp_path, _copying_compiler(tmp_path), not_a_folder / "cache",
+                                1)
+    assert Path(loaded[0]).parent.parent == tmp_path / "tmp"       # $TMPDIR/sparseffn-<uid>
+    assert not_a_folder.read_text() == "a user's file"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 The shared library is built with the system C compiler (``$CC`` or ``cc``) the first time a
 kernel is asked for, into ``$SPARSEFFN_CACHE_DIR`` (default ``~/.cache/sparseffn``), keyed
-by a hash of the sources, the flags and the machine, and written atomically. Without a
-compiler, a BLAS ``sgemm_`` in PyTorch, or on another OS, :func:`available` is False (the
-reason is in :func:`unavailable_reason`) and the operators run their PyTorch implementations.
+by a hash of the sources, the flags and the machine, written atomically, by one process at
+a time (a file lock: the others wait and load it). Without a compiler, a BLAS ``sgemm_`` in
+PyTorch, or on another OS, :func:`available` is False (the reason is in
+:func:`unavailable_reason`) and the operators run their PyTorch implementations.
 ``SPARSEFFN_NO_NATIVE=1`` in the environment when sparseffn is imported turns the kernels
 off; :func:`set_native_enabled` does so at run time.
 """
@@ -111,8 +112,21 @@ def _machine_tag() -> str:
     return model
 
 
-def _compile(compiler: str, flags: list[str], out: Path) -> None:
+def _build_once(compiler: str, flags: list[str], out: Path) -> None:
+    """Build ``out`` unless it exists, one process at a time: pytest-xdist workers and
+    torchrun ranks on a fresh machine all ask at once, and each would otherwise run the
+    compiler (11 s on a slow two-core machine). An exclusive ``flock`` on ``out.lock`` beside
+    it serialises them; who waited finds the library built. OSError where the folder is not
+    writable."""
+    import fcntl   # Linux only, as the kernels are
     out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
+        if not out.exists():
+            _compile(compiler, flags, out)
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         cmd = [compiler, *flags, *map(str, _SOURCES), "-o", str(tmp_out)]
@@ -171,11 +185,10 @@ def _load() -> ctypes.CDLL | None:
             path = _cache_dir() / name
             if not path.exists():
                 try:
-                    _compile(compiler, flags, path)
+                    _build_once(compiler, flags, path)
                 except OSError:   # cache dir not writable: build into the temp dir instead
                     path = Path(tempfile.gettempdir()) / f"sparseffn-{os.getuid()}" / name
-                    if not path.exists():
-                        _compile(compiler, flags, path)
+                    _build_once(compiler, flags, path)
             sgemm, local, gemm_bf16 = _find_blas()
             lib = ctypes.CDLL(str(path))
             declare(lib)
