@@ -514,14 +514,17 @@ COMPILED_RUNS = {"sigma_global": ("sigma", "global", 2.0, (7, 4), False, "aot_ea
 def _compiled_rank_main(rank, world, init_file, out_dir):
     """Each run's training loss, input gradient, gradients and drop counts, eagerly and
     under ``torch.compile(fullgraph=True)`` (a graph break would raise), with the graphs
-    and graph breaks Dynamo counted for the compiled one."""
+    Dynamo counted for the compiled one. Before PyTorch 2.10 a checkpointed sparse layer
+    cannot trace in one graph (sparseffn.runtime): that run compiles around it instead."""
     from torch._dynamo.utils import counters
     from sparseffn.distributed import FixedExchange
-    from sparseffn.runtime import compiling_checkpointed_sparse_layers
+    from sparseffn.runtime import (checkpointed_sparse_layers_trace_in_one_graph,
+                                   compiling_checkpointed_sparse_layers)
     _init(rank, world, init_file)
     results = {}
     for name, (layer_name, statistics, factor, sizes, checkpointed, backend) \
             in COMPILED_RUNS.items():
+        one_graph = not checkpointed or checkpointed_sparse_layers_trace_in_one_graph()
         for compiled in (False, True):
             layer = LAYERS[layer_name]()
             shard_experts(layer, batch_statistics=statistics,
@@ -532,7 +535,7 @@ def _compiled_rank_main(rank, world, init_file, out_dir):
             if compiled:
                 torch._dynamo.reset()
                 counters.clear()
-                step = torch.compile(step, fullgraph=True, backend=backend)
+                step = torch.compile(step, fullgraph=one_graph, backend=backend)
             x = _fixed_batch(rank, sizes).requires_grad_()
             # the recomputation's side effects skipped, as the trainer compiles checkpoints
             with compiling_checkpointed_sparse_layers():
@@ -542,7 +545,8 @@ def _compiled_rank_main(rank, world, init_file, out_dir):
                 "loss": loss.detach(), "x_grad": x.grad,
                 "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
                 "counted": layer.store.exchange_counts.clone(),
-                "graphs": counters["stats"]["unique_graphs"] if compiled else None}
+                "graphs": counters["stats"]["unique_graphs"] if compiled else None,
+                "one_graph": compiled and one_graph}
     torch.save(results, f"{out_dir}/compiled{rank}.pt")
     dist.barrier()
     os._exit(0)
@@ -562,7 +566,8 @@ def test_the_fixed_exchange_compiles_into_the_models_graph_and_trains_as_eagerly
     for rank, result in enumerate(got):
         for name in COMPILED_RUNS:
             eager, compiled = result[name, False], result[name, True]
-            assert compiled["graphs"] == 1, (name, rank)
+            if compiled["one_graph"]:
+                assert compiled["graphs"] == 1, (name, rank)
             torch.testing.assert_close(compiled["loss"], eager["loss"], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(compiled["x_grad"], eager["x_grad"], atol=1e-5,
                                        rtol=1e-5)

@@ -126,6 +126,19 @@ def compiling_many():
                            if hasattr(config, name)})
 
 
+# Dynamo's setting that skips replaying a checkpointed function's side effects (PyTorch 2.10+)
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def checkpointed_sparse_layers_trace_in_one_graph() -> bool:
+    """Whether this PyTorch's Dynamo can trace a sparse layer under a non-reentrant activation
+    checkpoint without a graph break (with :func:`compiling_checkpointed_sparse_layers`):
+    2.10 and later. Before, the checkpointed layer runs eagerly between two graphs, with the
+    same results, and ``fullgraph=True`` fails there."""
+    import torch
+    return hasattr(torch._dynamo.config, _SKIP_REPLAY)
+
+
 def compiling_checkpointed_sparse_layers():
     """A context in which ``torch.compile`` traces a non-reentrant activation checkpoint
     around sparse layers in one graph: it skips replaying the forward's side effects (a
@@ -136,5 +149,4 @@ def compiling_checkpointed_sparse_layers():
     PyTorch without the setting."""
     import torch
     config = torch._dynamo.config
-    name = "skip_fwd_side_effects_in_bwd_under_checkpoint"
-    return config.patch(**{name: True} if hasattr(config, name) else {})
+    return config.patch(**{_SKIP_REPLAY: True} if hasattr(config, _SKIP_REPLAY) else {})
