@@ -59,8 +59,9 @@ from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from .measure import (autocast_dtype_of, describe_device, dtype_name, error_summary,
-                      first_call_or_eager, forward_backward_fn, new_graph_step, paired_ratio,
-                      peak_mib, times_kept_on_interrupt, verdict, write_json)
+                      first_call_or_eager, forward_backward_fn, keeping_swallowed_interrupts,
+                      new_graph_step, paired_ratio, peak_mib, raise_swallowed_interrupt,
+                      times_kept_on_interrupt, verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE
 
 EXPERT_SIZE = 128
@@ -218,12 +219,15 @@ def _prepare_contenders(contenders: dict[str, Callable[[], None]], is_compiled: 
                         peers: dict[str, Callable[[int, int], nn.Module]], compile: str) -> None:
     """Fill ``contenders`` (name: a forward+backward to time) and ``is_compiled`` in the
     order σ-MoE, the dense MLPs, σ-MoE's PyTorch path (CUDA), the peers, so that what an
-    interrupt leaves ready starts with what the targets compare."""
+    interrupt leaves ready starts with what the targets compare. A Ctrl-C that Python dropped
+    while one compiled is raised before the next."""
     contenders["sparseffn"], is_compiled["sparseffn"] = timed_step(sigma_moe(), x, aux_loss,
                                                                    dtype, compile)
     for name, d_ff in fig2_dense_widths(d_model).items():
+        raise_swallowed_interrupt()
         dense = DenseMLP(DenseMLPConfig(d_model=d_model, d_ff=d_ff)).to(device).train()
         contenders[name], is_compiled[name] = timed_step(dense, x, None, dtype, compile)
+    raise_swallowed_interrupt()
     if device.type == "cuda" and triton_cvmm.triton_enabled():
         triton_cvmm.set_triton_enabled(False)   # the choice is made inside the operators
         try:
@@ -248,6 +252,7 @@ def _prepare_contenders(contenders: dict[str, Callable[[], None]], is_compiled: 
                 triton_cvmm.set_triton_enabled(True)
         contenders["sparseffn_torch"] = torch_path
     for name, build in peers.items():
+        raise_swallowed_interrupt()
         try:
             contenders[name], is_compiled[name] = timed_step(
                 build(d_model, num_experts).to(device).train(), x, None, dtype,
@@ -417,10 +422,12 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
           f"compile {compile}, torch {torch.__version__}"
           + (", deterministic algorithms" if deterministic else ""), flush=True)
     records = []
-    with deterministic_algorithms(deterministic, dev), compiling_many():
+    with deterministic_algorithms(deterministic, dev), compiling_many(), \
+            keeping_swallowed_interrupts():
         for i, d_model in enumerate(d_models):
             print(f"d_model {d_model} ...", flush=True)
             try:
+                raise_swallowed_interrupt()
                 records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype,
                                            builders, compile, router_precision))
             except KeyboardInterrupt:

@@ -35,8 +35,8 @@ from ..optim import adam_optimizers
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from ..train.loss_scaling import LossScaling
 from .measure import (autocast_dtype_of, describe_device, error_summary, first_call_or_eager,
-                      new_graph_step, paired_ratio, peak_mib, times_kept_on_interrupt, verdict,
-                      write_json)
+                      keeping_swallowed_interrupts, new_graph_step, paired_ratio, peak_mib,
+                      raise_swallowed_interrupt, times_kept_on_interrupt, verdict, write_json)
 
 
 def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,
@@ -151,10 +151,12 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
           f"{torch.__version__}, compile {compile}"
           + (", deterministic algorithms" if deterministic else ""), flush=True)
     tokens = byte_tokens(batch, context, dev)
-    with deterministic_algorithms(deterministic, dev), compiling_many():
+    with deterministic_algorithms(deterministic, dev), compiling_many(), \
+            keeping_swallowed_interrupts():
         steps, costs, is_compiled, failed, stopped = {}, {}, {}, {}, ""
         try:
             for name in names:
+                raise_swallowed_interrupt()     # one that came while the last one compiled
                 model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev)
                 costs[name] = model.config.cost()
                 try:

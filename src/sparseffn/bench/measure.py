@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import statistics
+import sys
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -20,6 +22,48 @@ def error_summary(error: BaseException, width: int = 200) -> str:
     reports a contender's failure in one line and goes on."""
     lines = str(error).splitlines()
     return f"{type(error).__name__}: {lines[0][:width]}" if lines else type(error).__name__
+
+
+_swallowed_interrupt = False
+
+
+@contextlib.contextmanager
+def keeping_swallowed_interrupts() -> Iterator[None]:
+    """A context in which a Ctrl-C that Python dropped is kept for
+    :func:`raise_swallowed_interrupt`.
+
+    SIGINT raises KeyboardInterrupt wherever the main thread is. Compiling runs many weakref
+    callbacks and finalizers, and an exception raised inside one of those cannot propagate:
+    Python prints "Exception ignored in: ..." (``sys.unraisablehook``) and goes on. A
+    ``bench lm`` stopped that way compiled and timed every model regardless (seen in a CI
+    run of the suite). Inside this context the hook keeps such a KeyboardInterrupt instead of
+    printing it, and the benchmarks raise it at their next boundary: before they prepare a
+    model, and after each call they time."""
+    global _swallowed_interrupt
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        global _swallowed_interrupt
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type,
+                                                          KeyboardInterrupt):
+            _swallowed_interrupt = True
+        else:
+            previous(unraisable)
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        _swallowed_interrupt = False
+
+
+def raise_swallowed_interrupt() -> None:
+    """Raise KeyboardInterrupt if one was dropped since the last call (inside
+    :func:`keeping_swallowed_interrupts`; nothing outside it)."""
+    global _swallowed_interrupt
+    if _swallowed_interrupt:
+        _swallowed_interrupt = False
+        raise KeyboardInterrupt
 
 
 class RoundsInterrupted(Exception):
@@ -47,12 +91,14 @@ def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int, warmup
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+            raise_swallowed_interrupt()
     times: dict[str, list[float]] = {name: [] for name in fns}
     rounds = 0
     try:
         for rounds in range(repeats):
             for name, fn in fns.items():
                 times[name].append(timed(fn))
+                raise_swallowed_interrupt()
     except KeyboardInterrupt:
         if not keep_on_interrupt or rounds == 0:
             raise
