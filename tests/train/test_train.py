@@ -164,6 +164,43 @@ def test_ctrl_c_mid_step_finishes_the_step_then_checkpoints(corpus, tmp_path):
     assert curve(tmp_path / "resumed") == curve(tmp_path / "straight")
 
 
+def test_a_second_ctrl_c_that_python_dropped_still_checkpoints_the_whole_step(
+        corpus, tmp_path, capsys, monkeypatch):
+    """The second Ctrl-C stops at once by raising KeyboardInterrupt, but where the signal
+    lands in a finalizer Python prints and drops it: the step runs on to its end, and that
+    boundary writes the checkpoint (not "stopped during step ... no checkpoint")."""
+    import os
+    import signal
+
+    class SecondSignalInFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)    # the handler runs here, inside __del__
+            for _ in range(100):
+                pass
+    dropped = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: dropped.append(u.exc_type))
+    trainer = Trainer(lm_run(corpus, "sigma_moe", steps=8), tmp_path, progress=False)
+    loop = trainer.__class__._loop
+
+    def loop_with_signals(self):
+        original = self.model.loss
+
+        def interrupted_loss(inputs, targets):
+            out = original(inputs, targets)
+            if self.step == 4:
+                os.kill(os.getpid(), signal.SIGINT)           # the first: stop after the step
+                SecondSignalInFinalizer()                     # the second, dropped
+            return out
+        self.model.loss = interrupted_loss
+        return loop(self)
+    trainer._loop = loop_with_signals.__get__(trainer)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert dropped == [KeyboardInterrupt]             # the second Ctrl-C's, from __del__
+    assert "interrupted at step 5/8; checkpoint written" in capsys.readouterr().err
+    assert ckpt.load(tmp_path / "checkpoint.pt")["step"] == 5
+
+
 def test_weight_decay_reaches_weights_only(corpus, tmp_path):
     trainer = Trainer(lm_run(corpus, "fff", steps=1, weight_decay=0.1), tmp_path, progress=False)
     trainer.train()

@@ -434,7 +434,8 @@ class Trainer:
         """Ctrl-C (SIGINT) stops the run after the step in progress, so that the checkpoint
         holds a whole step: parameters, optimiser state and RNG state all from the same step
         boundary (a step cut short would already have drawn dropout noise or updated some
-        parameters). A second Ctrl-C stops at once, without a checkpoint."""
+        parameters). A second Ctrl-C stops at once, without a checkpoint (or, where Python
+        drops its KeyboardInterrupt in a finalizer, at the end of the step, with one)."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -513,6 +514,10 @@ class Trainer:
                     self.save_checkpoint()
                 # every rank stops at the same step: this one, or the next on several ranks
                 if parallel.any_later(self._stop_requested):
+                    # The step is whole here even if a second Ctrl-C came during it: its
+                    # KeyboardInterrupt was dropped (a signal landing in a finalizer or weakref
+                    # callback is printed and ignored), so this boundary writes the checkpoint.
+                    self._stopped_mid_step = False
                     raise KeyboardInterrupt
         except KeyboardInterrupt:
             if bar:
