@@ -35,7 +35,7 @@ def keeping_swallowed_interrupts() -> Iterator[None]:
     SIGINT raises KeyboardInterrupt wherever the main thread is. Compiling runs many weakref
     callbacks and finalizers, and an exception raised inside one of those cannot propagate:
     Python prints "Exception ignored in: ..." (``sys.unraisablehook``) and goes on. A
-    ``bench lm`` stopped that way compiled and timed every model regardless (seen in a CI
+    ``bench lm`` stopped that way compiled and timed every model regardless (seen in a cold
     run of the suite). Inside this context the hook keeps such a KeyboardInterrupt instead of
     printing it, and the benchmarks raise it at their next boundary: before they prepare a
     model, and after each call they time."""
