@@ -134,6 +134,24 @@ def test_resume_equals_the_uninterrupted_run_to_the_bit(corpus, tmp_path, make_r
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def during_step(trainer, step, action):
+    """Make ``trainer`` call ``action()`` after the training forward of step ``step + 1``
+    (``trainer.step == step`` then), before its backward and update."""
+    loop = trainer.__class__._loop
+
+    def loop_calling_action(self):
+        original = self.model.loss
+
+        def loss(inputs, targets):
+            out = original(inputs, targets)
+            if self.step == step:
+                action()
+            return out
+        self.model.loss = loss
+        return loop(self)
+    trainer._loop = loop_calling_action.__get__(trainer)
+
+
 def test_ctrl_c_mid_step_finishes_the_step_then_checkpoints(corpus, tmp_path):
     """A real SIGINT arriving during a step (after its dropout noise was drawn) lets the step
     finish, so the checkpoint is a whole step and resuming still gives the same curve."""
@@ -142,17 +160,8 @@ def test_ctrl_c_mid_step_finishes_the_step_then_checkpoints(corpus, tmp_path):
     run = lm_run(corpus, "sigma_moe", steps=8)
     Trainer(run, tmp_path / "straight", progress=False).train()
     stopped = Trainer(run, tmp_path / "resumed", progress=False)
-    loss = stopped.__class__._loop
-    def loop_with_signal(self):
-        original = self.model.loss
-        def interrupted_loss(inputs, targets):
-            out = original(inputs, targets)
-            if self.step == 4:
-                os.kill(os.getpid(), signal.SIGINT)   # mid-step: forward done, no update yet
-            return out
-        self.model.loss = interrupted_loss
-        return loss(self)
-    stopped._loop = loop_with_signal.__get__(stopped)
+    # mid-step: forward done, no update yet
+    during_step(stopped, 4, lambda: os.kill(os.getpid(), signal.SIGINT))
     before = signal.getsignal(signal.SIGINT)   # SIG_IGN where the process started in background
     with pytest.raises(KeyboardInterrupt):
         stopped.train()
@@ -180,20 +189,11 @@ def test_a_second_ctrl_c_that_python_dropped_still_checkpoints_the_whole_step(
     dropped = []
     monkeypatch.setattr("sys.unraisablehook", lambda u: dropped.append(u.exc_type))
     trainer = Trainer(lm_run(corpus, "sigma_moe", steps=8), tmp_path, progress=False)
-    loop = trainer.__class__._loop
 
-    def loop_with_signals(self):
-        original = self.model.loss
-
-        def interrupted_loss(inputs, targets):
-            out = original(inputs, targets)
-            if self.step == 4:
-                os.kill(os.getpid(), signal.SIGINT)           # the first: stop after the step
-                SecondSignalInFinalizer()                     # the second, dropped
-            return out
-        self.model.loss = interrupted_loss
-        return loop(self)
-    trainer._loop = loop_with_signals.__get__(trainer)
+    def two_signals():
+        os.kill(os.getpid(), signal.SIGINT)           # the first: stop after the step
+        SecondSignalInFinalizer()                     # the second, dropped
+    during_step(trainer, 4, two_signals)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert dropped == [KeyboardInterrupt]             # the second Ctrl-C's, from __del__
