@@ -10,6 +10,7 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 
 from sparseffn.models import lm
+from sparseffn.runtime import _SKIP_REPLAY, checkpointed_sparse_layers_trace_in_one_graph
 from sparseffn.train.config import ConfigError
 from sparseffn.train.trainer import Trainer
 
@@ -42,8 +43,9 @@ def test_recomputed_blocks_train_the_same_run_to_the_bit(corpus, tmp_path, monke
 def test_compiled_recomputed_blocks_trace_in_one_graph_and_train_as_eagerly(corpus, tmp_path):
     """The trainer lets Dynamo skip replaying the sparse layers' side effects in the
     recomputation (as they skip it eagerly), so nothing breaks the graph; without that each
-    sparse layer would run eagerly. Dropout 0.1: the backward uses the forward's masks, so the
-    run is the eager run without checkpointing.
+    sparse layer would run eagerly (as it does before PyTorch 2.10, which cannot trace it, with
+    the same results). Dropout 0.1: the recomputation uses the forward's masks, so the run is
+    the eager run without checkpointing.
 
     Inductor draws dropout masks with its own generator, so a compiled run is compared with
     an eager one under ``fallback_random`` (Inductor calls eager's random ops). The other
@@ -56,11 +58,12 @@ def test_compiled_recomputed_blocks_trace_in_one_graph_and_train_as_eagerly(corp
                        activation_checkpointing=True),
                 tmp_path / "recomputed", progress=False).train()
     assert counters["stats"]["unique_graphs"] >= 1           # it did compile
-    assert sum(counters["graph_break"].values()) == 0
+    breaks = sum(counters["graph_break"].values())
+    assert breaks == 0 if checkpointed_sparse_layers_trace_in_one_graph() else breaks > 0
     a, b = metrics(tmp_path / "eager"), metrics(tmp_path / "recomputed")
     assert [m["kind"] for m in b] == [m["kind"] for m in a]
     assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-5)
-    assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint   # restored
+    assert not getattr(torch._dynamo.config, _SKIP_REPLAY, False)   # restored
 
 
 def test_activation_checkpointing_is_for_language_models(tmp_path):
