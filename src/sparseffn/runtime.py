@@ -30,6 +30,16 @@ _M_MMAP_MAX = -4
 _tuned: bool | None = None
 
 
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)``: ``torch.compile`` calls ``fn`` where it
+    traces a call of it and keeps the result as a constant of the graph. PyTorch's decorator
+    imports Dynamo, which took 1.5 of the 4 s of ``import sparseffn`` in every process,
+    compiling or not; this one sets the same mark (tests/test_runtime.py checks that it is
+    still PyTorch's)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def tune_cpu_allocator() -> bool:
     """Keep freed memory in the process instead of returning it to the OS after every step.
 

@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
+from ..runtime import assume_constant_result
 from . import kernels, native, triton_tree
 from .kernels import descend_from_logits_fn
 from .precision import autocast_off
@@ -183,7 +184,7 @@ def path_columns(depth: int) -> torch.Tensor:
 # broke the graph) and keeps their tensors as constants of the compiled graph. Their
 # arguments are Python ints, dtypes and devices, and a result depends on nothing else.
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _path_columns_on(depth: int, device: torch.device) -> torch.Tensor:
     """:func:`path_columns` on ``device``."""
     return tree_matrix_cache.get(("path_columns", depth, str(device)),
@@ -287,7 +288,7 @@ def leaf_probs_matrix(z: torch.Tensor, activation: str = "logsigmoid",
     return torch.softmax(act(z @ S.T.to(z.dtype)) @ T.T.to(z.dtype), dim=-1)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _dense_matrices(depth: int, dtype: torch.dtype, device: torch.device):
     return tree_matrix_cache.get(("dense", depth, dtype, str(device)),
                                  lambda: tree_matrices(depth, dtype, device))

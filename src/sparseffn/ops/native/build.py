@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ...runtime import assume_constant_result
 from .abi import declare
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c", "rows_cpu.c",
@@ -66,7 +67,7 @@ def available() -> bool:
     return _enabled and _loaded()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _loaded() -> bool:
     """Whether the library is loaded, building and loading it on the first call; after that
     call, a constant of the process. ``torch.compile`` runs it, rather than tracing it, where
