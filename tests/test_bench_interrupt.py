@@ -328,14 +328,15 @@ def test_bench_fig2_interrupted_in_its_rounds_keeps_the_whole_ones(monkeypatch, 
 
 def test_bench_lm_stopped_by_a_real_sigint_while_inductor_compiles(tmp_path):
     """The GPU stage's case end to end: `bench lm --compile default` in its own process gets
-    a SIGINT while it compiles a later preset (a second after the second model compiled),
-    and still prints and writes the models compiled before it, exiting normally."""
+    a SIGINT while it compiles a later preset (a second after the dense model compiled),
+    and still prints and writes the model compiled before it, exiting normally. (What it
+    prints of the targets then is tested above, with interrupts that cost no compile.)"""
     import os
     import signal
     import subprocess
     import sys
     path = tmp_path / "lm.json"
-    presets = ["sigma_moe", "pkm", "peer"]
+    presets = ["sigma_moe", "pkm"]
     command = [sys.executable, "-m", "sparseffn", "bench", "lm", "--presets", *presets,
                *LM_SIZES, "--repeats", "2", "--compile", "default", "--json", str(path)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -343,13 +344,12 @@ def test_bench_lm_stopped_by_a_real_sigint_while_inductor_compiles(tmp_path):
     lines = []
     for line in process.stdout:
         lines.append(line)
-        if "sigma_moe: compiled in" in line:
+        if "dense: compiled in" in line:
             time.sleep(1.0)              # into the next preset's compilation
             process.send_signal(signal.SIGINT)
     assert process.wait(timeout=300) == 0, "".join(lines)
     out = "".join(lines)
     timed = [r["preset"] for r in json.loads(path.read_text())]
-    assert timed[:2] == ["dense", "sigma_moe"] and len(timed) < 4, out
+    assert timed[:1] == ["dense"] and len(timed) < 3, out
     cut = (["dense"] + presets)[len(timed)]          # the one compiling when it came
     assert f"bench lm: interrupted while preparing {cut}: not timed: {cut}" in out
-    assert "target: sigma_moe / dense <= 1.0: " in out
