@@ -499,16 +499,18 @@ def test_the_fixed_size_exchange_reads_nothing_on_the_host_and_drops_what_it_say
 
 # run name: (layer, batch statistics, capacity factor, tokens on each of the 2 ranks,
 # the layer under a non-reentrant activation checkpoint, torch.compile's backend). Inductor
-# where its lowering meets something of its own: blocks with nothing in them (a rank without
-# tokens, dropped pairs) and the collectives recomputed in the backward, the global
-# statistics' all-reduce included. The other two runs check what Dynamo and AOT autograd
-# trace (one graph, the eager numbers), which aot_eager runs without Inductor's code
-# generation (alone with a cold cache on two cores: 104 s and 167 CPU-s, against 184 s and
-# 305 CPU-s with Inductor for all four).
+# for one run, where its lowering meets what is its own: blocks with nothing in them (a rank
+# without tokens, dropped pairs), the global statistics' all-reduce, and a checkpoint whose
+# recomputation keeps the collectives' outputs (keeping_exchanges; without it the two ranks'
+# backwards recomputed different all-to-alls, and gloo aborted). The other runs check what
+# Dynamo and AOT autograd trace (one graph, the eager numbers), which aot_eager runs without
+# Inductor's code generation (alone with a cold cache on two cores, Inductor for all four
+# runs took 184 s and 305 CPU-s; for two, 104 s and 167 CPU-s; for one, 59 s and 99 CPU-s).
 COMPILED_RUNS = {"sigma_global": ("sigma", "global", 2.0, (7, 4), False, "aot_eager"),
                  "switch": ("switch", "local", 2.0, (7, 4), False, "aot_eager"),
-                 "sigma_tight_empty_rank": ("sigma", "local", 0.5, (7, 0), False, "inductor"),
-                 "sigma_tight_checkpointed": ("sigma", "global", 0.5, (7, 4), True, "inductor")}
+                 "sigma_tight_empty_rank": ("sigma", "local", 0.5, (7, 0), False, "aot_eager"),
+                 "sigma_tight_empty_rank_checkpointed": ("sigma", "global", 0.5, (7, 0), True,
+                                                         "inductor")}
 
 
 def _compiled_rank_main(rank, world, init_file, out_dir):
@@ -518,6 +520,7 @@ def _compiled_rank_main(rank, world, init_file, out_dir):
     cannot trace in one graph (sparseffn.runtime): that run compiles around it instead."""
     from torch._dynamo.utils import counters
     from sparseffn.distributed import FixedExchange
+    from sparseffn.distributed.checkpointing import keeping_exchanges
     from sparseffn.runtime import (checkpointed_sparse_layers_trace_in_one_graph,
                                    compiling_checkpointed_sparse_layers)
     _init(rank, world, init_file)
@@ -529,7 +532,8 @@ def _compiled_rank_main(rank, world, init_file, out_dir):
             layer = LAYERS[layer_name]()
             shard_experts(layer, batch_statistics=statistics,
                           fixed_exchange=FixedExchange(tokens=7, capacity_factor=factor))
-            run = (lambda x: torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)) \
+            run = (lambda x: torch.utils.checkpoint.checkpoint(
+                layer, x, use_reentrant=False, context_fn=keeping_exchanges)) \
                 if checkpointed else layer
             step = (lambda x, layer=layer, run=run: run(x).pow(2).sum() / 10 + aux_loss(layer))
             if compiled:
@@ -557,7 +561,7 @@ def test_the_fixed_exchange_compiles_into_the_models_graph_and_trains_as_eagerly
     into the graph (as functional collectives): a sharded layer's training step compiles in
     one graph (fullgraph), whose loss, gradients and drop counts are the eager step's, with
     roomy and tight blocks, a rank without tokens, and under activation checkpointing (the
-    exchanges run again in the backward; the drops are counted once)."""
+    drops are counted once)."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_compiled_rank_main, args=(world, os.path.join(tmp, "init"), tmp),
@@ -575,8 +579,9 @@ def test_the_fixed_exchange_compiles_into_the_models_graph_and_trains_as_eagerly
                 torch.testing.assert_close(compiled["grads"][pname], grad, atol=1e-5,
                                            rtol=1e-5, msg=f"{name} rank {rank} {pname}")
             assert torch.equal(compiled["counted"], eager["counted"]), name
-    assert got[0]["sigma_tight_empty_rank", True]["counted"][0] > 0   # pairs were dropped
-    assert got[1]["sigma_tight_empty_rank", True]["x_grad"].shape == (0, D)
+    for name in ("sigma_tight_empty_rank", "sigma_tight_empty_rank_checkpointed"):
+        assert got[0][name, True]["counted"][0] > 0                  # pairs were dropped
+        assert got[1][name, True]["x_grad"].shape == (0, D)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -616,3 +621,26 @@ def test_a_bad_fixed_exchange_is_refused_by_name(fields, message):
         FixedExchange(**fields)
     with pytest.raises(TypeError, match="fixed_exchange must be a FixedExchange"):
         shard_experts(_sigma(), fixed_exchange=2.0)
+
+
+
+def test_a_compiled_checkpointed_lm_keeps_the_exchanges_of_its_sharded_blocks(tmp_path,
+                                                                             monkeypatch):
+    """``TransformerLM`` checkpoints a block holding sharded experts with
+    ``keeping_exchanges`` where torch.compile traces it (ranks with different shapes
+    otherwise recompute different exchanges; see ``COMPILED_RUNS``); a block without them,
+    and any block eagerly, plainly. One process (gloo)."""
+    from sparseffn.distributed import FixedExchange
+    from sparseffn.distributed.checkpointing import keeping_exchanges
+    from sparseffn.models import lm
+    from tests.models.test_generate import tiny_lm
+    _init(0, 1, str(tmp_path / "init"))
+    try:
+        model = tiny_lm("sigma_moe")
+        shard_experts(model.blocks[1], fixed_exchange=FixedExchange(tokens=27))
+    finally:
+        dist.destroy_process_group()
+    assert [lm._checkpoint_options(block) for block in model.blocks] == [{}, {}]   # eager
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert [lm._checkpoint_options(block) for block in model.blocks] == \
+        [{}, {"context_fn": keeping_exchanges}]

@@ -209,6 +209,20 @@ class Block(nn.Module):
         return x + self.dropout(self.ffn(self.norm2(x)))
 
 
+def _checkpoint_options(block: nn.Module) -> dict:
+    """Compiled, a block whose experts are sharded keeps its exchanges' outputs rather than
+    recompute them: ranks with different shapes recomputed different exchanges, and their
+    collectives no longer matched (sparseffn/distributed/checkpointing.py). Eagerly every
+    rank replays the same exchanges, and the recomputation (which skips the layers' side
+    effects) is not the op-for-op replay that an eager selective checkpoint requires."""
+    import torch
+    if not torch.compiler.is_compiling() or \
+            not any(getattr(m, "exchanges_tokens", False) for m in block.modules()):
+        return {}
+    from ..distributed.checkpointing import keeping_exchanges
+    return {"context_fn": keeping_exchanges}
+
+
 class TransformerLM(nn.Module):
     """forward(tokens: int64 [B, T], cache=None) -> logits [B, T, vocab_size], T <= context.
 
@@ -287,7 +301,7 @@ class TransformerLM(nn.Module):
         recompute = self.activation_checkpointing and torch.is_grad_enabled() and caches is None
         for index, block in enumerate(self.blocks):
             if recompute:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=False, **_checkpoint_options(block))
             else:
                 x = block(x, None if caches is None else caches[index])
         x = self.norm(x)
