@@ -629,17 +629,39 @@ def test_a_compiled_checkpointed_lm_keeps_the_exchanges_of_its_sharded_blocks(tm
     """``TransformerLM`` checkpoints a block holding sharded experts with
     ``keeping_exchanges`` where torch.compile traces it (ranks with different shapes
     otherwise recompute different exchanges; see ``COMPILED_RUNS``); a block without them,
-    and any block eagerly, plainly. One process (gloo)."""
+    and any block eagerly, plainly. Compiled so (``aot_eager``, in one graph from PyTorch 2.10
+    on), the LM's loss and gradients are the eager ones. One process (gloo)."""
     from sparseffn.distributed import FixedExchange
     from sparseffn.distributed.checkpointing import keeping_exchanges
     from sparseffn.models import lm
+    from sparseffn.runtime import (checkpointed_sparse_layers_trace_in_one_graph,
+                                   compiling_checkpointed_sparse_layers)
     from tests.models.test_generate import tiny_lm
+    tokens = torch.randint(0, 20, (3, 9), generator=torch.Generator().manual_seed(1))
     _init(0, 1, str(tmp_path / "init"))
     try:
-        model = tiny_lm("sigma_moe")
-        shard_experts(model.blocks[1], fixed_exchange=FixedExchange(tokens=27))
+        steps = []
+        for compiled in (False, True):
+            model = tiny_lm("sigma_moe")
+            for module in model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+            shard_experts(model.blocks[1], fixed_exchange=FixedExchange(tokens=27))
+            model.activation_checkpointing = True
+            loss_of = torch.compile(model.loss, backend="aot_eager",
+                                    fullgraph=checkpointed_sparse_layers_trace_in_one_graph()) \
+                if compiled else model.loss
+            torch._dynamo.reset()
+            with compiling_checkpointed_sparse_layers():
+                loss = loss_of(tokens[:, :-1], tokens[:, 1:])
+                loss.backward()
+            steps.append((loss, {n: p.grad for n, p in model.named_parameters()}))
     finally:
         dist.destroy_process_group()
+    (loss, grads), (loss_c, grads_c) = steps
+    torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert [lm._checkpoint_options(block) for block in model.blocks] == [{}, {}]   # eager
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert [lm._checkpoint_options(block) for block in model.blocks] == \
