@@ -4,7 +4,9 @@
   ranks, tokens exchanged by all-to-all (:func:`shard_experts`, :func:`sync_gradients`,
   :func:`gathered_state_dict`);
 - :mod:`~sparseffn.distributed.sparse_grads`: data parallelism with sparse-gradient tables
-  (PKM values and PEER experts built with ``sparse_grad=True``).
+  (PKM values and PEER experts built with ``sparse_grad=True``);
+- :mod:`~sparseffn.distributed.checkpointing`: activation checkpointing of sharded experts
+  under ``torch.compile`` (:func:`~sparseffn.distributed.checkpointing.keeping_exchanges`).
 """
 
 from .batch import GroupBatchSum

@@ -37,4 +37,3 @@ def keeping_exchanges():
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: keep the collectives'
     outputs, recompute the rest."""
     return create_selective_checkpoint_contexts(_keep_collectives)
-

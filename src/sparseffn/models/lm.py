@@ -215,7 +215,6 @@ def _checkpoint_options(block: nn.Module) -> dict:
     collectives no longer matched (sparseffn/distributed/checkpointing.py). Eagerly every
     rank replays the same exchanges, and the recomputation (which skips the layers' side
     effects) is not the op-for-op replay that an eager selective checkpoint requires."""
-    import torch
     if not torch.compiler.is_compiling() or \
             not any(getattr(m, "exchanges_tokens", False) for m in block.modules()):
         return {}
