@@ -623,7 +623,6 @@ def test_a_bad_fixed_exchange_is_refused_by_name(fields, message):
         shard_experts(_sigma(), fixed_exchange=2.0)
 
 
-
 def test_a_compiled_checkpointed_lm_keeps_the_exchanges_of_its_sharded_blocks(tmp_path,
                                                                              monkeypatch):
     """``TransformerLM`` checkpoints a block holding sharded experts with

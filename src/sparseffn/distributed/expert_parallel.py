@@ -149,9 +149,6 @@ class ExpertParallelMLP(ExpertStore):
     around it), as it reads its splits on the host.
     """
 
-    # its forward exchanges tokens with the other ranks (distributed/checkpointing.py)
-    exchanges_tokens = True
-
     def __init__(self, local: MLPExperts, num_experts: int, group=None,
                  fixed_exchange: FixedExchange | None = None) -> None:
         super().__init__()

@@ -215,10 +215,13 @@ def _checkpoint_options(block: nn.Module) -> dict:
     collectives no longer matched (sparseffn/distributed/checkpointing.py). Eagerly every
     rank replays the same exchanges, and the recomputation (which skips the layers' side
     effects) is not the op-for-op replay that an eager selective checkpoint requires."""
-    if not torch.compiler.is_compiling() or \
-            not any(getattr(m, "exchanges_tokens", False) for m in block.modules()):
+    if not torch.compiler.is_compiling():
         return {}
+    # (imported here: sparseffn.distributed imports Dynamo, which compiling has loaded)
+    from ..distributed import sharded_stores
     from ..distributed.checkpointing import keeping_exchanges
+    if next(sharded_stores(block), None) is None:
+        return {}
     return {"context_fn": keeping_exchanges}
 
 
