@@ -250,6 +250,32 @@ def test_sharding_needs_a_process_group():
         shard_experts(_sigma())
 
 
+def test_an_unpickled_sharded_store_keeps_its_sized_exchange_out_of_compiled_graphs(
+        tmp_path, monkeypatch):
+    """``torch.compiler.disable`` is applied to ``_sized_exchange`` when the first sharded
+    store is built, not at import (it imports Dynamo); a store unpickled in a process that
+    built none (``torch.load`` of a whole model) applies it too."""
+    import inspect
+    import pickle
+    from sparseffn.distributed import expert_parallel
+    _init(0, 1, str(tmp_path / "init"))
+    try:
+        layer = _sigma()
+        shard_experts(layer)
+        saved = pickle.dumps(layer)
+        # a fresh process: the method as defined, never disabled
+        monkeypatch.setattr(expert_parallel, "_sized_exchange_kept_eager", False)
+        monkeypatch.setattr(ExpertParallelMLP, "_sized_exchange",
+                            inspect.unwrap(ExpertParallelMLP._sized_exchange))
+        assert not hasattr(ExpertParallelMLP._sized_exchange, "_torchdynamo_disable")
+        loaded = pickle.loads(saved)
+        assert ExpertParallelMLP._sized_exchange._torchdynamo_disable
+        x = _batch(0, 1)
+        torch.testing.assert_close(loaded(x), layer(x))
+    finally:
+        dist.destroy_process_group()
+
+
 def _autocast_main(rank, world, init_file, out_dir, fixed):
     """A bf16-autocast step of the sharded σ-MoE, recording the dtype of every exchange
     (``fixed``: with a fixed exchange whose blocks hold every pair)."""

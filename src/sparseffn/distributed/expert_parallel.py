@@ -124,6 +124,21 @@ def _group_rank_world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _keep_sized_exchange_eager() -> None:
+    """Make ``torch.compile`` run :meth:`ExpertParallelMLP._sized_exchange` eagerly (it reads
+    its splits on the host). Done when the first store is built, not as the class is defined:
+    ``torch.compiler.disable`` imports Dynamo (about 1.8 s), which a process that never
+    shards experts, such as ``sparseffn train`` on one rank, does not need."""
+    global _sized_exchange_kept_eager
+    if not _sized_exchange_kept_eager:
+        ExpertParallelMLP._sized_exchange = torch.compiler.disable(
+            ExpertParallelMLP._sized_exchange, recursive=True)
+        _sized_exchange_kept_eager = True
+
+
+_sized_exchange_kept_eager = False
+
+
 class ExpertParallelMLP(ExpertStore):
     """MLP experts sharded across the ranks of ``group``: this rank computes ``local`` (an
     :class:`~sparseffn.stores.MLPExperts` with ``num_experts / world`` experts, the global
@@ -152,6 +167,7 @@ class ExpertParallelMLP(ExpertStore):
     def __init__(self, local: MLPExperts, num_experts: int, group=None,
                  fixed_exchange: FixedExchange | None = None) -> None:
         super().__init__()
+        _keep_sized_exchange_eager()
         rank, world = _group_rank_world(group)
         if local.num_experts * world != num_experts:
             raise ValueError(f"ExpertParallelMLP: {world} ranks of {local.num_experts} experts "
@@ -169,6 +185,10 @@ class ExpertParallelMLP(ExpertStore):
         self.experts_per_rank = local.num_experts
         self.first_expert = rank * local.num_experts
         self.d_model, self.d_out = local.d_model, local.d_out
+
+    def __setstate__(self, state) -> None:   # unpickled (torch.load of a whole model)
+        _keep_sized_exchange_eager()
+        super().__setstate__(state)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters that belong to this rank's experts only (not ``b_out``)."""
@@ -193,7 +213,6 @@ class ExpertParallelMLP(ExpertStore):
         local = self.local
         return y if local.b_out is None else y + local.b_out.to(y.dtype)
 
-    @torch.compiler.disable(recursive=True)
     def _sized_exchange(self, x: torch.Tensor, routing: Routing, experts: torch.Tensor,
                         owner: torch.Tensor) -> torch.Tensor:
         """Every dispatched pair, in exchanges of the sizes the ranks tell each other: one
