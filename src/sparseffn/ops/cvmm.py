@@ -127,7 +127,7 @@ def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:
     """ValueError unless every expert index lies in ``[0, num_experts)``: on CPU tensors (a
     host read is free there) and, on other devices, when
     :func:`sparseffn.ops.debug.set_checks` is on; never while ``torch.compile`` traces."""
-    if indices.numel() and checks_enabled(indices):
+    if checks_enabled(indices) and indices.numel():
         low, high = map(int, torch.aminmax(indices))    # one pass, not a min and a max
         if low < 0 or high >= num_experts:
             raise ValueError(
