@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 
 import sparseffn
 from sparseffn.bench.compiled import layer_configs
+from sparseffn.requirements import torch_release
 
 SIZES = (37, 64, 5, 300)
 # routers that draw random numbers in training; the compiled graph draws them in another order
@@ -78,11 +79,16 @@ _SIZE_THRESHOLD = {"tree", "fff_soft", "fff_sparse", "pkm", "peer"}
 
 
 @pytest.mark.parametrize("name", list(layer_configs(32)))
-def test_torch_export_with_a_dynamic_token_count(name):
+def test_torch_export_with_a_dynamic_token_count(name, request):
     """``torch.export`` of the layer at inference with the token count dynamic: unbounded,
     or up to 300 tokens for a layer with a size threshold (below every threshold here; the
     export error names the bound). The exported program computes what the layer does at
-    sizes other than the one traced."""
+    sizes other than the one traced. PyTorch 2.7 exports only the dense MLP so."""
+    if name != "dense" and torch_release(torch.__version__) < (2, 8):
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="PyTorch 2.7's torch.export loses the token count's symbol "
+                                "(\"Source of 's0' is None when lifting it to input of "
+                                "top-level\")"))
     torch.manual_seed(0)
     layer = sparseffn.build_layer(layer_configs(32)[name]).eval()
     bound = 300 if name in _SIZE_THRESHOLD else None

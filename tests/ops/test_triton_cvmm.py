@@ -8,7 +8,9 @@ import importlib
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
+from tests.ops.triton_cases import skip_without_usable_triton
+
+skip_without_usable_triton()
 
 from tests.layers.test_conformance import EXAMPLES   # noqa: E402
 from tests.ops.reference import expert_mlp_reference   # noqa: E402

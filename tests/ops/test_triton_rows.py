@@ -7,7 +7,9 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
+from tests.ops.triton_cases import skip_without_usable_triton
+
+skip_without_usable_triton()
 
 import sparseffn   # noqa: E402
 from sparseffn.ops import kernels, product_keys, rows, triton_rows   # noqa: E402

@@ -5,7 +5,9 @@ interpreter (fp32 and fp16 logits)."""
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
+from tests.ops.triton_cases import skip_without_usable_triton
+
+skip_without_usable_triton()
 
 from sparseffn import SBaseRouterConfig   # noqa: E402
 from sparseffn.ops import assignment, triton_sinkhorn   # noqa: E402

@@ -5,7 +5,9 @@ on the GPU when there is one, else in Triton's CPU interpreter (fp32 and fp16)."
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
+from tests.ops.triton_cases import skip_without_usable_triton
+
+skip_without_usable_triton()
 
 from sparseffn import FFFConfig, FastFeedForward, TreeRouterConfig   # noqa: E402
 from sparseffn.ops import fff, kernels, triton_tree   # noqa: E402

@@ -3,6 +3,7 @@ interpreter, which has no bf16), the dtypes and tolerances. Their modules also s
 ``pytestmark = pytest.mark.usefixtures("triton_on_cpu")`` (the fixture is in this folder's
 conftest)."""
 
+import pytest
 import torch
 
 from sparseffn.ops import native, triton_cvmm
@@ -10,6 +11,15 @@ from sparseffn.ops import native, triton_cvmm
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def skip_without_usable_triton() -> None:
+    """Skip the calling test module where Triton is not installed, or is installed but cannot
+    define its kernels here (``triton_cvmm.UNUSABLE_REASON``: Triton 3.2, PyTorch 2.6's, on a
+    machine without a GPU); the PyTorch paths that run instead are tested everywhere."""
+    pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
+    if not triton_cvmm.available():
+        pytest.skip(triton_cvmm.UNUSABLE_REASON, allow_module_level=True)
 
 
 def close(got, want, dtype):
