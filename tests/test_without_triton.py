@@ -7,7 +7,7 @@ machine where it is not installed) and runs there. A whole suite run that way pa
 tests, the Triton tests skipped); this test keeps the import guards and the fallbacks honest
 in every CI run at the cost of a few seconds.
 
-The same holds for a Triton installed but unable to define the kernels: before 3.3,
+The same holds for a Triton installed but unable to define the kernels: up to 3.3,
 ``@triton.autotune`` asks the GPU driver for a benchmarker as it decorates a kernel, and on a
 machine without a GPU Triton 3.2 (PyTorch 2.6's) raises "0 active drivers" at import. The
 second case makes ``triton.autotune`` raise that error in the child.

@@ -5,6 +5,12 @@ Every layer is a drop-in replacement for a Transformer MLP block,
 :func:`aux_loss`.
 """
 
+import torch as _torch
+
+from .requirements import check_torch as _check_torch
+
+_check_torch(_torch.__version__)   # before the operators register: a clear error on old torch
+
 from .auxiliary import (all_reduce_usage, aux_loss, aux_loss_terms, dense_grad_parameters,
                         reset_usage, routing_stats, sparse_grad_parameters, summing_aux_losses)
 from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, PEERConfig,

@@ -130,7 +130,7 @@ def compiling_many():
     import torch
     config = torch._dynamo.config
     names = (("recompile_limit", "fail_on_recompile_limit_hit")
-             if hasattr(config, "recompile_limit")      # the names before PyTorch 2.6:
+             if hasattr(config, "recompile_limit")      # the names before PyTorch 2.7:
              else ("cache_size_limit", "fail_on_cache_limit_hit"))
     return config.patch(**{name: value for name, value in zip(names, (COMPILED_VERSIONS, True))
                            if hasattr(config, name)})

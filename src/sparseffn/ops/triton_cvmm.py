@@ -47,10 +47,11 @@ except ImportError:   # the package works without Triton: the PyTorch paths take
 
 
 def _why_kernels_cannot_be_defined() -> str | None:
-    """None, or why this Triton cannot define the kernels here. Releases before 3.3 ask the
-    GPU driver for a benchmarker the moment ``@triton.autotune`` decorates a kernel, that is
-    at import: on a machine without a GPU (under ``TRITON_INTERPRET=1`` too) Triton 3.2
-    raises "0 active drivers", which would make ``import sparseffn`` fail. A stand-in kernel
+    """None, or why this Triton cannot define the kernels here. Releases up to 3.3 (PyTorch
+    2.6's and 2.7's) ask the GPU driver for a benchmarker the moment ``@triton.autotune``
+    decorates a kernel, that is at import: on a machine without a GPU (under
+    ``TRITON_INTERPRET=1`` too) they raise "0 active drivers", which would make ``import
+    sparseffn`` fail. A stand-in kernel
     is decorated the same way to find out."""
     try:
         @triton.jit
