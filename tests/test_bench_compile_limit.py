@@ -10,7 +10,7 @@ import torch
 
 from sparseffn import runtime
 from sparseffn.bench.measure import first_call_or_eager
-from sparseffn.runtime import compiling_many
+from sparseffn.runtime import compiling_many, recompile_limit_name
 
 
 @pytest.fixture(autouse=True)
@@ -29,16 +29,10 @@ def _compiled_affine(graphs: list):
     return torch.compile(lambda x: 2 * x + 1, backend=backend, dynamic=False)
 
 
-def _limit() -> str:
-    """Dynamo's setting: ``recompile_limit``, ``cache_size_limit`` before PyTorch 2.7."""
-    config = torch._dynamo.config
-    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-
-
 def test_without_it_torch_runs_the_ninth_version_eagerly():
     graphs = []
     affine = _compiled_affine(graphs)
-    limit = getattr(torch._dynamo.config, _limit())
+    limit = getattr(torch._dynamo.config, recompile_limit_name())
     for size in range(1, limit + 4):
         assert torch.equal(affine(torch.ones(size)), torch.full((size,), 3.0))
     assert len(graphs) == limit      # the last three ran eagerly
@@ -47,12 +41,12 @@ def test_without_it_torch_runs_the_ninth_version_eagerly():
 def test_under_it_every_version_compiles():
     graphs = []
     affine = _compiled_affine(graphs)
-    limit = getattr(torch._dynamo.config, _limit())
+    limit = getattr(torch._dynamo.config, recompile_limit_name())
     with compiling_many():
         for size in range(1, limit + 4):
             assert torch.equal(affine(torch.ones(size)), torch.full((size,), 3.0))
     assert len(graphs) == limit + 3
-    assert getattr(torch._dynamo.config, _limit()) == limit    # restored
+    assert getattr(torch._dynamo.config, recompile_limit_name()) == limit    # restored
 
 
 def test_one_version_too_many_is_reported_as_eager(monkeypatch, capsys):

@@ -15,6 +15,7 @@ from sparseffn import SigmaMoEConfig  # noqa: E402
 from sparseffn.bench import fig2  # noqa: E402
 from sparseffn.bench.peers import GroupedMMMoE  # noqa: E402
 from tests.ops.reference import expert_mlp_reference  # noqa: E402
+from tests.ops.triton_cases import skip_without_usable_triton  # noqa: E402
 
 needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
                                       reason="torch._grouped_mm needs PyTorch >= 2.8")
@@ -48,18 +49,10 @@ def _assert_same_output_and_gradients(out, want, inputs, copies):
         torch.testing.assert_close(got.grad, ref.grad, rtol=1e-4, atol=1e-5)
 
 
-def _skip_where_triton_cannot_define_kernels():
-    """Liger's kernels are Triton's: where Triton cannot define kernels (3.2 and 3.3 on a
-    machine without a GPU, ``triton_cvmm.UNUSABLE_REASON``), importing them raises."""
-    from sparseffn.ops import triton_cvmm
-    if triton_cvmm.UNUSABLE_REASON is not None:
-        pytest.skip(triton_cvmm.UNUSABLE_REASON)
-
-
 def test_liger_peer_is_a_swiglu_moe_behind_the_sigmoid_top_k_router():
     """The adapter hands Liger's kernels the layouts they expect (gate rows first in
     gate_up, int32 experts): output and every gradient equal the loop's, at odd sizes."""
-    _skip_where_triton_cannot_define_kernels()
+    skip_without_usable_triton()   # Liger's kernels are Triton's: import raises there
     liger = pytest.importorskip("liger_kernel.ops.fused_moe",
                                 reason="liger-kernel is an optional peer (the test extra)")
     torch.manual_seed(0)
@@ -74,7 +67,7 @@ def test_liger_peer_is_a_swiglu_moe_behind_the_sigmoid_top_k_router():
 
 
 def test_liger_peer_is_built_where_it_imports_with_the_sigma_moe_parameters(tmp_path):
-    _skip_where_triton_cannot_define_kernels()
+    skip_without_usable_triton()   # Liger's kernels are Triton's: import raises there
     pytest.importorskip("liger_kernel.ops.fused_moe",
                         reason="liger-kernel is an optional peer (the test extra)")
     builders = fig2.peer_builders(str(tmp_path), torch.float16)

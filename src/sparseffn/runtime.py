@@ -129,11 +129,20 @@ def compiling_many():
     of ``sparseffn compare`` with ``train.compile`` are the same case."""
     import torch
     config = torch._dynamo.config
-    names = (("recompile_limit", "fail_on_recompile_limit_hit")
-             if hasattr(config, "recompile_limit")      # the names before PyTorch 2.7:
-             else ("cache_size_limit", "fail_on_cache_limit_hit"))
-    return config.patch(**{name: value for name, value in zip(names, (COMPILED_VERSIONS, True))
+    limit = recompile_limit_name()
+    fail = ("fail_on_recompile_limit_hit" if limit == "recompile_limit"
+            else "fail_on_cache_limit_hit")
+    return config.patch(**{name: value for name, value in ((limit, COMPILED_VERSIONS),
+                                                           (fail, True))
                            if hasattr(config, name)})
+
+
+def recompile_limit_name() -> str:
+    """Dynamo's setting for the versions of a function it keeps: ``recompile_limit``, named
+    ``cache_size_limit`` before PyTorch 2.7."""
+    import torch
+    config = torch._dynamo.config
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
 
 # Dynamo's setting that skips replaying a checkpointed function's side effects (PyTorch 2.10+)

@@ -51,8 +51,7 @@ def _why_kernels_cannot_be_defined() -> str | None:
     2.6's and 2.7's) ask the GPU driver for a benchmarker the moment ``@triton.autotune``
     decorates a kernel, that is at import: on a machine without a GPU (under
     ``TRITON_INTERPRET=1`` too) they raise "0 active drivers", which would make ``import
-    sparseffn`` fail. A stand-in kernel
-    is decorated the same way to find out."""
+    sparseffn`` fail. A stand-in kernel is decorated the same way to find out."""
     try:
         @triton.jit
         def stand_in(x):
