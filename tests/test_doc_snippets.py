@@ -3,8 +3,9 @@ of the library: each ```python block in order, one namespace per file. A block t
 reader's own object (``model``, ``x``, ...) gets a small stand-in, named in
 :data:`STAND_INS`; a block that ends with ``# SomeError: message`` must raise that at its
 last statement. docs/performance.md is a lab notebook (its snippets are measurement recipes
-over names from its prose), and two blocks need what a test cannot give; both are listed in
-:data:`NOT_RUN` with the reason, and the test fails if the listed text is gone."""
+over names from its prose), and a few blocks need what a test cannot give, or more time than
+a test should take; they are listed in :data:`NOT_RUN` with the reason, and the test fails if
+the listed text is gone."""
 
 import ast
 import builtins
@@ -58,6 +59,10 @@ NOT_RUN = {
         "needs a process group; tests/test_expert_parallel.py runs the fixed exchange",
     ("huggingface.md", 'load_safetensors_model("runs/NAME/model.safetensors"'):
         "needs a trained run; tests/train/test_export_model.py exports and loads one",
+    ("huggingface.md", "torch.compile(model.forward, fullgraph=True)"):
+        "Inductor takes 30-40 s to compile it on a CPU; tests/test_hf.py's "
+        "test_generation_with_a_static_cache_compiles_one_graph_per_phase makes the same calls "
+        "with Dynamo's eager backend",
 }
 
 

@@ -193,6 +193,37 @@ def test_cached_and_uncached_generation_agree_with_a_capacity_router():
     assert torch.equal(cached, uncached)
 
 
+@pytest.mark.parametrize("preset", ["sigma_moe", "fff", "peer"])
+def test_generation_with_a_static_cache_compiles_one_graph_per_phase(preset):
+    """HF's fast decoding: a static KV cache (fixed shapes) and ``torch.compile(model.forward,
+    fullgraph=True)``. The sparse layers add no graph break (fullgraph would raise), the model
+    compiles once for the prompt and once for a decoding step, for every step and the next
+    prompt of the same shape, and the tokens are the eager model's. Dynamo's ``eager`` backend, counted, keeps the test fast;
+    Inductor gives the same (docs/huggingface.md)."""
+    model = llama()
+    hf.sparsify(model, preset)
+    model.eval()
+    prompts = [_ids(batch=2, length=5, seed=seed) for seed in (1, 2)]
+    kwargs = dict(max_new_tokens=9, do_sample=False, pad_token_id=0,
+                  cache_implementation="static")
+    expected = [model.generate(prompt, **kwargs) for prompt in prompts]
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True, backend=counting_backend)
+    try:
+        for prompt, tokens in zip(prompts, expected):
+            assert torch.equal(model.generate(prompt, **kwargs), tokens)
+            assert len(graphs) == 2       # the prompt's and a decoding step's, for 8 steps
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_router_with_an_evaluation_capacity_is_warned_of_where_it_is_built(tmp_path):
     """Under an evaluation capacity a token's output depends on the tokens evaluated with it,
     which HF's KV cache changes: sparsify and loading say so, naming the router; the
