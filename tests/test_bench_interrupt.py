@@ -330,7 +330,12 @@ def test_bench_lm_stopped_by_a_real_sigint_while_inductor_compiles(tmp_path):
     """The GPU stage's case end to end: `bench lm --compile default` in its own process gets
     a SIGINT while it compiles a later preset (a second after the dense model compiled),
     and still prints and writes the model compiled before it, exiting normally. (What it
-    prints of the targets then is tested above, with interrupts that cost no compile.)"""
+    prints of the targets then is tested above, with interrupts that cost no compile.)
+
+    The benchmark gets Python's own SIGINT handler whatever this process has: a suite started
+    as a background job (``pytest ... &`` in a script) inherits SIGINT ignored from the shell,
+    and so would the benchmark (it then compiled and timed every preset). ``timeout``, which
+    sends the GPU stages their SIGINT, resets it for its command the same way."""
     import os
     import signal
     import subprocess
@@ -339,8 +344,12 @@ def test_bench_lm_stopped_by_a_real_sigint_while_inductor_compiles(tmp_path):
     presets = ["sigma_moe", "pkm"]
     command = [sys.executable, "-m", "sparseffn", "bench", "lm", "--presets", *presets,
                *LM_SIZES, "--repeats", "2", "--compile", "default", "--json", str(path)]
+
+    def default_sigint():      # in the child, before it runs Python
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=default_sigint)
     lines = []
     for line in process.stdout:
         lines.append(line)
