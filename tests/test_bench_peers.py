@@ -13,12 +13,12 @@ os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
 
 from sparseffn import SigmaMoEConfig  # noqa: E402
 from sparseffn.bench import fig2  # noqa: E402
-from sparseffn.bench.peers import GroupedMMMoE  # noqa: E402
+from sparseffn.bench.peers import GroupedMMMoE, grouped_mm_missing_on  # noqa: E402
 from tests.ops.reference import expert_mlp_reference  # noqa: E402
 from tests.ops.triton_cases import skip_without_usable_triton  # noqa: E402
 
-needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
-                                      reason="torch._grouped_mm needs PyTorch >= 2.8")
+needs_grouped_mm = pytest.mark.skipif(grouped_mm_missing_on("cpu") is not None,
+                                      reason=str(grouped_mm_missing_on("cpu")))
 
 
 def _swiglu_moe_loop(x, router, gate_up, down, k):
@@ -126,7 +126,7 @@ def test_grouped_mm_peer_takes_an_empty_batch():
 def test_portable_peers_are_built_in_the_benchmark_dtype_and_cast_their_input():
     builders = fig2.portable_peer_builders(torch.bfloat16)
     assert "mixtral_loop" in builders
-    assert ("grouped_mm" in builders) == hasattr(torch, "_grouped_mm")
+    assert ("grouped_mm" in builders) == (grouped_mm_missing_on("cpu") is None)
     for name, build in builders.items():
         module = build(128, 4)
         assert {p.dtype for p in module.parameters()} == {torch.bfloat16}, name

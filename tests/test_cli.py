@@ -6,6 +6,7 @@ import pytest
 
 from sparseffn import cli
 from sparseffn.bench.measure import saved_bytes
+from sparseffn.bench.peers import grouped_mm_missing_on
 from sparseffn import DenseMLP, SigmaMoE
 import torch
 
@@ -521,7 +522,7 @@ def test_bench_fig2_compiles_the_peers_but_the_mixtral_loop(tmp_path):
     (record,) = json.loads(path.read_text())
     want = {"sparseffn": True, "dense_param": True, "dense_active": True,
             "grouped_mm": True, "mixtral_loop": False}
-    if not hasattr(torch, "_grouped_mm"):    # PyTorch < 2.8: the peer is skipped, and said so
+    if grouped_mm_missing_on("cpu"):    # PyTorch < 2.9: the peer is skipped, and said so
         del want["grouped_mm"]
     assert record["compiled"] == want
 
@@ -534,7 +535,7 @@ def test_bench_fig2_runs_on_cpu_and_writes_ratios_to_the_dense_mlp(tmp_path, cap
     (record,) = json.loads(path.read_text())
     assert record["num_experts"] == 4 and record["k"] == 4 and record["expert_size"] == 128
     assert set(record["ms"]) == {"sparseffn", "dense_param", "dense_active", "mixtral_loop"} | (
-        {"grouped_mm"} if hasattr(torch, "_grouped_mm") else set())
+        set() if grouped_mm_missing_on("cpu") else {"grouped_mm"})
     assert record["over_dense_param"]["dense_param"] == 1.0
     assert record["best_peer"] in {"grouped_mm", "mixtral_loop"}
     assert record["best_peer_over_sparseffn"] > 0

@@ -62,7 +62,7 @@ from .measure import (autocast_dtype_of, describe_device, dtype_name, error_summ
                       first_call_or_eager, forward_backward_fn, keeping_swallowed_interrupts,
                       new_graph_step, paired_ratio, peak_mib, raise_swallowed_interrupt,
                       times_kept_on_interrupt, verdict, write_json)
-from .peers import GroupedMMMoE, MixtralStyleMoE
+from .peers import GroupedMMMoE, MixtralStyleMoE, grouped_mm_missing_on
 
 EXPERT_SIZE = 128
 K = 4
@@ -146,11 +146,11 @@ class _InDtype(nn.Module):
         return self.inner(x.to(next(self.inner.parameters()).dtype))
 
 
-def portable_peer_builders(dtype: torch.dtype | None = None
+def portable_peer_builders(dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
                            ) -> dict[str, Callable[[int, int], nn.Module]]:
     """Builders ``(d_model, num_experts) -> module`` for the peers that run on every device:
-    ``torch._grouped_mm`` used plainly and the Mixtral-style loop, at the σ-MoE's sizes, in
-    ``dtype`` when one is given."""
+    ``torch._grouped_mm`` used plainly (where this PyTorch has it for ``device``) and the
+    Mixtral-style loop, at the σ-MoE's sizes, in ``dtype`` when one is given."""
     def build(peer_class):
         def builder(d_model: int, num_experts: int) -> nn.Module:
             cfg = SigmaMoEConfig(d_model=d_model, num_experts=num_experts,
@@ -158,10 +158,11 @@ def portable_peer_builders(dtype: torch.dtype | None = None
             return _InDtype(peer_class(cfg).to(dtype or torch.float32))
         return builder
     builders = {}
-    if hasattr(torch, "_grouped_mm"):
+    missing = grouped_mm_missing_on(device)
+    if missing is None:
         builders["grouped_mm"] = build(GroupedMMMoE)
     else:
-        print("  peer grouped_mm: skipped (torch._grouped_mm needs PyTorch >= 2.8)")
+        print(f"  peer grouped_mm: skipped ({missing})")
     builders["mixtral_loop"] = build(MixtralStyleMoE)
     return builders
 
@@ -409,7 +410,7 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
     autocast_dtype = autocast_dtype_of(dtype)
     builders = {}
     if peers:
-        builders = portable_peer_builders(autocast_dtype)
+        builders = portable_peer_builders(autocast_dtype, dev)
         if dev.type != "cuda":
             print("  peers: the CUDA kernels (Csordás CVMM, ScatterMoE, Liger) skipped on "
                   f"{dev.type}")

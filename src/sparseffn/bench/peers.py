@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import SigmaMoEConfig
+from ..requirements import torch_release
 
 
 class Expert(nn.Sequential):
@@ -60,6 +61,17 @@ class MixtralStyleMoE(nn.Module):
         return out
 
 
+def grouped_mm_missing_on(device: torch.device | str) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run on ``device``'s type in this PyTorch, or None where
+    it has a kernel there: PyTorch has it from 2.8, on the CPU from 2.9 (2.8's CPU tensors
+    raise NotImplementedError)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "torch._grouped_mm needs PyTorch >= 2.8"
+    if torch.device(device).type == "cpu" and torch_release(torch.__version__) < (2, 9):
+        return "torch._grouped_mm has no CPU kernel before PyTorch 2.9"
+    return None
+
+
 class GroupedMMMoE(nn.Module):
     """σ-MoE's experts through ``torch._grouped_mm`` with nothing else from the library.
 
@@ -69,7 +81,8 @@ class GroupedMMMoE(nn.Module):
     W2_e`` as two grouped products, scaled by the scores, put back in (token, slot) order and
     summed over the k slots. Weights are stored as ``nn.Linear`` stores them ([E, out, in])
     and handed over transposed, as torchtitan's MoE does. Needs PyTorch ≥ 2.8
-    (``torch._grouped_mm`` with autograd) and, on CUDA, bf16 on a Hopper or newer GPU.
+    (``torch._grouped_mm`` with autograd; on the CPU ≥ 2.9) and, on CUDA, bf16 on a Hopper
+    or newer GPU.
 
     forward(x: [tokens, d_model]) -> [tokens, d_model]
     """
@@ -77,7 +90,7 @@ class GroupedMMMoE(nn.Module):
     def __init__(self, cfg: SigmaMoEConfig) -> None:
         super().__init__()
         if not hasattr(torch, "_grouped_mm"):
-            raise RuntimeError("the grouped_mm peer needs torch._grouped_mm (PyTorch >= 2.8)")
+            raise RuntimeError(f"the grouped_mm peer: {grouped_mm_missing_on('cuda')}")
         self.k, self.num_experts = cfg.k, cfg.num_experts
         self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
         self.w1 = nn.Parameter(torch.randn(cfg.num_experts, cfg.expert_size, cfg.d_model)
