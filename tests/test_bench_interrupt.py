@@ -255,7 +255,7 @@ def test_bench_fig2_interrupted_while_preparing_peers_times_what_is_ready(monkey
     def interrupting(d_model, num_experts):
         raise KeyboardInterrupt
     monkeypatch.setattr(fig2, "portable_peer_builders",
-                        lambda dtype=None: {"slow_peer": interrupting})
+                        lambda dtype=None, device="cpu": {"slow_peer": interrupting})
     path = tmp_path / "fig2.json"
     assert cli.main(["bench", "fig2", "--d-models", "128,256", *FIG2_SIZES, "--peers",
                      "--json", str(path)]) == 0
@@ -279,7 +279,7 @@ def test_bench_fig2_stops_before_the_next_contender_after_a_dropped_interrupt(mo
     def never(d_model, num_experts):
         raise AssertionError("prepared after the interrupt")
     monkeypatch.setattr(fig2, "portable_peer_builders",
-                        lambda dtype=None: {"first": dropping, "second": never})
+                        lambda dtype=None, device="cpu": {"first": dropping, "second": never})
     path = tmp_path / "fig2.json"
     assert cli.main(["bench", "fig2", "--d-models", "128,256", *FIG2_SIZES, "--peers",
                      "--json", str(path)]) == 0
