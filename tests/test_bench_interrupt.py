@@ -14,8 +14,9 @@ import torch
 
 from sparseffn import cli
 from sparseffn.bench import fig2, lm_step
-from sparseffn.bench.measure import (RoundsInterrupted, interleaved_times,
-                                     keeping_swallowed_interrupts, raise_swallowed_interrupt)
+from sparseffn.bench.measure import (RoundsInterrupted, first_call_or_eager, interleaved_times,
+                                     keeping_swallowed_interrupts, raise_if_interrupted,
+                                     raise_swallowed_interrupt)
 
 LM_SIZES = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "8",
             "--batch", "2", "--d-ff", "256", "--device", "cpu"]
@@ -92,6 +93,66 @@ def test_interleaved_times_raises_an_interrupt_dropped_in_a_timed_call():
         interleaved_times({"a": dropping, "b": lambda: None}, repeats=5, warmup=2,
                           keep_on_interrupt=True)
     assert cut.value.rounds == 2
+
+
+def interrupt_turned_into_an_error():
+    """What PyTorch 2.9's Dynamo does with a SIGINT that lands while it compiles a frame:
+    its ``finally`` reads a variable the interrupted ``try`` never set, and the
+    UnboundLocalError replaces the KeyboardInterrupt (which stays as its context); Dynamo
+    may wrap such an error again, ``from None``."""
+    try:
+        raise KeyboardInterrupt
+    finally:
+        try:
+            raise UnboundLocalError("cannot access local variable 'tracer_output'")
+        except UnboundLocalError as error:
+            raise RuntimeError("InternalTorchDynamoError: wrapped") from error
+
+
+def test_an_error_raised_while_an_interrupt_was_handled_is_the_interrupt():
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            interrupt_turned_into_an_error()
+        except RuntimeError as error:
+            raise_if_interrupted(error)
+    try:                                     # the KeyboardInterrupt two links back, from None
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ValueError("cleanup failed") from None
+    except ValueError as error:
+        with pytest.raises(KeyboardInterrupt):
+            raise_if_interrupted(error)
+    for error in (RuntimeError("plain"), ValueError("with a cause")):
+        error.__cause__ = TypeError("no interrupt anywhere")
+        raise_if_interrupted(error)          # returns: a real failure is reported as before
+
+
+def test_a_compile_stopped_by_an_interrupt_is_not_timed_eagerly():
+    def make_eager():
+        raise AssertionError("an interrupted compile fell back to the eager step")
+    with pytest.raises(KeyboardInterrupt):
+        first_call_or_eager(interrupt_turned_into_an_error, make_eager, "sigma_moe")
+    step, compiled = first_call_or_eager(lambda: 1 / 0, lambda: "eager", "sigma_moe")
+    assert (step, compiled) == ("eager", False)
+
+
+def test_bench_lm_stops_preparing_when_an_interrupt_became_an_error(monkeypatch, tmp_path,
+                                                                    capsys):
+    """pkm's step raises the error PyTorch 2.9's Dynamo makes of a SIGINT: pkm is not
+    reported as failed, and peer is not prepared; the models ready before are timed."""
+    def interrupted(model):
+        def loss(inputs, targets):
+            interrupt_turned_into_an_error()
+        return loss
+    patched_lm_model(monkeypatch, "pkm", loss=interrupted)
+    path = tmp_path / "lm.json"
+    assert cli.main(["bench", "lm", "--presets", "sigma_moe", "pkm", "peer", *LM_SIZES,
+                     "--repeats", "2", "--json", str(path)]) == 0
+    assert [r["preset"] for r in json.loads(path.read_text())] == ["dense", "sigma_moe"]
+    out = capsys.readouterr().out
+    assert "bench lm: interrupted while preparing pkm: not timed: pkm, peer\n" in out
+    assert "failed" not in out
 
 
 def patched_lm_model(monkeypatch, preset: str, loss=None, build_raises=None):

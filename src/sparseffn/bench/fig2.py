@@ -60,8 +60,8 @@ from ..ops import triton_cvmm
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from .measure import (autocast_dtype_of, describe_device, dtype_name, error_summary,
                       first_call_or_eager, forward_backward_fn, keeping_swallowed_interrupts,
-                      new_graph_step, paired_ratio, peak_mib, raise_swallowed_interrupt,
-                      times_kept_on_interrupt, verdict, write_json)
+                      new_graph_step, paired_ratio, peak_mib, raise_if_interrupted,
+                      raise_swallowed_interrupt, times_kept_on_interrupt, verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE, grouped_mm_missing_on
 
 EXPERT_SIZE = 128
@@ -262,6 +262,7 @@ def _prepare_contenders(contenders: dict[str, Callable[[], None]], is_compiled: 
         except Exception as error:
             contenders.pop(name, None)
             is_compiled.pop(name, None)
+            raise_if_interrupted(error)
             print(f"  peer {name}: skipped at d_model {d_model} ({error_summary(error)})")
 
 

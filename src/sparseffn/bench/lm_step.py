@@ -36,7 +36,8 @@ from ..runtime import check_compile_mode, compiled, compiling_many, deterministi
 from ..train.loss_scaling import LossScaling
 from .measure import (autocast_dtype_of, describe_device, error_summary, first_call_or_eager,
                       keeping_swallowed_interrupts, new_graph_step, paired_ratio, peak_mib,
-                      raise_swallowed_interrupt, times_kept_on_interrupt, verdict, write_json)
+                      raise_if_interrupted, raise_swallowed_interrupt, times_kept_on_interrupt,
+                      verdict, write_json)
 
 
 def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,
@@ -163,6 +164,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
                     steps[name], is_compiled[name] = _ready_step(name, model, tokens,
                                                                  autocast_dtype, compile)
                 except Exception as error:
+                    raise_if_interrupted(error)
                     if name == "dense":          # no baseline, nothing to compare
                         raise
                     failed[name] = error_summary(error)

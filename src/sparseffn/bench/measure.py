@@ -182,6 +182,24 @@ def new_graph_step(mode: str) -> None:
         torch.compiler.cudagraph_mark_step_begin()
 
 
+def raise_if_interrupted(error: BaseException) -> None:
+    """Raise KeyboardInterrupt if ``error`` was raised while a KeyboardInterrupt was being
+    handled (anywhere in its chain of causes and contexts): a Ctrl-C that a library's cleanup
+    turned into another exception. PyTorch 2.9's Dynamo does that to a SIGINT that lands while
+    it compiles a frame (its ``finally`` reads a variable the interrupted ``try`` never set:
+    "UnboundLocalError: cannot access local variable 'tracer_output'"), and a benchmark that
+    reports a failing contender and goes on would otherwise time it eagerly and go on."""
+    chain, seen = [error], set()
+    while chain:
+        link = chain.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        if isinstance(link, KeyboardInterrupt):
+            raise KeyboardInterrupt from error
+        chain += [link.__cause__, link.__context__]
+
+
 def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Callable[[], object]],
                         what: str) -> tuple[Callable[[], object], bool]:
     """Run ``step`` (a compiled step) twice; if it fails, report it and return the eager step
@@ -197,6 +215,7 @@ def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Cal
         for _ in range(2):
             step()
     except Exception as error:
+        raise_if_interrupted(error)
         print(f"  {what}: does not compile ({error_summary(error, 160)}); timed eagerly",
               flush=True)
         torch._dynamo.reset()
