@@ -187,8 +187,8 @@ def raise_if_interrupted(error: BaseException) -> None:
     handled (anywhere in its chain of causes and contexts): a Ctrl-C that a library's cleanup
     turned into another exception. PyTorch 2.9's Dynamo does that to a SIGINT that lands while
     it compiles a frame (its ``finally`` reads a variable the interrupted ``try`` never set:
-    "UnboundLocalError: cannot access local variable 'tracer_output'"), and a benchmark that
-    reports a failing contender and goes on would otherwise time it eagerly and go on."""
+    "UnboundLocalError: cannot access local variable 'tracer_output'"); a benchmark that
+    reports a failing contender would otherwise time it eagerly and carry on."""
     chain, seen = [error], set()
     while chain:
         link = chain.pop()
