@@ -198,8 +198,8 @@ def test_generation_with_a_static_cache_compiles_one_graph_per_phase(preset):
     """HF's fast decoding: a static KV cache (fixed shapes) and ``torch.compile(model.forward,
     fullgraph=True)``. The sparse layers add no graph break (fullgraph would raise), the model
     compiles once for the prompt and once for a decoding step, for every step and the next
-    prompt of the same shape, and the tokens are the eager model's. Dynamo's ``eager`` backend, counted, keeps the test fast;
-    Inductor gives the same (docs/huggingface.md)."""
+    prompt of the same shape, and the tokens are the eager model's. Dynamo's ``eager``
+    backend, counted, keeps the test fast; Inductor gives the same (docs/huggingface.md)."""
     model = llama()
     hf.sparsify(model, preset)
     model.eval()

@@ -15,8 +15,9 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 def skip_without_usable_triton() -> None:
     """Skip the calling test or test module where Triton is not installed, or is installed
-    but cannot define its kernels here (``triton_cvmm.UNUSABLE_REASON``: Triton 3.3, PyTorch 2.7's, on a
-    machine without a GPU); the PyTorch paths that run instead are tested everywhere."""
+    but cannot define its kernels here (``triton_cvmm.UNUSABLE_REASON``: Triton 3.3, PyTorch
+    2.7's, on a machine without a GPU); the PyTorch paths that run instead are tested
+    everywhere."""
     pytest.importorskip("triton", reason="Triton is optional; these cases test its kernels")
     if not triton_cvmm.available():
         pytest.skip(triton_cvmm.UNUSABLE_REASON, allow_module_level=True)

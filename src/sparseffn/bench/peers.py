@@ -90,7 +90,7 @@ class GroupedMMMoE(nn.Module):
     def __init__(self, cfg: SigmaMoEConfig) -> None:
         super().__init__()
         if not hasattr(torch, "_grouped_mm"):
-            raise RuntimeError(f"the grouped_mm peer: {grouped_mm_missing_on('cuda')}")
+            raise RuntimeError("the grouped_mm peer needs torch._grouped_mm (PyTorch >= 2.8)")
         self.k, self.num_experts = cfg.k, cfg.num_experts
         self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
         self.w1 = nn.Parameter(torch.randn(cfg.num_experts, cfg.expert_size, cfg.d_model)
