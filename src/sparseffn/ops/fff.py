@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
+from ..requirements import torch_release
 from ..runtime import assume_constant_result
 from . import kernels, native, triton_tree
 from .kernels import descend_from_logits_fn
@@ -47,6 +48,10 @@ from .precision import autocast_off
 
 TREE_ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
 SOFT_FORMULATIONS = ("orig", "logs", "matrix", "matrix_sparse", "levelwise")
+# torch.export in PyTorch 2.8 and 2.9 loses a size of the fused expansion's autograd.Function
+# output ("64*s77 is not tracked with proxy"); there the exported levelwise router uses its
+# PyTorch ops (the same function, differentiated by autograd). 2.10 and later export the kernel.
+_EXPORT_TAKES_PYTORCH_OPS = torch_release(torch.__version__) < (2, 10)
 MAX_DENSE_MATRIX_DEPTH = 14     # T alone is 2^d x 2^(d+1) floats: 2 GiB at d = 14
 # The tree matrices kept between calls, at most this many bytes in all (least recently used
 # go first); SPARSEFFN_TREE_CACHE_MB overrides it, 0 keeps none.
@@ -314,7 +319,7 @@ def leaf_probs_levelwise(z: torch.Tensor, activation: str = "logsigmoid") -> tor
     each node's two branch values (Eq. 7 computed top-down without repeating a level per leaf):
     O(L) per token. Log-sigmoid runs as products of ``σ(±z)`` and needs no normalisation."""
     depth = depth_of(z.shape[-1])
-    if not _kernel_ok(z):
+    if not _kernel_ok(z) or (_EXPORT_TAKES_PYTORCH_OPS and torch.compiler.is_exporting()):
         return _levelwise_torch(z, depth, activation)
     if z.stride(-1) != 1:    # the kernels take any row stride (e.g. a slice of wider logits)
         z = z.contiguous()
