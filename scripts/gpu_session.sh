@@ -3,7 +3,8 @@
 # GPU machine (at most 10 minutes; the times below were seen on an H100, Triton 3.6, with its
 # compile caches empty). Each stage writes its log and JSON under OUT (default runs/gpu).
 # A stage is stopped at its limit by SIGINT (then killed 20 s later): `bench lm` and `bench
-# fig2` then report what they measured (the models compiled by then, the whole rounds).
+# fig2` then report what they measured (the models compiled by then, the whole rounds), `bench
+# layers`, `routers` and `productkeys` their whole configs, depths and cases.
 #
 #   bash scripts/gpu_session.sh first              # THE FIRST CALL of a session, under 9.5 min:
 #                                                   #   lm-first (the LM target), train-quick

@@ -1,9 +1,11 @@
-"""What `bench lm` and `bench fig2` report when they are cut short or a contender fails.
+"""What the benchmarks report when they are cut short or a contender fails.
 
 A GPU stage runs them under ``timeout -s INT`` (scripts/gpu_session.sh): a benchmark stopped
 while it still compiles, or in its timed rounds, must print and write what it measured, not
 lose every number; a preset whose step raises must not stop the others. Interrupts are
-raised from inside the steps here, where a SIGINT would land.
+raised from inside the steps here, where a SIGINT would land. `bench lm` and `bench fig2`
+keep whole timed rounds; `bench layers`, `routers` and `productkeys` keep whole configs,
+depths and cases.
 """
 
 import json
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from sparseffn import cli
-from sparseffn.bench import fig2, lm_step
+from sparseffn.bench import fig2, layers, lm_step, product_keys, tree_routers
 from sparseffn.bench.measure import (RoundsInterrupted, first_call_or_eager, interleaved_times,
                                      keeping_swallowed_interrupts, raise_if_interrupted,
                                      raise_swallowed_interrupt)
@@ -31,6 +33,11 @@ def interrupted_on_call(n: int, then=KeyboardInterrupt):
         if len(calls) == n:
             raise then()
     return step
+
+
+def interrupt(*args, **kwargs):
+    """A stand-in for a benchmark's step that a SIGINT stops at once."""
+    raise KeyboardInterrupt
 
 
 def test_interleaved_times_keeps_the_whole_rounds_when_asked():
@@ -385,6 +392,84 @@ def test_bench_fig2_interrupted_in_its_rounds_keeps_the_whole_ones(monkeypatch, 
     assert torch.isfinite(torch.tensor(record["over_dense_param"]["sparseffn"]))
     assert "d_model 128: interrupted after 1 of 3 timed rounds (timed rounds: 1)" in \
         capsys.readouterr().out
+
+
+def test_bench_layers_interrupted_at_a_later_config_keeps_the_earlier(monkeypatch, tmp_path,
+                                                                     capsys):
+    original = layers.bench_config
+
+    def bench_config(cfg, *args, **kwargs):
+        if cfg.name == "b":
+            raise KeyboardInterrupt
+        return original(cfg, *args, **kwargs)
+    monkeypatch.setattr(layers, "bench_config", bench_config)
+    path = tmp_path / "layers.json"
+    assert cli.main(["bench", "layers", "--tokens", "32", "--repeats", "1", "--configs", "a",
+                     "b", "c", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["config"], r["pass"]) for r in records] == [("a", "forward"),
+                                                           ("a", "forward_backward")]
+    out = capsys.readouterr().out
+    assert "bench layers: interrupted: not timed: config b, c" in out
+    assert "routers at config a" not in out          # stopped: not started after the table
+    monkeypatch.setattr(layers, "bench_config", interrupt)
+    with pytest.raises(KeyboardInterrupt):           # in the first config: nothing to report
+        layers.run(tokens=32, repeats=1, configs=["a", "b"])
+
+
+def test_bench_layers_interrupted_in_the_routers_keeps_the_configs(monkeypatch, tmp_path,
+                                                                   capsys):
+    from sparseffn.bench import moe_routers
+    monkeypatch.setattr(moe_routers, "bench_routers", interrupt)
+    path = tmp_path / "layers.json"
+    assert cli.main(["bench", "layers", "--tokens", "32", "--repeats", "1", "--configs", "a",
+                     "--json", str(path)]) == 0
+    assert [r["config"] for r in json.loads(path.read_text())] == ["a", "a"]
+    assert "bench layers: interrupted: the routers not timed" in capsys.readouterr().out
+
+
+def test_bench_routers_interrupted_in_a_later_depth_keeps_the_whole_depths(monkeypatch,
+                                                                           tmp_path, capsys):
+    def progress(line):          # called after each pass: depth 2's forward records are in
+        if line.startswith("depth  2 forward "):
+            raise KeyboardInterrupt
+    with pytest.raises(tree_routers.DepthsInterrupted) as cut:
+        tree_routers.bench_tree_routers([1, 2, 3], batch=8, dim=16, repeats=1,
+                                        progress=progress)
+    assert {r["depth"] for r in cut.value.records} == {1} and cut.value.left == [2, 3]
+    assert {r["pass"] for r in cut.value.records} == {"forward", "forward_backward"}
+    with pytest.raises(KeyboardInterrupt) as first:   # in the first depth: nothing to keep
+        tree_routers.bench_tree_routers([1, 2], batch=8, dim=16, repeats=1, progress=interrupt)
+    assert type(first.value) is KeyboardInterrupt
+
+    original = tree_routers._bench_depth
+
+    def bench_depth(depth, *args, **kwargs):
+        if depth == 3:
+            raise KeyboardInterrupt
+        return original(depth, *args, **kwargs)
+    monkeypatch.setattr(tree_routers, "_bench_depth", bench_depth)
+    path = tmp_path / "routers.json"
+    assert cli.main(["bench", "routers", "--depths", "1-4", "--batch", "8", "--dim", "16",
+                     "--repeats", "1", "--json", str(path)]) == 0
+    assert {r["depth"] for r in json.loads(path.read_text())} == {1, 2}
+    out = capsys.readouterr().out
+    assert "bench routers: interrupted: not timed: depths 3, 4" in out and "Table 2" in out
+
+
+def test_bench_productkeys_interrupted_in_a_later_case_reports_the_earlier(monkeypatch,
+                                                                           tmp_path, capsys):
+    monkeypatch.setattr(product_keys, "peer_1m", interrupt)
+    path = tmp_path / "pk.json"
+    assert cli.main(["bench", "productkeys", "--exponents", "6,7", "--scaling-tokens", "16",
+                     "--tokens", "16", "--repeats", "1", "--cases", "scaling", "peer_1m",
+                     "pkm", "--json", str(path)]) == 0
+    assert {r["case"] for r in json.loads(path.read_text())} == {"scaling"}
+    out = capsys.readouterr().out
+    assert "bench productkeys: interrupted: not run: peer_1m, pkm" in out
+    assert "scaling" in out.split("interrupted")[1]      # the table, after the line
+    monkeypatch.setattr(product_keys, "scaling", interrupt)
+    assert cli.main(["bench", "productkeys", "--exponents", "6", "--cases", "scaling"]) == 130
 
 
 def test_bench_lm_stopped_by_a_real_sigint_while_inductor_compiles(tmp_path):

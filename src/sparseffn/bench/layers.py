@@ -168,7 +168,12 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
     With ``routers`` (and config a selected) the list also holds one forward+backward record
     per router (``"router"`` field; see :mod:`.moe_routers`). On ``device`` "cuda" the times
     are CUDA events and each record also has the allocator's ``peak_mib``; ``dtype``
-    "bfloat16"/"float16" runs every layer under autocast (the expert GEMMs in that dtype)."""
+    "bfloat16"/"float16" runs every layer under autocast (the expert GEMMs in that dtype).
+
+    Ctrl-C (or ``timeout -s INT``) after the first config keeps the configs measured: the
+    table and JSON hold them, and a line says what was not timed (during the first config,
+    nothing was measured and the interrupt goes through; during the routers, the configs'
+    records are kept and the routers' dropped)."""
     dev = torch.device(device)
     autocast_dtype = autocast_dtype_of(dtype)
     selected = [c for c in default_configs() if configs is None or c.name in configs]
@@ -179,20 +184,31 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
     print(f"sparseffn bench layers: {tokens} tokens, {dtype}, {describe_device(dev)}, "
           f"torch {torch.__version__}")
     records = []
-    for cfg in selected:
-        m = cfg.moe
-        print(f"config {cfg.name}: {m.num_experts} experts x {m.expert_size}, k={m.k}, "
-              f"d_model={m.d_model} ...", flush=True)
-        records += bench_config(cfg, tokens, repeats, full, peer_builders, device=dev,
-                                autocast_dtype=autocast_dtype)
+    try:
+        for i, cfg in enumerate(selected):
+            m = cfg.moe
+            print(f"config {cfg.name}: {m.num_experts} experts x {m.expert_size}, k={m.k}, "
+                  f"d_model={m.d_model} ...", flush=True)
+            records += bench_config(cfg, tokens, repeats, full, peer_builders, device=dev,
+                                    autocast_dtype=autocast_dtype)
+    except KeyboardInterrupt:
+        if not records:
+            raise
+        routers = False
+        print(f"bench layers: interrupted: not timed: config "
+              f"{', '.join(c.name for c in selected[i:])}", flush=True)
     print(format_table(records))
     if routers and any(cfg.name == "a" for cfg in selected):
         from .moe_routers import bench_routers, format_router_table
         print("routers at config a ...", flush=True)
-        router_records = bench_routers(tokens, repeats, device=dev,
-                                       autocast_dtype=autocast_dtype)
-        print(format_router_table(router_records))
-        records += router_records
+        try:
+            router_records = bench_routers(tokens, repeats, device=dev,
+                                           autocast_dtype=autocast_dtype)
+        except KeyboardInterrupt:
+            print("bench layers: interrupted: the routers not timed", flush=True)
+        else:
+            print(format_router_table(router_records))
+            records += router_records
     if json_path:
         write_json(records, json_path)
         print(f"wrote {json_path}")

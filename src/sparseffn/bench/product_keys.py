@@ -373,6 +373,9 @@ def run(exponents: list[int], tokens: int = 4096, scaling_tokens: int = 1024, re
         cases: tuple[str, ...] = ("scaling", "peer_1m", "pkm", "train"),
         json_path: str | None = None, plot_path: str | None = None,
         device: str = "cpu") -> list[dict]:
+    """Run the chosen ``cases`` in turn (training first), print the table, notes and
+    targets, and write the JSON (after each case) and the plot if asked. Ctrl-C (or
+    ``timeout -s INT``) after the first case reports the cases done and names the others."""
     dev = torch.device(device)
     print(f"sparseffn bench productkeys: d_model {D_MODEL}, fp32, {describe_device(dev)}",
           flush=True)
@@ -382,11 +385,18 @@ def run(exponents: list[int], tokens: int = 4096, scaling_tokens: int = 1024, re
              ("scaling", lambda: scaling(exponents, scaling_tokens, repeats, dev)),
              ("peer_1m", lambda: peer_1m(tokens, repeats, peers, dev)),
              ("pkm", lambda: pkm(tokens, repeats, peers, dev))]
-    for name, step in steps:
-        if name not in cases or (name == "train" and train_steps <= 0):
-            continue
+    chosen = [(name, step) for name, step in steps
+              if name in cases and not (name == "train" and train_steps <= 0)]
+    for i, (name, step) in enumerate(chosen):
         print(f"{name} ...", flush=True)
-        recs, msgs = step()
+        try:
+            recs, msgs = step()
+        except KeyboardInterrupt:           # Ctrl-C or ``timeout -s INT``: report the cases done
+            if not records:
+                raise
+            print(f"bench productkeys: interrupted: not run: "
+                  f"{', '.join(n for n, _ in chosen[i:])}", flush=True)
+            break
         # what each record ran on: the training run stays on the CPU, the rest on ``device``
         records += [{**r, "device": "cpu" if name == "train" else str(dev),
                      "dtype": "float32"} for r in recs]

@@ -128,48 +128,76 @@ def bench_tree_routers(depths: list[int], batch: int = 2048, dim: int = 1024, re
     if graphs and device.type != "cuda":
         raise ValueError(f"graphs=True times CUDA graphs and needs a CUDA device, got {device}")
 
+    torch.manual_seed(seed)
+    x = torch.randn(batch, dim).to(device)
+    records: list[dict] = []
+    depth = None
+    try:
+        for depth in depths:
+            _bench_depth(depth, x, repeats, max_matrix_depth, methods, passes, seed, progress,
+                         device, graphs, records)
+    except KeyboardInterrupt:
+        whole = [r for r in records if r["depth"] != depth]
+        if not whole:
+            raise
+        raise DepthsInterrupted(whole, depths[depths.index(depth):]) from None
+    return records
+
+
+class DepthsInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or ``timeout -s INT``) in :func:`bench_tree_routers` after at least one whole
+    depth: ``records`` holds the whole depths' records, ``left`` the depths not (wholly)
+    timed. A KeyboardInterrupt, so that a caller that does not look for it stops as before."""
+
+    def __init__(self, records: list[dict], left: list[int]) -> None:
+        super().__init__(f"interrupted: not timed: depths {', '.join(map(str, left))}")
+        self.records, self.left = records, left
+
+
+def _bench_depth(depth: int, x: torch.Tensor, repeats: int, max_matrix_depth: int,
+                 methods: tuple[str, ...], passes: tuple[str, ...], seed: int,
+                 progress: Callable[[str], None] | None, device: torch.device, graphs: bool,
+                 records: list[dict]) -> None:
+    """Time every method at one depth; append its records to ``records``."""
+    batch, dim = x.shape
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    torch.manual_seed(seed)
-    x = torch.randn(batch, dim).to(device)
-    records = []
-    for depth in depths:
-        fns = router_fns(depth, x, seed)
-        for pass_name in passes:
-            backward = pass_name == "forward_backward"
-            runs = {m: _timed(*fns[m], x, backward=backward) for m in methods
-                    if not (backward and m in FORWARD_ONLY)
-                    and not (m == "matrix" and depth > max_matrix_depth)}
-            start = time.perf_counter()
-            first_ms = {}
-            for name, run in runs.items():     # one untimed call each; find the slow ones
-                sync()
-                t0 = time.perf_counter()
-                run()
-                sync()
-                first_ms[name] = (time.perf_counter() - t0) * 1e3
-            extra: dict[str, dict] = {}
-            if graphs:
-                calls = {name: max(1, min(GRAPH_CALLS, int(GRAPH_BUDGET_MS / max(ms, 1e-3))))
-                         for name, ms in first_ms.items()}
-                times, failures = graph_call_times(runs, repeats, calls, device)
-                for name, why in failures.items():
-                    print(f"  depth {depth} {pass_name} {name}: not captured in a CUDA graph "
-                          f"({why}); left out", flush=True)
-                extra = {name: {"timing": "cuda_graph", "calls": calls[name]} for name in times}
-            else:
-                slow = {name: runs.pop(name) for name in list(runs) if first_ms[name] > 1e3}
-                times = interleaved_times(runs, repeats, warmup=1, device=device) if runs else {}
-                times.update(interleaved_times(slow, 2, warmup=0, device=device) if slow else {})
-            for name, ts in times.items():
-                records.append({"method": name, "depth": depth, "pass": pass_name,
-                                "ms": statistics.median(ts), "batch": batch, "dim": dim,
-                                "device": str(device), "dtype": "float32", "round_ms": ts,
-                                **extra.get(name, {"timing": "eager"})})
-            if progress:
-                progress(f"depth {depth:2d} {pass_name:16s} {time.perf_counter() - start:6.1f} s")
-    return records
+    fns = router_fns(depth, x, seed)
+    for pass_name in passes:
+        backward = pass_name == "forward_backward"
+        runs = {m: _timed(*fns[m], x, backward=backward) for m in methods
+                if not (backward and m in FORWARD_ONLY)
+                and not (m == "matrix" and depth > max_matrix_depth)}
+        start = time.perf_counter()
+        first_ms = {}
+        for name, run in runs.items():     # one untimed call each; find the slow ones
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            first_ms[name] = (time.perf_counter() - t0) * 1e3
+        extra: dict[str, dict] = {}
+        if graphs:
+            calls = {name: max(1, min(GRAPH_CALLS, int(GRAPH_BUDGET_MS / max(ms, 1e-3))))
+                     for name, ms in first_ms.items()}
+            times, failures = graph_call_times(runs, repeats, calls, device)
+            for name, why in failures.items():
+                print(f"  depth {depth} {pass_name} {name}: not captured in a CUDA graph "
+                      f"({why}); left out", flush=True)
+            extra = {name: {"timing": "cuda_graph", "calls": calls[name]} for name in times}
+        else:
+            slow = {name: runs.pop(name) for name in list(runs) if first_ms[name] > 1e3}
+            times = interleaved_times(runs, repeats, warmup=1, device=device) if runs else {}
+            times.update(interleaved_times(slow, 2, warmup=0, device=device) if slow else {})
+        for name, ts in times.items():
+            records.append({"method": name, "depth": depth, "pass": pass_name,
+                            "ms": statistics.median(ts), "batch": batch, "dim": dim,
+                            "device": str(device), "dtype": "float32", "round_ms": ts,
+                            **extra.get(name, {"timing": "eager"})})
+        if progress:
+            progress(f"depth {depth:2d} {pass_name:16s} {time.perf_counter() - start:6.1f} s")
 
 
 def _ms(records: list[dict]) -> dict[tuple[str, int, str], float]:
@@ -315,7 +343,8 @@ def run(depths: list[int], batch: int = 2048, dim: int = 1024, repeats: int = 5,
         max_matrix_depth: int = 13, json_path: str | None = None, plot_path: str | None = None,
         forward_only: bool = False, device: str = "cpu", graphs: bool = False) -> list[dict]:
     """Run, print the per-depth times and Table 2, write JSON / PNG if asked (``graphs``: see
-    :func:`bench_tree_routers`)."""
+    :func:`bench_tree_routers`). Ctrl-C (or ``timeout -s INT``) after the first whole depth
+    reports and writes the whole depths, and a line names the depths not timed."""
     dev = torch.device(device)
     if graphs and dev.type != "cuda":
         raise ValueError(f"--graphs times CUDA graphs and needs --device cuda, got {device}")
@@ -325,10 +354,14 @@ def run(depths: list[int], batch: int = 2048, dim: int = 1024, repeats: int = 5,
     print(f"sparseffn bench routers: batch {batch}, dim {dim}, depths {depths[0]}..{depths[-1]}, "
           f"fp32, {describe_device(dev)}, torch {torch.__version__}"
           + (", each method's calls replayed from one CUDA graph" if graphs else ""), flush=True)
-    records = bench_tree_routers(depths, batch, dim, repeats, max_matrix_depth,
-                                 passes=("forward",) if forward_only else PASSES,
-                                 progress=lambda line: print(line, flush=True), device=dev,
-                                 graphs=graphs)
+    try:
+        records = bench_tree_routers(depths, batch, dim, repeats, max_matrix_depth,
+                                     passes=("forward",) if forward_only else PASSES,
+                                     progress=lambda line: print(line, flush=True), device=dev,
+                                     graphs=graphs)
+    except DepthsInterrupted as cut:    # the whole depths are reported and written
+        records = cut.records
+        print(f"bench routers: {cut}", flush=True)
     print(format_table(records))
     if json_path:
         write_json(records, json_path)
