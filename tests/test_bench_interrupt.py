@@ -472,6 +472,37 @@ def test_bench_productkeys_interrupted_in_a_later_case_reports_the_earlier(monke
     assert cli.main(["bench", "productkeys", "--exponents", "6", "--cases", "scaling"]) == 130
 
 
+def test_python_m_sparseffn_exits_with_its_status_after_an_interrupt_inside_a_string_exec(
+        tmp_path):
+    """CPython marks a process stopped by Ctrl-C when a KeyboardInterrupt passes through a
+    string ``exec`` (Dynamo and Inductor run their generated code so), even if the benchmark
+    catches it; under ``python -m`` it then ends the process by SIGINT, not with the status
+    ``main`` returned. That is how `bench lm` stopped by a real SIGINT while Inductor compiled
+    once wrote its table and JSON and still died by SIGINT (return code -2). Here the
+    interrupt is raised inside a string ``exec`` in `bench layers`' second config (a
+    ``sitecustomize`` first on the path patches the benchmark in the child process)."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "sitecustomize.py").write_text(
+        "from sparseffn.bench import layers\n"
+        "original = layers.bench_config\n"
+        "def bench_config(cfg, *args, **kwargs):\n"
+        "    if cfg.name == 'b':\n"
+        "        exec('raise KeyboardInterrupt')\n"
+        "    return original(cfg, *args, **kwargs)\n"
+        "layers.bench_config = bench_config\n")
+    path = tmp_path / "layers.json"
+    command = [sys.executable, "-m", "sparseffn", "bench", "layers", "--tokens", "32",
+               "--repeats", "1", "--configs", "a", "b", "--json", str(path)]
+    paths = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "bench layers: interrupted: not timed: config b" in done.stdout
+    assert {r["config"] for r in json.loads(path.read_text())} == {"a"}
+
+
 def test_bench_lm_stopped_by_a_real_sigint_while_inductor_compiles(tmp_path):
     """The GPU stage's case end to end: `bench lm --compile default` in its own process gets
     a SIGINT while it compiles a later preset (a second after the dense model compiled),
