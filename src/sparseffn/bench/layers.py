@@ -183,7 +183,7 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
         peer_builders = available_peers()
     print(f"sparseffn bench layers: {tokens} tokens, {dtype}, {describe_device(dev)}, "
           f"torch {torch.__version__}")
-    records = []
+    records, interrupted = [], False
     try:
         for i, cfg in enumerate(selected):
             m = cfg.moe
@@ -194,11 +194,11 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
     except KeyboardInterrupt:
         if not records:
             raise
-        routers = False
+        interrupted = True
         print(f"bench layers: interrupted: not timed: config "
               f"{', '.join(c.name for c in selected[i:])}", flush=True)
     print(format_table(records))
-    if routers and any(cfg.name == "a" for cfg in selected):
+    if routers and not interrupted and any(cfg.name == "a" for cfg in selected):
         from .moe_routers import bench_routers, format_router_table
         print("routers at config a ...", flush=True)
         try:
