@@ -472,8 +472,9 @@ def test_bench_productkeys_interrupted_in_a_later_case_reports_the_earlier(monke
     assert cli.main(["bench", "productkeys", "--exponents", "6", "--cases", "scaling"]) == 130
 
 
+@pytest.mark.parametrize("module", ["sparseffn", "sparseffn.cli"])
 def test_python_m_sparseffn_exits_with_its_status_after_an_interrupt_inside_a_string_exec(
-        tmp_path):
+        module, tmp_path):
     """CPython marks a process stopped by Ctrl-C when a KeyboardInterrupt passes through a
     string ``exec`` (Dynamo and Inductor run their generated code so), even if the benchmark
     catches it; under ``python -m`` it then ends the process by SIGINT, not with the status
@@ -493,7 +494,7 @@ def test_python_m_sparseffn_exits_with_its_status_after_an_interrupt_inside_a_st
         "    return original(cfg, *args, **kwargs)\n"
         "layers.bench_config = bench_config\n")
     path = tmp_path / "layers.json"
-    command = [sys.executable, "-m", "sparseffn", "bench", "layers", "--tokens", "32",
+    command = [sys.executable, "-m", module, "bench", "layers", "--tokens", "32",
                "--repeats", "1", "--configs", "a", "b", "--json", str(path)]
     paths = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,

@@ -433,5 +433,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run_as_module() -> None:
+    """``python -m sparseffn``: exit with :func:`main`'s status.
+
+    A KeyboardInterrupt that passed through a string ``exec`` (Dynamo and Inductor run
+    generated code so) marks the process as stopped by Ctrl-C in CPython, even when a
+    benchmark or the trainer caught it and reported what it had; under ``python -m``, CPython
+    then ends the process by SIGINT instead of with the status. Each string ``exec`` clears
+    that mark first: the one here runs nothing. (The ``sparseffn`` script does not check it.)"""
+    status = main()
+    exec("")
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_module()
