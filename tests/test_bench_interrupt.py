@@ -3,9 +3,9 @@
 A GPU stage runs them under ``timeout -s INT`` (scripts/gpu_session.sh): a benchmark stopped
 while it still compiles, or in its timed rounds, must print and write what it measured, not
 lose every number; a preset whose step raises must not stop the others. Interrupts are
-raised from inside the steps here, where a SIGINT would land. `bench lm` and `bench fig2`
-keep whole timed rounds; `bench layers`, `routers` and `productkeys` keep whole configs,
-depths and cases.
+raised from inside the steps here, where a SIGINT would land. `bench lm`, `fig2` and
+`generate` keep whole timed rounds; `bench layers`, `routers`, `productkeys` and `compile`
+keep whole configs, depths, cases and layers.
 """
 
 import json
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sparseffn import cli
-from sparseffn.bench import fig2, layers, lm_step, product_keys, tree_routers
+from sparseffn.bench import compiled, fig2, generation, layers, lm_step, product_keys, tree_routers
 from sparseffn.bench.measure import (RoundsInterrupted, first_call_or_eager, interleaved_times,
                                      keeping_swallowed_interrupts, raise_if_interrupted,
                                      raise_swallowed_interrupt)
@@ -470,6 +470,46 @@ def test_bench_productkeys_interrupted_in_a_later_case_reports_the_earlier(monke
     assert "scaling" in out.split("interrupted")[1]      # the table, after the line
     monkeypatch.setattr(product_keys, "scaling", interrupt)
     assert cli.main(["bench", "productkeys", "--exponents", "6", "--cases", "scaling"]) == 130
+
+
+def test_bench_compile_interrupted_at_a_later_layer_writes_the_earlier(monkeypatch, tmp_path,
+                                                                      capsys):
+    original = compiled._measure_layer
+
+    def measure_layer(name, *args, **kwargs):
+        if name == "sigma_moe":
+            raise KeyboardInterrupt
+        return original(name, *args, **kwargs)
+    monkeypatch.setattr(compiled, "_measure_layer", measure_layer)
+    path = tmp_path / "compile.json"
+    assert cli.main(["bench", "compile", "--layers", "dense", "sigma_moe", "pkm", "--tokens",
+                     "16", "--d-model", "32", "--repeats", "1", "--json", str(path)]) == 0
+    (record,) = json.loads(path.read_text())
+    assert record["layer"] == "dense" and record["fullgraph"]
+    assert "bench compile: interrupted: not measured: sigma_moe, pkm" in capsys.readouterr().out
+    monkeypatch.setattr(compiled, "_measure_layer", interrupt)
+    with pytest.raises(KeyboardInterrupt):           # in the first layer: nothing to write
+        compiled.run(tokens=16, d_model=32, repeats=1, names=["dense"])
+
+
+def test_bench_generate_interrupted_in_its_rounds_keeps_the_whole_ones(monkeypatch, tmp_path,
+                                                                       capsys):
+    calls = []
+    original = generation.Decoder.generate
+
+    def generate(self, *args, **kwargs):    # the static mode's calls, one a preset a round:
+        calls.append(self)                  # dense and pkm warm up, round 1, then round 2
+        if len(calls) == 2 + 2 + 1:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(generation.Decoder, "generate", generate)
+    path = tmp_path / "generate.json"
+    assert cli.main(["bench", "generate", "--presets", "pkm", "--d-model", "32", "--n-layers",
+                     "1", "--n-heads", "2", "--context", "8", "--d-ff", "256", "--prompt", "3",
+                     "--repeats", "3", "--device", "cpu", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["preset"], r["rounds"]) for r in records] == [("dense", 1), ("pkm", 1)]
+    assert "bench generate: interrupted after 1 of 3 timed rounds" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("module", ["sparseffn", "sparseffn.cli"])

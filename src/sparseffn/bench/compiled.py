@@ -26,7 +26,7 @@ from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRou
                              SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig,
                              TreeRouterConfig)
 from .measure import (error_summary, forward_backward_fn, host_sync_in, interleaved_times,
-                      paired_ratio, write_json)
+                      paired_ratio, raise_if_interrupted, write_json)
 from .op_count import count_ops
 
 
@@ -68,7 +68,10 @@ def _host_syncs(step: Callable[[], object], device: torch.device) -> str:
 def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = "cpu",
         bf16: bool = False, names: list[str] | None = None, json_path: str | None = None
         ) -> list[dict]:
-    from .. import build_layer
+    """Each layer of :func:`layer_configs`, eager and compiled (``fullgraph=True``): graphs and
+    breaks, host syncs, operators per eager step, time; one row printed per layer as it is
+    measured, the records written to ``json_path``. Ctrl-C (or ``timeout -s INT``) after the
+    first layer writes the layers measured and names the others."""
     dev = torch.device(device)
     autocast_dtype = torch.bfloat16 if bf16 else None
     configs = layer_configs(d_model)
@@ -80,45 +83,59 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
               f"{'compute':>7s} {'MiB moved':>9s}  host syncs")
     print(header)
     records = []
-    for name in names:
-        torch.manual_seed(0)
-        layer = build_layer(configs[name]).to(dev).train()
-        x = torch.randn(tokens, d_model, device=dev)
-        eager = forward_backward_fn(layer, x, aux_loss, autocast_dtype)
-        syncs = _host_syncs(eager, dev)
-        ops = count_ops(eager)
-        torch._dynamo.reset()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            explained = torch._dynamo.explain(layer)(x)
-        torch._dynamo.reset()
-        compiled_layer = torch.compile(layer, fullgraph=True)
-        try:
-            compiled = forward_backward_fn(compiled_layer, x, aux_loss, autocast_dtype)
-            compiled()
-            fullgraph = "yes"
-        except Exception as error:   # reported, not fatal: the table says which layer failed
-            fullgraph = "no"
-            print(f"  {name}: fullgraph compile failed: {error_summary(error)}")
-        times = interleaved_times({"eager": eager} | (
-            {"compiled": compiled} if fullgraph == "yes" else {}), repeats, device=dev)
-        eager_ms = statistics.median(times["eager"])
-        compiled_ms = statistics.median(times["compiled"]) if "compiled" in times else None
-        ratio = paired_ratio(times["compiled"], times["eager"]) if compiled_ms else None
-        record = {"layer": name, "tokens": tokens, "d_model": d_model, "device": device,
-                  "bf16": bf16, "graphs": explained.graph_count,
-                  "graph_breaks": explained.graph_break_count, "fullgraph": fullgraph == "yes",
-                  "eager_ms": eager_ms, "compiled_ms": compiled_ms,
-                  "compiled_over_eager": ratio, "eager_ops": ops.total,
-                  "eager_compute_ops": ops.compute, "eager_moved_bytes": ops.moved_bytes,
-                  "host_syncs": syncs}
-        records.append(record)
-        print(f"{name:12s} {explained.graph_count:6d} {explained.graph_break_count:6d} "
-              f"{fullgraph:>9s} {eager_ms:9.2f} "
-              f"{'-' if compiled_ms is None else f'{compiled_ms:.2f}':>11s} "
-              f"{'-' if ratio is None else f'{ratio:.2f}':>14s} {ops.total:5d} "
-              f"{ops.compute:7d} {ops.moved_bytes / 2**20:9.1f}  {syncs}")
+    try:
+        for i, name in enumerate(names):
+            records.append(_measure_layer(name, configs[name], tokens, repeats, dev,
+                                          autocast_dtype))
+    except KeyboardInterrupt:
+        if not records:
+            raise
+        print(f"bench compile: interrupted: not measured: {', '.join(names[i:])}", flush=True)
+    finally:
         torch._dynamo.reset()
     if json_path:
         write_json(records, json_path)
     return records
+
+
+def _measure_layer(name: str, config, tokens: int, repeats: int, dev: torch.device,
+                   autocast_dtype: torch.dtype | None) -> dict:
+    """One layer's record (see :func:`run`), its row printed."""
+    from .. import build_layer
+    torch.manual_seed(0)
+    layer = build_layer(config).to(dev).train()
+    x = torch.randn(tokens, config.d_model, device=dev)
+    eager = forward_backward_fn(layer, x, aux_loss, autocast_dtype)
+    syncs = _host_syncs(eager, dev)
+    ops = count_ops(eager)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        explained = torch._dynamo.explain(layer)(x)
+    torch._dynamo.reset()
+    compiled_layer = torch.compile(layer, fullgraph=True)
+    try:
+        compiled = forward_backward_fn(compiled_layer, x, aux_loss, autocast_dtype)
+        compiled()
+        fullgraph = "yes"
+    except Exception as error:   # reported, not fatal: the table says which layer failed
+        raise_if_interrupted(error)   # (2.9's Dynamo turns a Ctrl-C into an error)
+        fullgraph = "no"
+        print(f"  {name}: fullgraph compile failed: {error_summary(error)}")
+    times = interleaved_times({"eager": eager} | (
+        {"compiled": compiled} if fullgraph == "yes" else {}), repeats, device=dev)
+    eager_ms = statistics.median(times["eager"])
+    compiled_ms = statistics.median(times["compiled"]) if "compiled" in times else None
+    ratio = paired_ratio(times["compiled"], times["eager"]) if compiled_ms else None
+    print(f"{name:12s} {explained.graph_count:6d} {explained.graph_break_count:6d} "
+          f"{fullgraph:>9s} {eager_ms:9.2f} "
+          f"{'-' if compiled_ms is None else f'{compiled_ms:.2f}':>11s} "
+          f"{'-' if ratio is None else f'{ratio:.2f}':>14s} {ops.total:5d} "
+          f"{ops.compute:7d} {ops.moved_bytes / 2**20:9.1f}  {syncs}", flush=True)
+    torch._dynamo.reset()
+    return {"layer": name, "tokens": tokens, "d_model": config.d_model, "device": str(dev),
+            "bf16": autocast_dtype is not None, "graphs": explained.graph_count,
+            "graph_breaks": explained.graph_break_count, "fullgraph": fullgraph == "yes",
+            "eager_ms": eager_ms, "compiled_ms": compiled_ms, "compiled_over_eager": ratio,
+            "eager_ops": ops.total, "eager_compute_ops": ops.compute,
+            "eager_moved_bytes": ops.moved_bytes, "host_syncs": syncs}

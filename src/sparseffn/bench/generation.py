@@ -22,8 +22,8 @@ import torch
 from ..models.generate import Decoder, generate
 from ..runtime import check_compile_mode
 from .lm_step import byte_tokens, lm_model, preset_names
-from .measure import (autocast_dtype_of, describe_device, interleaved_times, paired_ratio,
-                      write_json)
+from .measure import (autocast_dtype_of, describe_device, paired_ratio,
+                      times_kept_on_interrupt, write_json)
 
 # the KV cache (generate), the window for every token, Decoder's fixed-shape steps
 MODES = ("cache", "window", "static")
@@ -37,7 +37,9 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     """Time generating ``tokens`` tokens (default: up to the context) after a ``prompt``-token
     prompt, ``batch`` sequences at once, with each preset (``dense`` always included) in the
     three modes, the static one compiled as ``compile`` says (``"none"``, ``"default"``,
-    ``"reduce-overhead"``); print a table and return one record per preset."""
+    ``"reduce-overhead"``); print a table and return one record per preset. Ctrl-C (or
+    ``timeout -s INT``) in the timed rounds keeps the whole ones (a line says so; a record's
+    ``rounds`` counts them); during the first calls, which compile, it goes through."""
     check_compile_mode(compile)
     dev = torch.device(device)
     context = context or (256 if dev.type == "cuda" else 128)
@@ -72,7 +74,9 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev).eval()
         for mode in MODES:
             fns[f"{name}/{mode}"] = call(f"{name}/{mode}", model, mode)
-    times = interleaved_times(fns, repeats, warmup=1, device=dev)
+    times, stopped = times_kept_on_interrupt(fns, repeats, 1, dev)
+    if stopped:
+        print(f"bench generate: {stopped}", flush=True)
     records = []
     for name in names:
         cache, window, static = (times[f"{name}/{mode}"] for mode in MODES)
@@ -80,7 +84,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         records.append({
             "preset": name, "device": str(dev), "dtype": dtype, "d_model": d_model,
             "n_layers": n_layers, "context": context, "batch": batch, "prompt": prompt,
-            "tokens": tokens, "compile": compile,
+            "tokens": tokens, "compile": compile, "rounds": len(cache),
             "cache_ms_per_token": statistics.median(cache) / tokens,
             "window_ms_per_token": statistics.median(window) / tokens,
             "static_ms_per_token": statistics.median(static) / tokens,
