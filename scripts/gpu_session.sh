@@ -4,7 +4,8 @@
 # compile caches empty). Each stage writes its log and JSON under OUT (default runs/gpu).
 # A stage is stopped at its limit by SIGINT (then killed 20 s later): `bench lm` and `bench
 # fig2` then report what they measured (the models compiled by then, the whole rounds), `bench
-# layers`, `routers` and `productkeys` their whole configs, depths and cases.
+# generate` its whole rounds, `bench layers`, `routers`, `productkeys` and `compile` their
+# whole configs, depths, cases and layers.
 #
 #   bash scripts/gpu_session.sh first              # THE FIRST CALL of a session, under 9.5 min:
 #                                                   #   lm-first (the LM target), train-quick
