@@ -40,6 +40,18 @@ def interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
 
+def interrupt_where(monkeypatch, owner, name: str, stops) -> None:
+    """Patch ``owner.name`` (a benchmark's step over configs, widths, depths or layers) to
+    raise KeyboardInterrupt when ``stops(its first argument)``, and run as before otherwise."""
+    original = getattr(owner, name)
+
+    def patched(first, *args, **kwargs):
+        if stops(first):
+            raise KeyboardInterrupt
+        return original(first, *args, **kwargs)
+    monkeypatch.setattr(owner, name, patched)
+
+
 def test_interleaved_times_keeps_the_whole_rounds_when_asked():
     fns = {"a": lambda: None, "b": interrupted_on_call(2 + 3)}   # 2 warm-up calls, round 3
     with pytest.raises(RoundsInterrupted) as cut:
@@ -294,13 +306,7 @@ FIG2_SIZES = ["--tokens", "32", "--dtype", "float32", "--device", "cpu", "--repe
 
 def test_bench_fig2_interrupted_at_a_later_width_keeps_the_earlier(monkeypatch, tmp_path,
                                                                    capsys):
-    original = fig2.bench_width
-
-    def bench_width(d_model, *args, **kwargs):
-        if d_model == 256:
-            raise KeyboardInterrupt
-        return original(d_model, *args, **kwargs)
-    monkeypatch.setattr(fig2, "bench_width", bench_width)
+    interrupt_where(monkeypatch, fig2, "bench_width", lambda d_model: d_model == 256)
     path = tmp_path / "fig2.json"
     assert cli.main(["bench", "fig2", "--d-models", "128,256,384", *FIG2_SIZES,
                      "--json", str(path)]) == 0
@@ -396,13 +402,7 @@ def test_bench_fig2_interrupted_in_its_rounds_keeps_the_whole_ones(monkeypatch, 
 
 def test_bench_layers_interrupted_at_a_later_config_keeps_the_earlier(monkeypatch, tmp_path,
                                                                      capsys):
-    original = layers.bench_config
-
-    def bench_config(cfg, *args, **kwargs):
-        if cfg.name == "b":
-            raise KeyboardInterrupt
-        return original(cfg, *args, **kwargs)
-    monkeypatch.setattr(layers, "bench_config", bench_config)
+    interrupt_where(monkeypatch, layers, "bench_config", lambda cfg: cfg.name == "b")
     path = tmp_path / "layers.json"
     assert cli.main(["bench", "layers", "--tokens", "32", "--repeats", "1", "--configs", "a",
                      "b", "c", "--json", str(path)]) == 0
@@ -442,13 +442,7 @@ def test_bench_routers_interrupted_in_a_later_depth_keeps_the_whole_depths(monke
         tree_routers.bench_tree_routers([1, 2], batch=8, dim=16, repeats=1, progress=interrupt)
     assert type(first.value) is KeyboardInterrupt
 
-    original = tree_routers._bench_depth
-
-    def bench_depth(depth, *args, **kwargs):
-        if depth == 3:
-            raise KeyboardInterrupt
-        return original(depth, *args, **kwargs)
-    monkeypatch.setattr(tree_routers, "_bench_depth", bench_depth)
+    interrupt_where(monkeypatch, tree_routers, "_bench_depth", lambda depth: depth == 3)
     path = tmp_path / "routers.json"
     assert cli.main(["bench", "routers", "--depths", "1-4", "--batch", "8", "--dim", "16",
                      "--repeats", "1", "--json", str(path)]) == 0
@@ -474,13 +468,7 @@ def test_bench_productkeys_interrupted_in_a_later_case_reports_the_earlier(monke
 
 def test_bench_compile_interrupted_at_a_later_layer_writes_the_earlier(monkeypatch, tmp_path,
                                                                       capsys):
-    original = compiled._measure_layer
-
-    def measure_layer(name, *args, **kwargs):
-        if name == "sigma_moe":
-            raise KeyboardInterrupt
-        return original(name, *args, **kwargs)
-    monkeypatch.setattr(compiled, "_measure_layer", measure_layer)
+    interrupt_where(monkeypatch, compiled, "_measure_layer", lambda name: name == "sigma_moe")
     path = tmp_path / "compile.json"
     assert cli.main(["bench", "compile", "--layers", "dense", "sigma_moe", "pkm", "--tokens",
                      "16", "--d-model", "32", "--repeats", "1", "--json", str(path)]) == 0
