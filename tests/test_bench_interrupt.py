@@ -480,24 +480,39 @@ def test_bench_compile_interrupted_at_a_later_layer_writes_the_earlier(monkeypat
         compiled.run(tokens=16, d_model=32, repeats=1, names=["dense"])
 
 
-def test_bench_generate_interrupted_in_its_rounds_keeps_the_whole_ones(monkeypatch, tmp_path,
-                                                                       capsys):
-    calls = []
+def test_bench_generate_keeps_the_whole_rounds_and_the_presets_ready(monkeypatch, tmp_path,
+                                                                      capsys):
+    calls, stop_at = [], 2 + 2 + 1
     original = generation.Decoder.generate
 
     def generate(self, *args, **kwargs):    # the static mode's calls, one a preset a round:
         calls.append(self)                  # dense and pkm warm up, round 1, then round 2
-        if len(calls) == 2 + 2 + 1:
+        if len(calls) == stop_at:
             raise KeyboardInterrupt
         return original(self, *args, **kwargs)
     monkeypatch.setattr(generation.Decoder, "generate", generate)
     path = tmp_path / "generate.json"
-    assert cli.main(["bench", "generate", "--presets", "pkm", "--d-model", "32", "--n-layers",
-                     "1", "--n-heads", "2", "--context", "8", "--d-ff", "256", "--prompt", "3",
-                     "--repeats", "3", "--device", "cpu", "--json", str(path)]) == 0
+    sizes = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "8",
+             "--d-ff", "256", "--prompt", "3", "--repeats", "3", "--device", "cpu"]
+    assert cli.main(["bench", "generate", "--presets", "pkm", *sizes, "--json",
+                     str(path)]) == 0
     records = json.loads(path.read_text())
     assert [(r["preset"], r["rounds"]) for r in records] == [("dense", 1), ("pkm", 1)]
     assert "bench generate: interrupted after 1 of 3 timed rounds" in capsys.readouterr().out
+
+    calls.clear()
+    stop_at = 2                             # pkm's warm-up: dense alone is timed, wholly
+    assert cli.main(["bench", "generate", "--presets", "pkm", "peer", *sizes, "--json",
+                     str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["preset"], r["rounds"]) for r in records] == [("dense", 3)]
+    assert ("bench generate: interrupted while preparing pkm: not timed: pkm, peer"
+            in capsys.readouterr().out)
+    calls.clear()
+    stop_at = 1                             # dense's warm-up: nothing to compare with
+    with pytest.raises(KeyboardInterrupt):
+        generation.run(["pkm"], d_model=32, n_layers=1, n_heads=2, context=8, d_ff=256,
+                       prompt=3)
 
 
 @pytest.mark.parametrize("module", ["sparseffn", "sparseffn.cli"])

@@ -22,8 +22,9 @@ import torch
 from ..models.generate import Decoder, generate
 from ..runtime import check_compile_mode
 from .lm_step import byte_tokens, lm_model, preset_names
-from .measure import (autocast_dtype_of, describe_device, paired_ratio,
-                      times_kept_on_interrupt, write_json)
+from .measure import (autocast_dtype_of, describe_device, keeping_swallowed_interrupts,
+                      paired_ratio, raise_swallowed_interrupt, times_kept_on_interrupt,
+                      write_json)
 
 # the KV cache (generate), the window for every token, Decoder's fixed-shape steps
 MODES = ("cache", "window", "static")
@@ -37,9 +38,13 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     """Time generating ``tokens`` tokens (default: up to the context) after a ``prompt``-token
     prompt, ``batch`` sequences at once, with each preset (``dense`` always included) in the
     three modes, the static one compiled as ``compile`` says (``"none"``, ``"default"``,
-    ``"reduce-overhead"``); print a table and return one record per preset. Ctrl-C (or
-    ``timeout -s INT``) in the timed rounds keeps the whole ones (a line says so; a record's
-    ``rounds`` counts them); during the first calls, which compile, it goes through."""
+    ``"reduce-overhead"``); print a table and return one record per preset.
+
+    Each preset's three modes are called once (their warm-up, which compiles the static
+    steps) before the next preset is built. Ctrl-C (or ``timeout -s INT``) there times the
+    presets already warmed up (dense first: before it is ready the interrupt goes through);
+    in the timed rounds it keeps the whole ones. A line says what was cut short, and a
+    record's ``rounds`` counts its rounds."""
     check_compile_mode(compile)
     dev = torch.device(device)
     context = context or (256 if dev.type == "cuda" else 128)
@@ -69,16 +74,29 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
                                                use_cache=mode == "cache"))
         return generate_once
 
-    fns = {}
-    for name in names:
-        model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev).eval()
-        for mode in MODES:
-            fns[f"{name}/{mode}"] = call(f"{name}/{mode}", model, mode)
-    times, stopped = times_kept_on_interrupt(fns, repeats, 1, dev)
+    fns, stopped = {}, ""
+    with keeping_swallowed_interrupts():
+        try:
+            for name in names:
+                raise_swallowed_interrupt()     # one that came while the last one compiled
+                model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev).eval()
+                warmed = {f"{name}/{mode}": call(f"{name}/{mode}", model, mode)
+                          for mode in MODES}
+                for fn in warmed.values():
+                    fn()
+                fns.update(warmed)
+        except KeyboardInterrupt:
+            if not fns:                         # no dense baseline: nothing to compare
+                raise
+            left = names[names.index(name):]
+            stopped = f"interrupted while preparing {name}: not timed: {', '.join(left)}"
+        times, stopped = times_kept_on_interrupt(fns, repeats, 0, dev, stopped)
     if stopped:
         print(f"bench generate: {stopped}", flush=True)
     records = []
     for name in names:
+        if f"{name}/cache" not in times:        # interrupted before it was ready
+            continue
         cache, window, static = (times[f"{name}/{mode}"] for mode in MODES)
         drawn = [outputs[f"{name}/{mode}"] for mode in MODES]
         records.append({
