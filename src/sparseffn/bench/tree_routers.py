@@ -134,13 +134,12 @@ def bench_tree_routers(depths: list[int], batch: int = 2048, dim: int = 1024, re
     depth = None
     try:
         for depth in depths:
-            _bench_depth(depth, x, repeats, max_matrix_depth, methods, passes, seed, progress,
-                         device, graphs, records)
-    except KeyboardInterrupt:
-        whole = [r for r in records if r["depth"] != depth]
-        if not whole:
+            records += _bench_depth(depth, x, repeats, max_matrix_depth, methods, passes, seed,
+                                    progress, device, graphs)
+    except KeyboardInterrupt:     # records holds the whole depths: a cut one returned nothing
+        if not records:
             raise
-        raise DepthsInterrupted(whole, depths[depths.index(depth):]) from None
+        raise DepthsInterrupted(records, depths[depths.index(depth):]) from None
     return records
 
 
@@ -156,10 +155,11 @@ class DepthsInterrupted(KeyboardInterrupt):
 
 def _bench_depth(depth: int, x: torch.Tensor, repeats: int, max_matrix_depth: int,
                  methods: tuple[str, ...], passes: tuple[str, ...], seed: int,
-                 progress: Callable[[str], None] | None, device: torch.device, graphs: bool,
-                 records: list[dict]) -> None:
-    """Time every method at one depth; append its records to ``records``."""
+                 progress: Callable[[str], None] | None, device: torch.device, graphs: bool
+                 ) -> list[dict]:
+    """Time every method at one depth; returns its records (one per method and pass)."""
     batch, dim = x.shape
+    records = []
 
     def sync():
         if device.type == "cuda":
@@ -198,6 +198,7 @@ def _bench_depth(depth: int, x: torch.Tensor, repeats: int, max_matrix_depth: in
                             **extra.get(name, {"timing": "eager"})})
         if progress:
             progress(f"depth {depth:2d} {pass_name:16s} {time.perf_counter() - start:6.1f} s")
+    return records
 
 
 def _ms(records: list[dict]) -> dict[tuple[str, int, str], float]:
