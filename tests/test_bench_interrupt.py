@@ -16,9 +16,9 @@ import torch
 
 from sparseffn import cli
 from sparseffn.bench import compiled, fig2, generation, layers, lm_step, product_keys, tree_routers
-from sparseffn.bench.measure import (RoundsInterrupted, first_call_or_eager, interleaved_times,
-                                     keeping_swallowed_interrupts, raise_if_interrupted,
-                                     raise_swallowed_interrupt)
+from sparseffn.bench.measure import (InterruptibleLoop, RoundsInterrupted, first_call_or_eager,
+                                     interleaved_times, keeping_swallowed_interrupts,
+                                     raise_if_interrupted, raise_swallowed_interrupt)
 
 LM_SIZES = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--context", "8",
             "--batch", "2", "--d-ff", "256", "--device", "cpu"]
@@ -112,6 +112,51 @@ def test_interleaved_times_raises_an_interrupt_dropped_in_a_timed_call():
         interleaved_times({"a": dropping, "b": lambda: None}, repeats=5, warmup=2,
                           keep_on_interrupt=True)
     assert cut.value.rounds == 2
+
+
+def run_loop(items, body):
+    """Iterate an :class:`InterruptibleLoop` over ``items`` running ``body(item)``; returns
+    the loop and the items whose body finished."""
+    done = []
+    with InterruptibleLoop(items) as loop:
+        for item in loop:
+            body(item)
+            done.append(item)
+    return loop, done
+
+
+def interrupt_at(stop):
+    def body(item):
+        if item == stop:
+            raise KeyboardInterrupt
+    return body
+
+
+def test_an_interruptible_loop_ends_at_an_interrupt_after_its_first_item():
+    loop, done = run_loop("abcd", interrupt_at("c"))
+    assert (done, loop.left, loop.finished) == (["a", "b"], ["c", "d"], 2)
+    loop, done = run_loop("abcd", interrupt_at("d"))          # in the last item: kept too
+    assert (done, loop.left) == (["a", "b", "c"], ["d"])
+    loop, done = run_loop("abcd", interrupt_at(None))
+    assert (done, loop.left, loop.finished) == (list("abcd"), [], 4)
+
+
+def test_an_interruptible_loop_lets_through_what_it_cannot_keep():
+    with pytest.raises(KeyboardInterrupt):                     # nothing measured yet
+        run_loop("abc", interrupt_at("a"))
+    with pytest.raises(ZeroDivisionError):                     # not an interrupt
+        run_loop("abc", lambda item: item == "b" and 1 / 0)
+    with pytest.raises(KeyboardInterrupt), InterruptibleLoop("ab") as loop:
+        for _ in loop:
+            pass
+        raise KeyboardInterrupt                                # after the loop: not its own
+    assert run_loop([], interrupt_at(None))[0].left == []
+
+
+def test_an_interruptible_loop_raises_a_dropped_interrupt_before_the_next_item():
+    with keeping_swallowed_interrupts():
+        loop, done = run_loop("abc", lambda item: item == "a" and drop_an_interrupt())
+    assert (done, loop.left) == (["a"], ["b", "c"])
 
 
 def interrupt_turned_into_an_error():

@@ -10,7 +10,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Iterator
+from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -64,6 +64,56 @@ def raise_swallowed_interrupt() -> None:
     if _swallowed_interrupt:
         _swallowed_interrupt = False
         raise KeyboardInterrupt
+
+
+Item = TypeVar("Item")
+
+
+class InterruptibleLoop(Generic[Item]):
+    """A benchmark's items (configs, cases, widths, depths, models to prepare) iterated inside
+    ``with`` the loop, which a Ctrl-C (SIGINT: also what ``timeout -s INT`` sends) after the
+    first finished item ends: the ``with`` block is left, ``left`` holds the items not
+    finished (the one cut short first), and the benchmark reports what it measured. During
+    the first item nothing was measured and the KeyboardInterrupt goes through, as it does
+    after the last one (the ``with`` block should hold just the loop).
+
+    Each item first raises a Ctrl-C that Python dropped while the last one compiled
+    (:func:`raise_swallowed_interrupt`; a no-op outside :func:`keeping_swallowed_interrupts`)::
+
+        with InterruptibleLoop(configs) as loop:
+            for config in loop:
+                records += measure(config)
+        if loop.left:
+            print(f"interrupted: not timed: {', '.join(map(str, loop.left))}")
+    """
+
+    def __init__(self, items: Iterable[Item]) -> None:
+        self.items = list(items)
+        self.finished = 0           # how many items the loop's body has finished
+        self.left: list[Item] = []
+
+    def __iter__(self) -> Iterator[Item]:
+        for item in self.items[self.finished:]:
+            raise_swallowed_interrupt()
+            yield item
+            self.finished += 1      # resumed: the body finished the item
+
+    def __enter__(self) -> "InterruptibleLoop[Item]":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is None or not issubclass(kind, KeyboardInterrupt):
+            return False
+        if not 0 < self.finished < len(self.items):
+            return False
+        self.left = self.items[self.finished:]
+        return True
+
+
+def preparing_stopped(left: list[str]) -> str:
+    """The note of a benchmark interrupted while it prepared (built, compiled, warmed up) the
+    first of ``left``, the models it will not time (:attr:`InterruptibleLoop.left`)."""
+    return f"interrupted while preparing {left[0]}: not timed: {', '.join(left)}"
 
 
 class RoundsInterrupted(Exception):
