@@ -25,8 +25,8 @@ from ..config import (DenseMLPConfig, FFFConfig, MoEConfig, PEERConfig, PKMConfi
 from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRouterConfig,
                              SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig,
                              TreeRouterConfig)
-from .measure import (error_summary, forward_backward_fn, host_sync_in, interleaved_times,
-                      paired_ratio, raise_if_interrupted, write_json)
+from .measure import (InterruptibleLoop, error_summary, forward_backward_fn, host_sync_in,
+                      interleaved_times, paired_ratio, raise_if_interrupted, write_json)
 from .op_count import count_ops
 
 
@@ -84,15 +84,14 @@ def run(tokens: int = 4096, d_model: int = 256, repeats: int = 5, device: str = 
     print(header)
     records = []
     try:
-        for i, name in enumerate(names):
-            records.append(_measure_layer(name, configs[name], tokens, repeats, dev,
-                                          autocast_dtype))
-    except KeyboardInterrupt:
-        if not records:
-            raise
-        print(f"bench compile: interrupted: not measured: {', '.join(names[i:])}", flush=True)
+        with InterruptibleLoop(names) as loop:
+            for name in loop:
+                records.append(_measure_layer(name, configs[name], tokens, repeats, dev,
+                                              autocast_dtype))
     finally:
         torch._dynamo.reset()
+    if loop.left:
+        print(f"bench compile: interrupted: not measured: {', '.join(loop.left)}", flush=True)
     if json_path:
         write_json(records, json_path)
     return records

@@ -58,8 +58,8 @@ from ..layers.sigma_moe import SigmaMoEConfig
 from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
-from .measure import (autocast_dtype_of, describe_device, dtype_name, error_summary,
-                      first_call_or_eager, forward_backward_fn, keeping_swallowed_interrupts,
+from .measure import (InterruptibleLoop, autocast_dtype_of, describe_device, dtype_name,
+                      error_summary, first_call_or_eager, forward_backward_fn, keeping_swallowed_interrupts,
                       new_graph_step, paired_ratio, peak_mib, raise_if_interrupted,
                       raise_swallowed_interrupt, times_kept_on_interrupt, verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE, grouped_mm_missing_on
@@ -426,24 +426,20 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
     records = []
     with deterministic_algorithms(deterministic, dev), compiling_many(), \
             keeping_swallowed_interrupts():
-        for i, d_model in enumerate(d_models):
-            print(f"d_model {d_model} ...", flush=True)
-            try:
-                raise_swallowed_interrupt()
+        with InterruptibleLoop(d_models) as loop:
+            for d_model in loop:
+                print(f"d_model {d_model} ...", flush=True)
                 records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype,
                                            builders, compile, router_precision))
-            except KeyboardInterrupt:
-                if not records:
-                    raise
-                print(f"bench fig2: interrupted at d_model {d_model}: not timed: "
-                      f"{', '.join(map(str, d_models[i:]))}", flush=True)
-                break
-            records[-1]["deterministic"] = deterministic
-            if "interrupted" in records[-1]:
-                if d_models[i + 1:]:
-                    print(f"bench fig2: not timed: {', '.join(map(str, d_models[i + 1:]))}",
-                          flush=True)
-                break
+                records[-1]["deterministic"] = deterministic
+                if "interrupted" in records[-1]:    # its rounds were cut: kept, and no more
+                    break
+    not_timed = d_models[len(records):]
+    if loop.left:
+        print(f"bench fig2: interrupted at d_model {loop.left[0]}: not timed: "
+              f"{', '.join(map(str, not_timed))}", flush=True)
+    elif not_timed:
+        print(f"bench fig2: not timed: {', '.join(map(str, not_timed))}", flush=True)
     print(format_table(records))
     if json_path:
         write_json(records, json_path)

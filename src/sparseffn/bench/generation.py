@@ -22,9 +22,9 @@ import torch
 from ..models.generate import Decoder, generate
 from ..runtime import check_compile_mode
 from .lm_step import byte_tokens, lm_model, preset_names
-from .measure import (autocast_dtype_of, describe_device, keeping_swallowed_interrupts,
-                      paired_ratio, raise_swallowed_interrupt, times_kept_on_interrupt,
-                      write_json)
+from .measure import (InterruptibleLoop, autocast_dtype_of, describe_device,
+                      keeping_swallowed_interrupts, paired_ratio, preparing_stopped,
+                      times_kept_on_interrupt, write_json)
 
 # the KV cache (generate), the window for every token, Decoder's fixed-shape steps
 MODES = ("cache", "window", "static")
@@ -76,20 +76,16 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
 
     fns, stopped = {}, ""
     with keeping_swallowed_interrupts():
-        try:
-            for name in names:
-                raise_swallowed_interrupt()     # one that came while the last one compiled
+        with InterruptibleLoop(names) as loop:      # dense first: the baseline
+            for name in loop:
                 model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev).eval()
                 warmed = {f"{name}/{mode}": call(f"{name}/{mode}", model, mode)
                           for mode in MODES}
                 for fn in warmed.values():
                     fn()
                 fns.update(warmed)
-        except KeyboardInterrupt:
-            if not fns:                         # no dense baseline: nothing to compare
-                raise
-            left = names[names.index(name):]
-            stopped = f"interrupted while preparing {name}: not timed: {', '.join(left)}"
+        if loop.left:
+            stopped = preparing_stopped(loop.left)
         times, stopped = times_kept_on_interrupt(fns, repeats, 0, dev, stopped)
     if stopped:
         print(f"bench generate: {stopped}", flush=True)

@@ -25,9 +25,9 @@ from ..layers import DenseMLP, SigmaMoE
 from ..matching import active_equal_dense, param_equal_dense
 from ..ops import DispatchPlan
 from .gemm_bound import ExpertGemms
-from .measure import (autocast_dtype_of, describe_device, dtype_name, forward_backward_fn,
-                      forward_fn, interleaved_times, paired_ratio, peak_mib, saved_bytes,
-                      write_json)
+from .measure import (InterruptibleLoop, autocast_dtype_of, describe_device, dtype_name,
+                      forward_backward_fn, forward_fn, interleaved_times, paired_ratio, peak_mib,
+                      saved_bytes, write_json)
 
 
 @dataclass(frozen=True)
@@ -183,22 +183,19 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
         peer_builders = available_peers()
     print(f"sparseffn bench layers: {tokens} tokens, {dtype}, {describe_device(dev)}, "
           f"torch {torch.__version__}")
-    records, interrupted = [], False
-    try:
-        for i, cfg in enumerate(selected):
+    records = []
+    with InterruptibleLoop(selected) as loop:
+        for cfg in loop:
             m = cfg.moe
             print(f"config {cfg.name}: {m.num_experts} experts x {m.expert_size}, k={m.k}, "
                   f"d_model={m.d_model} ...", flush=True)
             records += bench_config(cfg, tokens, repeats, full, peer_builders, device=dev,
                                     autocast_dtype=autocast_dtype)
-    except KeyboardInterrupt:
-        if not records:
-            raise
-        interrupted = True
+    if loop.left:
         print(f"bench layers: interrupted: not timed: config "
-              f"{', '.join(c.name for c in selected[i:])}", flush=True)
+              f"{', '.join(c.name for c in loop.left)}", flush=True)
     print(format_table(records))
-    if routers and not interrupted and any(cfg.name == "a" for cfg in selected):
+    if routers and not loop.left and any(cfg.name == "a" for cfg in selected):
         from .moe_routers import bench_routers, format_router_table
         print("routers at config a ...", flush=True)
         try:

@@ -34,10 +34,10 @@ from ..models import PRESETS, LMConfig, TransformerLM, ffn_preset
 from ..optim import adam_optimizers
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from ..train.loss_scaling import LossScaling
-from .measure import (autocast_dtype_of, describe_device, error_summary, first_call_or_eager,
-                      keeping_swallowed_interrupts, new_graph_step, paired_ratio, peak_mib,
-                      raise_if_interrupted, raise_swallowed_interrupt, times_kept_on_interrupt,
-                      verdict, write_json)
+from .measure import (InterruptibleLoop, autocast_dtype_of, describe_device, error_summary,
+                      first_call_or_eager, keeping_swallowed_interrupts, new_graph_step,
+                      paired_ratio, peak_mib, preparing_stopped, raise_if_interrupted,
+                      times_kept_on_interrupt, verdict, write_json)
 
 
 def lm_config(preset: str, d_model: int, n_layers: int, n_heads: int, context: int,
@@ -155,9 +155,8 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     with deterministic_algorithms(deterministic, dev), compiling_many(), \
             keeping_swallowed_interrupts():
         steps, costs, is_compiled, failed, stopped = {}, {}, {}, {}, ""
-        try:
-            for name in names:
-                raise_swallowed_interrupt()     # one that came while the last one compiled
+        with InterruptibleLoop(names) as loop:      # dense first: the baseline
+            for name in loop:
                 model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev)
                 costs[name] = model.config.cost()
                 try:
@@ -169,11 +168,8 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
                         raise
                     failed[name] = error_summary(error)
                     print(f"  {name}: failed ({failed[name]}); not timed", flush=True)
-        except KeyboardInterrupt:
-            if "dense" not in steps:
-                raise
-            left = names[names.index(name):]
-            stopped = f"interrupted while preparing {name}: not timed: {', '.join(left)}"
+        if loop.left:
+            stopped = preparing_stopped(loop.left)
             print(f"  {stopped}; timing the {len(steps)} ready", flush=True)
         times, stopped = times_kept_on_interrupt(steps, repeats, 2, dev, stopped)
         records = []

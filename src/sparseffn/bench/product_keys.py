@@ -42,8 +42,9 @@ from torch import nn
 from ..config import PEERConfig, PKMConfig
 from ..layers import PEER, ProductKeyMemory
 from ..ops.product_keys import retrieve
-from .measure import (cuda_peak_bytes, describe_device, forward_backward_fn, forward_fn,
-                      interleaved_times, paired_ratio, peak_bytes, verdict, write_json)
+from .measure import (InterruptibleLoop, cuda_peak_bytes, describe_device, forward_backward_fn,
+                      forward_fn, interleaved_times, paired_ratio, peak_bytes, verdict,
+                      write_json)
 
 D_MODEL, HEADS, K = 256, 8, 16
 NAIVE_SCORE_ELEMENTS = 1 << 24      # scores per chunk of naive scoring (64 MB)
@@ -387,22 +388,19 @@ def run(exponents: list[int], tokens: int = 4096, scaling_tokens: int = 1024, re
              ("pkm", lambda: pkm(tokens, repeats, peers, dev))]
     chosen = [(name, step) for name, step in steps
               if name in cases and not (name == "train" and train_steps <= 0)]
-    for i, (name, step) in enumerate(chosen):
-        print(f"{name} ...", flush=True)
-        try:
+    with InterruptibleLoop(chosen) as loop:
+        for name, step in loop:
+            print(f"{name} ...", flush=True)
             recs, msgs = step()
-        except KeyboardInterrupt:           # Ctrl-C or ``timeout -s INT``: report the cases done
-            if not records:
-                raise
-            print(f"bench productkeys: interrupted: not run: "
-                  f"{', '.join(n for n, _ in chosen[i:])}", flush=True)
-            break
-        # what each record ran on: the training run stays on the CPU, the rest on ``device``
-        records += [{**r, "device": "cpu" if name == "train" else str(dev),
-                     "dtype": "float32"} for r in recs]
-        notes += msgs
-        if json_path:                       # what is measured is never lost to a later failure
-            write_json(records, json_path)
+            # what each record ran on: the training run stays on the CPU, the rest on ``device``
+            records += [{**r, "device": "cpu" if name == "train" else str(dev),
+                         "dtype": "float32"} for r in recs]
+            notes += msgs
+            if json_path:                   # what is measured is never lost to a later failure
+                write_json(records, json_path)
+    if loop.left:
+        print(f"bench productkeys: interrupted: not run: "
+              f"{', '.join(name for name, _ in loop.left)}", flush=True)
     print(format_table(records))
     for line in notes + check_targets(records):
         print(line)

@@ -33,8 +33,8 @@ import torch
 from ..ops import fff
 from ..router_config import TreeRouterConfig
 from ..routers.tree import TreeRouter
-from .measure import (describe_device, graph_call_times, interleaved_times, paired_ratio,
-                      verdict, write_json)
+from .measure import (InterruptibleLoop, describe_device, graph_call_times, interleaved_times,
+                      paired_ratio, verdict, write_json)
 
 METHODS = ("moe", "matrix", "hard", "logs", "orig", "levelwise", "matrix_sparse", "auto")
 PAPER_NAMES = {"moe": "MoE", "matrix": "FFF T,S", "hard": "FFF Inference", "logs": "FFF Logs",
@@ -131,15 +131,12 @@ def bench_tree_routers(depths: list[int], batch: int = 2048, dim: int = 1024, re
     torch.manual_seed(seed)
     x = torch.randn(batch, dim).to(device)
     records: list[dict] = []
-    depth = None
-    try:
-        for depth in depths:
+    with InterruptibleLoop(depths) as loop:
+        for depth in loop:
             records += _bench_depth(depth, x, repeats, max_matrix_depth, methods, passes, seed,
                                     progress, device, graphs)
-    except KeyboardInterrupt:     # records holds the whole depths: a cut one returned nothing
-        if not records:
-            raise
-        raise DepthsInterrupted(records, depths[depths.index(depth):]) from None
+    if loop.left:                 # records holds the whole depths: a cut one returned nothing
+        raise DepthsInterrupted(records, loop.left)
     return records
 
 
