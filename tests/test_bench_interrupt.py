@@ -9,13 +9,17 @@ keep whole configs, depths, cases and layers.
 """
 
 import json
+import os
+import signal
+import threading
 import time
 
 import pytest
 import torch
 
 from sparseffn import cli
-from sparseffn.bench import compiled, fig2, generation, layers, lm_step, product_keys, tree_routers
+from sparseffn.bench import (compiled, distributed, fig2, generation, layers, lm_step, product_keys,
+                             tokenizers, tree_routers)
 from sparseffn.bench.measure import (InterruptibleLoop, RoundsInterrupted, first_call_or_eager,
                                      interleaved_times, keeping_swallowed_interrupts,
                                      raise_if_interrupted, raise_swallowed_interrupt)
@@ -523,6 +527,62 @@ def test_bench_compile_interrupted_at_a_later_layer_writes_the_earlier(monkeypat
     monkeypatch.setattr(compiled, "_measure_layer", interrupt)
     with pytest.raises(KeyboardInterrupt):           # in the first layer: nothing to write
         compiled.run(tokens=16, d_model=32, repeats=1, names=["dense"])
+
+
+def test_bench_distributed_interrupted_at_a_later_process_count_writes_the_earlier(
+        monkeypatch, tmp_path, capsys):
+    interrupt_where(monkeypatch, distributed, "_bench_world", lambda world: world == 2)
+    path = tmp_path / "dist.json"
+    assert cli.main(["bench", "distributed", "--processes", "1", "2", "4", "--tokens", "64",
+                     "--d-model", "16", "--num-experts", "4", "--expert-size", "8", "--k", "2",
+                     "--repeats", "1", "--json", str(path)]) == 0
+    assert [r["processes"] for r in json.loads(path.read_text())] == [1]
+    assert "bench distributed: interrupted: not timed: processes 2, 4" in capsys.readouterr().out
+    monkeypatch.setattr(distributed, "_bench_world", interrupt)
+    with pytest.raises(KeyboardInterrupt):           # at the first count: nothing to write
+        distributed.run(processes=(1, 2), json_path=str(path))
+
+
+def test_bench_tokenizers_interrupted_at_a_later_vocabulary_writes_the_earlier(
+        monkeypatch, tmp_path, capsys):
+    interrupt_where(monkeypatch, tokenizers, "_bench_vocab", lambda vocab: vocab == 320)
+    path = tmp_path / "bpe.json"
+    assert cli.main(["bench", "tokenizers", "--megabytes", "0.02", "--vocab-sizes", "300",
+                     "320", "--json", str(path)]) == 0
+    assert {r["vocab_size"] for r in json.loads(path.read_text())} == {300}
+    assert "bench tokenizers: interrupted: not timed: vocabulary sizes 320" in \
+        capsys.readouterr().out
+
+
+def _sleeping_rank(rank: int, pid_dir: str) -> None:
+    with open(os.path.join(pid_dir, f"{rank}.pid"), "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(300)
+
+
+def test_ranks_still_running_when_an_interrupt_comes_are_terminated(tmp_path):
+    """A real SIGINT to the waiting main thread (as Ctrl-C would send), once both ranks run."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    main = threading.main_thread().ident
+
+    def interrupt_when_both_run():
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            time.sleep(0.05)
+        time.sleep(0.2)                              # the pid written; now the main waits
+        signal.pthread_kill(main, signal.SIGINT)
+    watcher = threading.Thread(target=interrupt_when_both_run, daemon=True)
+    watcher.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distributed.spawn_ranks(_sleeping_rank, 2, (str(tmp_path),))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    watcher.join()
+    assert time.perf_counter() - start < 120         # not the ranks' 300 s sleep
+    for pid_file in tmp_path.glob("*.pid"):
+        with pytest.raises(ProcessLookupError):      # terminated and reaped
+            os.kill(int(pid_file.read_text()), 0)
 
 
 def test_bench_generate_keeps_the_whole_rounds_and_the_presets_ready(monkeypatch, tmp_path,

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .measure import write_json
+from .measure import InterruptibleLoop, write_json
 
 
 def _timed_exchanges(totals: list[float]):
@@ -89,6 +89,23 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, settings: dict) -
     os._exit(0)        # gloo's teardown can abort a finished process (tests/layers notes)
 
 
+def spawn_ranks(fn, world: int, args: tuple) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes and wait for them all. A
+    KeyboardInterrupt or an error while waiting terminates the ranks still running, so that a
+    benchmark stopped by Ctrl-C (or ``timeout -s INT``) leaves none behind: the ranks are not
+    daemons, and the interpreter would wait for them at its exit."""
+    import torch.multiprocessing as mp
+    context = mp.spawn(fn, args=args, nprocs=world, join=False)
+    try:
+        while not context.join():
+            pass
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+
+
 def run(processes: tuple[int, ...] = (1, 2, 4), tokens: int = 8192, d_model: int = 256,
         num_experts: int = 16, expert_size: int = 128, k: int = 4, repeats: int = 5,
         warmup: int = 2, capacity_factor: float | None = None, compile: str = "none",
@@ -97,8 +114,9 @@ def run(processes: tuple[int, ...] = (1, 2, 4), tokens: int = 8192, d_model: int
     (:class:`~sparseffn.distributed.FixedExchange`, blocks sized for each process's tokens),
     timed in the same processes as the exchange of sizes read on the host, in alternate
     steps. ``compile``: ``"none"`` or ``"default"`` (each step under ``torch.compile``; the
-    warm-up steps compile)."""
-    import torch.multiprocessing as mp
+    warm-up steps compile). Ctrl-C (or ``timeout -s INT``) after the first process count keeps
+    the counts measured: the rows printed and the JSON written, and a line names the others
+    (their ranks are terminated)."""
     settings = {"tokens": tokens, "d_model": d_model, "num_experts": num_experts,
                 "expert_size": expert_size, "k": k, "repeats": repeats, "warmup": warmup,
                 "threads": torch.get_num_threads(), "capacity_factor": capacity_factor,
@@ -108,41 +126,53 @@ def run(processes: tuple[int, ...] = (1, 2, 4), tokens: int = 8192, d_model: int
           f"{settings['threads']} threads shared by the processes; compile: {compile}")
     print(f"{'processes':>9} {'exchange':>9} {'step ms':>8} {'tokens/s':>10} "
           f"{'all-to-all ms':>14} {'all-to-all share':>17} {'dropped':>8}")
-    records = []
     for world in processes:
         if num_experts % world:
             print(f"{world:>9}  skipped: {num_experts} experts do not split over {world}")
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_rank, args=(world, os.path.join(tmp, "init"), tmp, settings),
-                     nprocs=world, join=True)
-            ranks = []
-            for r in range(world):
-                with open(os.path.join(tmp, f"rank{r}.json")) as file:
-                    ranks.append(json.load(file))
-        for exchange in ranks[0]:
-            # a step lasts as long as its slowest rank
-            steps = [max(r[exchange]["steps"][i] for r in ranks) for i in range(repeats)]
-            spent = [max(r[exchange]["exchanges"][i] for r in ranks) for i in range(repeats)]
-            dropped = statistics.mean(d for r in ranks for d in r[exchange]["dropped"])
-            step_ms = statistics.median(steps) * 1e3
-            # compiled, the exchanges run inside the graphs, untimed (the sized one's too:
-            # its timer is not installed)
-            exchange_ms = statistics.median(spent) * 1e3 if compile == "none" else None
-            record = {"processes": world, "exchange": exchange, "tokens": tokens,
-                      "d_model": d_model, "num_experts": num_experts,
-                      "expert_size": expert_size, "k": k, "capacity_factor":
-                      capacity_factor if exchange == "fixed" else None, "compile": compile,
-                      "step_ms": step_ms, "tokens_per_s": tokens / (step_ms / 1e3),
-                      "all_to_all_ms": exchange_ms,
-                      "all_to_all_share": None if exchange_ms is None else
-                      exchange_ms / step_ms if step_ms else 0.0,
-                      "dropped_fraction": dropped}
-            records.append(record)
-            timed = ("-", "-") if exchange_ms is None else \
-                (f"{exchange_ms:.1f}", f"{record['all_to_all_share']:.1%}")
-            print(f"{world:>9} {exchange:>9} {step_ms:>8.1f} {record['tokens_per_s']:>10.0f} "
-                  f"{timed[0]:>14} {timed[1]:>17} {dropped:>8.2%}")
+    records = []
+    with InterruptibleLoop(w for w in processes if num_experts % w == 0) as loop:
+        for world in loop:
+            records += _bench_world(world, settings)
+    if loop.left:
+        print(f"bench distributed: interrupted: not timed: processes "
+              f"{', '.join(map(str, loop.left))}", flush=True)
     if json_path:
         write_json(records, json_path)
+    return records
+
+
+def _bench_world(world: int, settings: dict) -> list[dict]:
+    """The records of one process count (one per exchange), their rows printed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_ranks(_rank, world, (world, os.path.join(tmp, "init"), tmp, settings))
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as file:
+                ranks.append(json.load(file))
+    repeats, compile = settings["repeats"], settings["compile"]
+    records = []
+    for exchange in ranks[0]:
+        # a step lasts as long as its slowest rank
+        steps = [max(r[exchange]["steps"][i] for r in ranks) for i in range(repeats)]
+        spent = [max(r[exchange]["exchanges"][i] for r in ranks) for i in range(repeats)]
+        dropped = statistics.mean(d for r in ranks for d in r[exchange]["dropped"])
+        step_ms = statistics.median(steps) * 1e3
+        # compiled, the exchanges run inside the graphs, untimed (the sized one's too:
+        # its timer is not installed)
+        exchange_ms = statistics.median(spent) * 1e3 if compile == "none" else None
+        record = {"processes": world, "exchange": exchange, "tokens": settings["tokens"],
+                  "d_model": settings["d_model"], "num_experts": settings["num_experts"],
+                  "expert_size": settings["expert_size"], "k": settings["k"],
+                  "capacity_factor": settings["capacity_factor"] if exchange == "fixed"
+                  else None, "compile": compile,
+                  "step_ms": step_ms, "tokens_per_s": settings["tokens"] / (step_ms / 1e3),
+                  "all_to_all_ms": exchange_ms,
+                  "all_to_all_share": None if exchange_ms is None else
+                  exchange_ms / step_ms if step_ms else 0.0,
+                  "dropped_fraction": dropped}
+        records.append(record)
+        timed = ("-", "-") if exchange_ms is None else \
+            (f"{exchange_ms:.1f}", f"{record['all_to_all_share']:.1%}")
+        print(f"{world:>9} {exchange:>9} {step_ms:>8.1f} {record['tokens_per_s']:>10.0f} "
+              f"{timed[0]:>14} {timed[1]:>17} {dropped:>8.2%}", flush=True)
     return records

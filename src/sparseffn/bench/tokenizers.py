@@ -10,7 +10,7 @@ import numpy as np
 
 from ..data import BPETokenizer, fast_bpe
 from ..data.corpora import corpus_bytes
-from .measure import write_json
+from .measure import InterruptibleLoop, write_json
 
 
 def _seconds(fn):
@@ -23,7 +23,8 @@ def run(megabytes: float = 2.0, vocab_sizes: tuple[int, ...] = (1024, 4096),
         corpus: str = "stdlib", json_path: str | None = None) -> list[dict]:
     """Train on the first ``megabytes`` of ``corpus`` (the standard library's sources by
     default: nothing to download) at each vocabulary size with each engine, encode the same
-    text, and print seconds, tokens per byte and the speed-up."""
+    text, and print seconds, tokens per byte and the speed-up. Ctrl-C (or ``timeout -s INT``)
+    after the first vocabulary size keeps the sizes measured and names the others."""
     data = corpus_bytes(corpus, None, fetch=False)[:int(megabytes * (1 << 20))]
     engines = ["numpy"] + (["tokenizers"] if fast_bpe.available() else [])
     records = []
@@ -31,24 +32,35 @@ def run(megabytes: float = 2.0, vocab_sizes: tuple[int, ...] = (1024, 4096),
           + ("" if len(engines) > 1 else " (tokenizers not installed: NumPy only)"))
     print(f"{'vocab':>6} {'engine':<11} {'train s':>8} {'encode s':>9} {'tokens/byte':>12} "
           f"{'speed-up train':>15} {'speed-up encode':>16} {'same merges, ids':>17}")
-    for vocab in vocab_sizes:
-        result = {}
-        for engine in engines:
-            train_s, tok = _seconds(lambda: BPETokenizer.train(data, vocab, len(data), engine))
-            encode_s, ids = _seconds(lambda: tok.encode(data))
-            result[engine] = (train_s, encode_s, tok, ids)
-        base_train, base_encode, base_tok, base_ids = result["numpy"]
-        for engine, (train_s, encode_s, tok, ids) in result.items():
-            same = tok.merges == base_tok.merges and np.array_equal(ids, base_ids)
-            record = {"vocab_size": vocab, "engine": engine, "bytes": len(data),
-                      "train_s": train_s, "encode_s": encode_s,
-                      "tokens_per_byte": len(ids) / max(len(data), 1),
-                      "train_speedup": base_train / train_s, "encode_speedup": base_encode / encode_s,
-                      "agrees_with_numpy": same}
-            records.append(record)
-            print(f"{vocab:>6} {engine:<11} {train_s:>8.2f} {encode_s:>9.2f} "
-                  f"{record['tokens_per_byte']:>12.3f} {record['train_speedup']:>14.1f}× "
-                  f"{record['encode_speedup']:>15.1f}× {str(same):>17}")
+    with InterruptibleLoop(vocab_sizes) as loop:
+        for vocab in loop:
+            records += _bench_vocab(vocab, data, engines)
+    if loop.left:
+        print(f"bench tokenizers: interrupted: not timed: vocabulary sizes "
+              f"{', '.join(map(str, loop.left))}", flush=True)
     if json_path:
         write_json(records, json_path)
+    return records
+
+
+def _bench_vocab(vocab: int, data: bytes, engines: list[str]) -> list[dict]:
+    """One vocabulary size's records (one per engine), their rows printed."""
+    result = {}
+    for engine in engines:
+        train_s, tok = _seconds(lambda: BPETokenizer.train(data, vocab, len(data), engine))
+        encode_s, ids = _seconds(lambda: tok.encode(data))
+        result[engine] = (train_s, encode_s, tok, ids)
+    base_train, base_encode, base_tok, base_ids = result["numpy"]
+    records = []
+    for engine, (train_s, encode_s, tok, ids) in result.items():
+        same = tok.merges == base_tok.merges and np.array_equal(ids, base_ids)
+        record = {"vocab_size": vocab, "engine": engine, "bytes": len(data),
+                  "train_s": train_s, "encode_s": encode_s,
+                  "tokens_per_byte": len(ids) / max(len(data), 1),
+                  "train_speedup": base_train / train_s, "encode_speedup": base_encode / encode_s,
+                  "agrees_with_numpy": same}
+        records.append(record)
+        print(f"{vocab:>6} {engine:<11} {train_s:>8.2f} {encode_s:>9.2f} "
+              f"{record['tokens_per_byte']:>12.3f} {record['train_speedup']:>14.1f}× "
+              f"{record['encode_speedup']:>15.1f}× {str(same):>17}", flush=True)
     return records
