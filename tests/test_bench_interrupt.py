@@ -4,8 +4,9 @@ A GPU stage runs them under ``timeout -s INT`` (scripts/gpu_session.sh): a bench
 while it still compiles, or in its timed rounds, must print and write what it measured, not
 lose every number; a preset whose step raises must not stop the others. Interrupts are
 raised from inside the steps here, where a SIGINT would land. `bench lm`, `fig2` and
-`generate` keep whole timed rounds; `bench layers`, `routers`, `productkeys` and `compile`
-keep whole configs, depths, cases and layers.
+`generate` keep whole timed rounds; `bench layers`, `routers`, `productkeys`, `compile`,
+`distributed` and `tokenizers` keep whole configs, depths, cases, layers, process counts and
+vocabulary sizes (one loop, `InterruptibleLoop`).
 """
 
 import json
