@@ -4,6 +4,8 @@ forward and recomputes its activations in the backward (non-reentrant
 losses, usage statistics and weights, dropout and routing noise included; compiled, the
 blocks trace in one graph and train as the eager run without checkpointing."""
 
+import functools
+
 import pytest
 import torch
 import torch._inductor.config
@@ -40,20 +42,25 @@ def test_recomputed_blocks_train_the_same_run_to_the_bit(corpus, tmp_path, monke
         assert any("usage_entropy" in m for m in metrics(tmp_path / "kept"))
 
 
-def test_compiled_recomputed_blocks_trace_in_one_graph_and_train_as_eagerly(corpus, tmp_path):
+def test_compiled_recomputed_blocks_trace_in_one_graph_and_train_as_eagerly(corpus, tmp_path,
+                                                                          monkeypatch):
     """The trainer lets Dynamo skip replaying the sparse layers' side effects in the
     recomputation (as they skip it eagerly), so nothing breaks the graph; without that each
     sparse layer would run eagerly (as it does before PyTorch 2.10, which cannot trace it, with
     the same results). Dropout 0.1: the recomputation uses the forward's masks, so the run is
     the eager run without checkpointing.
 
-    Inductor draws dropout masks with its own generator, so a compiled run is compared with
-    an eager one under ``fallback_random`` (Inductor calls eager's random ops). The other
-    reference, a second Inductor compile of the model without checkpointing, doubled the
-    time of this test, the longest of the suite."""
+    Compiled with ``aot_eager_decomp_partition``: Dynamo, AOTAutograd's decompositions and the
+    partitioner that recomputes the checkpointed blocks, as Inductor's, without Inductor's code
+    generation (with Inductor this test took 45 s with empty caches on 2 cores; 9 s so). Its
+    decompositions draw dropout masks with their own random ops unless ``fallback_random``
+    (Inductor's setting, which they follow) keeps eager's. Inductor compiles a checkpointed
+    sparse layer in ``test_expert_parallel`` and the LM in ``test_compiled_training``."""
     Trainer(lm_run(corpus, "sigma_moe", steps=4), tmp_path / "eager", progress=False).train()
     counters.clear()
-    with torch._inductor.config.patch(fallback_random=True):
+    monkeypatch.setattr(torch, "compile", functools.partial(
+        torch.compile, backend="aot_eager_decomp_partition"))
+    with torch._inductor.config.patch(fallback_random=True):   # (dropout: eager's random ops)
         Trainer(lm_run(corpus, "sigma_moe", steps=4, compile=True,
                        activation_checkpointing=True),
                 tmp_path / "recomputed", progress=False).train()
