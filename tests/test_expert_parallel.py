@@ -215,7 +215,8 @@ def _failing_main(rank, world, init_file, out_dir, compiled):
     _init(rank, world, init_file)
     layer = _sigma()
     shard_experts(layer, fixed_exchange=FixedExchange(tokens=7) if compiled else None)
-    step = torch.compile(layer, fullgraph=True) if compiled else layer
+    # aot_eager: the graph calls the same functional collectives as Inductor's code would
+    step = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
     if rank == 1:
         raise RuntimeError("rank 1 fails before its all-to-all")
     try:
@@ -234,7 +235,7 @@ def test_a_rank_that_fails_mid_step_makes_the_others_fail_with_a_clear_error(com
     (the fixed exchange traced) the transport's own error, as docs/distributed.md says:
     either way the other rank fails at once rather than hanging: its error is gloo's
     "Connection closed by peer", not the 20 s timeout. (Not a bound on seconds: compiled, those
-    included the compilation, 37 s with a cold cache beside another test worker.)"""
+    included the compilation, 37 s with Inductor and a cold cache beside another test worker.)"""
     with tempfile.TemporaryDirectory() as tmp:
         # not join=True: spawn would then terminate rank 0 as soon as rank 1 died
         context = mp.spawn(_failing_main, args=(2, os.path.join(tmp, "init"), tmp, compiled),
