@@ -59,9 +59,10 @@ from ..routers.sigma import SigmaRouterConfig
 from ..ops import triton_cvmm
 from ..runtime import check_compile_mode, compiled, compiling_many, deterministic_algorithms
 from .measure import (InterruptibleLoop, autocast_dtype_of, describe_device, dtype_name,
-                      error_summary, first_call_or_eager, forward_backward_fn, keeping_swallowed_interrupts,
-                      new_graph_step, paired_ratio, peak_mib, raise_if_interrupted,
-                      raise_swallowed_interrupt, times_kept_on_interrupt, verdict, write_json)
+                      error_summary, first_call_or_eager, forward_backward_fn,
+                      keeping_swallowed_interrupts, new_graph_step, paired_ratio, peak_mib,
+                      raise_if_interrupted, raise_swallowed_interrupt, times_kept_on_interrupt,
+                      verdict, write_json)
 from .peers import GroupedMMMoE, MixtralStyleMoE, grouped_mm_missing_on
 
 EXPERT_SIZE = 128
