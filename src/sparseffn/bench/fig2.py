@@ -435,12 +435,10 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
                 records[-1]["deterministic"] = deterministic
                 if "interrupted" in records[-1]:    # its rounds were cut: kept, and no more
                     break
-    not_timed = d_models[len(records):]
-    if loop.left:
-        print(f"bench fig2: interrupted at d_model {loop.left[0]}: not timed: "
-              f"{', '.join(map(str, not_timed))}", flush=True)
-    elif not_timed:
-        print(f"bench fig2: not timed: {', '.join(map(str, not_timed))}", flush=True)
+    not_timed = d_models[len(records):]     # (after an interrupt, loop.left)
+    if not_timed:
+        cut = f" interrupted at d_model {loop.left[0]}:" if loop.left else ""
+        print(f"bench fig2:{cut} not timed: {', '.join(map(str, not_timed))}", flush=True)
     print(format_table(records))
     if json_path:
         write_json(records, json_path)
