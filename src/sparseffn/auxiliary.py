@@ -12,6 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
+from .routers.base import Router
 from .routing import SparseFFN
 
 
@@ -27,7 +28,11 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
 
     A scalar tensor (zero when the model has no sparse layers or none has run). Every loss a
     layer records must have a weight (zero is a weight): a loss without one raises a KeyError
-    naming the layer, rather than being dropped silently."""
+    naming the layer, rather than being dropped silently.
+
+    A forward in evaluation mode without autograd records no aux losses (nothing can train on
+    them; see :attr:`~sparseffn.routers.Router.computes_aux_losses`): after one, this is zero.
+    To measure them on held-out data, run the forward inside :func:`computing_aux_losses`."""
     total = None
     for name, layer in _layers(model):
         for loss_name, value in layer.aux_losses.items():
@@ -67,6 +72,31 @@ def summing_aux_losses(model: nn.Module):
     finally:
         for layer, summing in zip(layers, before):
             layer._transient.summing = summing
+
+
+@contextlib.contextmanager
+def computing_aux_losses(model: nn.Module):
+    """Inside, the routers of ``model`` compute their aux losses in evaluation mode without
+    autograd too, where they skip them otherwise: for the balance of the routing on held-out
+    data, with the model as it runs at inference (no dropout, no noise, evaluation capacity).
+
+        model.eval()
+        with torch.no_grad(), sparseffn.computing_aux_losses(model):
+            model(x_val)
+        terms = sparseffn.aux_loss_terms(model)
+    """
+    routers = [module for module in model.modules() if isinstance(module, Router)]
+    before = [module.__dict__.get("aux_losses_in_eval") for module in routers]
+    for module in routers:
+        module.aux_losses_in_eval = True
+    try:
+        yield
+    finally:
+        for module, value in zip(routers, before):
+            if value is None:    # back to the class's default
+                del module.aux_losses_in_eval
+            else:
+                module.aux_losses_in_eval = value
 
 
 def aux_loss_terms(model: nn.Module) -> dict[str, torch.Tensor]:

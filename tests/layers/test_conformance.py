@@ -216,6 +216,32 @@ def test_aux_losses_all_have_weights_and_config_round_trips(name):
     assert config_from_dict(json.loads(config.to_json())) == config
 
 
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_aux_losses_are_skipped_only_where_nothing_can_train_on_them(name):
+    """In evaluation mode without autograd (inference) a layer records no aux losses and gives
+    the same output. With autograd, in training mode (also under ``no_grad``, as reentrant
+    checkpointing's first forward runs) and inside ``computing_aux_losses`` it records them:
+    in evaluation, the values of an evaluation forward with autograd (none for a tree in hard
+    descent), in training, those of a training forward."""
+    layer = _build(EXAMPLES[name]).train()
+    x = torch.randn(9, D)
+    layer(x)
+    trained = set(layer.aux_losses)      # none for a soft tree: its aux loss is top-k's
+    y = layer.eval()(x)
+    want = {loss: value.detach() for loss, value in layer.aux_losses.items()}
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), y.detach())
+        assert layer.aux_losses == {}
+        assert sparseffn.aux_loss(layer).item() == 0.0
+        with sparseffn.computing_aux_losses(layer):
+            torch.testing.assert_close(layer(x), y.detach())
+        torch.testing.assert_close(layer.aux_losses, want)
+        layer(x)                                       # the block left the default behind
+        assert layer.aux_losses == {}
+        layer.train()(x)
+        assert set(layer.aux_losses) == trained
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_output_and_gradients_match_the_store_reference(name, training):

@@ -580,6 +580,40 @@ def test_noisy_topk_sums_importance_and_load_over_the_global_batch_in_one_call()
     torch.testing.assert_close(routing.aux_losses["load"], cv_squared(load + 1))
 
 
+@pytest.mark.parametrize("name", ["sigma", "softmax", "noisy_topk", "switch", "sbase", "tree"])
+def test_routers_sum_over_the_global_batch_only_where_their_aux_losses_can_train(name):
+    """With global batch statistics the aux losses add every process's sums: a collective per
+    layer (expert parallelism). In evaluation without autograd (inference) a router computes
+    no aux losses, so it joins no such collective; in training, with autograd, or inside
+    ``computing_aux_losses`` it does."""
+    from sparseffn.losses import BatchSum
+
+    class Counting(BatchSum):
+        calls = 0
+
+        def sum(self, values):
+            Counting.calls += 1
+            return values
+
+    config, k = ROUTERS[name]
+    router = build_router(config, 3, E, k)
+    router.global_batch = Counting()
+    x = torch.randn(30, 3)
+
+    def calls_of_one_forward():
+        before = Counting.calls
+        router(x)
+        return Counting.calls - before
+
+    assert calls_of_one_forward() >= 1                    # training
+    router.eval()
+    assert calls_of_one_forward() >= 1                    # evaluation with autograd
+    with torch.no_grad():
+        assert calls_of_one_forward() == 0                # inference
+        with sparseffn.computing_aux_losses(router):
+            assert calls_of_one_forward() >= 1
+
+
 def test_noisy_topk_has_no_noise_at_evaluation():
     router = build_router(NoisyTopKRouterConfig(), 3, 4, 2).eval()
     x = torch.randn(9, 3)

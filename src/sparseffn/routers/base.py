@@ -116,9 +116,13 @@ class Router(nn.Module):
     ``global_batch``: None (the default: the batch statistics of the aux losses are over this
     call's tokens) or a :class:`~sparseffn.losses.BatchSum` that makes them global across
     processes (set by :func:`sparseffn.distributed.shard_experts`).
+
+    ``aux_losses_in_eval``: False (the default) or True inside
+    :func:`sparseffn.computing_aux_losses`; see :attr:`computes_aux_losses`.
     """
 
     global_batch = None
+    aux_losses_in_eval = False
 
     def __init__(self, config: RouterConfig, d_model: int, num_experts: int, k: int,
                  init: str = "sigma_moe", init_depth: int = 1) -> None:
@@ -137,6 +141,15 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         raise NotImplementedError
+
+    @property
+    def computes_aux_losses(self) -> bool:
+        """Whether this forward computes the aux losses: in training mode, whenever autograd
+        records, and inside :func:`sparseffn.computing_aux_losses`. In evaluation mode without
+        autograd (generation, a validation pass under ``no_grad``) nothing can train on them,
+        so routers skip them: at one token they were 5 of σ-MoE's 19 computing operators and 7
+        of Switch's 22, and, with ``global_batch``, a collective per layer."""
+        return self.training or torch.is_grad_enabled() or self.aux_losses_in_eval
 
     @property
     def routes_tokens_alone_in_eval(self) -> bool:

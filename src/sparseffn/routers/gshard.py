@@ -76,14 +76,14 @@ class Top2Assignment:
     indices: int64 [T, 2], (e1, e2). combine: [T, 2], the combine weights 𝒢 (g1, g2 normalised
     by g1 + g2, zero where not dispatched). dispatched: bool [T, 2]. positions: int64 [T, 2],
     the buffer position each choice was given. aux_loss: scalar, the mean over groups of
-    ℓ_aux (line 13).
+    ℓ_aux (line 13), or None when not asked for.
     """
 
     indices: torch.Tensor
     combine: torch.Tensor
     dispatched: torch.Tensor
     positions: torch.Tensor
-    aux_loss: torch.Tensor
+    aux_loss: torch.Tensor | None
 
 
 def _group_aux(gates: torch.Tensor, e1: torch.Tensor, size: int, num_groups: int
@@ -100,14 +100,25 @@ def _group_aux(gates: torch.Tensor, e1: torch.Tensor, size: int, num_groups: int
     return picked.sum() / (num_experts * size * num_groups)
 
 
+def _mean_group_aux(gates: torch.Tensor, e1: torch.Tensor, size: int, num_groups: int
+                    ) -> torch.Tensor:
+    """Line 13, averaged over the groups; every group but the last has ``size`` tokens."""
+    tokens = gates.shape[0]
+    whole = tokens // size * size
+    terms = [_group_aux(gates[start:stop], e1[start:stop], group_tokens, num_groups)
+             for start, stop, group_tokens in ((0, whole, size), (whole, tokens, tokens - whole))
+             if stop > start]
+    return terms[0] + terms[1] if len(terms) == 2 else terms[0] if terms else gates.new_zeros(())
+
+
 def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | None,
-                uniform: torch.Tensor | None) -> Top2Assignment:
+                uniform: torch.Tensor | None, aux: bool = True) -> Top2Assignment:
     """Algorithm 1 of GShard, vectorised over tokens and groups.
 
     gates: [T, E] softmax gates (line 2); consecutive runs of ``group_size`` tokens form the
     groups (the last may be shorter; None: one group). capacity: C, the buffer size of each
     expert in each group (None: unlimited). uniform: [T] draws from U(0, 1) for line 17, or
-    None to dispatch every second choice that fits.
+    None to dispatch every second choice that fits. aux: whether to compute ℓ_aux.
 
     Line by line: the first choices take buffer positions in token order, and every first
     choice counts towards c_e, kept or not (lines 7-11); ℓ_aux = (1/E) Σ_e (c_e / S) · m_e
@@ -132,16 +143,11 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     keep2 = torch.ones_like(e2, dtype=torch.bool) if capacity is None else pos2 < capacity
     if uniform is not None:
         keep2 = keep2 & (2 * g2.detach() > uniform)                          # line 19
-    # Line 13, averaged over the groups; every group but the last has `size` tokens.
-    whole = tokens // size * size
-    terms = [_group_aux(gates[start:stop], e1[start:stop], group_tokens, num_groups)
-             for start, stop, group_tokens in ((0, whole, size), (whole, tokens, tokens - whole))
-             if stop > start]
-    aux = terms[0] + terms[1] if len(terms) == 2 else terms[0] if terms else gates.new_zeros(())
     dispatched = torch.stack([keep1, keep2], 1)
     return Top2Assignment(indices=top, combine=torch.stack([g1, g2], 1) * dispatched,
                           dispatched=dispatched, positions=torch.stack([pos1, pos2], 1),
-                          aux_loss=aux)
+                          aux_loss=_mean_group_aux(gates, e1, size, num_groups) if aux else None)
+
 
 
 @implements(GShardRouterConfig)
@@ -173,7 +179,7 @@ class GShardRouter(LinearRouter):
         # one group: None, so the sort keys carry no group ids (their width would then follow
         # the token count, a graph per width under torch.compile(dynamic=True))
         result = gshard_top2(gates, None if group_size >= tokens else group_size, capacity,
-                             uniform)
+                             uniform, aux=self.computes_aux_losses)
         dispatched = result.dispatched
         names = ("dropped_fraction", "first_dropped_fraction", "second_dispatched_fraction")
         flags = torch.stack([~dispatched.any(1), ~dispatched[:, 0], dispatched[:, 1]], 1)
@@ -184,4 +190,5 @@ class GShardRouter(LinearRouter):
         return Routing(indices=result.indices, weights=result.combine,
                        # every pair is kept when nothing can drop one (known without a host read)
                        dispatched=None if capacity is None and uniform is None else dispatched,
-                       aux_losses={"gshard": result.aux_loss}, stats=stats)
+                       aux_losses={} if result.aux_loss is None else {"gshard": result.aux_loss},
+                       stats=stats)

@@ -114,6 +114,8 @@ class NoisyTopKRouter(Router):
         # Σ_x G(x) is also the usage statistics' selection mass (every pair is dispatched;
         # expert_usage detaches it).
         routing.mass = importance
+        if not self.computes_aux_losses:
+            return routing
         if estimate_load:
             load = noisy_topk_load(clean, logits, noise_std, self.k, top.values)
         else:

@@ -93,8 +93,9 @@ class SBaseRouter(LinearRouter):
         else:
             indices = torch.topk(logits.detach(), self.k, dim=-1, sorted=False).indices
         weights = torch.sigmoid(logits.gather(1, indices))                        # Eq. 32
-        routing = Routing(indices=indices, weights=weights,
-                          aux_losses={"entropy": batch_entropy_loss(logits, self.global_batch)})
+        aux = {"entropy": batch_entropy_loss(logits, self.global_batch)} \
+            if self.computes_aux_losses else {}
+        routing = Routing(indices=indices, weights=weights, aux_losses=aux)
         tokens = x.shape[0]
         share = tokens * self.k / self.num_experts
         # the pairs per expert from the dispatch plan, which the expert store then reuses

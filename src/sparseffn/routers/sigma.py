@@ -140,8 +140,9 @@ class SigmaRouter(LinearRouter):
         logits = self.logits(x)                                                 # [T, E]
         indices, weights = select_topk(logits, self.k, self.gate, self.config.expert_dropout,
                                        self.training)
-        return Routing(indices=indices, weights=weights,
-                       aux_losses={"entropy": batch_entropy_loss(logits, self.global_batch)})
+        aux = {"entropy": batch_entropy_loss(logits, self.global_batch)} \
+            if self.computes_aux_losses else {}
+        return Routing(indices=indices, weights=weights, aux_losses=aux)
 
 
 @implements(SoftmaxRouterConfig)

@@ -103,7 +103,8 @@ class SwitchRouter(LinearRouter):
                      "capacity": torch.tensor(float(capacity))}
         else:
             dispatched, stats = None, {"dropped_fraction": torch.zeros(())}
+        aux = {"balance": switch_balance_loss(probs, top1, self.global_batch),
+               "z_loss": router_z_loss(logits, self.global_batch)} \
+            if self.computes_aux_losses else {}
         return Routing(indices=top1.unsqueeze(1), weights=weights, dispatched=dispatched,
-                       aux_losses={"balance": switch_balance_loss(probs, top1, self.global_batch),
-                                   "z_loss": router_z_loss(logits, self.global_batch)},
-                       stats=stats)
+                       aux_losses=aux, stats=stats)

@@ -257,8 +257,9 @@ class TreeRouter(Router):
         weights, indices = probs.topk(self.k, dim=-1)
         if self.config.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(indices, weights,
-                       aux_losses={"entropy": usage_entropy_loss(probs, self.global_batch)})
+        aux = {"entropy": usage_entropy_loss(probs, self.global_batch)} \
+            if self.computes_aux_losses else {}
+        return Routing(indices, weights, aux_losses=aux)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, depth={self.depth}, "
