@@ -435,6 +435,11 @@ def test_gshard_matches_algorithm_1_step_by_step(tokens, experts, group_size, ca
     group = torch.arange(tokens) // group_size
     keys = (group.unsqueeze(1) * experts + result.indices)[result.dispatched]
     assert int(torch.bincount(keys).max()) <= capacity
+    # Without ℓ_aux (inference): the same assignment, and no loss.
+    bare = gshard_top2(gates, group_size, capacity, uniform, aux=False)
+    assert bare.aux_loss is None
+    for field in ("indices", "combine", "dispatched", "positions"):
+        torch.testing.assert_close(getattr(bare, field), getattr(result, field), msg=field)
 
 
 def test_gshard_second_expert_is_sampled_in_proportion_to_2_g2():
