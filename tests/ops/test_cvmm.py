@@ -183,8 +183,11 @@ def test_bad_inputs_raise_clear_errors():
         cvmm(torch.randn(5, 4), plan, torch.randn(3, 4, 6), torch.rand(5, 3))
     with pytest.raises(TypeError, match="same dtype"):
         cvmm(torch.randn(5, 4, dtype=torch.float64), plan, torch.randn(3, 4, 6))
-    with pytest.raises(ValueError, match=r"expert indices must lie in \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"expert indices must lie in \[0, 3\), got values in "
+                                         r"\[0, 3\]"):
         DispatchPlan.build(torch.tensor([[0, 3]]), 3)
+    with pytest.raises(ValueError, match=r"got values in \[-2, 1\]"):
+        DispatchPlan.build(torch.tensor([[1, -2]]), 3)
     with pytest.raises(TypeError, match="integer"):
         DispatchPlan.build(torch.tensor([[0.0, 1.0]]), 3)
 

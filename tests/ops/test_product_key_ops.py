@@ -454,8 +454,11 @@ def test_scatter_rows_is_independent_of_thread_count(dtype):
 
 
 def test_gathered_rows_reject_bad_indices():
-    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+    with pytest.raises(IndexError, match=r"gather_dot: idx must lie in \[0, 4\), got values in "
+                                         r"\[0, 4\]"):
         rows.gather_dot(torch.randn(2, 3), torch.randn(4, 3), torch.tensor([[0], [4]]))
+    with pytest.raises(IndexError, match=r"gather_sum: .* got values in \[-1, 2\]"):
+        rows.gather_sum(torch.tensor([[-1], [2]]), torch.randn(2, 1), torch.randn(4, 3))
     with pytest.raises(ValueError, match="width"):
         rows.gather_dot(torch.randn(2, 5), torch.randn(4, 3), torch.tensor([[0], [1]]))
     with pytest.raises(ValueError, match="must match idx"):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
-from .debug import checks_enabled
+from .debug import indices_outside
 from .ids import id_dtype
 from .precision import autocast_dtype
 
@@ -127,12 +127,10 @@ def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:
     """ValueError unless every expert index lies in ``[0, num_experts)``: on CPU tensors (a
     host read is free there) and, on other devices, when
     :func:`sparseffn.ops.debug.set_checks` is on; never while ``torch.compile`` traces."""
-    if checks_enabled(indices) and indices.numel():
-        low, high = map(int, torch.aminmax(indices))    # one pass, not a min and a max
-        if low < 0 or high >= num_experts:
-            raise ValueError(
-                f"expert indices must lie in [0, {num_experts}), got values in [{low}, {high}]"
-            )
+    outside = indices_outside(indices, num_experts)
+    if outside is not None:
+        raise ValueError(f"expert indices must lie in [0, {num_experts}), got values in "
+                         f"[{outside[0]}, {outside[1]}]")
 
 
 def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,3 +32,13 @@ def checks_enabled(tensor: torch.Tensor) -> bool:
     if _checks is None:
         return os.environ.get("SPARSEFFN_DEBUG", "") not in ("", "0")
     return _checks
+
+
+def indices_outside(indices: torch.Tensor, bound: int) -> tuple[int, int] | None:
+    """``(lowest, highest)`` of ``indices`` when some index lies outside ``[0, bound)``, else
+    None; None also when the check does not run now (:func:`checks_enabled`) or there are
+    none. One pass over the indices (``aminmax``) and one host read."""
+    if not indices.numel() or not checks_enabled(indices):
+        return None
+    low, high = map(int, torch.aminmax(indices))
+    return (low, high) if low < 0 or high >= bound else None

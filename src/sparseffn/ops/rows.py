@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import dense_products, kernels, triton_rows
-from .debug import checks_enabled
+from .debug import indices_outside
 from .kernels import scatter_rows
 
 
@@ -122,10 +122,10 @@ def _check_pairs(idx: torch.Tensor, rows: int, table: torch.Tensor, what: str) -
         raise ValueError(f"{what}: idx must be an integer tensor, got {idx.dtype}")
     if table.dim() != 2:
         raise ValueError(f"{what}: table must be [N, d], got {tuple(table.shape)}")
-    if idx.numel() and checks_enabled(idx) and \
-            (int(idx.min()) < 0 or int(idx.max()) >= table.shape[0]):
+    outside = indices_outside(idx, table.shape[0])
+    if outside is not None:
         raise IndexError(f"{what}: idx must lie in [0, {table.shape[0]}), got values in "
-                         f"[{int(idx.min())}, {int(idx.max())}]")
+                         f"[{outside[0]}, {outside[1]}]")
 
 
 def gather_dot(x: torch.Tensor, table: torch.Tensor, idx: torch.Tensor,
