@@ -242,6 +242,29 @@ def test_aux_losses_are_skipped_only_where_nothing_can_train_on_them(name):
         assert set(layer.aux_losses) == trained
 
 
+@pytest.mark.parametrize("name", ["layer:sigma_moe", "router:switch"])
+def test_a_compiled_layer_follows_computing_aux_losses_in_and_out(name):
+    """Dynamo guards the rule: a compiled layer in evaluation records aux losses inside
+    ``computing_aux_losses`` or with autograd, and none under ``no_grad`` before and after."""
+    torch._dynamo.reset()
+    layer = _build(EXAMPLES[name]).eval()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    x = torch.randn(7, D)
+    recorded = []
+    with torch.no_grad():
+        compiled(x)
+        recorded.append(set(layer.aux_losses))
+        with sparseffn.computing_aux_losses(layer):
+            compiled(x)
+            recorded.append(set(layer.aux_losses))
+        compiled(x)
+        recorded.append(set(layer.aux_losses))
+    compiled(x)
+    recorded.append(set(layer.aux_losses))
+    weighted = set(layer.aux_loss_weights)
+    assert recorded == [set(), weighted, set(), weighted]
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_output_and_gradients_match_the_store_reference(name, training):
