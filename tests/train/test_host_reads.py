@@ -181,6 +181,26 @@ def test_read_at_the_boundaries_a_non_finite_loss_is_named_and_nothing_is_writte
     assert [m["step"] for m in metrics(tmp_path)][-1] == 6
 
 
+@pytest.mark.parametrize("read_every_step", [True, False], ids=["every_step", "boundaries"])
+def test_a_step_failing_after_a_non_finite_micro_batch_names_that_micro_batch(
+        corpus, tmp_path, monkeypatch, read_every_step):
+    """Step 7 in two micro-batches: the first one's loss is NaN and the second fails (a check
+    refusing what the NaN caused). Either way of reading, the error raised is the NaN loss,
+    named with its step and micro-batch and caused by that failure, before any update."""
+    _loss_turns_nan_at(monkeypatch, 13, then_fails=True)     # step 7's two micro-batches
+    run = _run(corpus, "sigma_moe", micro_batches=2)
+    trainer = Trainer(run, tmp_path, progress=False, read_every_step=read_every_step)
+    with pytest.raises(FloatingPointError,
+                       match=r"loss is nan at step 7 \(micro-batch 1 of 2\); stopped before "
+                             r"updating the parameters \(the last checkpoint in .* stands\)"
+                       ) as raised:
+        trainer.train()
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert "refused the NaN weights" in str(raised.value.__cause__)
+    assert ckpt.load(tmp_path / "checkpoint.pt")["step"] == 5
+    assert all(torch.isfinite(w).all() for w in trainer.model.state_dict().values())
+
+
 @pytest.mark.parametrize("how", ["first Ctrl-C", "KeyboardInterrupt"])
 def test_a_non_finite_loss_before_a_stop_is_named_and_no_checkpoint_is_written(
         corpus, tmp_path, monkeypatch, how):

@@ -466,6 +466,7 @@ class Trainer:
         self._read_each_step = reads_every_step(self.device) if self.read_every_step is None \
             else self.read_every_step
         self._clock: float | None = None   # when the steps since the last settle began
+        self._step_in_progress: tuple[int, list] = (self.step + 1, [])
         self._last_loss: float | None = None
         collapse_note = None
         reset_usage(self.model)   # the collapse monitor's window starts here
@@ -550,9 +551,11 @@ class Trainer:
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
+        parts = []    # (loss, aux) of each micro-batch, until the step's record takes them
+        self._step_in_progress = (step + 1, parts)
         inputs, targets, share = parallel.local(*self._batch(step))
         graphs = t.compile_mode == "reduce-overhead"
-        rows, parts = inputs.shape[0], []
+        rows = inputs.shape[0]
         for part, part_targets in zip(inputs.tensor_split(t.micro_batches),
                                       targets.tensor_split(t.micro_batches)):
             fraction = part.shape[0] / rows    # of this rank's rows
@@ -567,11 +570,12 @@ class Trainer:
                     loss = loss * (share * fraction)
                 if fraction != 1.0:           # the aux losses' mean over the micro-batches
                     aux = aux * fraction
-            scaling.backward(loss + aux)      # gradients add up over the micro-batches
             parts.append((loss.detach(), aux.detach()))
+            scaling.backward(loss + aux)      # gradients add up over the micro-batches
         losses, auxes = zip(*parts)     # (one part: its own tensors, no addition)
         self._losses.add(step + 1, functools.reduce(operator.add, losses),
                          functools.reduce(operator.add, auxes))
+        parts.clear()    # pending in self._losses now
         if self._read_each_step:   # a non-finite loss stops the run before the update
             self._read_losses(updated=False)
         parallel.sync(self.model)
@@ -609,23 +613,31 @@ class Trainer:
             window.steps += 1
             self._last_loss = read.loss
 
-    def _non_finite_message(self, step: int, loss: float, updated: bool) -> str:
+    def _non_finite_message(self, step: int, loss: float, updated: bool, part: str = "") -> str:
         last = (f"the last checkpoint in {self.out} stands" if (self.out / CHECKPOINT).exists()
                 else "no checkpoint was written")
         when = ("found after that step's update (on this device the loop reads the losses "
                 "where it logs, evaluates or saves); nothing was written since"
                 if updated else "stopped before updating the parameters")
-        return (f"loss is {loss} at step {step}; {when} ({last}); lower train.lr or enable "
+        return (f"loss is {loss} at step {step}{part}; {when} ({last}); lower train.lr or enable "
                 f"train.clip" + ("; float16 overflows above 65504, train.bf16 does not"
                                  if self.run.train.fp16 else ""))
 
     def _name_a_non_finite_loss(self, error: Exception) -> None:
-        """A step failed: if a pending loss was not finite, raise that (the failure is likely
-        its consequence: a NaN weight reaching a check); otherwise return, and the caller
-        re-raises ``error``. This rank's losses only: the other ranks are not here to
-        average with (a NaN in one rank's loss is a NaN in the mean)."""
+        """A step failed: if a pending loss was not finite, or the loss of a micro-batch the
+        failing step had computed, raise that (the failure is likely its consequence: a NaN
+        weight reaching a check); otherwise return, and the caller re-raises ``error``. This
+        rank's losses only: the other ranks are not here to average with (a NaN in one rank's
+        loss is a NaN in the mean)."""
         try:
             self._read_losses(updated=True, over_ranks=False)
+            step, parts = self._step_in_progress
+            for number, (loss, _) in enumerate(parts, 1):
+                value = loss.item()
+                if not math.isfinite(value):
+                    count = self.run.train.micro_batches
+                    part = f" (micro-batch {number} of {count})" if count > 1 else ""
+                    raise FloatingPointError(self._non_finite_message(step, value, False, part))
         except FloatingPointError as non_finite:
             raise non_finite from error
         except Exception:   # the device may be unable to read (a CUDA error): error stands
