@@ -632,8 +632,7 @@ class Trainer:
         try:
             self._read_losses(updated=True, over_ranks=False)
             step, parts = self._step_in_progress
-            for number, (loss, _) in enumerate(parts, 1):
-                value = loss.item()
+            for number, value in enumerate(host_values([loss for loss, _ in parts]), 1):
                 if not math.isfinite(value):
                     count = self.run.train.micro_batches
                     part = f" (micro-batch {number} of {count})" if count > 1 else ""
