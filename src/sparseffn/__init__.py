@@ -12,8 +12,8 @@ from .requirements import check_torch as _check_torch
 _check_torch(_torch.__version__)   # before the operators register: a clear error on old torch
 
 from .auxiliary import (all_reduce_usage, aux_loss, aux_loss_terms, computing_aux_losses,
-                        dense_grad_parameters, reset_usage, routing_stats, sparse_grad_parameters,
-                        summing_aux_losses)
+                        dense_grad_parameters, no_usage_statistics, reset_usage, routing_stats,
+                        sparse_grad_parameters, summing_aux_losses)
 from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, PEERConfig,
                      PKMConfig, ProductKeySpec, SigmaMoEConfig, TopKMLPConfig, config_from_dict)
 from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
@@ -42,7 +42,8 @@ __all__ = [
     "aux_loss_terms",
     "build_layer", "build_router", "compare_with_dense", "computing_aux_losses",
     "config_from_dict", "cvmm",
-    "dense_grad_parameters", "no_weight_decay_parameters", "param_equal_dense", "param_groups",
+    "dense_grad_parameters", "no_usage_statistics", "no_weight_decay_parameters",
+    "param_equal_dense", "param_groups",
     "reset_usage", "routing_stats",
     "sparse_grad_parameters", "summing_aux_losses", "tune_cpu_allocator",
 ]

@@ -85,18 +85,47 @@ def computing_aux_losses(model: nn.Module):
             model(x_val)
         terms = sparseffn.aux_loss_terms(model)
     """
-    routers = [module for module in model.modules() if isinstance(module, Router)]
-    before = [module.__dict__.get("aux_losses_in_eval") for module in routers]
-    for module in routers:
-        module.aux_losses_in_eval = True
+    with _setting_on_each([m for m in model.modules() if isinstance(m, Router)],
+                          "aux_losses_in_eval", True):
+        yield
+
+
+@contextlib.contextmanager
+def no_usage_statistics(model: nn.Module):
+    """Inside, the sparse layers of ``model`` record no expert usage: a forward leaves
+    ``usage_counts`` / ``usage_mass`` as they are, and its ``routing_stats`` hold only what
+    the router measured anyway (``dropped_fraction``, ...), no ``counts`` or ``mass``. The
+    outputs and aux losses are the same.
+
+    For generation, where counting is most of what a decode step's router does beyond
+    routing: at one token, about 6 of a MoE layer's 14 computing operators.
+    :func:`sparseffn.models.generate.generate` and its ``Decoder`` run inside it unless told
+    to record; wrap other decoding loops (Hugging Face's ``generate()``) yourself:
+
+        with torch.no_grad(), sparseffn.no_usage_statistics(model):
+            out = model.generate(prompt, max_new_tokens=100)
+
+    The expert-usage analyses and the trainer's collapse monitor read these statistics; they
+    see nothing of what runs inside."""
+    with _setting_on_each([layer for _, layer in _layers(model)], "records_usage", False):
+        yield
+
+
+@contextlib.contextmanager
+def _setting_on_each(modules: list[nn.Module], name: str, value: bool):
+    """Set the instance attribute ``name`` of each of ``modules`` to ``value``, and, after,
+    back to what each had (deleting it where it had none: back to the class's default)."""
+    before = [module.__dict__.get(name) for module in modules]
+    for module in modules:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        for module, value in zip(routers, before):
-            if value is None:    # back to the class's default
-                del module.aux_losses_in_eval
+        for module, had in zip(modules, before):
+            if had is None:
+                delattr(module, name)
             else:
-                module.aux_losses_in_eval = value
+                setattr(module, name, had)
 
 
 def aux_loss_terms(model: nn.Module) -> dict[str, torch.Tensor]:

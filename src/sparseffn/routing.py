@@ -165,6 +165,8 @@ class SparseFFN(nn.Module):
     and accumulates, in the non-persistent buffers ``usage_counts`` / ``usage_mass`` (moved
     by ``.to()``, not saved in a state dict), the same per-expert sums across forwards until
     :meth:`reset_usage` (for the expert-usage analyses of Csordás et al. 2023, Fig. 3).
+    Inside :func:`sparseffn.no_usage_statistics` (generation) a forward records no usage:
+    the buffers stay as they are and ``routing_stats`` keeps only the router's statistics.
 
     Transient state survives the ecosystem: ``copy.deepcopy`` after a training forward,
     ``torch.inference_mode`` then a normal forward, activation checkpointing (a recomputed
@@ -173,6 +175,9 @@ class SparseFFN(nn.Module):
     """
 
     d_model: int
+    #: Whether a forward records its usage (``counts`` / ``mass`` and the accumulated
+    #: buffers): True but inside :func:`sparseffn.no_usage_statistics` (generation).
+    records_usage = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -255,11 +260,14 @@ class SparseFFN(nn.Module):
             self.aux_losses = summed
         else:
             self.aux_losses = dict(routing.aux_losses)
-        plan = routing.built_plan(num_experts)
-        counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
-                                    routing.dispatched, None if plan is None else plan.counts,
-                                    routing.mass)
-        self._record_usage(counts, mass, routing.stats)
+        if self.records_usage:
+            plan = routing.built_plan(num_experts)
+            counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
+                                        routing.dispatched, None if plan is None else plan.counts,
+                                        routing.mass)
+            self._record_usage(counts, mass, routing.stats)
+        else:
+            self.routing_stats = dict(routing.stats)
         if self._transient.observer is not None:
             self._transient.observer(routing)
         return y

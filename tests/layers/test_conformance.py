@@ -15,6 +15,7 @@ forward, meta-device construction then ``reset_parameters``, state-dict round tr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -242,14 +243,18 @@ def test_aux_losses_are_skipped_only_where_nothing_can_train_on_them(name):
         assert set(layer.aux_losses) == trained
 
 
+def _compiled_in_eval(name):
+    """(the example layer in evaluation, it compiled (Dynamo, eager backend), an input)."""
+    torch._dynamo.reset()
+    layer = _build(EXAMPLES[name]).eval()
+    return layer, torch.compile(layer, backend="eager", fullgraph=True), torch.randn(7, D)
+
+
 @pytest.mark.parametrize("name", ["layer:sigma_moe", "router:switch"])
 def test_a_compiled_layer_follows_computing_aux_losses_in_and_out(name):
     """Dynamo guards the rule: a compiled layer in evaluation records aux losses inside
     ``computing_aux_losses`` or with autograd, and none under ``no_grad`` before and after."""
-    torch._dynamo.reset()
-    layer = _build(EXAMPLES[name]).eval()
-    compiled = torch.compile(layer, backend="eager", fullgraph=True)
-    x = torch.randn(7, D)
+    layer, compiled, x = _compiled_in_eval(name)
     recorded = []
     with torch.no_grad():
         compiled(x)
@@ -263,6 +268,66 @@ def test_a_compiled_layer_follows_computing_aux_losses_in_and_out(name):
     recorded.append(set(layer.aux_losses))
     weighted = set(layer.aux_loss_weights)
     assert recorded == [set(), weighted, set(), weighted]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_no_usage_statistics_counts_nothing_and_changes_nothing_else(name):
+    """Inside ``no_usage_statistics``, in training and in evaluation, a forward gives the same
+    output and aux losses, leaves the accumulated usage as it was, and keeps only the
+    router's own statistics (no ``counts`` or ``mass``); after the block, forwards count
+    again, each adding its ``counts`` and ``mass``."""
+    layer = _build(EXAMPLES[name])
+    x = torch.randn(9, D)
+    for training in (True, False):
+        layer.train(training)
+        torch.manual_seed(0)
+        y = layer(x)
+        aux, stats = dict(layer.aux_losses), dict(layer.routing_stats)
+        usage = _usage_buffers(layer)
+        with sparseffn.no_usage_statistics(layer):
+            torch.manual_seed(0)
+            torch.testing.assert_close(layer(x), y)
+            torch.testing.assert_close(layer.aux_losses, aux)
+            assert set(layer.routing_stats) == set(stats) - {"counts", "mass"}
+            torch.testing.assert_close(_usage_buffers(layer), usage)
+        layer(x)
+        if hasattr(layer, "usage_counts"):
+            assert set(layer.routing_stats) == set(stats)
+            torch.testing.assert_close(_usage_buffers(layer), (
+                usage[0] + layer.routing_stats["counts"], usage[1] + layer.routing_stats["mass"]))
+
+
+def _usage_buffers(layer):
+    return tuple(getattr(layer, name).clone() for name in ("usage_counts", "usage_mass")
+                 if hasattr(layer, name))
+
+
+def test_no_usage_statistics_nests_and_restores_a_layers_own_setting():
+    """The block sets every sparse layer of a model and puts back what each had: the class's
+    default, or a setting of the layer's own."""
+    model = torch.nn.Sequential(_build(EXAMPLES["layer:sigma_moe"]), _build(EXAMPLES["layer:pkm"]))
+    model[1].records_usage = False
+    with sparseffn.no_usage_statistics(model):
+        with sparseffn.no_usage_statistics(model[0]):
+            assert not model[0].records_usage
+        assert [layer.records_usage for layer in model] == [False, False]
+    assert [layer.records_usage for layer in model] == [True, False]
+    assert "records_usage" not in model[0].__dict__
+
+
+@pytest.mark.parametrize("name", ["layer:sigma_moe", "router:switch"])
+def test_a_compiled_layer_follows_no_usage_statistics_in_and_out(name):
+    """Dynamo guards the setting: a compiled layer counts its usage before and after the
+    block and not inside it."""
+    layer, compiled, x = _compiled_in_eval(name)
+    totals = []
+    with torch.no_grad():
+        for inside in (False, True, False):
+            with sparseffn.no_usage_statistics(layer) if inside else contextlib.nullcontext():
+                compiled(x)
+            totals.append(layer.usage_counts.sum().item())
+    pairs = x.shape[0] * layer.router.k
+    assert totals == [pairs, pairs, 2 * pairs]
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
