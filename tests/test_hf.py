@@ -193,6 +193,23 @@ def test_cached_and_uncached_generation_agree_with_a_capacity_router():
     assert torch.equal(cached, uncached)
 
 
+def test_generation_inside_no_usage_statistics_counts_nothing_and_draws_the_same_tokens():
+    """HF's ``generate()`` counts usage as every forward does (with its KV cache, each token
+    once: the prompt's 5 and 5 of the 6 new); wrapped, it counts none and draws the same."""
+    model = gpt2()
+    hf.sparsify(model, "sigma_moe")
+    model.eval()
+    layers = [m for m in model.modules() if hasattr(m, "usage_counts")]
+    prompt = _ids(batch=2, length=5)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with sparseffn.no_usage_statistics(model):
+        quiet = model.generate(prompt, **kwargs)
+    assert layers and all(layer.usage_counts.sum() == 0 for layer in layers)
+    assert torch.equal(model.generate(prompt, **kwargs), quiet)
+    assert [layer.usage_counts.sum().item() for layer in layers] == \
+        [2 * (5 + 5) * layer.router.k for layer in layers]
+
+
 @pytest.mark.parametrize("preset", ["sigma_moe", "fff", "peer"])
 def test_generation_with_a_static_cache_compiles_one_graph_per_phase(preset):
     """HF's fast decoding: a static KV cache (fixed shapes) and ``torch.compile(model.forward,

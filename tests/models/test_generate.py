@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sparseffn.models.generate import generate, next_token_distribution
+from sparseffn.models.generate import Decoder, generate, next_token_distribution
 from sparseffn.models.lm import LMConfig, TransformerLM
 from sparseffn.models.presets import ffn_preset
 
@@ -119,3 +119,37 @@ def test_zero_new_tokens_returns_the_prompt_and_an_empty_batch_stays_empty():
     prompt = torch.randint(0, 20, (2, 3))
     assert torch.equal(generate(model, prompt, 0), prompt)
     assert generate(model, torch.zeros(0, 3, dtype=torch.long), 4).shape == (0, 7)
+
+
+def _positions_counted(model):
+    """Per sparse layer, how many token positions its accumulated usage counted (each sends
+    a position to ``k`` experts)."""
+    return [int(layer.usage_counts.sum().item()) // layer.router.k
+            for layer in model.modules() if hasattr(layer, "usage_counts")]
+
+
+@pytest.mark.parametrize("use_cache, positions", [(True, 5 + 5), (False, 5 + 6 + 7 + 8 + 9 + 10)],
+                         ids=["cache", "window"])
+def test_generation_counts_usage_only_when_asked(use_cache, positions):
+    """By default generating leaves the layers' usage statistics as they were; with
+    ``record_usage=True`` each forward counts: with the cache the prompt once and each new
+    token once (the last drawn token never runs), without it the whole window at every step.
+    The tokens are the same either way."""
+    model = tiny_lm()
+    prompt = torch.randint(0, 20, (3, 5))
+    out = generate(model, prompt, 6, temperature=0, use_cache=use_cache)
+    assert _positions_counted(model) == [0, 0]
+    counted = generate(model, prompt, 6, temperature=0, use_cache=use_cache, record_usage=True)
+    assert torch.equal(counted, out)
+    assert _positions_counted(model) == [3 * positions] * 2
+    assert all(layer.records_usage for layer in model.modules() if hasattr(layer, "usage_counts"))
+
+
+def test_the_decoder_counts_usage_only_when_asked():
+    model = tiny_lm()
+    prompt = torch.randint(0, 20, (2, 4))
+    decoder = Decoder(model, batch=2)
+    out = decoder.generate(prompt, 5, temperature=0)
+    assert _positions_counted(model) == [0, 0]
+    assert torch.equal(decoder.generate(prompt, 5, temperature=0, record_usage=True), out)
+    assert _positions_counted(model) == [2 * (4 + 4)] * 2

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..auxiliary import no_usage_statistics
 from ..runtime import check_compile_mode, compiled, compiling_many
 
 
@@ -127,22 +128,25 @@ def _check_prompt(model: nn.Module, prompt: torch.Tensor) -> None:
 def _sample(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
             next_logits: Callable[[torch.Tensor, int], torch.Tensor], temperature: float,
             top_k: int | None, top_p: float | None,
-            generator: torch.Generator | None) -> torch.Tensor:
+            generator: torch.Generator | None, record_usage: bool) -> torch.Tensor:
     """``prompt`` followed by ``max_new_tokens`` tokens, each drawn from
-    ``next_logits(tokens so far, step)`` [B, V] with the model in eval mode (restored after)."""
+    ``next_logits(tokens so far, step)`` [B, V] with the model in eval mode (restored after),
+    inside :func:`~sparseffn.no_usage_statistics` unless ``record_usage``."""
     was_training = model.training
     model.eval()
     tokens = prompt.long()
+    counting = contextlib.nullcontext() if record_usage else no_usage_statistics(model)
     try:
-        for step in range(max_new_tokens):
-            logits = next_logits(tokens, step)
-            if temperature == 0:     # greedy: the arg-max, without building its one-hot
-                following = logits.argmax(-1, keepdim=True)
-            else:
-                following = torch.multinomial(
-                    next_token_distribution(logits, temperature, top_k, top_p), 1,
-                    generator=generator)
-            tokens = torch.cat([tokens, following], dim=1)
+        with counting:
+            for step in range(max_new_tokens):
+                logits = next_logits(tokens, step)
+                if temperature == 0:     # greedy: the arg-max, without building its one-hot
+                    following = logits.argmax(-1, keepdim=True)
+                else:
+                    following = torch.multinomial(
+                        next_token_distribution(logits, temperature, top_k, top_p), 1,
+                        generator=generator)
+                tokens = torch.cat([tokens, following], dim=1)
     finally:
         model.train(was_training)
     return tokens
@@ -152,7 +156,7 @@ def _sample(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
 def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              generator: torch.Generator | None = None,
-             use_cache: bool | None = None) -> torch.Tensor:
+             use_cache: bool | None = None, record_usage: bool = False) -> torch.Tensor:
     """``prompt`` (int64 [B, T], T >= 1, on the model's device) followed by
     ``max_new_tokens`` tokens drawn one at a time from :func:`next_token_distribution` of the
     model's logits at the last position: int64 [B, T + max_new_tokens].
@@ -163,7 +167,13 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
     alone against a :class:`~sparseffn.models.kv_cache.KVCache` while the sequence fits the
     context (True; a ValueError where the model's routing forbids it, see
     :func:`cache_blocker`), run the window for every token (False), or the first where the
-    model allows it (None, the default)."""
+    model allows it (None, the default).
+
+    The sparse layers record no expert usage while generating
+    (:func:`~sparseffn.no_usage_statistics`: a decode step's counting costs about as much as
+    its routing), so ``usage_counts`` / ``usage_mass`` stay as they were. ``record_usage=True``
+    counts every forward: with the cache each token once, the prompt included; where the
+    window runs, every token of the window at every step."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     _check_prompt(model, prompt)
     context = model.config.context
@@ -182,7 +192,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
         return logits
 
     return _sample(model, prompt, max_new_tokens, next_logits, temperature, top_k, top_p,
-                   generator)
+                   generator, record_usage)
 
 
 def _fresh(piece: torch.Tensor) -> torch.Tensor:
@@ -245,10 +255,12 @@ class Decoder:
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None,
+                 record_usage: bool = False) -> torch.Tensor:
         """``prompt`` (int64 [batch, T], T >= 1) followed by ``max_new_tokens`` drawn tokens,
         int64 [batch, T + max_new_tokens]; the arguments are :func:`generate`'s. Empties the
-        cache first (the prompt starts new sequences)."""
+        cache first (the prompt starts new sequences). The compiled steps are specialised to
+        ``record_usage``: the first call with the other value compiles them again."""
         check_sampling(temperature, top_k, top_p, max_new_tokens)
         _check_prompt(self.model, prompt)
         cache, model = self.cache, self.model
@@ -273,4 +285,4 @@ class Decoder:
         # every decoder's steps share two code objects: one graph each per decoder
         with contextlib.nullcontext() if self.compile == "none" else compiling_many():
             return _sample(model, prompt, max_new_tokens, next_logits, temperature, top_k,
-                           top_p, generator)
+                           top_p, generator, record_usage)

@@ -337,7 +337,7 @@ class TransformerLM(nn.Module):
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
         """``prompt`` int64 [B, T] and ``max_new_tokens`` sampled tokens after it, int64
         [B, T + max_new_tokens]; ``sampling``: ``temperature`` (0: greedy), ``top_k``,
-        ``top_p``, ``generator``, ``use_cache``
+        ``top_p``, ``generator``, ``use_cache``, ``record_usage``
         (:func:`sparseffn.models.generate.generate`)."""
         from .generate import generate
         return generate(self, prompt, max_new_tokens, **sampling)
