@@ -49,6 +49,26 @@ def test_tiny_lm_runs_end_to_end(corpus, tmp_path, ffn):
     assert (tmp_path / ffn / "checkpoint.pt").is_file()
 
 
+def test_the_collapse_monitor_counts_the_training_steps_of_its_window_only(corpus, tmp_path,
+                                                                          monkeypatch):
+    """Logs every 2 steps, evaluations at steps 3 and 6: each log's usage is its two training
+    steps' tokens (4 sequences of 16), k experts each, whether an evaluation fell inside the
+    window or not. Evaluations count nothing, and discard nothing the window counted."""
+    from sparseffn.train import trainer
+    seen = []
+
+    def counting(model):
+        layers = [m for m in model.modules() if hasattr(m, "usage_counts")]
+        seen.append([int(m.usage_counts.sum().item()) // m.router.k for m in layers])
+        return usage_health(model)
+    usage_health = trainer.usage_health
+    monkeypatch.setattr(trainer, "usage_health", counting)
+    run = lm_run(corpus, "sigma_moe")
+    run = run.replace(train=run.train.__class__(**{**run.train.__dict__, "log_every": 2}))
+    Trainer(run, tmp_path, progress=False).train()
+    assert seen == [[2 * 4 * 16] * 2] * 3
+
+
 @pytest.mark.slow
 def test_an_lm_learns_the_corpus(corpus, tmp_path):
     run = lm_run(corpus, "sigma_moe", steps=80, warmup_steps=5)

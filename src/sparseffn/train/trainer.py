@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from ..analysis.summary import collapse_warning, usage_health
-from ..auxiliary import aux_loss, all_reduce_usage, dense_grad_parameters, reset_usage
+from ..auxiliary import (aux_loss, all_reduce_usage, dense_grad_parameters, no_usage_statistics,
+                         reset_usage)
 from ..distributed import exchange_drops
 from ..optim import adam_optimizers
 from ..runtime import (compiled, compiling_checkpointed_sparse_layers, compiling_many,
@@ -360,9 +361,12 @@ class Trainer:
                 if line.strip() and json.loads(line)["step"] <= step]
         path.write_text("".join(line + "\n" for line in kept))
 
-    def _evaluate(self, split: str = "val") -> Evaluation:
-        windows = self.run.train.eval_windows if split == "val" else None
-        return evaluate(self.model, self.data, self.run, split, windows)
+    def _evaluate(self, split: str = "val", whole: bool = False) -> Evaluation:
+        """:func:`evaluate` on ``split`` (its ``eval_windows`` for val, unless ``whole``),
+        counting no expert usage: the collapse monitor's window holds training steps only."""
+        windows = self.run.train.eval_windows if split == "val" and not whole else None
+        with no_usage_statistics(self.model):
+            return evaluate(self.model, self.data, self.run, split, windows)
 
     def train(self, resume: bool = False) -> dict:
         """Run to the last step (or continue from the checkpoint with ``resume``); returns the
@@ -508,7 +512,6 @@ class Trainer:
                     bar.update(self.step, per_step, note=collapse_note, **shown, lr=lr)
                 if evaluating:
                     result = self._evaluate()
-                    reset_usage(self.model)   # evaluation's routing is not training's
                     self._log({"kind": "eval", "split": "val", "step": self.step,
                                "train_time": self.train_time, **result.as_dict()})
                 if saving:
@@ -664,7 +667,7 @@ class Trainer:
         return note
 
     def summary(self, per_step: int) -> dict:
-        final = evaluate(self.model, self.data, self.run, "val")   # the whole split
+        final = self._evaluate("val", whole=True)
         cost = self.model.config.cost()
         out = {"name": self.run.name, "steps": self.step, "lr": self.run.train.lr,
                "train_time_s": self.train_time,
