@@ -442,6 +442,34 @@ def test_gshard_matches_algorithm_1_step_by_step(tokens, experts, group_size, ca
         torch.testing.assert_close(getattr(bare, field), getattr(result, field), msg=field)
 
 
+@pytest.mark.parametrize("group_size", [None, 5])
+@pytest.mark.parametrize("training", [True, False], ids=["train_all_dropless", "eval"])
+def test_gshard_where_nothing_can_drop_routes_as_algorithm_1(training, group_size):
+    """Where nothing can drop a pair (evaluation, dropless by default; or training with
+    ``second_expert="all"`` and no capacity) the router computes no buffer positions. Its
+    combine weights, aux loss and the loss's gradient are Algorithm 1's with unlimited
+    capacity. Its statistics say nothing was dropped, and every pair is dispatched."""
+    config = GShardRouterConfig(capacity_factor=None if training else 1.0,
+                                group_size=group_size, second_expert="all")
+    router = build_router(config, 6, 5, 2).train(training)
+    x = torch.randn(13, 6)
+    routing = router(x)
+    gates = torch.softmax(router.logits(x), -1)
+    want_combine, want_aux = _gshard_algorithm1(gates, group_size or 13, math.inf,
+                                                torch.zeros(13))
+    got = torch.zeros(13, 5).scatter_add_(1, routing.indices, routing.weights)
+    torch.testing.assert_close(got, want_combine)
+    aux = routing.aux_losses["gshard"]
+    torch.testing.assert_close(aux, want_aux)
+    torch.testing.assert_close(torch.autograd.grad(aux, router.weight),
+                               torch.autograd.grad(want_aux, router.weight))
+    assert routing.dispatched is None
+    assert {name: value.item() for name, value in routing.stats.items()} == {
+        "dropped_fraction": 0.0, "first_dropped_fraction": 0.0, "second_dispatched_fraction": 1.0}
+    empty = router(torch.randn(0, 6))
+    assert empty.indices.shape == (0, 2) and empty.stats["second_dispatched_fraction"] == 0
+
+
 def test_gshard_second_expert_is_sampled_in_proportion_to_2_g2():
     router = build_router(GShardRouterConfig(capacity_factor=None), 4, 4, 2).train()
     x = torch.randn(4000, 4)

@@ -100,15 +100,26 @@ def _group_aux(gates: torch.Tensor, e1: torch.Tensor, size: int, num_groups: int
     return picked.sum() / (num_experts * size * num_groups)
 
 
-def _mean_group_aux(gates: torch.Tensor, e1: torch.Tensor, size: int, num_groups: int
+def _mean_group_aux(gates: torch.Tensor, e1: torch.Tensor, group_size: int | None
                     ) -> torch.Tensor:
-    """Line 13, averaged over the groups; every group but the last has ``size`` tokens."""
+    """Line 13, averaged over the groups of ``group_size`` tokens (the last may be shorter;
+    None: one group)."""
     tokens = gates.shape[0]
+    size = group_size or max(tokens, 1)
+    num_groups = (tokens + size - 1) // size
     whole = tokens // size * size
     terms = [_group_aux(gates[start:stop], e1[start:stop], group_tokens, num_groups)
              for start, stop, group_tokens in ((0, whole, size), (whole, tokens, tokens - whole))
              if stop > start]
     return terms[0] + terms[1] if len(terms) == 2 else terms[0] if terms else gates.new_zeros(())
+
+
+def _top2(gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lines 5-6 and 15-16: each token's two experts (int64 [T, 2], by gate) and their gates
+    normalised by g1 + g2 ([T, 2])."""
+    top = torch.topk(gates.detach(), 2, dim=-1).indices
+    chosen = gates.gather(1, top)
+    return top, chosen / chosen.sum(-1, keepdim=True)
 
 
 def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | None,
@@ -127,26 +138,22 @@ def gshard_top2(gates: torch.Tensor, group_size: int | None, capacity: int | Non
     position fits and ``2 · g2 > rnd`` (line 19).
     """
     tokens, num_experts = gates.shape
-    size = group_size or max(tokens, 1)
-    top = torch.topk(gates.detach(), 2, dim=-1).indices                       # line 5 / 15
-    e1, e2 = top[:, 0], top[:, 1]
-    g1, g2 = gates.gather(1, top).unbind(1)
-    g1, g2 = g1 / (g1 + g2), g2 / (g1 + g2)                                  # lines 6, 16
-    num_groups = (tokens + size - 1) // size
+    top, normalised = _top2(gates)                                            # lines 5-6, 15-16
+    e1, e2 = top.unbind(1)
     # Lines 7 and 18 in one pass: the second choices take positions after every first choice
     # of their group (from c_e), in token order, as if queued behind all the first choices.
-    groups = ((torch.arange(tokens, device=gates.device) // size).repeat(2), num_groups) \
-        if group_size else (None, None)
+    groups = ((torch.arange(tokens, device=gates.device) // group_size).repeat(2),
+              (tokens + group_size - 1) // group_size) if group_size else (None, None)
     pos1, pos2 = positions_in_expert(top.t().reshape(-1), num_experts,
                                      *groups).view(2, tokens).unbind(0)
     keep1 = torch.ones_like(e1, dtype=torch.bool) if capacity is None else pos1 < capacity
     keep2 = torch.ones_like(e2, dtype=torch.bool) if capacity is None else pos2 < capacity
     if uniform is not None:
-        keep2 = keep2 & (2 * g2.detach() > uniform)                          # line 19
+        keep2 = keep2 & (2 * normalised[:, 1].detach() > uniform)            # line 19
     dispatched = torch.stack([keep1, keep2], 1)
-    return Top2Assignment(indices=top, combine=torch.stack([g1, g2], 1) * dispatched,
+    return Top2Assignment(indices=top, combine=normalised * dispatched,
                           dispatched=dispatched, positions=torch.stack([pos1, pos2], 1),
-                          aux_loss=_mean_group_aux(gates, e1, size, num_groups) if aux else None)
+                          aux_loss=_mean_group_aux(gates, e1, group_size) if aux else None)
 
 
 
@@ -175,20 +182,27 @@ class GShardRouter(LinearRouter):
         capacity = capacity_of(active_capacity_factor(cfg, self.training), group_size, 2,
                                self.num_experts)
         random_second = self.training and cfg.second_expert == "random"
-        uniform = torch.rand(tokens, device=x.device) if random_second else None
         # one group: None, so the sort keys carry no group ids (their width would then follow
         # the token count, a graph per width under torch.compile(dynamic=True))
-        result = gshard_top2(gates, None if group_size >= tokens else group_size, capacity,
-                             uniform, aux=self.computes_aux_losses)
-        dispatched = result.dispatched
+        groups = None if group_size >= tokens else group_size
+        aux = self.computes_aux_losses
         names = ("dropped_fraction", "first_dropped_fraction", "second_dispatched_fraction")
+        if capacity is None and not random_second:
+            # Nothing can drop a pair (dropless evaluation, the default): lines 5-6 and 15-16
+            # alone. No buffer positions, and statistics known without computing them.
+            top, combine = _top2(gates)
+            known = torch.tensor([0.0, 0.0, 1.0 if tokens else 0.0])
+            return Routing(indices=top, weights=combine, stats=dict(zip(names, known.unbind())),
+                           aux_losses={"gshard": _mean_group_aux(gates, top[:, 0], groups)}
+                           if aux else {})
+        uniform = torch.rand(tokens, device=x.device) if random_second else None
+        result = gshard_top2(gates, groups, capacity, uniform, aux=aux)
+        dispatched = result.dispatched
         flags = torch.stack([~dispatched.any(1), ~dispatched[:, 0], dispatched[:, 1]], 1)
         fractions = flags.float().mean(0) if tokens else torch.zeros(len(names), device=x.device)
         stats = dict(zip(names, fractions.unbind()))
         if capacity is not None:
             stats["capacity"] = torch.tensor(float(capacity))
-        return Routing(indices=result.indices, weights=result.combine,
-                       # every pair is kept when nothing can drop one (known without a host read)
-                       dispatched=None if capacity is None and uniform is None else dispatched,
+        return Routing(indices=result.indices, weights=result.combine, dispatched=dispatched,
                        aux_losses={} if result.aux_loss is None else {"gshard": result.aux_loss},
                        stats=stats)
