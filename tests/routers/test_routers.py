@@ -712,10 +712,13 @@ def test_sbase_balances_only_in_training_and_weights_by_sigmoid(rounding, max_lo
     routing = router(x)
     assert torch.equal(routing.indices, torch.topk(logits, 1).indices)
     torch.testing.assert_close(routing.weights, torch.sigmoid(logits.gather(1, routing.indices)))
+    # the balance statistic is the assignment's: none (and no dispatch plan) at evaluation
+    assert "max_load" not in routing.stats and routing.built_plan(4) is None
     router.train()
     trained = router(x)
     load = torch.bincount(trained.indices.flatten(), minlength=4).float()
     assert load.max() / (200 / 4) <= max_load
+    assert trained.stats["max_load"].item() == pytest.approx(load.max().item() / (200 / 4))
     torch.testing.assert_close(trained.weights, torch.sigmoid(logits.gather(1, trained.indices)))
 
 

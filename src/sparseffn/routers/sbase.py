@@ -71,8 +71,10 @@ class SBaseRouter(LinearRouter):
     ``Σ sel(x)[e_x]`` (Eq. 33, ``"exact"``). At evaluation, no balancing: the top-k of
     ``sel(x)``. The selected experts are weighted by ``sel(x)[e]``.
 
-    Auxiliary loss ``entropy`` (Eq. 35, as Csordás et al. 2023 uses for S-BASE). Stats:
-    ``max_load`` (the busiest expert's pairs over the balanced share).
+    Auxiliary loss ``entropy`` (Eq. 35, as Csordás et al. 2023 uses for S-BASE). Stats, in
+    training: ``max_load`` (the busiest expert's pairs over the balanced share). At evaluation
+    the layer's ``routing_stats["counts"]`` give the load (a decode step builds no dispatch
+    plan for it).
 
     forward(x: [tokens, d_model]) -> Routing(indices [tokens, k], weights [tokens, k])
     """
@@ -96,9 +98,10 @@ class SBaseRouter(LinearRouter):
         aux = {"entropy": batch_entropy_loss(logits, self.global_batch)} \
             if self.computes_aux_losses else {}
         routing = Routing(indices=indices, weights=weights, aux_losses=aux)
-        tokens = x.shape[0]
-        share = tokens * self.k / self.num_experts
-        # the pairs per expert from the dispatch plan, which the expert store then reuses
-        load = routing.plan(self.num_experts).counts
-        routing.stats["max_load"] = load.max() / share if tokens else torch.zeros(())
+        if self.training:     # the balance the assignment reached; at evaluation there is none
+            tokens = x.shape[0]
+            share = tokens * self.k / self.num_experts
+            # the pairs per expert from the dispatch plan, which the expert store then reuses
+            load = routing.plan(self.num_experts).counts
+            routing.stats["max_load"] = load.max() / share if tokens else torch.zeros(())
         return routing
