@@ -125,10 +125,11 @@ def test_analyze_model_leaves_mode_and_usage_as_they_were():
     torch.manual_seed(2)
     model = torch.nn.Sequential(SigmaMoE(d_model=16, num_experts=4, expert_size=8, k=2)).train()
     model(torch.randn(9, 16))
-    before = model[0].usage_mass.clone()
+    before = model[0].usage_counts.clone(), model[0].usage_mass.clone()
     tokens = torch.randint(0, 5, (20,))
     layers = analyze_model(model, [torch.randn(20, 16)], tokens, vocab_size=5)
-    assert model.training and torch.equal(model[0].usage_mass, before)
+    assert model.training and torch.equal(model[0].usage_counts, before[0]) and \
+        torch.equal(model[0].usage_mass, before[1])
     layer = layers["0"]
     assert layer["tokens"] == 20 and len(layer["co_occurrence"]) == 4
     assert sum(map(sum, layer["token_experts"])) == 20

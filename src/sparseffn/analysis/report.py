@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from ..auxiliary import no_usage_statistics
 from ..bench.plotting import MissingDependency
 from . import plots
 from .record import RoutingRecorder
@@ -26,19 +27,13 @@ def analyze_model(model: nn.Module, batches: Iterable, tokens: torch.Tensor | No
     ``tokens``: the token id of every position the model sees, in order (for the token
     tables). The model's mode and its layers' accumulated usage are left as they were."""
     was_training = model.training
-    saved_usage = {name: (m.usage_counts.clone(), m.usage_mass.clone())
-                   for name, m in model.named_modules() if hasattr(m, "usage_counts")}
     model.eval()
-    try:
-        with RoutingRecorder(model) as recorder:
+    try:     # the recorder keeps the routing itself; the layers need not count it too
+        with RoutingRecorder(model) as recorder, no_usage_statistics(model):
             for batch in batches:
                 model(*batch) if isinstance(batch, tuple) else model(batch)
     finally:
         model.train(was_training)
-        for name, module in model.named_modules():
-            if name in saved_usage:
-                module.usage_counts.copy_(saved_usage[name][0])
-                module.usage_mass.copy_(saved_usage[name][1])
     return summarize(recorder.records, tokens, vocab_size, token_label)
 
 
