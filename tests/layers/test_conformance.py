@@ -37,6 +37,7 @@ from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
 from sparseffn.routers import ProductKeyRouterConfig
 from sparseffn.routing import RoutedFFN
 from sparseffn.stores import MLPExperts, NeuronExperts, ValueRows
+from tests.device_spy import made_off_device, off_device
 
 D = 12
 
@@ -241,6 +242,22 @@ def test_aux_losses_are_skipped_only_where_nothing_can_train_on_them(name):
         assert layer.aux_losses == {}
         layer.train()(x)
         assert set(layer.aux_losses) == trained
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_tensor_a_forward_makes_is_on_the_inputs_device(name, training):
+    """A tensor made without a device is a CPU tensor whatever the input's device, and stops
+    CUDA graphs in a step compiled for a GPU (tests/device_spy.py). Checked for the
+    operators of the forward and backward and for the statistics and aux losses the layer
+    keeps."""
+    layer = _build(EXAMPLES[name]).train(training)
+    x = torch.randn(9, D, requires_grad=training)
+    with made_off_device() as made:
+        y = layer(x)
+        if training:
+            (y.sum() + sparseffn.aux_loss(layer)).backward()
+    assert made == [] and off_device({**layer.routing_stats, **layer.aux_losses}) == {}
 
 
 def _compiled_in_eval(name):

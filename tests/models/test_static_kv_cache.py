@@ -7,11 +7,13 @@ can run them; misuse is named."""
 import pytest
 import torch
 
+import sparseffn
 from sparseffn.models import PRESETS, Decoder
 from sparseffn.models.generate import generate
 
 from .test_generate import greedy_by_hand, tiny_lm
 from .test_kv_cache import _NoCache, capacity_lm, in_pieces
+from tests.device_spy import made_off_device, off_device
 
 
 @pytest.mark.parametrize("ffn", list(PRESETS))
@@ -166,6 +168,28 @@ def test_the_inductor_compiled_decoder_draws_the_eager_tokens(mode):
     assert compiled.cache.length == 12                   # the context: the window ran too
 
 
+@pytest.mark.parametrize("ffn", list(PRESETS))
+def test_the_training_and_decoding_steps_make_every_tensor_on_the_inputs_device(ffn):
+    """What CUDA graphs need of the steps they capture, checked without a GPU: no tensor made
+    without a device (tests/device_spy.py) in a training step (loss, aux losses, backward) or
+    in a decode step, nor among the statistics and aux losses the layers keep."""
+    model = tiny_lm(ffn)
+    tokens = torch.randint(0, 20, (2, 8))
+    cache, position = model.new_static_kv_cache(2), torch.full((1,), 5)
+    with made_off_device() as made:
+        (model.loss(tokens[:, :-1], tokens[:, 1:]) + sparseffn.aux_loss(model)).backward()
+        kept = _kept_by_layers(model)
+        with torch.no_grad():
+            model.eval()(tokens[:, :5], cache=cache)
+            model.forward_at(tokens[:, 5:6], position, cache)
+    assert made == [] and off_device(kept | _kept_by_layers(model)) == {}
+
+
+def _kept_by_layers(model):
+    return {f"{name}/{key}": value for name, stats in sparseffn.routing_stats(model).items()
+            for key, value in stats.items()} | sparseffn.aux_loss_terms(model)
+
+
 def test_decoder_misuse_is_named():
     model = tiny_lm("dense")
     with pytest.raises(ValueError, match="compile must be one of none, default, "
@@ -210,7 +234,7 @@ def test_on_cuda_the_one_token_step_reads_nothing_on_the_host(ffn):
 
 
 @needs_cuda
-@pytest.mark.parametrize("ffn", ["sigma_moe", "fff_sparse", "pkm", "peer"])
+@pytest.mark.parametrize("ffn", ["sigma_moe", "switch", "glam", "fff_sparse", "pkm", "peer"])
 def test_on_cuda_the_decoder_replays_cuda_graphs_and_draws_the_eager_tokens(ffn):
     from torch._dynamo.utils import counters
     torch._dynamo.reset()

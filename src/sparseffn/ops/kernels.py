@@ -577,7 +577,7 @@ def expert_mlp_pairs_torch(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor
         out = out + b2.index_select(0, flat)
     out = out * gates.reshape(-1, 1).to(out.dtype)
     if keep is not None:     # never computed: exactly zero, whatever the expert gives
-        out = torch.where(keep.reshape(-1, 1), out, torch.zeros((), dtype=out.dtype))
+        out = torch.where(keep.reshape(-1, 1), out, out.new_zeros(()))
     return out.view(tokens, k, w2.shape[-1]).sum(1).to(x.dtype)
 
 

@@ -189,10 +189,12 @@ class GShardRouter(LinearRouter):
         names = ("dropped_fraction", "first_dropped_fraction", "second_dispatched_fraction")
         if capacity is None and not random_second:
             # Nothing can drop a pair (dropless evaluation, the default): lines 5-6 and 15-16
-            # alone. No buffer positions, and statistics known without computing them.
+            # alone. No buffer positions, and statistics known without computing them (made
+            # on the input's device: a CPU tensor in a compiled graph stops CUDA graphs).
             top, combine = _top2(gates)
-            known = torch.tensor([0.0, 0.0, 1.0 if tokens else 0.0])
-            return Routing(indices=top, weights=combine, stats=dict(zip(names, known.unbind())),
+            known = (*torch.zeros(2, device=x.device).unbind(),
+                     torch.full((), 1.0 if tokens else 0.0, device=x.device))
+            return Routing(indices=top, weights=combine, stats=dict(zip(names, known)),
                            aux_losses={"gshard": _mean_group_aux(gates, top[:, 0], groups)}
                            if aux else {})
         uniform = torch.rand(tokens, device=x.device) if random_second else None
@@ -202,7 +204,7 @@ class GShardRouter(LinearRouter):
         fractions = flags.float().mean(0) if tokens else torch.zeros(len(names), device=x.device)
         stats = dict(zip(names, fractions.unbind()))
         if capacity is not None:
-            stats["capacity"] = torch.tensor(float(capacity))
+            stats["capacity"] = torch.full((), float(capacity), device=x.device)
         return Routing(indices=result.indices, weights=result.combine, dispatched=dispatched,
                        aux_losses={} if result.aux_loss is None else {"gshard": result.aux_loss},
                        stats=stats)

@@ -103,5 +103,6 @@ class SBaseRouter(LinearRouter):
             share = tokens * self.k / self.num_experts
             # the pairs per expert from the dispatch plan, which the expert store then reuses
             load = routing.plan(self.num_experts).counts
-            routing.stats["max_load"] = load.max() / share if tokens else torch.zeros(())
+            routing.stats["max_load"] = load.max() / share if tokens \
+                else torch.zeros((), device=x.device)
         return routing
