@@ -425,6 +425,26 @@ def test_a_step_that_does_not_compile_is_timed_eagerly(capsys):
     assert "peer: does not compile (RuntimeError: Cannot copy" in capsys.readouterr().out
 
 
+def test_a_compiled_step_that_cuda_graphs_skipped_says_so(capsys):
+    """Under "reduce-overhead" Inductor runs a graph holding a CPU tensor without CUDA graphs
+    and says nothing; the line after the first calls counts the graphs it skipped (faked
+    here: the step bumps Inductor's counter as a skip does)."""
+    from torch._dynamo.utils import counters
+
+    from sparseffn.bench.measure import first_call_or_eager
+
+    def skipped_once():
+        counters["inductor"]["cudagraph_skips"] += 1 if not calls else 0
+        calls.append(1)
+    calls = []
+    first_call_or_eager(lambda: None, lambda: None, "whole")
+    first_call_or_eager(skipped_once, lambda: None, "switch")
+    out = capsys.readouterr().out
+    assert "whole: compiled in 0 s\n" in out
+    assert "switch: compiled in 0 s; CUDA graphs skipped for 1 graph (TORCH_LOGS=cudagraphs " \
+        "says why)" in out
+
+
 def test_host_sync_in_names_the_sparseffn_line_that_synchronised(monkeypatch):
     """The check of scripts/gpu_check.py, gpu_lm_sync.py and ``bench compile``: the step runs
     under sync debug mode "error" (faked here: no CUDA), which is set back afterwards, and a

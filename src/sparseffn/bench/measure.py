@@ -259,8 +259,13 @@ def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Cal
     host memory in it, as in ScatterMoE) fails only at the second.
 
     Prints one line either way, with the seconds the two calls took: a benchmark that compiles
-    every contender before timing any shows in its log how far it got if it is cut off."""
+    every contender before timing any shows in its log how far it got if it is cut off. The
+    line also counts the graphs Inductor compiled without CUDA graphs in those calls
+    (``cudagraph_skips``: a CPU tensor or a host read in the step), which ``"reduce-overhead"``
+    otherwise does silently; ``TORCH_LOGS=cudagraphs`` (``perf_hints`` on older releases) gives the
+    reasons."""
     start = time.perf_counter()
+    skipped_before = _cudagraph_skips()
     try:
         for _ in range(2):
             step()
@@ -270,8 +275,17 @@ def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Cal
               flush=True)
         torch._dynamo.reset()
         return make_eager(), False
-    print(f"  {what}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
+    skipped = _cudagraph_skips() - skipped_before
+    print(f"  {what}: compiled in {time.perf_counter() - start:.0f} s"
+          + (f"; CUDA graphs skipped for {skipped} graph{'s' * (skipped != 1)} (TORCH_LOGS="
+             f"cudagraphs says why)" if skipped else ""), flush=True)
     return step, True
+
+
+def _cudagraph_skips() -> int:
+    """How many compiled graphs Inductor has run without CUDA graphs in this process."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["cudagraph_skips"]
 
 
 def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None,
