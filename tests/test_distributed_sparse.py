@@ -57,3 +57,32 @@ def test_all_reduce_sparse_grads_without_a_process_group_changes_nothing():
     before = layer.store.w_in.grad.to_dense().clone()
     all_reduce_sparse_grads(layer)
     torch.testing.assert_close(layer.store.w_in.grad.to_dense(), before)
+
+
+def _replica_without_gradients_on_one_rank(rank: int, world: int, init_file: str,
+                                           out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    layer = _layer()
+    if rank == 0:
+        layer(_batch(rank)).pow(2).mean().backward()
+    all_reduce_sparse_grads(layer)          # rank 1 takes part with empty gradients
+    torch.save({n: p.grad.to_dense() for n, p in layer.named_parameters() if p.grad is not None},
+               f"{out_dir}/grads{rank}.pt")
+    dist.barrier()
+    os._exit(0)
+
+
+def test_a_rank_whose_tables_got_no_gradient_takes_part_with_empty_ones():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_replica_without_gradients_on_one_rank,
+                 args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+        got = [torch.load(f"{tmp}/grads{r}.pt") for r in range(2)]
+    layer = _layer()
+    layer(_batch(0)).pow(2).mean().backward()
+    tables = {n for n, p in layer.named_parameters() if p.grad.is_sparse}
+    assert tables == {"store.w_in", "store.w_out"} and set(got[1]) == tables
+    for name in tables:
+        want = dict(layer.named_parameters())[name].grad.to_dense() / 2
+        for g in got:
+            torch.testing.assert_close(g[name], want, atol=1e-6, rtol=1e-5, msg=name)

@@ -2,11 +2,13 @@
 independent heads, exact parameter matching, sparse gradients and config errors."""
 
 import math
+import warnings
 
 import pytest
 import torch
 
 import sparseffn
+from sparseffn.ops.rows import row_sparse
 from tests.conftest import native_or_torch
 from tests.ops.reference import product_key_layer_reference
 from sparseffn import (PEER, DenseMLPConfig, PEERConfig, PKMConfig, ProductKeyMemory,
@@ -237,3 +239,33 @@ def test_sparse_grad_equals_dense_grad_and_trains_with_sparse_adam(rows_path, ki
     read = sparse.routing_stats["counts"] > 0
     for b, t in zip(before, tables):
         assert not torch.equal(b[read], t[read]) and torch.equal(b[~read], t[~read])
+
+
+@pytest.mark.parametrize("kind", ["pkm", "peer"])
+def test_a_backward_with_sparse_gradients_warns_nothing(kind):
+    """PyTorch 2.11 warns that sparse invariant checks are "implicitly disabled" even where
+    they are disabled explicitly (pytorch/pytorch#178274); its warning is once per process,
+    so warn_always makes every step show it."""
+    layer = (ProductKeyMemory(PKMConfig(d_model=8, num_subkeys=6, heads=2, k=3, sparse_grad=True))
+             if kind == "pkm" else PEER(d_model=8, num_experts=36, heads=2, k=3, sparse_grad=True))
+    was = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            layer(torch.randn(5, 8)).sum().backward()
+    finally:
+        torch.set_warn_always(was)
+    assert all(t.grad.is_sparse for t in sparseffn.sparse_grad_parameters(layer))
+
+
+def test_row_sparse_puts_each_value_row_at_its_row_and_may_be_empty():
+    values = torch.randn(3, 2, 4)
+    got = row_sparse(torch.tensor([1, 4, 5]), values, 7)
+    assert got.is_sparse and got.is_coalesced() and got.shape == (7, 2, 4)
+    want = torch.zeros(7, 2, 4)
+    want[[1, 4, 5]] = values
+    assert torch.equal(got.to_dense(), want)
+    empty = row_sparse(torch.zeros(0, dtype=torch.long), torch.zeros(0, 4), 7)
+    assert empty.shape == (7, 4) and empty._nnz() == 0 and torch.equal(empty.to_dense(),
+                                                                        torch.zeros(7, 4))

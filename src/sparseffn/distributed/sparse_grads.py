@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..auxiliary import sparse_grad_parameters
+from ..ops.rows import row_sparse
 
 
 def ddp_ignore_sparse_grad_parameters(model: nn.Module) -> list[str]:
@@ -48,8 +49,8 @@ def all_reduce_sparse_grads(model: nn.Module, group=None) -> None:
     for p in sparse_grad_parameters(model):
         grad = p.grad
         if grad is None:
-            grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long, device=p.device),
-                                           p.new_zeros(0, *p.shape[1:]), p.shape)
+            grad = row_sparse(torch.zeros(0, dtype=torch.long, device=p.device),
+                              p.new_zeros(0, *p.shape[1:]), p.shape[0])
         elif not grad.is_sparse:
             raise TypeError(f"all_reduce_sparse_grads: a sparse-gradient table has a dense "
                             f"gradient {tuple(grad.shape)}; was it built with sparse_grad?")

@@ -21,6 +21,8 @@ SGD): a table of a million rows then costs per step what the batch reads, not 4Â
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import dense_products, kernels, triton_rows
@@ -34,8 +36,19 @@ def scatter_rows_sparse(idx: torch.Tensor, weights: torch.Tensor, src: torch.Ten
     pair lands on."""
     rows, inverse = torch.unique(idx, return_inverse=True)
     values = scatter_rows(inverse.view(idx.shape), weights.contiguous(), src, rows.numel())
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, src.shape[1]),
-                                   is_coalesced=True, check_invariants=False)
+    return row_sparse(rows, values, num_rows)
+
+
+def row_sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The coalesced sparse COO [num_rows, *values.shape[1:]] whose row ``rows[i]`` is
+    ``values[i]``; ``rows`` [n] strictly increasing (so not checked: a check would cost a sort's
+    worth per step). PyTorch 2.11 warns that invariant checks are "implicitly disabled" although
+    they are disabled explicitly (pytorch/pytorch#178274, fixed later): that warning, and only
+    it, is dropped here, so a training step with sparse gradients prints nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+        return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, *values.shape[1:]),
+                                       is_coalesced=True, check_invariants=False)
 
 
 def _table_grad(idx, weights, src, num_rows, sparse: bool, row_index) -> torch.Tensor:
