@@ -445,6 +445,35 @@ def test_a_compiled_step_that_cuda_graphs_skipped_says_so(capsys):
         "says why)" in out
 
 
+def test_bench_generate_counts_the_graphs_inductor_ran_without_cuda_graphs(monkeypatch,
+                                                                           tmp_path, capsys):
+    """The static steps' warm-up of each preset is where Inductor compiles them; a skip is
+    faked there for pkm (no CUDA here)."""
+    from torch._dynamo.utils import counters
+
+    from sparseffn.bench import generation
+    original = generation.Decoder.generate
+
+    def generate(self, *args, **kwargs):
+        if self.model.blocks[0].ffn.__class__.__name__ == "ProductKeyMemory" and not warmed:
+            counters["inductor"]["cudagraph_skips"] += 2
+            warmed.append(self)
+        return original(self, *args, **kwargs)
+    warmed = []
+    monkeypatch.setattr(generation.Decoder, "generate", generate)
+    path = tmp_path / "generate.json"
+    assert cli.main(["bench", "generate", "--presets", "pkm", "--d-model", "32", "--n-layers",
+                     "1", "--n-heads", "2", "--context", "8", "--d-ff", "256", "--prompt", "3",
+                     "--repeats", "1", "--device", "cpu", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["preset"], r["static_cudagraph_skips"]) for r in records] == [("dense", 0),
+                                                                             ("pkm", 2)]
+    out = capsys.readouterr().out
+    assert ("  pkm: static steps compiled; CUDA graphs skipped for 2 graphs "
+            "(TORCH_LOGS=cudagraphs says why)\n") in out
+    assert "dense: static steps" not in out
+
+
 def test_host_sync_in_names_the_sparseffn_line_that_synchronised(monkeypatch):
     """The check of scripts/gpu_check.py, gpu_lm_sync.py and ``bench compile``: the step runs
     under sync debug mode "error" (faked here: no CUDA), which is set back afterwards, and a

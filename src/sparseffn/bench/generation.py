@@ -22,9 +22,9 @@ import torch
 from ..models.generate import Decoder, generate
 from ..runtime import check_compile_mode
 from .lm_step import byte_tokens, lm_model, preset_names
-from .measure import (InterruptibleLoop, autocast_dtype_of, describe_device,
+from .measure import (InterruptibleLoop, autocast_dtype_of, cudagraph_skips, describe_device,
                       keeping_swallowed_interrupts, paired_ratio, preparing_stopped,
-                      times_kept_on_interrupt, write_json)
+                      skipped_graphs_note, times_kept_on_interrupt, write_json)
 
 # the KV cache (generate), the window for every token, Decoder's fixed-shape steps
 MODES = ("cache", "window", "static")
@@ -44,7 +44,10 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     steps) before the next preset is built. Ctrl-C (or ``timeout -s INT``) there times the
     presets already warmed up (dense first: before it is ready the interrupt goes through);
     in the timed rounds it keeps the whole ones. A line says what was cut short, and a
-    record's ``rounds`` counts its rounds."""
+    record's ``rounds`` counts its rounds. Another says, for a preset whose static steps
+    Inductor compiled without CUDA graphs under ``"reduce-overhead"`` (a CPU tensor or a host
+    read in a step), how many graphs; its record's ``static_cudagraph_skips`` holds the count
+    (0 for none)."""
     check_compile_mode(compile)
     dev = torch.device(device)
     context = context or (256 if dev.type == "cuda" else 128)
@@ -75,14 +78,20 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         return generate_once
 
     fns, stopped = {}, ""
+    skips: dict[str, int] = {}     # graphs Inductor compiled without CUDA graphs, per warm-up
     with keeping_swallowed_interrupts():
         with InterruptibleLoop(names) as loop:      # dense first: the baseline
             for name in loop:
                 model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev).eval()
                 warmed = {f"{name}/{mode}": call(f"{name}/{mode}", model, mode)
                           for mode in MODES}
-                for fn in warmed.values():
+                for key, fn in warmed.items():
+                    skipped_before = cudagraph_skips()
                     fn()
+                    skips[key] = cudagraph_skips() - skipped_before
+                if skips[f"{name}/static"]:
+                    print(f"  {name}: static steps compiled"
+                          f"{skipped_graphs_note(skips[f'{name}/static'])}", flush=True)
                 fns.update(warmed)
         if loop.left:
             stopped = preparing_stopped(loop.left)
@@ -106,6 +115,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
             "static_over_cache": paired_ratio(static, cache),
             "cache_over_dense": paired_ratio(cache, times["dense/cache"]),
             "static_over_dense": paired_ratio(static, times["dense/static"]),
+            "static_cudagraph_skips": skips[f"{name}/static"],
             "same_tokens": all(torch.equal(drawn[0], other) for other in drawn[1:])})
     print(format_table(records))
     if json_path:

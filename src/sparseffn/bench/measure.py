@@ -265,7 +265,7 @@ def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Cal
     otherwise does silently; ``TORCH_LOGS=cudagraphs`` (``perf_hints`` on older releases) gives the
     reasons."""
     start = time.perf_counter()
-    skipped_before = _cudagraph_skips()
+    skipped_before = cudagraph_skips()
     try:
         for _ in range(2):
             step()
@@ -275,17 +275,25 @@ def first_call_or_eager(step: Callable[[], object], make_eager: Callable[[], Cal
               flush=True)
         torch._dynamo.reset()
         return make_eager(), False
-    skipped = _cudagraph_skips() - skipped_before
+    skipped = cudagraph_skips() - skipped_before
     print(f"  {what}: compiled in {time.perf_counter() - start:.0f} s"
-          + (f"; CUDA graphs skipped for {skipped} graph{'s' * (skipped != 1)} (TORCH_LOGS="
-             f"cudagraphs says why)" if skipped else ""), flush=True)
+          f"{skipped_graphs_note(skipped)}", flush=True)
     return step, True
 
 
-def _cudagraph_skips() -> int:
+def cudagraph_skips() -> int:
     """How many compiled graphs Inductor has run without CUDA graphs in this process."""
     from torch._dynamo.utils import counters
     return counters["inductor"]["cudagraph_skips"]
+
+
+def skipped_graphs_note(skipped: int) -> str:
+    """What a benchmark appends to a contender's line when ``skipped`` of its compiled graphs
+    ran without CUDA graphs ("" for none)."""
+    if not skipped:
+        return ""
+    return (f"; CUDA graphs skipped for {skipped} graph{'s' * (skipped != 1)} "
+            f"(TORCH_LOGS=cudagraphs says why)")
 
 
 def forward_backward_fn(layer: nn.Module, x: torch.Tensor, extra_loss=None,
