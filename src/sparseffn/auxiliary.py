@@ -94,8 +94,9 @@ def computing_aux_losses(model: nn.Module):
 def no_usage_statistics(model: nn.Module):
     """Inside, the sparse layers of ``model`` record no expert usage: a forward leaves
     ``usage_counts`` / ``usage_mass`` as they are, and its ``routing_stats`` hold only what
-    the router measured anyway (``dropped_fraction``, ...), no ``counts`` or ``mass``. The
-    outputs and aux losses are the same.
+    the router measured anyway (``dropped_fraction``, ...), none of the layer's
+    ``usage_stats`` (``counts``, ``mass``; FFF's soft ``entropy``). The outputs and aux losses
+    are the same.
 
     For generation, where counting is most of what a decode step's router does beyond
     routing: at one token, about 6 of a MoE layer's 14 computing operators.

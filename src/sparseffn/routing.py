@@ -178,6 +178,8 @@ class SparseFFN(nn.Module):
     #: Whether a forward records its usage (``counts`` / ``mass`` and the accumulated
     #: buffers): True but inside :func:`sparseffn.no_usage_statistics` (generation).
     records_usage = True
+    #: The ``routing_stats`` a forward keeps only when it records usage.
+    usage_stats: tuple[str, ...] = ("counts", "mass")
 
     def __init__(self) -> None:
         super().__init__()

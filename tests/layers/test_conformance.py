@@ -291,8 +291,9 @@ def test_a_compiled_layer_follows_computing_aux_losses_in_and_out(name):
 def test_no_usage_statistics_counts_nothing_and_changes_nothing_else(name):
     """Inside ``no_usage_statistics``, in training and in evaluation, a forward gives the same
     output and aux losses, leaves the accumulated usage as it was, and keeps only the
-    router's own statistics (no ``counts`` or ``mass``); after the block, forwards count
-    again, each adding its ``counts`` and ``mass``."""
+    router's own statistics (no ``counts``, ``mass`` or another of the layer's
+    ``usage_stats``); after the block, forwards count again, each adding its ``counts`` and
+    ``mass``."""
     layer = _build(EXAMPLES[name])
     x = torch.randn(9, D)
     for training in (True, False):
@@ -305,7 +306,7 @@ def test_no_usage_statistics_counts_nothing_and_changes_nothing_else(name):
             torch.manual_seed(0)
             torch.testing.assert_close(layer(x), y)
             torch.testing.assert_close(layer.aux_losses, aux)
-            assert set(layer.routing_stats) == set(stats) - {"counts", "mass"}
+            assert set(layer.routing_stats) == set(stats) - set(layer.usage_stats)
             torch.testing.assert_close(_usage_buffers(layer), usage)
         layer(x)
         if hasattr(layer, "usage_counts"):

@@ -170,13 +170,15 @@ class FastFeedForward(RoutedFFN):
 
     After each forward, ``routing_stats``: ``counts`` (the (token, leaf) pairs computed: every
     token for every leaf in the soft mode), ``mass`` (Σ over tokens of the weight of leaf i)
-    and, in the soft mode, ``entropy`` (mean leaf-distribution entropy, nats).
+    and, in the soft mode, ``entropy`` (mean leaf-distribution entropy, nats); inside
+    :func:`sparseffn.no_usage_statistics` none of the three.
 
     forward(x: [..., d_model]) -> [..., d_out]
     """
 
     _renamed_parameters = {"w1": "store.w1", "w2": "store.w2", "b1": "store.b1",
                            "b2": "store.b2"}
+    usage_stats = ("counts", "mass", "entropy")
 
     def __init__(self, config: FFFConfig | None = None, **kwargs) -> None:
         config = config_argument(FFFConfig, config, kwargs, type(self).__name__)
@@ -201,6 +203,8 @@ class FastFeedForward(RoutedFFN):
         mode = self.mode
         if mode == "soft":
             probs = self.router.leaf_probs(x)                                  # [T, L]
+            if not self.records_usage:      # a usage statistic: not at a decode step
+                return Routing.all_experts(probs)
             with torch.no_grad():   # entr(p) = -p log p, and 0 at p = 0: three operators
                 entropy = torch.special.entr(probs.detach().float()).sum(-1).mean()
             return Routing.all_experts(probs, stats={"entropy": entropy})
