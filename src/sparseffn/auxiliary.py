@@ -107,9 +107,18 @@ def no_usage_statistics(model: nn.Module):
             out = model.generate(prompt, max_new_tokens=100)
 
     The expert-usage analyses and the trainer's collapse monitor read these statistics; they
-    see nothing of what runs inside."""
-    with _setting_on_each([layer for _, layer in _layers(model)], "records_usage", False):
+    see nothing of what runs inside. The block's setting is not the layers' own
+    (``records_usage``, which it leaves as it is): a copy of a layer made inside it
+    (``copy.deepcopy``, ``torch.save`` of the module) counts usage."""
+    layers = [layer for _, layer in _layers(model)]
+    before = [layer._transient.usage_paused for layer in layers]
+    for layer in layers:
+        layer._transient.usage_paused = True
+    try:
         yield
+    finally:
+        for layer, paused in zip(layers, before):
+            layer._transient.usage_paused = paused
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ class _Transient:
     a deep copy or an unpickled layer starts empty (so ``copy.deepcopy`` and
     ``torch.optim.swa_utils.AveragedModel`` work after a training forward)."""
 
-    __slots__ = ("aux_losses", "routing_stats", "observer", "summing")
+    __slots__ = ("aux_losses", "routing_stats", "observer", "summing", "usage_paused")
 
     def __init__(self) -> None:
         self.aux_losses: dict[str, torch.Tensor] = {}
@@ -145,6 +145,9 @@ class _Transient:
         self.summing = False
         # called with each forward's Routing while a sparseffn.analysis.RoutingRecorder is on
         self.observer = None
+        # inside sparseffn.no_usage_statistics: a forward records no usage (a copy made there
+        # counts again, as the block's setting is not the layer's)
+        self.usage_paused = False
 
     def __deepcopy__(self, memo) -> "_Transient":
         return _Transient()
@@ -176,7 +179,8 @@ class SparseFFN(nn.Module):
 
     d_model: int
     #: Whether a forward records its usage (``counts`` / ``mass`` and the accumulated
-    #: buffers): True but inside :func:`sparseffn.no_usage_statistics` (generation).
+    #: buffers); a layer's own setting. Inside :func:`sparseffn.no_usage_statistics`
+    #: (generation) no forward records it either way: see :attr:`counts_usage`.
     records_usage = True
     #: The ``routing_stats`` a forward keeps only when it records usage.
     usage_stats: tuple[str, ...] = ("counts", "mass")
@@ -185,6 +189,12 @@ class SparseFFN(nn.Module):
         super().__init__()
         self._transient = _Transient()
         self.aux_loss_weights: dict[str, float] = {}
+
+    @property
+    def counts_usage(self) -> bool:
+        """Whether the next forward records its usage: :attr:`records_usage`, and not inside
+        :func:`sparseffn.no_usage_statistics`."""
+        return self.records_usage and not self._transient.usage_paused
 
     @property
     def aux_losses(self) -> dict[str, torch.Tensor]:
@@ -262,7 +272,7 @@ class SparseFFN(nn.Module):
             self.aux_losses = summed
         else:
             self.aux_losses = dict(routing.aux_losses)
-        if self.records_usage:
+        if self.counts_usage:
             plan = routing.built_plan(num_experts)
             counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
                                         routing.dispatched, None if plan is None else plan.counts,

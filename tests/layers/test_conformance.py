@@ -20,6 +20,7 @@ import copy
 import io
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -320,15 +321,24 @@ def _usage_buffers(layer):
                  if hasattr(layer, name))
 
 
-def test_no_usage_statistics_nests_and_restores_a_layers_own_setting():
-    """The block sets every sparse layer of a model and puts back what each had: the class's
-    default, or a setting of the layer's own."""
+def test_no_usage_statistics_nests_and_leaves_a_layers_own_setting_and_its_copies_alone():
+    """The block pauses every sparse layer of a model, nests, and leaves the layers' own
+    setting (``records_usage``) as it was; a copy made inside it is not paused."""
     model = torch.nn.Sequential(_build(EXAMPLES["layer:sigma_moe"]), _build(EXAMPLES["layer:pkm"]))
     model[1].records_usage = False
     with sparseffn.no_usage_statistics(model):
         with sparseffn.no_usage_statistics(model[0]):
-            assert not model[0].records_usage
-        assert [layer.records_usage for layer in model] == [False, False]
+            assert not model[0].counts_usage
+        assert [layer.counts_usage for layer in model] == [False, False]
+        copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        copies.append(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+        for copied in copies:
+            assert [layer.counts_usage for layer in copied] == [True, False]
+            copied[0](torch.randn(3, D))
+            assert copied[0].usage_counts.sum() > 0
+    assert [layer.counts_usage for layer in model] == [True, False]
     assert [layer.records_usage for layer in model] == [True, False]
     assert "records_usage" not in model[0].__dict__
 

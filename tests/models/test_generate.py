@@ -142,7 +142,7 @@ def test_generation_counts_usage_only_when_asked(use_cache, positions):
     counted = generate(model, prompt, 6, temperature=0, use_cache=use_cache, record_usage=True)
     assert torch.equal(counted, out)
     assert _positions_counted(model) == [3 * positions] * 2
-    assert all(layer.records_usage for layer in model.modules() if hasattr(layer, "usage_counts"))
+    assert all(layer.counts_usage for layer in model.modules() if hasattr(layer, "usage_counts"))
 
 
 def test_the_decoder_counts_usage_only_when_asked():

@@ -203,7 +203,7 @@ class FastFeedForward(RoutedFFN):
         mode = self.mode
         if mode == "soft":
             probs = self.router.leaf_probs(x)                                  # [T, L]
-            if not self.records_usage:      # a usage statistic: not at a decode step
+            if not self.counts_usage:       # a usage statistic: not at a decode step
                 return Routing.all_experts(probs)
             with torch.no_grad():   # entr(p) = -p log p, and 0 at p = 0: three operators
                 entropy = torch.special.entr(probs.detach().float()).sum(-1).mean()
