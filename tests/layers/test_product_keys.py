@@ -259,6 +259,22 @@ def test_a_backward_with_sparse_gradients_warns_nothing(kind):
     assert all(t.grad.is_sparse for t in sparseffn.sparse_grad_parameters(layer))
 
 
+def test_sparse_gradients_leave_the_programs_once_per_place_warnings_shown_once():
+    """Filtering PyTorch's warning resets Python's record of the warnings already shown, so it
+    is done only while PyTorch can still warn: not at every step."""
+    layer = PEER(d_model=8, num_experts=36, heads=2, k=3, sparse_grad=True)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            layer(torch.randn(5, 8)).sum().backward()
+            _warn_as_a_training_loop_might()
+    assert [str(w.message) for w in shown] == ["a warning of the training loop"]
+
+
+def _warn_as_a_training_loop_might():
+    warnings.warn("a warning of the training loop", UserWarning)
+
+
 def test_row_sparse_puts_each_value_row_at_its_row_and_may_be_empty():
     values = torch.randn(3, 2, 4)
     got = row_sparse(torch.tensor([1, 4, 5]), values, 7)

@@ -44,11 +44,26 @@ def row_sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch
     ``values[i]``; ``rows`` [n] strictly increasing (so not checked: a check would cost a sort's
     worth per step). PyTorch 2.11 warns that invariant checks are "implicitly disabled" although
     they are disabled explicitly (pytorch/pytorch#178274, fixed later): that warning, and only
-    it, is dropped here, so a training step with sparse gradients prints nothing."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+    it, is dropped here, so a training step with sparse gradients prints nothing.
+
+    PyTorch warns it once a process (every time under ``torch.set_warn_always(True)``), so only
+    those calls filter it: a ``warnings.catch_warnings`` at every step would also make Python
+    show each of the program's once-per-place warnings again at every step."""
+    global _warning_spent
+    def build():
         return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, *values.shape[1:]),
                                        is_coalesced=True, check_invariants=False)
+    warn_always = torch.is_warn_always_enabled()
+    if _warning_spent and not warn_always:
+        return build()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+        made = build()
+    _warning_spent = _warning_spent or not warn_always   # (warn_always does not spend it)
+    return made
+
+
+_warning_spent = False      # whether row_sparse has built a tensor outside warn_always
 
 
 def _table_grad(idx, weights, src, num_rows, sparse: bool, row_index) -> torch.Tensor:
