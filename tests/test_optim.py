@@ -147,3 +147,57 @@ def test_adam_is_not_fused_where_a_parameter_has_no_fused_kernel():
     meta = nn.Linear(3, 2, device="meta")
     assert not sparseffn.optim.fused_adam_fits(list(meta.parameters()))
     assert sparseffn.adam_optimizers(meta, lr=1e-3)[0].defaults["fused"] is None
+
+
+def _peer_with_gradients(sparse_grad: bool, batches: int = 1, scale: float = 1.0):
+    torch.manual_seed(0)
+    layer = sparseffn.PEER(d_model=8, num_experts=36, heads=2, k=3, sparse_grad=sparse_grad)
+    for b in range(batches):          # gradients added over micro-batches
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(b))
+        (scale * layer(x).square().sum()).backward()
+    return layer
+
+
+@pytest.mark.parametrize("batches", [1, 2], ids=["one batch", "two micro-batches"])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clipped", "under the bound"])
+def test_clip_grad_norm_with_sparse_gradients_clips_as_pytorch_clips_the_dense_ones(batches,
+                                                                                    max_norm):
+    sparse = _peer_with_gradients(True, batches)
+    dense = _peer_with_gradients(False, batches)
+    tables = sparseffn.sparse_grad_parameters(sparse)
+    assert all(t.grad.is_sparse for t in tables)
+    with pytest.raises(NotImplementedError):       # what the helper is for
+        torch.nn.utils.clip_grad_norm_(sparse.parameters(), max_norm)
+    norm = sparseffn.clip_grad_norm_(sparse.parameters(), max_norm)
+    want = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
+    torch.testing.assert_close(norm, want)
+    assert (norm > max_norm) == (max_norm == 0.5)
+    for (name, p), q in zip(sparse.named_parameters(), dense.parameters()):
+        if p.grad.is_sparse:
+            assert p.grad.is_coalesced(), name           # SparseAdam need not coalesce it again
+            torch.testing.assert_close(p.grad.to_dense(), q.grad, msg=name)
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_clip_grad_norm_without_sparse_gradients_is_pytorchs():
+    mine, theirs = _peer_with_gradients(False, scale=10.0), _peer_with_gradients(False, scale=10.0)
+    torch.testing.assert_close(sparseffn.clip_grad_norm_(mine.parameters(), 1.0),
+                               torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0))
+    for p, q in zip(mine.parameters(), theirs.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    untouched = nn.Linear(2, 2)
+    assert sparseffn.clip_grad_norm_(untouched.parameters(), 1.0) == 0
+
+
+def test_clip_grad_norm_counts_a_row_held_several_times_once_with_its_sum():
+    """An uncoalesced gradient (a row once per addend) is the dense one it sums to."""
+    table = nn.Parameter(torch.zeros(6, 3))
+    values = torch.tensor([[1.0, 2.0, 2.0], [3.0, 0.0, 4.0], [1.0, 2.0, 2.0]])
+    table.grad = torch.sparse_coo_tensor(torch.tensor([[1, 4, 1]]), values, (6, 3),
+                                         check_invariants=True)
+    assert not table.grad.is_coalesced()
+    dense = table.grad.to_dense()                   # row 1: (2, 4, 4), row 4: (3, 0, 4)
+    norm = sparseffn.clip_grad_norm_([table], 1.0)
+    torch.testing.assert_close(norm, dense.norm())  # sqrt(36 + 25) = 7.81, not sqrt(43)
+    torch.testing.assert_close(table.grad.to_dense(), dense / (dense.norm() + 1e-6))

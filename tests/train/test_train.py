@@ -581,3 +581,28 @@ def test_report_findings_compare_against_both_dense_baselines_within_a_sweep_rat
     assert said[2].count("dense model with") == 1 and "`dense@2`" in said[2]
     table = lr_sweep_lines(rows)
     assert "| moe | **2.600** | 2.700 | 1 |" in table and "| dense | 2.500 | **2.400** | 2 |" in table
+
+
+def test_clipping_takes_the_sparse_gradient_tables_into_the_norm_and_scales_them(
+        corpus, tmp_path, monkeypatch):
+    """With ``sparse_grad`` (PEER's tables, SparseAdam) the one gradient norm the trainer
+    clips by is the whole model's, as without it: the tables count and are scaled too."""
+    from sparseffn.train import parallel
+    seen = []
+
+    def clip(params, max_norm):
+        tables = [p for p in params if p.grad.is_sparse]
+        before = [p.grad.coalesce().to_dense() for p in tables]
+        norm = clip_grad_norm_(params, max_norm)
+        seen.append((len(tables), norm, max_norm,
+                     [torch.allclose(p.grad.to_dense(), b * min(1.0, max_norm / (norm + 1e-6)))
+                      for p, b in zip(tables, before)]))
+        return norm
+    clip_grad_norm_ = parallel.clip_grad_norm_
+    monkeypatch.setattr(parallel, "clip_grad_norm_", clip)
+    run = lm_run(corpus, "peer", steps=3, clip=0.01)
+    run = run.replace(model=run.model.__class__(**{**run.model.__dict__,
+                                                   "ffn_options": {"sparse_grad": True}}))
+    Trainer(run, tmp_path, progress=False).train()
+    assert [tables for tables, *_ in seen] == [4, 4, 4]       # two blocks, two tables each
+    assert all(norm > max_norm and all(scaled) for _, norm, max_norm, scaled in seen)

@@ -30,6 +30,7 @@ from torch import nn
 from ..distributed import (FixedExchange, expert_parameters, shard_experts, sharded_stores,
                            split_state_dict, sync_gradients)
 from ..distributed.errors import explained
+from ..optim import clip_grad_norm_, gradient_norm, scale_gradients_
 
 #: How long a rank waits for the others in a collective before it fails.
 TIMEOUT = timedelta(minutes=10)
@@ -174,16 +175,15 @@ class Parallel:
         (norm + 1e-6))``, so the step reads nothing on the host."""
         params = [p for p in params if p.grad is not None]
         if not self.sharded:
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            clip_grad_norm_(params, max_norm)
             return
         experts = {id(p) for p in expert_parameters(model)}
-        replicated = _norm([p.grad for p in params if id(p) not in experts], self.device)
-        expert_squares = _norm([p.grad for p in params if id(p) in experts],
-                               self.device).square()
+        replicated = _norm([p for p in params if id(p) not in experts], self.device)
+        expert_squares = _norm([p for p in params if id(p) in experts], self.device).square()
         with explained("all-reduce (gradient norm)"):
             dist.all_reduce(expert_squares)
         norm = (replicated.square() + expert_squares).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.float())
+        scale_gradients_(params, max_norm, norm.float())
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -246,8 +246,8 @@ class Parallel:
         return states
 
 
-def _norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The 2-norm of all of ``grads`` together (``torch.nn.utils.get_total_norm``, as
-    ``clip_grad_norm_`` takes it: one ``_foreach_norm`` per device and dtype), a 0-d float64
-    tensor on ``device`` (also for no gradients)."""
-    return torch.nn.utils.get_total_norm(grads).to(device=device, dtype=torch.float64)
+def _norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """The 2-norm of the gradients of ``params`` together (:func:`sparseffn.optim.gradient_norm`:
+    ``torch.nn.utils.get_total_norm``, sparse gradients too), a 0-d float64 tensor on
+    ``device`` (also for no gradients)."""
+    return gradient_norm(params).to(device=device, dtype=torch.float64)

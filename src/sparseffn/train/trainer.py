@@ -42,7 +42,7 @@ from torch import nn
 
 from ..analysis.summary import collapse_warning, usage_health
 from ..auxiliary import (aux_loss, all_reduce_usage, dense_grad_parameters, no_usage_statistics,
-                         reset_usage)
+                         reset_usage, sparse_grad_parameters)
 from ..distributed import exchange_drops
 from ..optim import adam_optimizers
 from ..runtime import (compiled, compiling_checkpointed_sparse_layers, compiling_many,
@@ -262,7 +262,9 @@ class Trainer:
             t.exchange_capacity_factor, t.batch_size, t.micro_batches, self._tokens_per_row))
         if parallel.active:      # different dropout and routing noise on every rank
             torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))   # (CUDA's too)
-        self.dense_params = dense_grad_parameters(self.model)
+        # clipped together: the tables with sparse gradients too (sparse_grad = true)
+        self.trained_params = dense_grad_parameters(self.model) + sparse_grad_parameters(
+            self.model)
         # the step's forward and loss compiled (evaluation and checkpoints use the model
         # itself); without it, each step looks up model.loss afresh
         self.compiled_loss = None if t.compile_mode is None else compiled(
@@ -584,7 +586,7 @@ class Trainer:
         parallel.sync(self.model)
         scaling.unscale(self.optimizers)     # (fp16 only; before clipping)
         if t.clip:
-            parallel.clip_grad_norm_(self.dense_params, t.clip, self.model)
+            parallel.clip_grad_norm_(self.trained_params, t.clip, self.model)
         scaling.step(self.optimizers)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
