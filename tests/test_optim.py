@@ -198,6 +198,6 @@ def test_clip_grad_norm_counts_a_row_held_several_times_once_with_its_sum():
                                          check_invariants=True)
     assert not table.grad.is_coalesced()
     dense = table.grad.to_dense()                   # row 1: (2, 4, 4), row 4: (3, 0, 4)
-    norm = sparseffn.clip_grad_norm_([table], 1.0)
+    norm = sparseffn.clip_grad_norm_(table, 1.0)    # one tensor, as PyTorch's takes it
     torch.testing.assert_close(norm, dense.norm())  # sqrt(36 + 25) = 7.81, not sqrt(43)
     torch.testing.assert_close(table.grad.to_dense(), dense / (dense.norm() + 1e-6))

@@ -73,7 +73,9 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     of them together, and ``norm`` is returned (a 0-d tensor). A sparse gradient counts as the
     dense one it stands for: it is coalesced first (gradients added over micro-batches hold a
     row once per micro-batch until then), which reads its row count on the host, as the
-    optimiser's own coalescing would."""
+    optimiser's own coalescing would. ``parameters``: an iterable of tensors, or one tensor."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     norm = gradient_norm(params)
     scale_gradients_(params, max_norm, norm)
