@@ -196,7 +196,9 @@ def sparse_grad_parameters(model: nn.Module) -> list[nn.Parameter]:
         sparse = sparseffn.sparse_grad_parameters(model)
         dense = sparseffn.dense_grad_parameters(model)
         optimizers = [torch.optim.Adam(dense), torch.optim.SparseAdam(sparse)]
-    """
+
+    Clip with :func:`sparseffn.clip_grad_norm_` (``torch.nn.utils.clip_grad_norm_`` raises on
+    sparse gradients)."""
     return [p for _, layer in _layers(model) for p in layer.sparse_grad_parameters()]
 
 
