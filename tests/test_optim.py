@@ -1,4 +1,7 @@
-"""sparseffn.param_groups: which parameters get weight decay; sparseffn.adam_optimizers."""
+"""sparseffn.param_groups: which parameters get weight decay; sparseffn.adam_optimizers;
+sparseffn.clip_grad_norm_ with sparse gradients."""
+
+import math
 
 import pytest
 import torch
@@ -201,3 +204,22 @@ def test_clip_grad_norm_counts_a_row_held_several_times_once_with_its_sum():
     norm = sparseffn.clip_grad_norm_(table, 1.0)    # one tensor, as PyTorch's takes it
     torch.testing.assert_close(norm, dense.norm())  # sqrt(36 + 25) = 7.81, not sqrt(43)
     torch.testing.assert_close(table.grad.to_dense(), dense / (dense.norm() + 1e-6))
+
+
+@pytest.mark.parametrize("norm_type", [1.0, math.inf], ids=["1-norm", "max"])
+def test_clip_grad_norm_takes_pytorchs_norm_types_with_sparse_gradients(norm_type):
+    sparse, dense = _peer_with_gradients(True), _peer_with_gradients(False)
+    torch.testing.assert_close(sparseffn.clip_grad_norm_(sparse.parameters(), 0.1, norm_type),
+                               torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1, norm_type))
+    for p, q in zip(sparse.parameters(), dense.parameters()):
+        torch.testing.assert_close(p.grad.to_dense() if p.grad.is_sparse else p.grad, q.grad)
+
+
+def test_clip_grad_norm_raises_on_a_non_finite_sparse_gradient_when_asked():
+    layer = _peer_with_gradients(True)
+    table = sparseffn.sparse_grad_parameters(layer)[0]
+    table.grad = table.grad.coalesce()
+    table.grad._values()[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        sparseffn.clip_grad_norm_(layer.parameters(), 1.0, error_if_nonfinite=True)
+    assert sparseffn.clip_grad_norm_(layer.parameters(), 1.0).isnan()

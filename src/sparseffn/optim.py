@@ -66,10 +66,12 @@ def param_groups(model: nn.Module, weight_decay: float, *,
             {"params": kept, "weight_decay": 0.0, "name": "no_decay"}]
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` (the 2-norm), also for sparse gradients (PKM/PEER
-    tables built with ``sparse_grad=True``, whose gradients PyTorch's raises on): every
-    gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the 2-norm of all
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None
+                    ) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, with its arguments, also for sparse gradients (PKM/
+    PEER tables built with ``sparse_grad=True``, on which PyTorch's raises): every gradient is
+    multiplied by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the ``norm_type``-norm of all
     of them together, and ``norm`` is returned (a 0-d tensor). A sparse gradient counts as the
     dense one it stands for: it is coalesced first (gradients added over micro-batches hold a
     row once per micro-batch until then), which reads its row count on the host, as the
@@ -77,26 +79,29 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
-    norm = gradient_norm(params)
-    scale_gradients_(params, max_norm, norm)
+    norm = gradient_norm(params, norm_type, error_if_nonfinite, foreach)
+    scale_gradients_(params, max_norm, norm, foreach)
     return norm
 
 
-def gradient_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of the gradients of ``params`` together (those with a gradient), as
-    ``torch.nn.utils.get_total_norm``; a sparse gradient is coalesced in place and counted by
-    its values."""
-    return torch.nn.utils.get_total_norm([_dense_part(p) for p in params if p.grad is not None])
+def gradient_norm(params: list[nn.Parameter], norm_type: float = 2.0,
+                  error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """The ``norm_type``-norm of the gradients of ``params`` together (those with a
+    gradient), as ``torch.nn.utils.get_total_norm``; a sparse gradient is coalesced in place
+    and counted by its values (its other rows are zeros, which no norm counts)."""
+    return torch.nn.utils.get_total_norm([_dense_part(p) for p in params if p.grad is not None],
+                                         norm_type, error_if_nonfinite, foreach)
 
 
-def scale_gradients_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+def scale_gradients_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor,
+                     foreach: bool | None = None) -> None:
     """Multiply every gradient of ``params`` by ``min(1, max_norm / (norm + 1e-6))``, as
     ``torch.nn.utils.clip_grads_with_norm_`` (on the device, no host read); a sparse one's
     values in place (it stays coalesced: ``Tensor.mul_`` would mark it uncoalesced)."""
     params = [p for p in params if p.grad is not None]
     sparse = [p for p in params if p.grad.is_sparse]
     torch.nn.utils.clip_grads_with_norm_([p for p in params if not p.grad.is_sparse],
-                                         max_norm, norm)
+                                         max_norm, norm, foreach)
     for p in sparse:
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         p.grad._values().mul_(coefficient.to(p.grad.device, p.grad.dtype))
