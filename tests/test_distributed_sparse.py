@@ -5,6 +5,7 @@ batch (two gloo processes on this machine)."""
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -23,9 +24,12 @@ def _batch(rank):
     return torch.randn(6, 8, generator=torch.Generator().manual_seed(10 + rank))
 
 
-def _replica(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _replica(rank: int, world: int, init_file: str, out_dir: str,
+             without_sparse_all_reduce: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
+    if without_sparse_all_reduce:    # as NCCL, which raises on a sparse tensor
+        _refuse_sparse_all_reduce()
     layer = _layer()
     assert sorted(ddp_ignore_sparse_grad_parameters(layer)) == ["store.w_in", "store.w_out"]
     model = DistributedDataParallel(layer)
@@ -37,9 +41,22 @@ def _replica(rank: int, world: int, init_file: str, out_dir: str) -> None:
     os._exit(0)      # see test_distributed_usage: gloo's teardown may abort a finished replica
 
 
-def test_ddp_with_sparse_gradient_tables_matches_one_process():
+def _refuse_sparse_all_reduce():
+    all_reduce = dist.all_reduce
+
+    def dense_only(tensor, *args, **kwargs):
+        if tensor.is_sparse:
+            raise RuntimeError("NCCL does not support all_reduce with sparse tensors")
+        return all_reduce(tensor, *args, **kwargs)
+    dist.all_reduce = dense_only
+
+
+@pytest.mark.parametrize("without_sparse_all_reduce", [False, True],
+                         ids=["gloo", "a backend without sparse all-reduce"])
+def test_ddp_with_sparse_gradient_tables_matches_one_process(without_sparse_all_reduce):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_replica, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+        mp.spawn(_replica, args=(2, os.path.join(tmp, "init"), tmp, without_sparse_all_reduce),
+                 nprocs=2, join=True)
         got = [torch.load(f"{tmp}/grads{r}.pt") for r in range(2)]
     layer = _layer()
     # DDP averages: the gradient of the mean of the replicas' losses

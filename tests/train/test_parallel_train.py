@@ -68,6 +68,15 @@ def _data_parallel_micro(corpus, micro_batches):
         **{**run.train.__dict__, "expert_parallel": False, "micro_batches": micro_batches}))
 
 
+def _data_parallel_sparse_tables(corpus):
+    """PEER with sparse-gradient tables (SparseAdam), replicated, without dropout; clipped
+    hard enough that every step clips."""
+    run = _run(corpus, 0.0, steps=6)
+    return run.replace(name="tiny-dp-sparse", model=ModelSpec(
+        **{**run.model.__dict__, "ffn": "peer", "ffn_options": {"sparse_grad": True}}),
+        train=TrainSpec(**{**run.train.__dict__, "expert_parallel": False, "clip": 0.05}))
+
+
 FP16_SCALE = 2.0 ** 24
 
 
@@ -175,6 +184,7 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     ep_fp16 = _expert_parallel_fp16(str(corpus)).to_dict()
     micro = _data_parallel_micro(str(corpus), 2)
     fixed = _fixed_exchange(str(corpus)).to_dict()
+    sparse_tables = _data_parallel_sparse_tables(str(corpus))
     # (run, folder, resume, the step during which rank 0 asks to stop, read_every_step)
     jobs = [(exact.to_dict(), tmp_path / "ep", False, None, None),
             (exact.to_dict(), tmp_path / "ep_stopped", False, 3, None),
@@ -187,7 +197,8 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
             (fp16, tmp_path / "dp_fp16_deferred", False, None, False),
             (ep_fp16, tmp_path / "ep_fp16", False, None, None),
             (micro.to_dict(), tmp_path / "dp_micro", False, None, None),
-            (fixed, tmp_path / "ep_fixed", False, None, False)]
+            (fixed, tmp_path / "ep_fixed", False, None, False),
+            (sparse_tables.to_dict(), tmp_path / "dp_sparse", False, None, None)]
     mp.spawn(_rank, args=(2, _free_port(), jobs), nprocs=2, join=True)
 
     # 1. two ranks with sharded experts = one process on the same global batches
@@ -320,7 +331,19 @@ def test_expert_parallel_training_on_two_ranks(tmp_path):
     assert not any("exchange_dropped_fraction" in json.loads(line) for line in
                    (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines())
 
-    # 8. a missing shard is named
+    # 8. sparse-gradient tables on two ranks (their rows all-gathered, not all-reduced: NCCL
+    #    has no sparse all-reduce) and clipped with the rest: one process's run
+    Trainer(sparse_tables, tmp_path / "one_sparse", progress=False).train()
+    for (kind, step, a), (kind_b, step_b, b) in zip(_curve(tmp_path / "dp_sparse"),
+                                                    _curve(tmp_path / "one_sparse"), strict=True):
+        assert (kind, step) == (kind_b, step_b) and a == pytest.approx(b, rel=1e-5)
+    two = ckpt.load(tmp_path / "dp_sparse" / "checkpoint.pt")["model"]
+    one = ckpt.load(tmp_path / "one_sparse" / "checkpoint.pt")["model"]
+    assert any(k.endswith("store.w_in") for k in one)
+    for key, value in one.items():
+        torch.testing.assert_close(two[key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+    # 9. a missing shard is named
     (tmp_path / "ep" / "checkpoint.pt.experts-step6-rank1-of-2").unlink()
     with pytest.raises(ckpt.CheckpointError, match="rank1-of-2 is missing"):
         ckpt.load(tmp_path / "ep" / "checkpoint.pt")

@@ -39,12 +39,16 @@ def scatter_rows_sparse(idx: torch.Tensor, weights: torch.Tensor, src: torch.Ten
     return row_sparse(rows, values, num_rows)
 
 
-def row_sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:
+def row_sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int,
+               coalesced: bool = True) -> torch.Tensor:
     """The coalesced sparse COO [num_rows, *values.shape[1:]] whose row ``rows[i]`` is
     ``values[i]``; ``rows`` [n] strictly increasing (so not checked: a check would cost a sort's
-    worth per step). PyTorch 2.11 warns that invariant checks are "implicitly disabled" although
-    they are disabled explicitly (pytorch/pytorch#178274, fixed later): that warning, and only
-    it, is dropped here, so a training step with sparse gradients prints nothing.
+    worth per step). With ``coalesced=False``, rows in any order and repeated (a row is then
+    the sum of its values), marked uncoalesced.
+
+    PyTorch 2.11 warns that invariant checks are "implicitly disabled" although they are
+    disabled explicitly (pytorch/pytorch#178274, fixed later): that warning, and only it, is
+    dropped here, so a training step with sparse gradients prints nothing.
 
     PyTorch warns it once a process (every time under ``torch.set_warn_always(True)``), so only
     those calls filter it: a ``warnings.catch_warnings`` at every step would also make Python
@@ -52,7 +56,7 @@ def row_sparse(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch
     global _warning_spent
     def build():
         return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, *values.shape[1:]),
-                                       is_coalesced=True, check_invariants=False)
+                                       is_coalesced=coalesced, check_invariants=False)
     warn_always = torch.is_warn_always_enabled()
     if _warning_spent and not warn_always:
         return build()
