@@ -128,15 +128,23 @@ def without_timing(records):
             for m in records]
 
 
+def _with_sparse_tables(run):
+    """``run`` with its FFN's tables built with ``sparse_grad`` (SparseAdam's state resumes)."""
+    return run.replace(model=run.model.__class__(**{**run.model.__dict__,
+                                                   "ffn_options": {"sparse_grad": True}}))
+
+
 @pytest.mark.parametrize("make_run", [
     lambda corpus: lm_run(corpus, "sigma_moe", steps=8),
     lambda corpus: lm_run(corpus, {"type": "moe", "num_experts": 4, "expert_size": 16, "k": 2,
                                    "router": {"type": "noisy_topk"}}, steps=8),
     lambda corpus: lm_run(corpus, "peer", steps=8),
+    lambda corpus: _with_sparse_tables(lm_run(corpus, "peer", steps=8, clip=0.05)),
     lambda corpus: classifier_run({"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3,
                                    "dropout": 0.2}, steps=20),
     lambda corpus: lm_run(corpus, "fff", steps=8, weight_decay=0.1),
-], ids=["sigma_moe+dropout", "noisy_topk", "peer", "classifier", "fff+weight_decay"])
+], ids=["sigma_moe+dropout", "noisy_topk", "peer", "peer+sparse_grad+clip", "classifier",
+        "fff+weight_decay"])
 def test_resume_equals_the_uninterrupted_run_to_the_bit(corpus, tmp_path, make_run):
     run = make_run(corpus)
     Trainer(run, tmp_path / "straight", progress=False).train()
