@@ -223,3 +223,19 @@ def test_clip_grad_norm_raises_on_a_non_finite_sparse_gradient_when_asked():
     with pytest.raises(RuntimeError, match="non-finite"):
         sparseffn.clip_grad_norm_(layer.parameters(), 1.0, error_if_nonfinite=True)
     assert sparseffn.clip_grad_norm_(layer.parameters(), 1.0).isnan()
+
+
+def test_clip_grad_value_clamps_a_sparse_gradient_as_the_dense_one_it_sums_to():
+    sparse, dense = _peer_with_gradients(True, batches=2), _peer_with_gradients(False, batches=2)
+    limit = 0.5 * max(q.grad.abs().max().item() for q in dense.parameters())
+    with pytest.raises(NotImplementedError):       # what the helper is for
+        torch.nn.utils.clip_grad_value_(sparse.parameters(), limit)
+    sparseffn.clip_grad_value_(sparse.parameters(), limit)
+    torch.nn.utils.clip_grad_value_(dense.parameters(), limit)
+    for p, q in zip(sparse.parameters(), dense.parameters()):
+        torch.testing.assert_close(p.grad.to_dense() if p.grad.is_sparse else p.grad, q.grad)
+    table = nn.Parameter(torch.zeros(3, 1))        # a row held twice: 0.4 + 0.4 clamps to 0.5
+    table.grad = torch.sparse_coo_tensor(torch.tensor([[2, 2]]), torch.tensor([[0.4], [0.4]]),
+                                         (3, 1), check_invariants=True)
+    sparseffn.clip_grad_value_(table, 0.5)
+    assert table.grad.to_dense().flatten().tolist() == [0.0, 0.0, 0.5]

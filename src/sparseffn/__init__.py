@@ -23,7 +23,8 @@ from .router_config import (DenseGateRouterConfig, GShardRouterConfig, Hierarchi
                             SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
 from .matching import active_equal_dense, compare_with_dense, param_equal_dense
 from .ops import DispatchPlan, cvmm
-from .optim import adam_optimizers, clip_grad_norm_, no_weight_decay_parameters, param_groups
+from .optim import (adam_optimizers, clip_grad_norm_, clip_grad_value_, no_weight_decay_parameters,
+                    param_groups)
 from .routing import Routing, SparseFFN
 from .registry import build_layer, build_router
 from .runtime import tune_cpu_allocator
@@ -40,7 +41,8 @@ __all__ = [
     "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP", "TopKMLPConfig",
     "TreeRouterConfig", "active_equal_dense", "adam_optimizers", "all_reduce_usage", "aux_loss",
     "aux_loss_terms",
-    "build_layer", "build_router", "clip_grad_norm_", "compare_with_dense", "computing_aux_losses",
+    "build_layer", "build_router", "clip_grad_norm_", "clip_grad_value_", "compare_with_dense",
+    "computing_aux_losses",
     "config_from_dict", "cvmm",
     "dense_grad_parameters", "no_usage_statistics", "no_weight_decay_parameters",
     "param_equal_dense", "param_groups",

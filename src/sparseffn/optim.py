@@ -84,6 +84,22 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     return norm
 
 
+def clip_grad_value_(parameters, clip_value: float, foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grad_value_``, also for sparse gradients (on which PyTorch's
+    raises): every gradient element clamped to ``[-clip_value, clip_value]``. A sparse
+    gradient is coalesced first, so a row it holds several times (once per micro-batch) is
+    clamped as the dense gradient's sum, not addend by addend."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    dense = [p for p in params if not p.grad.is_sparse]
+    if dense:     # (PyTorch's raises on an empty list)
+        torch.nn.utils.clip_grad_value_(dense, clip_value, foreach)
+    for p in params:
+        if p.grad.is_sparse:
+            _dense_part(p).clamp_(-clip_value, clip_value)
+
+
 def gradient_norm(params: list[nn.Parameter], norm_type: float = 2.0,
                   error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """The ``norm_type``-norm of the gradients of ``params`` together (those with a
