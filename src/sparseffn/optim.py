@@ -118,8 +118,9 @@ def scale_gradients_(params: list[nn.Parameter], max_norm: float, norm: torch.Te
     sparse = [p for p in params if p.grad.is_sparse]
     torch.nn.utils.clip_grads_with_norm_([p for p in params if not p.grad.is_sparse],
                                          max_norm, norm, foreach)
-    for p in sparse:
+    if sparse:
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in sparse:
         p.grad._values().mul_(coefficient.to(p.grad.device, p.grad.dtype))
 
 

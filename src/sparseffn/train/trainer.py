@@ -41,8 +41,7 @@ import torch
 from torch import nn
 
 from ..analysis.summary import collapse_warning, usage_health
-from ..auxiliary import (aux_loss, all_reduce_usage, dense_grad_parameters, no_usage_statistics,
-                         reset_usage, sparse_grad_parameters)
+from ..auxiliary import aux_loss, all_reduce_usage, no_usage_statistics, reset_usage
 from ..distributed import exchange_drops
 from ..optim import adam_optimizers
 from ..runtime import (compiled, compiling_checkpointed_sparse_layers, compiling_many,
@@ -263,8 +262,7 @@ class Trainer:
         if parallel.active:      # different dropout and routing noise on every rank
             torch.manual_seed(run.seed + 7919 * (parallel.rank + 1))   # (CUDA's too)
         # clipped together: the tables with sparse gradients too (sparse_grad = true)
-        self.trained_params = dense_grad_parameters(self.model) + sparse_grad_parameters(
-            self.model)
+        self.trained_params = list(self.model.parameters())
         # the step's forward and loss compiled (evaluation and checkpoints use the model
         # itself); without it, each step looks up model.loss afresh
         self.compiled_loss = None if t.compile_mode is None else compiled(
