@@ -78,20 +78,20 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         return generate_once
 
     fns, stopped = {}, ""
-    skips: dict[str, int] = {}     # graphs Inductor compiled without CUDA graphs, per warm-up
+    skips: dict[str, int] = {}     # graphs Inductor compiled without CUDA graphs, per preset
     with keeping_swallowed_interrupts():
         with InterruptibleLoop(names) as loop:      # dense first: the baseline
             for name in loop:
                 model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev).eval()
                 warmed = {f"{name}/{mode}": call(f"{name}/{mode}", model, mode)
                           for mode in MODES}
-                for key, fn in warmed.items():
-                    skipped_before = cudagraph_skips()
+                skipped_before = cudagraph_skips()      # (only the static steps compile)
+                for fn in warmed.values():
                     fn()
-                    skips[key] = cudagraph_skips() - skipped_before
-                if skips[f"{name}/static"]:
-                    print(f"  {name}: static steps compiled"
-                          f"{skipped_graphs_note(skips[f'{name}/static'])}", flush=True)
+                skips[name] = cudagraph_skips() - skipped_before
+                if skips[name]:
+                    print(f"  {name}: static steps compiled{skipped_graphs_note(skips[name])}",
+                          flush=True)
                 fns.update(warmed)
         if loop.left:
             stopped = preparing_stopped(loop.left)
@@ -115,7 +115,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
             "static_over_cache": paired_ratio(static, cache),
             "cache_over_dense": paired_ratio(cache, times["dense/cache"]),
             "static_over_dense": paired_ratio(static, times["dense/static"]),
-            "static_cudagraph_skips": skips[f"{name}/static"],
+            "static_cudagraph_skips": skips[name],
             "same_tokens": all(torch.equal(drawn[0], other) for other in drawn[1:])})
     print(format_table(records))
     if json_path:
