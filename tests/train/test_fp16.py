@@ -18,7 +18,7 @@ from sparseffn.train.loss_scaling import LossScaling
 from sparseffn.train.parallel import Parallel
 from sparseffn.train.trainer import Trainer, build_model
 
-from .test_train import classifier_run, interrupt_at, lm_run, metrics
+from .test_train import classifier_run, interrupt_at, lm_run, metrics, with_sparse_tables
 
 PRESETS = ["dense", "sigma_moe", "softmax_moe", "sbase", "switch", "glam", "fff", "fff_sparse",
            "pkm", "peer"]
@@ -48,9 +48,7 @@ def test_an_fp16_run_follows_the_fp32_run(corpus, tmp_path, ffn):
 def test_sparse_gradients_and_a_classifier_train_in_fp16(corpus, tmp_path):
     """SparseAdam's sparse gradients are unscaled too (PKM with ``sparse_grad``), and the
     classifier's loop is the LM's."""
-    run = lm_run(corpus, "pkm", fp16=True)
-    run = run.replace(model=run.model.__class__(**{**run.model.__dict__,
-                                                   "ffn_options": {"sparse_grad": True}}))
+    run = with_sparse_tables(lm_run(corpus, "pkm", fp16=True))
     trainer = Trainer(run, tmp_path / "pkm", progress=False)
     summary = trainer.train()
     assert [type(opt).__name__ for opt in trainer.optimizers] == ["Adam", "SparseAdam"]

@@ -128,7 +128,7 @@ def without_timing(records):
             for m in records]
 
 
-def _with_sparse_tables(run):
+def with_sparse_tables(run):
     """``run`` with its FFN's tables built with ``sparse_grad`` (SparseAdam's state resumes)."""
     return run.replace(model=run.model.__class__(**{**run.model.__dict__,
                                                    "ffn_options": {"sparse_grad": True}}))
@@ -139,7 +139,7 @@ def _with_sparse_tables(run):
     lambda corpus: lm_run(corpus, {"type": "moe", "num_experts": 4, "expert_size": 16, "k": 2,
                                    "router": {"type": "noisy_topk"}}, steps=8),
     lambda corpus: lm_run(corpus, "peer", steps=8),
-    lambda corpus: _with_sparse_tables(lm_run(corpus, "peer", steps=8, clip=0.05)),
+    lambda corpus: with_sparse_tables(lm_run(corpus, "peer", steps=8, clip=0.05)),
     lambda corpus: classifier_run({"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3,
                                    "dropout": 0.2}, steps=20),
     lambda corpus: lm_run(corpus, "fff", steps=8, weight_decay=0.1),
@@ -608,9 +608,7 @@ def test_clipping_takes_the_sparse_gradient_tables_into_the_norm_and_scales_them
         return norm
     clip_grad_norm_ = parallel.clip_grad_norm_
     monkeypatch.setattr(parallel, "clip_grad_norm_", clip)
-    run = lm_run(corpus, "peer", steps=3, clip=0.01)
-    run = run.replace(model=run.model.__class__(**{**run.model.__dict__,
-                                                   "ffn_options": {"sparse_grad": True}}))
+    run = with_sparse_tables(lm_run(corpus, "peer", steps=3, clip=0.01))
     Trainer(run, tmp_path, progress=False).train()
     assert [tables for tables, *_ in seen] == [4, 4, 4]       # two blocks, two tables each
     assert all(norm > max_norm and all(scaled) for _, norm, max_norm, scaled in seen)
