@@ -63,15 +63,10 @@ def summing_aux_losses(model: nn.Module):
             loss = task_loss(model(x)) + sparseffn.aux_loss(model)
     """
     layers = [layer for _, layer in _layers(model)]
-    before = [layer._transient.summing for layer in layers]
     for layer in layers:
         layer.aux_losses = {}
-        layer._transient.summing = True
-    try:
+    with _transient_flag_on_each(layers, "summing"):
         yield
-    finally:
-        for layer, summing in zip(layers, before):
-            layer._transient.summing = summing
 
 
 @contextlib.contextmanager
@@ -110,15 +105,22 @@ def no_usage_statistics(model: nn.Module):
     see nothing of what runs inside. The block's setting is not the layers' own
     (``records_usage``, which it leaves as it is): a copy of a layer made inside it
     (``copy.deepcopy``, ``torch.save`` of the module) counts usage."""
-    layers = [layer for _, layer in _layers(model)]
-    before = [layer._transient.usage_paused for layer in layers]
+    with _transient_flag_on_each([layer for _, layer in _layers(model)], "usage_paused"):
+        yield
+
+
+@contextlib.contextmanager
+def _transient_flag_on_each(layers: list[SparseFFN], name: str):
+    """Set the flag ``name`` of each layer's transient state (``routing._Transient``, which
+    copies of a layer do not carry) and, after, back to what each had."""
+    before = [getattr(layer._transient, name) for layer in layers]
     for layer in layers:
-        layer._transient.usage_paused = True
+        setattr(layer._transient, name, True)
     try:
         yield
     finally:
-        for layer, paused in zip(layers, before):
-            layer._transient.usage_paused = paused
+        for layer, had in zip(layers, before):
+            setattr(layer._transient, name, had)
 
 
 @contextlib.contextmanager
