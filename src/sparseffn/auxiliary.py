@@ -161,15 +161,28 @@ def routing_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def usage_buffer_names(model: nn.Module) -> list[str]:
+    """The names in ``model.named_buffers()`` of every sparse layer's accumulated usage."""
+    return [f"{name}.{buffer}" if name else buffer for name, layer in _layers(model)
+            for buffer in ("usage_counts", "usage_mass") if buffer in layer._buffers]
+
+
 def all_reduce_usage(model: nn.Module, group=None) -> None:
     """Sum every sparse layer's accumulated ``usage_counts`` / ``usage_mass`` over the
     processes of ``group`` (default: the world), so that each data-parallel replica holds the
     usage of the global batch. One collective for the whole model; a no-op when
     ``torch.distributed`` is not initialised. Call it once before reading the usage (and
-    ``reset_usage`` after): calling it twice would count the other replicas twice."""
+    ``reset_usage`` after): calling it twice would count the other replicas twice.
+
+    Under ``DistributedDataParallel``, call
+    :func:`sparseffn.distributed.ddp_ignore_usage_buffers` before wrapping the model: by
+    default DDP broadcasts rank 0's buffers before every forward, the usage included. Handed
+    such a DDP module, this raises a RuntimeError rather than sum rank 0's usage once per
+    rank."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
+    _check_usage_kept_per_rank(model, group)
     buffers = [buffer for _, layer in _layers(model)
                for buffer in (getattr(layer, "usage_counts", None), getattr(layer, "usage_mass", None))
                if buffer is not None]
@@ -182,6 +195,24 @@ def all_reduce_usage(model: nn.Module, group=None) -> None:
         for b in buffers:
             b.copy_(flat[offset:offset + b.numel()].view_as(b))
             offset += b.numel()
+
+
+def _check_usage_kept_per_rank(model: nn.Module, group) -> None:
+    """Raise if ``model`` is a DDP module that broadcasts the usage buffers from rank 0."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    if not (isinstance(model, DistributedDataParallel) and model.broadcast_buffers
+            and dist.get_world_size(group) > 1):
+        return
+    broadcast = [name for name in usage_buffer_names(model.module)
+                 if name not in model.parameters_to_ignore]
+    if broadcast:
+        raise RuntimeError(
+            f"all_reduce_usage: this DistributedDataParallel broadcasts rank 0's buffers before "
+            f"every forward, the accumulated usage included ({broadcast[0]}, ...), so every rank "
+            f"holds rank 0's usage and the sum would count it once per rank. Call "
+            f"sparseffn.distributed.ddp_ignore_usage_buffers(model) before wrapping the model "
+            f"(or build DistributedDataParallel with broadcast_buffers=False).")
 
 
 def reset_usage(model: nn.Module) -> None:

@@ -64,6 +64,7 @@ from ..stores import MLPExperts
 from ..stores.base import ExpertStore
 from .exchange import all_to_all, capacity_layout, exchange_counts
 from .batch import GroupBatchSum
+from .ddp import ddp_ignore
 from .errors import explained
 from .sparse_grads import all_reduce_sparse_grads
 
@@ -392,13 +393,11 @@ def ddp_ignore_expert_parameters(model: nn.Module) -> list[str]:
     (each rank's are different: DDP must neither broadcast nor average them), and the
     sharded stores' own counts (``exchange_counts``, each rank's); returns their names.
     After ``backward()`` call :func:`scale_expert_gradients`."""
-    from torch.nn.parallel import DistributedDataParallel
     ids = {id(p) for p in expert_parameters(model)}
     names = [name for name, p in model.named_parameters() if id(p) in ids]
     names += [f"{name}.store.exchange_counts" if name else "store.exchange_counts"
               for name, _ in sharded_stores(model)]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-    return names
+    return ddp_ignore(model, names)
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..auxiliary import sparse_grad_parameters
 from ..ops.rows import row_sparse
+from .ddp import ddp_ignore
 
 
 def ddp_ignore_sparse_grad_parameters(model: nn.Module) -> list[str]:
@@ -30,11 +31,8 @@ def ddp_ignore_sparse_grad_parameters(model: nn.Module) -> list[str]:
     ``DistributedDataParallel(model)`` built afterwards neither buckets nor broadcasts them;
     returns their names. Give every replica the same initial tables yourself (same seed, or
     load one checkpoint), since DDP no longer broadcasts them."""
-    from torch.nn.parallel import DistributedDataParallel
     sparse = {id(p) for p in sparse_grad_parameters(model)}
-    names = [name for name, p in model.named_parameters() if id(p) in sparse]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-    return names
+    return ddp_ignore(model, [name for name, p in model.named_parameters() if id(p) in sparse])
 
 
 def all_reduce_sparse_grads(model: nn.Module, group=None) -> None:
