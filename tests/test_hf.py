@@ -63,8 +63,8 @@ def bert(seed=0, hidden_act="gelu"):
 MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
 
 
-def _output(model, ids):
-    out = model(input_ids=ids)
+def _output(model, ids, attention_mask=None):
+    out = model(input_ids=ids, attention_mask=attention_mask)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
@@ -349,3 +349,33 @@ def test_collect_mlp_inputs_leaves_out_padding():
     got = hf.collect_mlp_inputs(model, [{"input_ids": _ids(2, 12), "attention_mask": mask}],
                                 sites)
     assert all(x.shape == (24 - 5, 32) for x in got.values())
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_inside_skipping_padding_a_padded_batch_trains_as_its_tokens_alone(family):
+    """Switch at capacity 1.0: padding would take experts' places and change the capacity."""
+    def model():
+        m = MODELS[family]()
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
+                     "embd_pdrop", "attn_pdrop"):
+            if hasattr(m.config, name):
+                setattr(m.config, name, 0.0)
+        m = type(m)(m.config)          # rebuilt without dropout, then made sparse
+        torch.manual_seed(1)
+        hf.sparsify(m, MoEConfig(d_model=32, num_experts=4, expert_size=16, k=1,
+                                 router=SwitchRouterConfig(capacity_factor=1.0)))
+        return m.train()
+
+    ids = _ids(2, 6)
+    padded = torch.cat([ids, torch.zeros(2, 4, dtype=ids.dtype)], dim=1)
+    mask = torch.cat([torch.ones(2, 6), torch.zeros(2, 4)], dim=1).long()
+    alone = model()
+    want = _output(alone, ids)
+    want_aux = sparseffn.aux_loss(alone)
+    padded_model = model()
+    with sparseffn.skipping_padding(padded_model, mask):
+        got = _output(padded_model, padded, mask)
+    torch.testing.assert_close(got[:, :6], want)
+    torch.testing.assert_close(sparseffn.aux_loss(padded_model), want_aux)
+    # without it, the padding changes the real tokens' outputs
+    assert not torch.allclose(_output(model(), padded, mask)[:, :6], want, atol=1e-4)

@@ -13,7 +13,7 @@ _check_torch(_torch.__version__)   # before the operators register: a clear erro
 
 from .auxiliary import (all_reduce_usage, aux_loss, aux_loss_terms, computing_aux_losses,
                         dense_grad_parameters, no_usage_statistics, reset_usage, routing_stats,
-                        sparse_grad_parameters, summing_aux_losses)
+                        skipping_padding, sparse_grad_parameters, summing_aux_losses)
 from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfig, PEERConfig,
                      PKMConfig, ProductKeySpec, SigmaMoEConfig, TopKMLPConfig, config_from_dict)
 from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
@@ -46,6 +46,6 @@ __all__ = [
     "config_from_dict", "cvmm",
     "dense_grad_parameters", "no_usage_statistics", "no_weight_decay_parameters",
     "param_equal_dense", "param_groups",
-    "reset_usage", "routing_stats",
+    "reset_usage", "routing_stats", "skipping_padding",
     "sparse_grad_parameters", "summing_aux_losses", "tune_cpu_allocator",
 ]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .routers.base import Router
-from .routing import SparseFFN
+from .routing import RoutedFFN, SparseFFN
 
 
 def _layers(model: nn.Module):
@@ -65,7 +65,7 @@ def summing_aux_losses(model: nn.Module):
     layers = [layer for _, layer in _layers(model)]
     for layer in layers:
         layer.aux_losses = {}
-    with _transient_flag_on_each(layers, "summing"):
+    with _transient_on_each(layers, "summing", True):
         yield
 
 
@@ -105,17 +105,46 @@ def no_usage_statistics(model: nn.Module):
     see nothing of what runs inside. The block's setting is not the layers' own
     (``records_usage``, which it leaves as it is): a copy of a layer made inside it
     (``copy.deepcopy``, ``torch.save`` of the module) counts usage."""
-    with _transient_flag_on_each([layer for _, layer in _layers(model)], "usage_paused"):
+    with _transient_on_each([layer for _, layer in _layers(model)], "usage_paused", True):
         yield
 
 
 @contextlib.contextmanager
-def _transient_flag_on_each(layers: list[SparseFFN], name: str):
-    """Set the flag ``name`` of each layer's transient state (``routing._Transient``, which
-    copies of a layer do not carry) and, after, back to what each had."""
+def skipping_padding(model: nn.Module, attention_mask: torch.Tensor):
+    """Inside, every routed layer of ``model`` (a router plus an expert store: σ-MoE, MoE with
+    any router, FFF, PKM, PEER, the top-k MLP) computes only the tokens where
+    ``attention_mask`` is nonzero (Hugging Face's ``attention_mask``: 1 for a token, 0 for
+    padding). The others get a zero output and a zero input gradient, and take no part in
+    anything computed over the batch: the aux losses, a capacity (Switch, GShard: padding no
+    longer takes a real token's place), S-BASE's balanced assignment, PEER's query
+    BatchNorm, the usage statistics.
+
+        with sparseffn.skipping_padding(model, batch["attention_mask"]):
+            loss = model(**batch).loss + sparseffn.aux_loss(model)
+        loss.backward()
+
+    ``attention_mask``: [...] with the shape of each layer's input without its last dimension
+    (``[batch, seq]`` for ``[batch, seq, d_model]``; a ValueError says so otherwise). Finding
+    the kept tokens reads the mask on the host once per layer call (a graph break under
+    ``torch.compile``). Activation checkpointing's recomputation, in a backward run inside or
+    outside the block, computes the rows the forward computed. The dense MLP and the classic
+    dense-gated mixtures compute every token as before: each token's output depends on that
+    token alone."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"skipping_padding: attention_mask must be a tensor, got "
+                        f"{type(attention_mask).__name__}")
+    layers = [layer for _, layer in _layers(model) if isinstance(layer, RoutedFFN)]
+    with _transient_on_each(layers, "token_mask", attention_mask):
+        yield
+
+
+@contextlib.contextmanager
+def _transient_on_each(layers: list[SparseFFN], name: str, value):
+    """Set ``name`` in each layer's transient state (``routing._Transient``, which copies of a
+    layer do not carry) to ``value`` and, after, back to what each had."""
     before = [getattr(layer._transient, name) for layer in layers]
     for layer in layers:
-        setattr(layer._transient, name, True)
+        setattr(layer._transient, name, value)
     try:
         yield
     finally:

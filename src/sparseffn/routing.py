@@ -136,7 +136,8 @@ class _Transient:
     a deep copy or an unpickled layer starts empty (so ``copy.deepcopy`` and
     ``torch.optim.swa_utils.AveragedModel`` work after a training forward)."""
 
-    __slots__ = ("aux_losses", "routing_stats", "observer", "summing", "usage_paused")
+    __slots__ = ("aux_losses", "routing_stats", "observer", "summing", "usage_paused",
+                 "token_mask", "kept_rows")
 
     def __init__(self) -> None:
         self.aux_losses: dict[str, torch.Tensor] = {}
@@ -148,6 +149,11 @@ class _Transient:
         # inside sparseffn.no_usage_statistics: a forward records no usage (a copy made there
         # counts again, as the block's setting is not the layer's)
         self.usage_paused = False
+        # inside sparseffn.skipping_padding: the mask [...] of the tokens a forward computes
+        self.token_mask: torch.Tensor | None = None
+        # the rows [T'] of the flattened input the last forward computed (None: all), which
+        # an activation checkpoint's recomputation of it computes again
+        self.kept_rows: torch.Tensor | None = None
 
     def __deepcopy__(self, memo) -> "_Transient":
         return _Transient()
@@ -360,11 +366,40 @@ class RoutedFFN(SparseFFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        x_router, x_store = self._cast_once(x.reshape(-1, self.d_model))
+        x_flat = x.reshape(-1, self.d_model)
+        rows = self._kept_rows(x)
+        if rows is not None:                    # inside sparseffn.skipping_padding
+            x_flat = x_flat.index_select(0, rows)
+        x_router, x_store = self._cast_once(x_flat)
         routing = self.route(x_router)
         y = self.store(x_store, routing)                                 # [T, d_out]
         y = self._record_routing(routing, self.num_experts, y)
+        if rows is not None:                    # the tokens left out get zeros
+            y = y.new_zeros(x.shape[:-1].numel(), y.shape[-1]).index_copy(0, rows, y)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _kept_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The rows of the flattened ``x`` [..., d_model] this forward computes (int64 [T']),
+        or None for all of them: inside :func:`sparseffn.skipping_padding`, those its mask
+        keeps (found on the host: one synchronisation); in an activation checkpoint's
+        recomputation, the rows of the forward it repeats, which ran inside the block while
+        the backward may run outside it."""
+        transient = self._transient
+        if transient.token_mask is None and transient.kept_rows is None:
+            return None
+        if recomputing():
+            return transient.kept_rows
+        mask = transient.token_mask
+        if mask is None:
+            transient.kept_rows = None
+            return None
+        if mask.shape != x.shape[:-1]:
+            raise ValueError(f"{type(self).__name__}: skipping_padding's mask has shape "
+                             f"{tuple(mask.shape)}, but this layer's input is "
+                             f"{tuple(x.shape)}: the mask must have the input's shape without "
+                             f"its last dimension (e.g. [batch, seq] for [batch, seq, d_model])")
+        transient.kept_rows = mask.to(x.device).reshape(-1).nonzero().squeeze(1)
+        return transient.kept_rows
 
     def _cast_once(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's and the store's inputs: ``x`` [T, d_model] for both, or ``x`` in the
