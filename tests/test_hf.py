@@ -351,20 +351,25 @@ def test_collect_mlp_inputs_leaves_out_padding():
     assert all(x.shape == (24 - 5, 32) for x in got.values())
 
 
+def _switch_in_training(family):
+    """A model of ``family`` without dropout, its MLPs Switch layers at capacity 1.0 (where
+    padding would take experts' places and change the capacity), in training mode."""
+    model = MODELS[family]()
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
+                 "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, name):
+            setattr(model.config, name, 0.0)
+    model = type(model)(model.config)
+    torch.manual_seed(1)
+    hf.sparsify(model, MoEConfig(d_model=32, num_experts=4, expert_size=16, k=1,
+                                 router=SwitchRouterConfig(capacity_factor=1.0)))
+    return model.train()
+
+
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_inside_skipping_padding_a_padded_batch_trains_as_its_tokens_alone(family):
-    """Switch at capacity 1.0: padding would take experts' places and change the capacity."""
     def model():
-        m = MODELS[family]()
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
-                     "embd_pdrop", "attn_pdrop"):
-            if hasattr(m.config, name):
-                setattr(m.config, name, 0.0)
-        m = type(m)(m.config)          # rebuilt without dropout, then made sparse
-        torch.manual_seed(1)
-        hf.sparsify(m, MoEConfig(d_model=32, num_experts=4, expert_size=16, k=1,
-                                 router=SwitchRouterConfig(capacity_factor=1.0)))
-        return m.train()
+        return _switch_in_training(family)
 
     ids = _ids(2, 6)
     padded = torch.cat([ids, torch.zeros(2, 4, dtype=ids.dtype)], dim=1)
@@ -379,3 +384,27 @@ def test_inside_skipping_padding_a_padded_batch_trains_as_its_tokens_alone(famil
     torch.testing.assert_close(sparseffn.aux_loss(padded_model), want_aux)
     # without it, the padding changes the real tokens' outputs
     assert not torch.allclose(_output(model(), padded, mask)[:, :6], want, atol=1e-4)
+
+
+def test_skip_padding_runs_each_padded_forward_inside_the_block_until_removed():
+    model = _switch_in_training("gpt2")
+    ids = _ids(2, 10)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, 6:] = 0
+    with torch.no_grad():
+        with sparseffn.skipping_padding(model, mask):
+            want = _output(model, ids, mask)
+        plain = _output(model, ids, mask)
+        assert not torch.allclose(plain[0, :6], want[0, :6], atol=1e-4)
+        handle = hf.skip_padding(model)
+        torch.testing.assert_close(_output(model, ids, mask), want)
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, want)  # positional
+        assert all(m._transient.token_mask is None for m in model.modules()
+                   if isinstance(m, sparseffn.SparseFFN))      # only during a forward
+        # generate() with its KV cache: the decoding steps' masks are longer than their input
+        prompt_mask = torch.ones(2, 10, dtype=torch.long)
+        prompt_mask[0, :3] = 0                                   # left padding
+        model.generate(ids, attention_mask=prompt_mask, max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+        handle.remove()
+        torch.testing.assert_close(_output(model, ids, mask), plain)

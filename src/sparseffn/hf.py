@@ -10,12 +10,17 @@
   weights load. The stock ``AutoModel.from_pretrained`` does not know the entry: it would
   build dense MLPs and report the sparse weights as unexpected.
 
+:func:`skip_padding` makes every forward of a model given an ``attention_mask`` run inside
+:func:`sparseffn.skipping_padding`, for loops such as the ``Trainer`` that call the model
+themselves.
+
 Hugging Face's own initialisation (``post_init``, ``init_weights``) leaves the replaced layers
 alone: they are marked initialised. Other architectures join with :func:`register_family`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import warnings
 from dataclasses import dataclass, field, replace
@@ -519,6 +524,62 @@ def apply_record(model: nn.Module, record: dict | None = None) -> None:
         config = config_from_dict(entry["layer"])
         _install(model, sites[path], build_layer(config))
     _warn_if_a_cache_changes_outputs(model, "the sparse layers loaded")
+
+
+class PaddingSkipped:
+    """What :func:`skip_padding` installed on a model: ``remove()`` takes it off (so does
+    leaving a ``with`` block over it)."""
+
+    def __init__(self, *handles) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def __enter__(self) -> "PaddingSkipped":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _token_shape(args: tuple, kwargs: dict) -> torch.Size | None:
+    """The [batch, seq] of a Hugging Face forward's ``input_ids`` or ``inputs_embeds``."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor):
+        return ids.shape
+    embeds = kwargs.get("inputs_embeds")
+    return embeds.shape[:-1] if isinstance(embeds, torch.Tensor) else None
+
+
+def skip_padding(model: nn.Module) -> PaddingSkipped:
+    """From now on, every forward of ``model`` that is given an ``attention_mask`` with padding
+    in it, of the shape of its ``input_ids`` (or ``inputs_embeds`` without their last
+    dimension), runs inside :func:`sparseffn.skipping_padding`: the routed layers compute
+    the real tokens only, as if the batch held them alone. For loops that call
+    ``model(**batch)`` themselves, such as Hugging Face's ``Trainer``.
+
+    A forward without padding, or whose mask is longer than its input (a decoding step of
+    ``generate()`` with a KV cache), runs as before. Checking for padding reads the mask on
+    the host once per forward. Not saved with the model: call it again after loading.
+    Returns a :class:`PaddingSkipped`; its ``remove()`` undoes this."""
+    from .auxiliary import skipping_padding
+    blocks: list[contextlib.ExitStack] = []     # one per forward in flight (nested forwards)
+
+    def enter(module, args, kwargs):
+        block = contextlib.ExitStack()
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.shape == _token_shape(args, kwargs) \
+                and not bool(mask.bool().all()):
+            block.enter_context(skipping_padding(module, mask))
+        blocks.append(block)
+
+    def leave(module, args, output):             # also after a forward that raised
+        blocks.pop().close()
+
+    return PaddingSkipped(model.register_forward_pre_hook(enter, with_kwargs=True),
+                          model.register_forward_hook(leave, always_call=True))
 
 
 def _sparse_class(model_class: type) -> type:
