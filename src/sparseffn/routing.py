@@ -102,6 +102,13 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
     return counts.float(), mass
 
 
+def _inside_func_transform() -> bool:
+    """True inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ...). There a
+    forward cannot add to the usage buffers: torch.func refuses in-place changes of tensors
+    the function did not receive (BatchNorm's running statistics are refused alike)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def recomputing() -> bool:
     """True while a forward runs again inside a backward pass: the recomputation of
     activation checkpointing (``torch.utils.checkpoint``, reentrant or not)."""
@@ -311,6 +318,8 @@ class SparseFFN(nn.Module):
         if usage.shape != counts.shape:
             raise ValueError(f"{type(self).__name__}: routing over {counts.shape[0]} experts, "
                              f"but usage is kept for {usage.shape[0]}")
+        if not torch.compiler.is_compiling() and _inside_func_transform():
+            return
         usage_mass = self._buffers["usage_mass"]
         usage.add_(counts.to(usage.dtype))
         usage_mass.add_(mass.to(usage_mass.dtype))

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import kernels
 from .debug import indices_outside
@@ -214,10 +215,8 @@ class _CVMM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2, weight, gates, order, token_of_row, counts, in_layout: str,
+    def forward(x2, weight, gates, order, token_of_row, counts, in_layout: str,
                 out_layout: str, num_tokens: int, k: int):
-        ctx.save_for_backward(x2, weight, gates, order, token_of_row, counts)
-        ctx.in_layout, ctx.out_layout, ctx.k = in_layout, out_layout, k
         gate_rows = gates.index_select(0, order) if gates is not None else None
         in_idx = _index_of(in_layout, order, token_of_row)
         out_idx, group = _scatter_of(out_layout, order, k)
@@ -227,6 +226,13 @@ class _CVMM(torch.autograd.Function):
         return out
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        x2, weight, gates, order, token_of_row, counts, in_layout, out_layout, _, k = inputs
+        ctx.save_for_backward(x2, weight, gates, order, token_of_row, counts)
+        ctx.in_layout, ctx.out_layout, ctx.k = in_layout, out_layout, k
+
+    @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x2, weight, gates, order, token_of_row, counts = ctx.saved_tensors
         need_x, need_w, need_g = ctx.needs_input_grad[:3]

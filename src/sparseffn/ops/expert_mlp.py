@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..activations import activation_fn
 from . import kernels, native, triton_cvmm
@@ -108,7 +109,7 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
             and w_gate is None \
             and x.dim() == 2 and x.dtype == w1.dtype == w2.dtype:
         return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
-                                    plan.token_of_row, plan.counts, plan.k)
+                                    plan.token_of_row, plan.counts, plan.k)[0]
     hidden = cvmm(x, plan, w1.transpose(1, 2), sorted_output=True)                  # [S, G]
     if b1 is not None:   # each sorted row's expert: the plan's order over the flat indices
         hidden = hidden + b1.index_select(0, indices.reshape(-1).index_select(0, plan.order)
@@ -133,22 +134,30 @@ class _ReluExpertMLP(torch.autograd.Function):
     the [S, expert_size] hidden units).
 
     Saves the input, the weights, the gates and the hidden units h = relu(x W1ᵀ) [S, G] in
-    sorted order (the ReLU's derivative is read off h > 0).
+    sorted order (the ReLU's derivative is read off h > 0). The forward returns ``(y, h)``,
+    h as an output without a gradient, so that ``torch.func`` transforms see what is saved.
     """
 
     @staticmethod
-    def forward(ctx, x, w1, w2, gates, order, tokens, counts, k):
+    def forward(x, w1, w2, gates, order, tokens, counts, k):
         gate_rows = gates.index_select(0, order)
         hidden, _ = kernels.cvmm_rows(x, w1.transpose(1, 2), counts, tokens, None, None,
                                       order.shape[0], 1, True, None, None)
         y, _ = kernels.cvmm_rows(hidden, w2, counts, None, order, gate_rows, x.shape[0], k,
                                  False, None, None)
-        ctx.save_for_backward(x, w1, w2, gates, hidden, order, tokens, counts)
-        ctx.k = k
-        return y
+        return y, hidden
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def setup_context(ctx, inputs, output):
+        x, w1, w2, gates, order, tokens, counts, k = inputs
+        hidden = output[1]
+        ctx.mark_non_differentiable(hidden)
+        ctx.save_for_backward(x, w1, w2, gates, hidden, order, tokens, counts)
+        ctx.k = k
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y, _grad_hidden):
         x, w1, w2, gates, hidden, order, tokens, counts = ctx.saved_tensors
         need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
         grad_y = grad_y.contiguous()

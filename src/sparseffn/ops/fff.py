@@ -38,6 +38,7 @@ import warnings
 from typing import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from ..requirements import torch_release
@@ -375,13 +376,17 @@ class _LevelwiseTree(torch.autograd.Function):
     Saves the node logits z and the output probabilities."""
 
     @staticmethod
-    def forward(ctx, z, depth: int, activation: str):
-        probs = _expanded_probs(kernels.fff_expand, z, depth, activation)
-        ctx.save_for_backward(z, probs)
-        ctx.depth, ctx.activation = depth, activation
-        return probs
+    def forward(z, depth: int, activation: str):
+        return _expanded_probs(kernels.fff_expand, z, depth, activation)
 
     @staticmethod
+    def setup_context(ctx, inputs, probs):
+        z, depth, activation = inputs
+        ctx.save_for_backward(z, probs)
+        ctx.depth, ctx.activation = depth, activation
+
+    @staticmethod
+    @once_differentiable
     def backward(ctx, grad_probs):
         z, probs = ctx.saved_tensors
         depth, activation = ctx.depth, ctx.activation

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -32,12 +33,16 @@ class _CastForTwo(torch.autograd.Function):
     it reads the two reduced-precision gradients and writes the float32 one)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dtype: torch.dtype):
-        ctx.input_dtype = x.dtype
+    def forward(x: torch.Tensor, dtype: torch.dtype):
         cast = x.to(dtype)
         return cast, cast.view_as(cast)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.input_dtype = inputs[0].dtype
+
+    @staticmethod
+    @once_differentiable
     def backward(ctx, grad_a: torch.Tensor | None, grad_b: torch.Tensor | None):
         if grad_a is None or grad_b is None:
             grad = grad_b if grad_a is None else grad_a

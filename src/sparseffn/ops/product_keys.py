@@ -24,6 +24,7 @@ at least its own: beating it, unless a sum rounds to equal.)
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import kernels, triton_rows
 from .precision import autocast_off
@@ -177,11 +178,16 @@ class _SelectedScores(torch.autograd.Function):
     gradient is written half by half into one tensor of the query's dtype."""
 
     @staticmethod
-    def forward(ctx, vals, query, keys_a, keys_b, idx):
-        ctx.save_for_backward(query, keys_a, keys_b, idx)
+    def forward(vals, query, keys_a, keys_b, idx):
         return vals.clone()
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, query, keys_a, keys_b, idx = inputs
+        ctx.save_for_backward(query, keys_a, keys_b, idx)
+
+    @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         query, keys_a, keys_b, idx = ctx.saved_tensors
         tokens, heads, k = grad.shape

@@ -24,6 +24,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import dense_products, kernels, triton_rows
 from .debug import indices_outside
@@ -96,12 +97,17 @@ def shared_row_index(idx: torch.Tensor, num_rows: int, *tensors: torch.Tensor,
 
 class _GatherDot(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, table, idx, sparse, row_index):
-        ctx.sparse = sparse
-        ctx.save_for_backward(x, table, idx, *(row_index or ()))
+    def forward(x, table, idx, sparse, row_index):
         return kernels.gather_dot(x, table, idx)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, table, idx, sparse, row_index = inputs
+        ctx.sparse = sparse
+        ctx.save_for_backward(x, table, idx, *(row_index or ()))
+
+    @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         x, table, idx, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
@@ -123,12 +129,17 @@ class _GatherDot(torch.autograd.Function):
 
 class _GatherSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, idx, weights, table, sparse, row_index):
-        ctx.sparse = sparse
-        ctx.save_for_backward(idx, weights, table, *(row_index or ()))
+    def forward(idx, weights, table, sparse, row_index):
         return kernels.gather_sum(idx, weights, table)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        idx, weights, table, sparse, row_index = inputs
+        ctx.sparse = sparse
+        ctx.save_for_backward(idx, weights, table, *(row_index or ()))
+
+    @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         idx, weights, table, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
