@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -408,3 +409,58 @@ def test_skip_padding_runs_each_padded_forward_inside_the_block_until_removed():
                        pad_token_id=0)
         handle.remove()
         torch.testing.assert_close(_output(model, ids, mask), plain)
+
+
+def test_add_aux_loss_adds_the_aux_losses_to_a_returned_loss_until_removed():
+    model = _switch_in_training("gpt2")
+    ids = _ids(2, 8)
+    plain = model(input_ids=ids, labels=ids).loss
+    aux = sparseffn.aux_loss(model)
+    assert aux.requires_grad and aux.item() > 0
+    with hf.add_aux_loss(model):
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, plain + aux)
+        tupled = model(input_ids=ids, labels=ids, return_dict=False)
+        torch.testing.assert_close(tupled[0], plain + aux)
+        assert model(input_ids=ids).loss is None                 # no labels, no loss
+        untupled = model(input_ids=ids, return_dict=False)[0]    # the logits, untouched
+        torch.testing.assert_close(untupled, model(input_ids=ids).logits)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, plain)
+
+
+def test_a_trainer_skips_padding_and_trains_the_aux_losses_with_the_hooks(tmp_path):
+    pytest.importorskip("accelerate")
+    model = transformers.BertForSequenceClassification(bert().config)
+    hf.sparsify(model, MoEConfig(d_model=32, num_experts=4, expert_size=16, k=2))
+    lengths = [3, 7, 5, 9, 4, 6, 8, 2]
+    examples = [{"input_ids": _ids(1, n, seed=n)[0], "labels": n % 2} for n in lengths]
+
+    def pad(batch):             # what DataCollatorWithPadding does, without a tokenizer
+        width = max(len(e["input_ids"]) for e in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, e in enumerate(batch):
+            ids[i, :len(e["input_ids"])] = e["input_ids"]
+            mask[i, :len(e["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": torch.tensor([e["labels"] for e in batch])}
+
+    losses = []          # (the loss the Trainer got, the task's loss plus the aux losses)
+    hf.skip_padding(model)
+    hf.add_aux_loss(model)
+    model.register_forward_hook(
+        lambda m, a, kw, out: losses.append((out.loss.detach(), (F.cross_entropy(
+            out.logits, kw["labels"]) + sparseffn.aux_loss(m)).detach())), with_kwargs=True)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                          max_steps=2, report_to=[], use_cpu=True,
+                                          save_strategy="no", logging_strategy="no",
+                                          dataloader_num_workers=0)
+    layers = [m for m in model.modules() if isinstance(m, sparseffn.SparseFFN)]
+    transformers.Trainer(model=model, args=args, train_dataset=examples,
+                         data_collator=pad).train()
+    # every layer routed the real tokens only: k = 2 slots per token, none of the padding
+    for layer in layers:
+        assert layer.usage_counts.sum() == 2 * sum(lengths)
+    assert len(losses) == 2
+    for got, want in losses:
+        torch.testing.assert_close(got, want)
+    assert sparseffn.aux_loss(model) != 0

@@ -10,9 +10,10 @@
   weights load. The stock ``AutoModel.from_pretrained`` does not know the entry: it would
   build dense MLPs and report the sparse weights as unexpected.
 
-:func:`skip_padding` makes every forward of a model given an ``attention_mask`` run inside
-:func:`sparseffn.skipping_padding`, for loops such as the ``Trainer`` that call the model
-themselves.
+For loops such as the ``Trainer`` that call the model and read its loss themselves:
+:func:`skip_padding` makes every forward given an ``attention_mask`` run inside
+:func:`sparseffn.skipping_padding`, and :func:`add_aux_loss` adds the aux losses to every
+loss the model returns.
 
 Hugging Face's own initialisation (``post_init``, ``init_weights``) leaves the replaced layers
 alone: they are marked initialised. Other architectures join with :func:`register_family`.
@@ -526,9 +527,9 @@ def apply_record(model: nn.Module, record: dict | None = None) -> None:
     _warn_if_a_cache_changes_outputs(model, "the sparse layers loaded")
 
 
-class PaddingSkipped:
-    """What :func:`skip_padding` installed on a model: ``remove()`` takes it off (so does
-    leaving a ``with`` block over it)."""
+class ModelHooks:
+    """What :func:`skip_padding` or :func:`add_aux_loss` installed on a model: ``remove()``
+    takes it off (so does leaving a ``with`` block over it)."""
 
     def __init__(self, *handles) -> None:
         self._handles = handles
@@ -537,7 +538,7 @@ class PaddingSkipped:
         for handle in self._handles:
             handle.remove()
 
-    def __enter__(self) -> "PaddingSkipped":
+    def __enter__(self) -> "ModelHooks":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -553,7 +554,7 @@ def _token_shape(args: tuple, kwargs: dict) -> torch.Size | None:
     return embeds.shape[:-1] if isinstance(embeds, torch.Tensor) else None
 
 
-def skip_padding(model: nn.Module) -> PaddingSkipped:
+def skip_padding(model: nn.Module) -> ModelHooks:
     """From now on, every forward of ``model`` that is given an ``attention_mask`` with padding
     in it, of the shape of its ``input_ids`` (or ``inputs_embeds`` without their last
     dimension), runs inside :func:`sparseffn.skipping_padding`: the routed layers compute
@@ -563,7 +564,7 @@ def skip_padding(model: nn.Module) -> PaddingSkipped:
     A forward without padding, or whose mask is longer than its input (a decoding step of
     ``generate()`` with a KV cache), runs as before. Checking for padding reads the mask on
     the host once per forward. Not saved with the model: call it again after loading.
-    Returns a :class:`PaddingSkipped`; its ``remove()`` undoes this."""
+    Returns a :class:`ModelHooks`; its ``remove()`` undoes this."""
     from .auxiliary import skipping_padding
     blocks: list[contextlib.ExitStack] = []     # one per forward in flight (nested forwards)
 
@@ -578,8 +579,29 @@ def skip_padding(model: nn.Module) -> PaddingSkipped:
     def leave(module, args, output):             # also after a forward that raised
         blocks.pop().close()
 
-    return PaddingSkipped(model.register_forward_pre_hook(enter, with_kwargs=True),
+    return ModelHooks(model.register_forward_pre_hook(enter, with_kwargs=True),
                           model.register_forward_hook(leave, always_call=True))
+
+
+def add_aux_loss(model: nn.Module) -> ModelHooks:
+    """From now on, every forward of ``model`` that returns a ``loss`` (given ``labels``)
+    returns ``loss + sparseffn.aux_loss(model)``: the routers' balance losses, with their
+    configured weights, join the objective of a loop that only reads the model's loss, such
+    as Hugging Face's ``Trainer``. (An evaluation forward without autograd computes no aux
+    losses, so there the loss stays the task's.) The layers' ``aux_loss_terms`` stay
+    readable as before. Not saved with the model: call it again after loading. Returns a
+    handle whose ``remove()`` undoes this."""
+    from .auxiliary import aux_loss
+
+    def add(module, args, kwargs, output):
+        if isinstance(output, dict):        # a ModelOutput (its attribute follows the key)
+            if output.get("loss") is not None:
+                output["loss"] = output["loss"] + aux_loss(module)
+        elif isinstance(output, tuple) and kwargs.get("labels") is not None and output:
+            output = (output[0] + aux_loss(module), *output[1:])  # return_dict=False
+        return output
+
+    return ModelHooks(model.register_forward_hook(add, with_kwargs=True))
 
 
 def _sparse_class(model_class: type) -> type:
