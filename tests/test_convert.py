@@ -1,12 +1,14 @@
-"""Dense → sparse conversion (MoEfication, Zhang et al. 2022, arXiv:2110.01786)."""
+"""Dense → sparse conversion: MoEfication (Zhang et al. 2022, arXiv:2110.01786) and sparse
+upcycling (Komatsuzaki et al. 2022, arXiv:2212.05055)."""
 
 import pytest
 import torch
 from torch.nn import functional as F
 
+import sparseffn
 from sparseffn import DenseMLP
 from sparseffn.convert import (DenseWeights, balanced_kmeans, distill, expert_importance,
-                               fit_router, moefy, split_hidden_units)
+                               fit_router, moefy, split_hidden_units, upcycle)
 
 
 def _dense(d_model=12, d_ff=30, activation="gelu", bias=True, seed=0):
@@ -215,3 +217,34 @@ def test_weight_split_of_a_gated_mlp_groups_units_by_their_gates():
     assert sorted(map(sorted, groups.tolist())) == [[0, 2, 5, 7], [1, 3, 4, 6]]
     with pytest.raises(ValueError, match="w_gate"):
         DenseWeights(dense.w1, None, dense.w2, None, "silu", w_gate=torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("dense", ["relu", "gelu with biases", "gated silu with biases"])
+def test_an_upcycled_layer_is_the_dense_mlp_until_it_trains(dense):
+    dense = {"relu": lambda: _dense(activation="relu", bias=False),
+             "gelu with biases": lambda: _dense(activation="gelu"),
+             "gated silu with biases": lambda: _gated(bias=True)}[dense]()
+    layer = upcycle(dense, num_experts=4, k=2)
+    weights = DenseWeights.of(dense) if isinstance(dense, DenseMLP) else dense
+    assert layer.store.w1.shape == (4, weights.d_ff, weights.d_model)
+    assert layer.config.router.renormalize
+    x = torch.randn(3, 7, 12)
+    want = dense(x) if isinstance(dense, DenseMLP) else _gated_reference(dense, x)
+    for mode in (False, True):
+        layer.train(mode)
+        torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    # one training step on a task loss and the aux loss: the experts start to differ
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    layer.train()
+    (layer(x).square().mean() + sparseffn.aux_loss(layer)).backward()
+    optimizer.step()
+    assert not torch.allclose(layer.store.w1[0], layer.store.w1[1])
+
+
+def test_upcycling_takes_any_router_and_keeps_the_dense_dtype():
+    dense = _dense().to(torch.bfloat16)
+    layer = upcycle(dense, 8, 1, router={"type": "switch", "capacity_factor": 2.0})
+    assert isinstance(layer.config.router, sparseffn.SwitchRouterConfig)
+    assert layer.store.w1.dtype == torch.bfloat16
+    assert sum(p.numel() for p in layer.store.parameters()) == 8 * sum(
+        p.numel() for p in dense.parameters()) - 7 * dense.down.bias.numel()

@@ -27,8 +27,8 @@ def _tiny_lm():
 
 def _hugging_face_models():
     pytest.importorskip("transformers")
-    from tests.test_hf import _batches, bert, gpt2
-    return {"model": gpt2(), "bert": bert(), "batches": _batches()}
+    from tests.test_hf import _batches, bert, gpt2, llama
+    return {"model": gpt2(), "bert": bert(), "llama": llama(), "batches": _batches()}
 
 
 def _dense_mlp():

@@ -464,3 +464,20 @@ def test_a_trainer_skips_padding_and_trains_the_aux_losses_with_the_hooks(tmp_pa
     for got, want in losses:
         torch.testing.assert_close(got, want)
     assert sparseffn.aux_loss(model) != 0
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_an_upcycled_model_computes_the_dense_model_and_saves_and_loads(family, tmp_path):
+    model = MODELS[family]().eval()
+    dense_out = _output(model, _ids())
+    dense_params = sum(p.numel() for p in model.parameters())
+    report = hf.upcycle(model, num_experts=4, k=2)
+    assert len(report) == len(hf.find_mlps(model))
+    totals = report.totals()
+    assert totals["sparse_flops"] > 1.9 * totals["dense_flops"]     # k = 2 copies per token
+    assert sum(p.numel() for p in model.parameters()) > dense_params + 2 * totals["dense_params"]
+    out = _output(model, _ids())
+    torch.testing.assert_close(out, dense_out, atol=1e-5, rtol=1e-4)
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(str(tmp_path)).eval()
+    torch.testing.assert_close(_output(loaded, _ids()), out)

@@ -22,7 +22,11 @@ experts are gated too (``MoEConfig(gated=True)``). Three steps:
    cross-entropy), and :func:`distill` optionally fine-tunes the converted model against the
    dense one.
 
-:mod:`sparseffn.hf` applies the same steps to every MLP of a Hugging Face model.
+The opposite trade, :func:`upcycle`: sparse upcycling (Komatsuzaki et al. 2022,
+arXiv:2212.05055) makes each expert a copy of the whole MLP, a larger mixture that starts as
+the trained dense MLP.
+
+:mod:`sparseffn.hf` applies both to every MLP of a Hugging Face model.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from .activations import ACTIVATIONS, activation_fn
 from .layers.dense import DenseMLP
 from .layers.moe import MoE, MoEConfig
 from .ops.assignment import capacity_rounding
-from .routers.sigma import SigmaRouterConfig
+from .routers.sigma import SigmaRouterConfig, SoftmaxRouterConfig
 
 SPLIT_METHODS = ("weights", "activations")
 
@@ -233,6 +237,43 @@ def moefy(dense: DenseWeights | nn.Module, num_experts: int, k: int, *,
     # each expert's mean pre-activation (bias aside): a similarity selection to start from
     selecting = dense.w_gate if dense.gated else dense.w1
     layer.router.weight.copy_(selecting.float()[groups].mean(1))      # [E, d_model]
+    return layer
+
+
+@torch.no_grad()
+def upcycle(dense: DenseWeights | nn.Module, num_experts: int, k: int, *,
+            router=None) -> MoE:
+    """A :class:`~sparseffn.MoE` whose ``num_experts`` experts are each a copy of the whole
+    dense MLP: sparse upcycling (Komatsuzaki et al. 2022, arXiv:2212.05055), which starts a
+    mixture of experts from a trained dense checkpoint instead of from scratch. Each token
+    then uses ``k`` copies, so the layer holds ``num_experts`` times the MLP's parameters and
+    computes ``k`` times its FLOPs (the opposite trade to :func:`moefy`, which divides the MLP).
+
+    dense: a :class:`DenseWeights` or a :class:`~sparseffn.DenseMLP`.
+    router: the router of the mixture, as :class:`~sparseffn.MoEConfig` takes it (a config,
+      a dict with ``type``, or a name); default a softmax over the experts whose ``k`` kept
+      gates are renormalised to sum to one (``SoftmaxRouterConfig(renormalize=True)``,
+      Mixtral's top-k gate), freshly initialised. With it, and any router whose gates sum to
+      one over the experts computed, the upcycled layer computes the dense MLP exactly at
+      initialisation (up to rounding): the experts are equal and their gates sum to one.
+      The experts then differ as training sends them different tokens.
+    """
+    dense = _dense_weights(dense)
+    biased = dense.b1 is not None or dense.b2 is not None
+    config = MoEConfig(d_model=dense.d_model, num_experts=num_experts, expert_size=dense.d_ff,
+                       k=k, router=router if router is not None else
+                       SoftmaxRouterConfig(renormalize=True),
+                       activation=dense.activation, bias=biased, gated=dense.gated)
+    with torch.device(dense.w1.device):
+        layer = MoE(config).to(dense.w1.dtype)
+    store = layer.store
+    store.w1.copy_(dense.w1.expand_as(store.w1))                       # [E, d_ff, d_model]
+    store.w2.copy_(dense.w2.t().expand_as(store.w2))                   # [E, d_ff, d_model]
+    if dense.gated:
+        store.w_gate.copy_(dense.w_gate.expand_as(store.w_gate))
+    if biased:
+        store.b1.copy_(dense.b1.expand_as(store.b1) if dense.b1 is not None else 0.0)
+        store.b_out.copy_(dense.b2 if dense.b2 is not None else 0.0)
     return layer
 
 

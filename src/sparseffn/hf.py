@@ -33,6 +33,7 @@ from torch import nn
 from .bench.plotting import MissingDependency
 from .convert import DenseWeights, fit_router
 from .convert import moefy as moefy_mlp
+from .convert import upcycle as upcycle_mlp
 from .models.presets import PRESETS, ffn_preset
 from .registry import LayerConfig, build_layer, config_from_dict
 
@@ -502,6 +503,32 @@ def moefy(model: nn.Module, num_experts: int, k: int, batches: Iterable[dict], *
         report.replacements.append(_replacement(site, layer.config, layer))
         _install(model, site, layer)
         _record(model, site, layer.config)
+    return report
+
+
+def upcycle(model: nn.Module, num_experts: int, k: int, *, router: Any = None,
+            which: str | int | Sequence[int] = "all") -> SparsifyReport:
+    """Turn the trained MLPs of a ``transformers`` model into mixtures of ``num_experts``
+    copies of themselves, in place: sparse upcycling (Komatsuzaki et al. 2022,
+    arXiv:2212.05055; :func:`sparseffn.convert.upcycle`). Each token uses ``k`` copies, so
+    each MLP's parameters grow ``num_experts`` times and its FLOPs ``k`` times; with the
+    default router (renormalised softmax top-k) the model computes what it computed before,
+    until training makes the experts differ. ``router``: as :class:`~sparseffn.MoEConfig`'s
+    (a config, a dict with ``type``, or a name).
+    Recorded like :func:`sparsify`, so ``save_pretrained`` and :func:`from_pretrained` work.
+    """
+    require_transformers()
+    sites = _chosen(find_mlps(model), which)
+    if not sites:
+        raise ValueError(f"upcycle: found no MLP of a known type in {type(model).__name__}")
+    report = SparsifyReport()
+    for site in sites:
+        dense = dense_weights(site, getattr(model, "config", None))
+        layer = upcycle_mlp(dense, num_experts, k, router=router)
+        report.replacements.append(_replacement(site, layer.config, layer))
+        _install(model, site, layer)
+        _record(model, site, layer.config)
+    _warn_if_a_cache_changes_outputs(model, "upcycle")
     return report
 
 
