@@ -481,3 +481,63 @@ def test_an_upcycled_model_computes_the_dense_model_and_saves_and_loads(family, 
     model.save_pretrained(tmp_path)
     loaded = hf.from_pretrained(str(tmp_path)).eval()
     torch.testing.assert_close(_output(loaded, _ids()), out)
+
+
+def _tiny(name):
+    """A tiny random model of a family sparsify knows beyond GPT-2, Llama and BERT, without
+    dropout (so that training and evaluation outputs agree)."""
+    _quiet()
+    torch.manual_seed(0)
+    t = transformers
+    small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=VOCAB)
+    built = {
+        "gpt_neox": lambda: t.GPTNeoXForCausalLM(t.GPTNeoXConfig(intermediate_size=64,
+                                                                 **small)),
+        "gptj": lambda: t.GPTJForCausalLM(t.GPTJConfig(
+            n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=64, rotary_dim=8,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "phi": lambda: t.PhiForCausalLM(t.PhiConfig(intermediate_size=64, resid_pdrop=0.0,
+                                                    **small)),
+        "phi3": lambda: t.Phi3ForCausalLM(t.Phi3Config(intermediate_size=64,
+                                                       num_key_value_heads=2, pad_token_id=0,
+                                                       **small)),
+        "falcon": lambda: t.FalconForCausalLM(t.FalconConfig(**small)),
+        "starcoder2": lambda: t.Starcoder2ForCausalLM(t.Starcoder2Config(
+            intermediate_size=64, num_key_value_heads=2, **small)),
+        "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(
+            intermediate_size=64, num_key_value_heads=1, head_dim=16, **small)),
+        "distilbert": lambda: t.DistilBertModel(t.DistilBertConfig(
+            dim=32, n_layers=2, n_heads=2, hidden_dim=64, vocab_size=VOCAB, dropout=0.0)),
+        "t5": lambda: t.T5EncoderModel(t.T5Config(d_model=32, d_ff=64, num_layers=2,
+                                                  num_heads=2, d_kv=16, vocab_size=VOCAB,
+                                                  dropout_rate=0.0)),
+        "t5_gated": lambda: t.T5EncoderModel(t.T5Config(
+            d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=VOCAB,
+            dropout_rate=0.0, feed_forward_proj="gated-gelu")),
+    }
+    return built[name]()
+
+
+MORE_FAMILIES = ["gpt_neox", "gptj", "phi", "phi3", "falcon", "starcoder2", "gemma3",
+                 "distilbert", "t5", "t5_gated"]
+
+
+@pytest.mark.parametrize("name", MORE_FAMILIES)
+def test_more_families_are_found_read_exactly_and_made_sparse(name, tmp_path):
+    model = _tiny(name).eval()
+    sites = hf.find_mlps(model)
+    assert len(sites) == 2 and {s.family.name for s in sites} == {
+        "llama" if name == "gemma3" else name}
+    dense_out = _output(model, _ids())
+    hf.upcycle(model, num_experts=3, k=2)        # the dense weights, read back exactly
+    torch.testing.assert_close(_output(model, _ids()), dense_out, atol=1e-5, rtol=1e-4)
+    model = _tiny(name)
+    report = hf.sparsify(model, "sigma_moe")
+    assert len(report) == 2 and report.totals()["sparse_params"] > 0
+    model.train()
+    (_output(model, _ids()).float().pow(2).mean() + sparseffn.aux_loss(model)).backward()
+    for layer in (m for m in model.modules() if isinstance(m, sparseffn.SparseFFN)):
+        assert layer.router.weight.grad.abs().sum() > 0
+    model.eval().save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(str(tmp_path)).eval()
+    torch.testing.assert_close(_output(loaded, _ids()), _output(model, _ids()))

@@ -1,8 +1,9 @@
 """sparseffn layers inside Hugging Face ``transformers`` models (``pip install sparseffn[hf]``).
 
 - :func:`sparsify` puts a sparse layer in the MLP place of every block (or some blocks) of a
-  GPT-2, Llama/Mistral/Qwen-family or BERT-family model, found by module type, and returns a
-  report of what it replaced with parameter and FLOP counts;
+  GPT-2, Llama/Mistral/Qwen-family, BERT-family, GPT-NeoX, GPT-J, Phi, Phi-3, Falcon,
+  StarCoder2, DistilBERT or T5 model, found by module type, and returns a report of what it
+  replaced with parameter and FLOP counts;
 - :func:`moefy` turns the trained MLPs of such a model into mixtures of their own hidden
   units (MoEfication, Zhang et al. 2022, arXiv:2110.01786; see :mod:`sparseffn.convert`);
 - both record the replacement in ``model.config.sparseffn``, so ``save_pretrained`` writes
@@ -118,12 +119,46 @@ def _activation(config: Any, *attributes: str) -> str:
     return _HF_ACTIVATIONS[name]
 
 
-def _swapper(family: str):
+def _output_dropout(site: nn.Module) -> float:
+    """The dropout probability an MLP applies to its output: its ``dropout`` module (GPT-2,
+    GPT-J, DistilBERT) or its ``residual_dropout`` (StarCoder2); 0 for none."""
+    dropout = getattr(site, "dropout", None)
+    if isinstance(dropout, nn.Dropout):
+        return dropout.p
+    residual = getattr(site, "residual_dropout", 0.0)
+    return float(residual) if isinstance(residual, (int, float)) else 0.0
+
+
+def _swapper(family: str, output_dropout: bool = True):
+    """``replace`` for an MLP that is one module: a :class:`SparseMLP` in its place, with the
+    MLP's output dropout (none with ``output_dropout=False``: T5's dropout acts on the hidden
+    units, which a sparse layer does not expose)."""
     def swap(parent: nn.Module, name: str, site: nn.Module, ffn: nn.Module) -> None:
-        dropout = getattr(site, "dropout", None)
-        p = dropout.p if isinstance(dropout, nn.Dropout) else 0.0
+        p = _output_dropout(site) if output_dropout else 0.0
         setattr(parent, name, SparseMLP(ffn, p, family))
     return swap
+
+
+def _two_linears(up: str, down: str, *activation: str):
+    """``dense_weights`` of an MLP ``down(act(up(x)))`` held as two ``nn.Linear``s, its
+    activation named by the first set one of the config's ``activation`` attributes."""
+    def weights(site, config) -> DenseWeights:
+        return DenseWeights.from_linears(getattr(site, up), getattr(site, down),
+                                         _activation(config, *activation))
+    return weights
+
+
+def _linear_dims(up: str, halves: int = 1):
+    """``dims`` from the ``up`` linear [d_model → halves · d_ff]."""
+    return lambda site: (getattr(site, up).in_features, getattr(site, up).out_features // halves)
+
+
+def _family(name: str, classes: tuple[tuple[str, str], ...], up: str, down: str,
+            *activation: str, output_dropout: bool = True) -> MLPFamily:
+    """A family whose MLP is one module ``down(act(up(x)))`` of two ``nn.Linear``s."""
+    return MLPFamily(name, classes, dims=_linear_dims(up), dense_params=_params,
+                     replace=_swapper(name, output_dropout),
+                     dense_weights=_two_linears(up, down, *activation))
 
 
 def _gpt2_weights(site, config) -> DenseWeights:
@@ -153,6 +188,26 @@ def _llama_weights(site, config) -> DenseWeights:
         w_gate=site.gate_proj.weight.detach())
 
 
+def _phi3_weights(site, config) -> DenseWeights:
+    # down_proj(up * act(gate)) with [gate; up] = gate_up_proj(x), one fused linear
+    if site.gate_up_proj.bias is not None:
+        raise ValueError("cannot convert a gated MLP whose gate projection has a bias")
+    gate, up = site.gate_up_proj.weight.detach().chunk(2, dim=0)
+    down = site.down_proj
+    return DenseWeights(up, None, down.weight.detach(),
+                        None if down.bias is None else down.bias.detach(),
+                        _activation(config, "hidden_act"), w_gate=gate)
+
+
+def _t5_gated_weights(site, config) -> DenseWeights:
+    # wo(act(wi_0(x)) * wi_1(x)): wi_0 is the gate
+    if site.wi_0.bias is not None:
+        raise ValueError("cannot convert a gated MLP whose gate projection has a bias")
+    return replace(DenseWeights.from_linears(site.wi_1, site.wo,
+                                             _activation(config, "dense_act_fn")),
+                   w_gate=site.wi_0.weight.detach())
+
+
 def _models(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple((f"transformers.models.{package}.modeling_{package}", cls) for package, cls in pairs)
 
@@ -165,7 +220,10 @@ FAMILIES: list[MLPFamily] = [
     MLPFamily(
         "llama", _models(("llama", "LlamaMLP"), ("mistral", "MistralMLP"), ("qwen2", "Qwen2MLP"),
                          ("qwen3", "Qwen3MLP"), ("gemma", "GemmaMLP"), ("gemma2", "Gemma2MLP"),
-                         ("olmo", "OlmoMLP"), ("olmo2", "Olmo2MLP")),
+                         ("gemma3", "Gemma3MLP"), ("olmo", "OlmoMLP"), ("olmo2", "Olmo2MLP"),
+                         ("olmo3", "Olmo3MLP"), ("granite", "GraniteMLP"),
+                         ("cohere", "CohereMLP"), ("stablelm", "StableLmMLP"),
+                         ("smollm3", "SmolLM3MLP")),
         dims=lambda s: (s.up_proj.in_features, s.up_proj.out_features),
         dense_params=_params, replace=_swapper("llama"),
         dense_weights=_llama_weights, matrices=3),
@@ -178,6 +236,25 @@ FAMILIES: list[MLPFamily] = [
         replace=_bert_replace, dense_weights=_bert_weights,
         mlp=lambda site: site.intermediate,
         replaced=lambda site: isinstance(site.intermediate, SparseMLP)),
+    _family("gpt_neox", _models(("gpt_neox", "GPTNeoXMLP")), "dense_h_to_4h", "dense_4h_to_h",
+            "hidden_act"),
+    _family("gptj", _models(("gptj", "GPTJMLP")), "fc_in", "fc_out", "activation_function"),
+    _family("phi", _models(("phi", "PhiMLP")), "fc1", "fc2", "hidden_act"),
+    _family("falcon", _models(("falcon", "FalconMLP")), "dense_h_to_4h", "dense_4h_to_h",
+            "activation"),
+    _family("starcoder2", _models(("starcoder2", "Starcoder2MLP")), "c_fc", "c_proj",
+            "hidden_act"),
+    _family("distilbert", _models(("distilbert", "FFN")), "lin1", "lin2", "activation"),
+    _family("t5", _models(("t5", "T5DenseActDense")), "wi", "wo", "dense_act_fn",
+            output_dropout=False),
+    MLPFamily(
+        "t5_gated", _models(("t5", "T5DenseGatedActDense")), dims=_linear_dims("wi_0"),
+        dense_params=_params, replace=_swapper("t5_gated", output_dropout=False),
+        dense_weights=_t5_gated_weights, matrices=3),
+    MLPFamily(
+        "phi3", _models(("phi3", "Phi3MLP")), dims=_linear_dims("gate_up_proj", halves=2),
+        dense_params=_params, replace=_swapper("phi3"), dense_weights=_phi3_weights,
+        matrices=3),
 ]
 
 
