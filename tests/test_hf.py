@@ -541,3 +541,32 @@ def test_more_families_are_found_read_exactly_and_made_sparse(name, tmp_path):
     model.eval().save_pretrained(tmp_path)
     loaded = hf.from_pretrained(str(tmp_path)).eval()
     torch.testing.assert_close(_output(loaded, _ids()), _output(model, _ids()))
+
+
+def test_skip_padding_masks_an_encoder_decoders_encoder_and_decoder_each_by_its_own_mask():
+    _quiet()
+    torch.manual_seed(0)
+    model = transformers.T5Model(transformers.T5Config(
+        d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=VOCAB,
+        dropout_rate=0.0))
+    hf.sparsify(model, "sigma_moe")
+    layers = {stack: [m for m in getattr(model, stack).modules()
+                      if isinstance(m, sparseffn.SparseFFN)] for stack in ("encoder", "decoder")}
+    k = layers["encoder"][0].router.k
+    source, target = _ids(2, 8), _ids(2, 8, seed=2)        # the same length: one mask fits both
+    source_mask = torch.ones(2, 8, dtype=torch.long)
+    source_mask[0, 5:] = 0
+    target_mask = torch.ones(2, 8, dtype=torch.long)
+    target_mask[1, 6:] = 0
+    hf.skip_padding(model)
+    with torch.no_grad():
+        model(input_ids=source, attention_mask=source_mask, decoder_input_ids=target)
+        for layer in layers["encoder"]:
+            assert layer.usage_counts.sum() == k * 13          # the source's real tokens
+        for layer in layers["decoder"]:
+            assert layer.usage_counts.sum() == k * 16          # every target token
+        sparseffn.reset_usage(model)
+        model(input_ids=source, attention_mask=source_mask, decoder_input_ids=target,
+              decoder_attention_mask=target_mask)
+        for layer in layers["decoder"]:
+            assert layer.usage_counts.sum() == k * 14          # the target's real tokens

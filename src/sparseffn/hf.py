@@ -666,9 +666,21 @@ def skip_padding(model: nn.Module) -> ModelHooks:
     ``model(**batch)`` themselves, such as Hugging Face's ``Trainer``.
 
     A forward without padding, or whose mask is longer than its input (a decoding step of
-    ``generate()`` with a KV cache), runs as before. Checking for padding reads the mask on
-    the host once per forward. Not saved with the model: call it again after loading.
-    Returns a :class:`ModelHooks`; its ``remove()`` undoes this."""
+    ``generate()`` with a KV cache), runs as before. An encoder-decoder model (T5) is hooked
+    at its encoder and its decoder, each of which receives its own mask (the decoder's is
+    ``decoder_attention_mask``), since the source's mask says nothing of the target's
+    tokens. Checking for padding reads the mask on the host once per forward. Not saved
+    with the model: call it again after loading. Returns a :class:`ModelHooks`; its
+    ``remove()`` undoes this."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        stacks = [model.get_encoder(), model.get_decoder()]
+    else:
+        stacks = [model]
+    return ModelHooks(*(hook for stack in stacks for hook in _skip_padding_at(stack)))
+
+
+def _skip_padding_at(module: nn.Module) -> tuple:
+    """The two hooks of :func:`skip_padding` on ``module``, whose forward takes the mask."""
     from .auxiliary import skipping_padding
     blocks: list[contextlib.ExitStack] = []     # one per forward in flight (nested forwards)
 
@@ -683,8 +695,8 @@ def skip_padding(model: nn.Module) -> ModelHooks:
     def leave(module, args, output):             # also after a forward that raised
         blocks.pop().close()
 
-    return ModelHooks(model.register_forward_pre_hook(enter, with_kwargs=True),
-                          model.register_forward_hook(leave, always_call=True))
+    return (module.register_forward_pre_hook(enter, with_kwargs=True),
+            module.register_forward_hook(leave, always_call=True))
 
 
 def add_aux_loss(model: nn.Module) -> ModelHooks:
