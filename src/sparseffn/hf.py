@@ -5,8 +5,10 @@
   StarCoder2, DistilBERT or T5 model, found by module type, and returns a report of what it
   replaced with parameter and FLOP counts;
 - :func:`moefy` turns the trained MLPs of such a model into mixtures of their own hidden
-  units (MoEfication, Zhang et al. 2022, arXiv:2110.01786; see :mod:`sparseffn.convert`);
-- both record the replacement in ``model.config.sparseffn``, so ``save_pretrained`` writes
+  units (MoEfication, Zhang et al. 2022, arXiv:2110.01786; see :mod:`sparseffn.convert`),
+  and :func:`upcycle` into mixtures of copies of themselves (sparse upcycling, Komatsuzaki
+  et al. 2022, arXiv:2212.05055);
+- all three record the replacement in ``model.config.sparseffn``, so ``save_pretrained`` writes
   it to ``config.json`` and :func:`from_pretrained` builds the sparse model again before the
   weights load. The stock ``AutoModel.from_pretrained`` does not know the entry: it would
   build dense MLPs and report the sparse weights as unexpected.
@@ -441,6 +443,14 @@ def _install(model: nn.Module, site: Site, layer: nn.Module) -> None:
     parent.get_submodule(name).train(training)     # the new modules follow the model's mode
 
 
+def _put_in_place(model: nn.Module, site: Site, layer: nn.Module,
+                  report: SparsifyReport) -> None:
+    """Put ``layer`` at ``site``, record it in the model's config for loading, and report it."""
+    report.replacements.append(_replacement(site, layer.config, layer))
+    _install(model, site, layer)
+    _record(model, site, layer.config)
+
+
 def _record(model: nn.Module, site: Site, config: LayerConfig) -> None:
     hf_config = getattr(model, "config", None)
     if hf_config is None:
@@ -481,11 +491,7 @@ def sparsify(model: nn.Module, layer: LayerSpec, *,
                          f"(sparseffn.hf.register_family adds one)")
     report = SparsifyReport()
     for site in _chosen(sites, which):
-        config = _layer_config(layer, site, len(sites))
-        module = build_layer(config)
-        report.replacements.append(_replacement(site, config, module))
-        _install(model, site, module)
-        _record(model, site, config)
+        _put_in_place(model, site, build_layer(_layer_config(layer, site, len(sites))), report)
     _warn_if_a_cache_changes_outputs(model, "sparsify")
     return report
 
@@ -577,9 +583,7 @@ def moefy(model: nn.Module, num_experts: int, k: int, batches: Iterable[dict], *
         x = x.to(device=device, dtype=dense.w1.dtype)
         layer = moefy_mlp(dense, num_experts, k, method=method, samples=x, seed=seed)
         report.fits[site.path] = fit_router(layer, x, steps=router_steps, seed=seed)
-        report.replacements.append(_replacement(site, layer.config, layer))
-        _install(model, site, layer)
-        _record(model, site, layer.config)
+        _put_in_place(model, site, layer, report)
     return report
 
 
@@ -601,10 +605,7 @@ def upcycle(model: nn.Module, num_experts: int, k: int, *, router: Any = None,
     report = SparsifyReport()
     for site in sites:
         dense = dense_weights(site, getattr(model, "config", None))
-        layer = upcycle_mlp(dense, num_experts, k, router=router)
-        report.replacements.append(_replacement(site, layer.config, layer))
-        _install(model, site, layer)
-        _record(model, site, layer.config)
+        _put_in_place(model, site, upcycle_mlp(dense, num_experts, k, router=router), report)
     _warn_if_a_cache_changes_outputs(model, "upcycle")
     return report
 
@@ -679,8 +680,8 @@ def skip_padding(model: nn.Module) -> ModelHooks:
     return ModelHooks(*(hook for stack in stacks for hook in _skip_padding_at(stack)))
 
 
-def _skip_padding_at(module: nn.Module) -> tuple:
-    """The two hooks of :func:`skip_padding` on ``module``, whose forward takes the mask."""
+def _skip_padding_at(stack: nn.Module) -> tuple:
+    """The two hooks of :func:`skip_padding` on ``stack``, whose forward takes the mask."""
     from .auxiliary import skipping_padding
     blocks: list[contextlib.ExitStack] = []     # one per forward in flight (nested forwards)
 
@@ -695,8 +696,8 @@ def _skip_padding_at(module: nn.Module) -> tuple:
     def leave(module, args, output):             # also after a forward that raised
         blocks.pop().close()
 
-    return (module.register_forward_pre_hook(enter, with_kwargs=True),
-            module.register_forward_hook(leave, always_call=True))
+    return (stack.register_forward_pre_hook(enter, with_kwargs=True),
+            stack.register_forward_hook(leave, always_call=True))
 
 
 def add_aux_loss(model: nn.Module) -> ModelHooks:
