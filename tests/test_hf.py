@@ -511,6 +511,15 @@ def _tiny(name):
         "t5": lambda: t.T5EncoderModel(t.T5Config(d_model=32, d_ff=64, num_layers=2,
                                                   num_heads=2, d_kv=16, vocab_size=VOCAB,
                                                   dropout_rate=0.0)),
+        "deberta_v2": lambda: t.DebertaV2Model(t.DebertaV2Config(
+            intermediate_size=64, hidden_dropout_prob=0.0, **small)),
+        "mpnet": lambda: t.MPNetModel(t.MPNetConfig(intermediate_size=64,
+                                                    hidden_dropout_prob=0.0, **small)),
+        "modernbert": lambda: t.ModernBertModel(t.ModernBertConfig(
+            intermediate_size=64, mlp_dropout=0.0, pad_token_id=0, **small)),
+        "opt": lambda: t.OPTForCausalLM(t.OPTConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+            vocab_size=VOCAB, word_embed_proj_dim=32, dropout=0.0, pad_token_id=0)),
         "t5_gated": lambda: t.T5EncoderModel(t.T5Config(
             d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=VOCAB,
             dropout_rate=0.0, feed_forward_proj="gated-gelu")),
@@ -519,15 +528,16 @@ def _tiny(name):
 
 
 MORE_FAMILIES = ["gpt_neox", "gptj", "phi", "phi3", "falcon", "starcoder2", "gemma3",
-                 "distilbert", "t5", "t5_gated"]
+                 "distilbert", "t5", "t5_gated", "deberta_v2", "mpnet", "modernbert", "opt"]
+# (the families these join)
+JOINED = {"gemma3": "llama", "deberta_v2": "bert", "mpnet": "bert"}
 
 
 @pytest.mark.parametrize("name", MORE_FAMILIES)
 def test_more_families_are_found_read_exactly_and_made_sparse(name, tmp_path):
     model = _tiny(name).eval()
     sites = hf.find_mlps(model)
-    assert len(sites) == 2 and {s.family.name for s in sites} == {
-        "llama" if name == "gemma3" else name}
+    assert len(sites) == 2 and {s.family.name for s in sites} == {JOINED.get(name, name)}
     dense_out = _output(model, _ids())
     hf.upcycle(model, num_experts=3, k=2)        # the dense weights, read back exactly
     torch.testing.assert_close(_output(model, _ids()), dense_out, atol=1e-5, rtol=1e-4)
@@ -570,3 +580,16 @@ def test_skip_padding_masks_an_encoder_decoders_encoder_and_decoder_each_by_its_
               decoder_attention_mask=target_mask)
         for layer in layers["decoder"]:
             assert layer.usage_counts.sum() == k * 14          # the target's real tokens
+
+
+def test_an_opt_model_skips_padding_in_its_flattened_mlp_input():
+    model = _tiny("opt")
+    hf.sparsify(model, "sigma_moe")
+    layers = [m for m in model.modules() if isinstance(m, sparseffn.SparseFFN)]
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, 4:] = 0
+    hf.skip_padding(model)
+    with torch.no_grad():
+        model(input_ids=_ids(2, 9), attention_mask=mask)
+    for layer in layers:
+        assert layer.usage_counts.sum() == layer.router.k * 13

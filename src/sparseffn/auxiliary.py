@@ -124,7 +124,9 @@ def skipping_padding(model: nn.Module, attention_mask: torch.Tensor):
         loss.backward()
 
     ``attention_mask``: [...] with the shape of each layer's input without its last dimension
-    (``[batch, seq]`` for ``[batch, seq, d_model]``; a ValueError says so otherwise). Give
+    (``[batch, seq]`` for ``[batch, seq, d_model]``), or as many elements as an input
+    flattened to ``[batch·seq, d_model]`` has rows (OPT's MLP), in row-major order; a
+    ValueError says so otherwise. Give
     it the part of a model the mask is about: of an encoder-decoder (T5), the encoder
     (``model.get_encoder()``) with the source's mask; its decoder's tokens are others. Finding
     the kept tokens reads the mask on the host once per layer call (a graph break under

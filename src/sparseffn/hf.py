@@ -1,9 +1,9 @@
 """sparseffn layers inside Hugging Face ``transformers`` models (``pip install sparseffn[hf]``).
 
 - :func:`sparsify` puts a sparse layer in the MLP place of every block (or some blocks) of a
-  GPT-2, Llama/Mistral/Qwen-family, BERT-family, GPT-NeoX, GPT-J, Phi, Phi-3, Falcon,
-  StarCoder2, DistilBERT or T5 model, found by module type, and returns a report of what it
-  replaced with parameter and FLOP counts;
+  GPT-2, Llama/Mistral/Qwen-family, BERT-family (DeBERTa, MPNet), GPT-NeoX, GPT-J, Phi,
+  Phi-3, Falcon, StarCoder2, DistilBERT, ModernBERT, T5 or OPT model, found by module type,
+  and returns a report of what it replaced with parameter and FLOP counts;
 - :func:`moefy` turns the trained MLPs of such a model into mixtures of their own hidden
   units (MoEfication, Zhang et al. 2022, arXiv:2110.01786; see :mod:`sparseffn.convert`),
   and :func:`upcycle` into mixtures of copies of themselves (sparse upcycling, Komatsuzaki
@@ -190,15 +190,25 @@ def _llama_weights(site, config) -> DenseWeights:
         w_gate=site.gate_proj.weight.detach())
 
 
-def _phi3_weights(site, config) -> DenseWeights:
-    # down_proj(up * act(gate)) with [gate; up] = gate_up_proj(x), one fused linear
-    if site.gate_up_proj.bias is not None:
-        raise ValueError("cannot convert a gated MLP whose gate projection has a bias")
-    gate, up = site.gate_up_proj.weight.detach().chunk(2, dim=0)
-    down = site.down_proj
-    return DenseWeights(up, None, down.weight.detach(),
-                        None if down.bias is None else down.bias.detach(),
-                        _activation(config, "hidden_act"), w_gate=gate)
+def _fused_gate_up(fused: str, down: str, *activation: str):
+    """``dense_weights`` of a gated MLP ``down(act(gate) * up)`` whose ``[gate; up]`` come from
+    one fused linear ``fused`` (Phi-3's ``gate_up_proj``, ModernBERT's ``Wi``)."""
+    def weights(site, config) -> DenseWeights:
+        if getattr(site, fused).bias is not None:
+            raise ValueError("cannot convert a gated MLP whose gate projection has a bias")
+        gate, up = getattr(site, fused).weight.detach().chunk(2, dim=0)
+        out = getattr(site, down)
+        return DenseWeights(up, None, out.weight.detach(),
+                            None if out.bias is None else out.bias.detach(),
+                            _activation(config, *activation), w_gate=gate)
+    return weights
+
+
+def _opt_replace(parent, name, site, ffn) -> None:
+    # OPTDecoderLayer: fc1 -> activation_fn -> fc2 -> dropout -> residual, in its own forward
+    site.fc1 = SparseMLP(ffn, family="opt")
+    site.activation_fn = nn.Identity()
+    site.fc2 = nn.Identity()
 
 
 def _t5_gated_weights(site, config) -> DenseWeights:
@@ -232,7 +242,8 @@ FAMILIES: list[MLPFamily] = [
     MLPFamily(
         "bert", _models(("bert", "BertLayer"), ("roberta", "RobertaLayer"),
                         ("xlm_roberta", "XLMRobertaLayer"), ("electra", "ElectraLayer"),
-                        ("camembert", "CamembertLayer")),
+                        ("camembert", "CamembertLayer"), ("deberta", "DebertaLayer"),
+                        ("deberta_v2", "DebertaV2Layer"), ("mpnet", "MPNetLayer")),
         dims=lambda s: (s.intermediate.dense.in_features, s.intermediate.dense.out_features),
         dense_params=lambda s: _params(s.intermediate, s.output.dense),
         replace=_bert_replace, dense_weights=_bert_weights,
@@ -255,8 +266,19 @@ FAMILIES: list[MLPFamily] = [
         dense_weights=_t5_gated_weights, matrices=3),
     MLPFamily(
         "phi3", _models(("phi3", "Phi3MLP")), dims=_linear_dims("gate_up_proj", halves=2),
-        dense_params=_params, replace=_swapper("phi3"), dense_weights=_phi3_weights,
-        matrices=3),
+        dense_params=_params, replace=_swapper("phi3"),
+        dense_weights=_fused_gate_up("gate_up_proj", "down_proj", "hidden_act"), matrices=3),
+    MLPFamily(   # its dropout acts on the hidden units
+        "modernbert", _models(("modernbert", "ModernBertMLP")),
+        dims=_linear_dims("Wi", halves=2), dense_params=_params,
+        replace=_swapper("modernbert", output_dropout=False),
+        dense_weights=_fused_gate_up("Wi", "Wo", "hidden_activation"), matrices=3),
+    MLPFamily(   # the MLP lives in the decoder layer; its input arrives as [batch·seq, d]
+        "opt", _models(("opt", "OPTDecoderLayer")), dims=_linear_dims("fc1"),
+        dense_params=lambda s: _params(s.fc1, s.fc2), replace=_opt_replace,
+        dense_weights=lambda site, config: DenseWeights.from_linears(
+            site.fc1, site.fc2, _activation(config, "activation_function")),
+        mlp=lambda site: site.fc1, replaced=lambda site: isinstance(site.fc1, SparseMLP)),
 ]
 
 

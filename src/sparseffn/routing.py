@@ -390,7 +390,9 @@ class RoutedFFN(SparseFFN):
     def _kept_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """The rows of the flattened ``x`` [..., d_model] this forward computes (int64 [T']),
         or None for all of them: inside :func:`sparseffn.skipping_padding`, those its mask
-        keeps (found on the host: one synchronisation); in an activation checkpoint's
+        keeps (found on the host: one synchronisation; the mask has ``x``'s shape without its
+        last dimension, or, for ``x`` flattened to [T, d_model] as OPT flattens its MLP's
+        input, T elements in row-major order); in an activation checkpoint's
         recomputation, the rows of the forward it repeats, which ran inside the block while
         the backward may run outside it."""
         transient = self._transient
@@ -402,11 +404,13 @@ class RoutedFFN(SparseFFN):
         if mask is None:
             transient.kept_rows = None
             return None
-        if mask.shape != x.shape[:-1]:
+        flattened = x.dim() == 2 and mask.dim() > 1 and mask.numel() == x.shape[0]
+        if mask.shape != x.shape[:-1] and not flattened:
             raise ValueError(f"{type(self).__name__}: skipping_padding's mask has shape "
                              f"{tuple(mask.shape)}, but this layer's input is "
                              f"{tuple(x.shape)}: the mask must have the input's shape without "
-                             f"its last dimension (e.g. [batch, seq] for [batch, seq, d_model])")
+                             f"its last dimension (e.g. [batch, seq] for [batch, seq, d_model]), "
+                             f"or as many elements as a flattened input has rows")
         transient.kept_rows = mask.to(x.device).reshape(-1).nonzero().squeeze(1)
         return transient.kept_rows
 

@@ -94,6 +94,14 @@ def test_a_forward_outside_the_block_computes_every_token_again_and_copies_carry
     assert (xg.grad[~MASK.bool()] != 0).any()
 
 
+def test_a_flattened_input_takes_the_mask_of_its_unflattened_shape():
+    layer = _build(EXAMPLES["router:switch"]).train()
+    x = torch.randn(3, 5, D)
+    want, _ = _run(layer, x, MASK)
+    got, _ = _run(layer, x.reshape(15, D), MASK)       # as OPT flattens its MLP's input
+    torch.testing.assert_close(got, want.reshape(15, D))
+
+
 def test_a_mask_of_the_wrong_shape_is_named():
     layer = _build(EXAMPLES["layer:sigma_moe"])
     with sparseffn.skipping_padding(layer, MASK), \
