@@ -593,3 +593,53 @@ def test_an_opt_model_skips_padding_in_its_flattened_mlp_input():
         model(input_ids=_ids(2, 9), attention_mask=mask)
     for layer in layers:
         assert layer.usage_counts.sum() == layer.router.k * 13
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])     # a causal-LM loss type, and none
+def test_add_aux_loss_weights_the_aux_loss_by_the_forwards_share_of_the_items(family):
+    model = MODELS[family]().train()
+    ids = _ids(2, 8)
+    labels = ids.clone()
+    labels[0, 5:] = -100
+    shifted = hf._loss_shifts_labels(model)
+    assert shifted == (family == "llama")
+    mine = int((labels[..., 1:] if shifted else labels).ne(-100).sum())
+    total = torch.tensor(3 * mine)                     # as if two more micro-batches followed
+    torch.manual_seed(0)
+    plain = model(input_ids=ids, labels=labels, num_items_in_batch=total).loss
+    aux = sparseffn.aux_loss(model)
+    with hf.add_aux_loss(model):
+        torch.manual_seed(0)
+        got = model(input_ids=ids, labels=labels, num_items_in_batch=total).loss
+    torch.testing.assert_close(got, plain + aux * mine / (3 * mine))
+
+
+def test_under_gradient_accumulation_a_trainers_steps_share_the_aux_loss(tmp_path):
+    """The Trainer normalises a causal LM's loss by the items of all its accumulation steps
+    and no longer divides by their number: the aux loss must be weighted alike."""
+    pytest.importorskip("accelerate")
+    model = llama()
+    hf.sparsify(model, "sigma_moe")
+    shares = []
+    hf.add_aux_loss(model)
+    model.register_forward_hook(
+        lambda m, a, kw, out: shares.append((kw.get("num_items_in_batch"), hf._share(m, kw))),
+        with_kwargs=True)
+    examples = [{"input_ids": _ids(1, n, seed=n)[0]} for n in (5, 9, 7, 3)]
+
+    def pad(batch):
+        width = max(len(e["input_ids"]) for e in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100)
+        for i, e in enumerate(batch):
+            ids[i, :len(e["input_ids"])] = labels[i, :len(e["input_ids"])] = e["input_ids"]
+        return {"input_ids": ids, "labels": labels}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=1, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+        dataloader_num_workers=0)
+    transformers.Trainer(model=model, args=args, train_dataset=examples,
+                         data_collator=pad).train()
+    assert len(shares) == 2 and all(total is not None for total, _ in shares)
+    torch.testing.assert_close(sum(share for _, share in shares), torch.tensor(1.0))

@@ -729,18 +729,52 @@ def add_aux_loss(model: nn.Module) -> ModelHooks:
     as Hugging Face's ``Trainer``. (An evaluation forward without autograd computes no aux
     losses, so there the loss stays the task's.) The layers' ``aux_loss_terms`` stay
     readable as before. Not saved with the model: call it again after loading. Returns a
-    handle whose ``remove()`` undoes this."""
+    handle whose ``remove()`` undoes this.
+
+    Given ``num_items_in_batch`` (the ``Trainer`` passes it to a model that takes loss
+    arguments, normalises the loss by it over all its gradient-accumulation steps and
+    devices, and then no longer divides by the number of steps), the aux loss is weighted by
+    this forward's share of those items, counted as the ``Trainer`` counts them: the
+    accumulated objective then holds the token-weighted mean of the steps' aux losses, not
+    their sum."""
     from .auxiliary import aux_loss
 
     def add(module, args, kwargs, output):
         if isinstance(output, dict):        # a ModelOutput (its attribute follows the key)
             if output.get("loss") is not None:
-                output["loss"] = output["loss"] + aux_loss(module)
+                output["loss"] = output["loss"] + aux_loss(module) * _share(module, kwargs)
         elif isinstance(output, tuple) and kwargs.get("labels") is not None and output:
-            output = (output[0] + aux_loss(module), *output[1:])  # return_dict=False
+            output = (output[0] + aux_loss(module) * _share(module, kwargs),   # return_dict=False
+                      *output[1:])
         return output
 
     return ModelHooks(model.register_forward_hook(add, with_kwargs=True))
+
+
+def _share(model: nn.Module, kwargs: dict):
+    """This forward's share of the ``num_items_in_batch`` its loss is normalised by: its
+    labels other than -100 (after the causal shift where the ``Trainer`` shifts them; the
+    collator's ``shift_labels`` where given) over that number. 1 without it."""
+    total, labels = kwargs.get("num_items_in_batch"), kwargs.get("labels")
+    if total is None or not isinstance(labels, torch.Tensor):
+        return 1.0
+    if isinstance(kwargs.get("shift_labels"), torch.Tensor):
+        labels = kwargs["shift_labels"]
+    elif _loss_shifts_labels(model):
+        labels = labels[..., 1:]
+    total = torch.as_tensor(total, device=labels.device)
+    return labels.ne(-100).sum() / total.clamp_min(1)
+
+
+def _loss_shifts_labels(model: nn.Module) -> bool:
+    """Whether the ``Trainer`` counts this model's items after the causal shift (its rule:
+    a causal-LM loss type, not an encoder-decoder)."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:     # a transformers without loss types counts the labels as they are
+        return False
+    return (LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+            and not getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
 def _sparse_class(model_class: type) -> type:
