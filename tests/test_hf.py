@@ -643,3 +643,36 @@ def test_under_gradient_accumulation_a_trainers_steps_share_the_aux_loss(tmp_pat
                          data_collator=pad).train()
     assert len(shares) == 2 and all(total is not None for total, _ in shares)
     torch.testing.assert_close(sum(share for _, share in shares), torch.tensor(1.0))
+
+
+def test_the_hooks_are_saved_with_the_model_and_installed_again_until_removed(tmp_path):
+    model = gpt2()
+    hf.sparsify(model, "sigma_moe")           # dropless: every kept token is counted
+    model.train()
+    padding = hf.skip_padding(model)
+    hf.add_aux_loss(model)
+    ids = _ids(2, 9)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 3:] = 0
+
+    def check(model, hooked):
+        layers = [m for m in model.modules() if isinstance(m, sparseffn.SparseFFN)]
+        sparseffn.reset_usage(model)
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        counted = sum(int(layer.usage_counts.sum()) for layer in layers)
+        tokens = 12 if hooked["skip_padding"] else 18
+        assert counted == sum(layer.router.k for layer in layers) * tokens
+        aux = sparseffn.aux_loss(model)
+        assert aux.item() != 0
+        task = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB),
+                                                 ids[:, 1:].reshape(-1))
+        torch.testing.assert_close(out.loss, task + aux if hooked["add_aux_loss"] else task)
+
+    check(model, {"skip_padding": True, "add_aux_loss": True})
+    model.save_pretrained(tmp_path / "both")
+    check(hf.from_pretrained(str(tmp_path / "both")).train(),
+          {"skip_padding": True, "add_aux_loss": True})
+    padding.remove()
+    model.save_pretrained(tmp_path / "one")
+    check(hf.from_pretrained(str(tmp_path / "one")).train(),
+          {"skip_padding": False, "add_aux_loss": True})

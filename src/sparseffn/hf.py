@@ -651,19 +651,27 @@ def apply_record(model: nn.Module, record: dict | None = None) -> None:
                              f"no MLP of a known type at")
         config = config_from_dict(entry["layer"])
         _install(model, sites[path], build_layer(config))
+    for name in record.get("hooks", ()):      # skip_padding, add_aux_loss, as the model had
+        if name not in _HOOKS:
+            raise ValueError(f"the saved model had the hook {name!r}, which this sparseffn "
+                             f"does not know ({sorted(_HOOKS)})")
+        _HOOKS[name](model)
     _warn_if_a_cache_changes_outputs(model, "the sparse layers loaded")
 
 
 class ModelHooks:
     """What :func:`skip_padding` or :func:`add_aux_loss` installed on a model: ``remove()``
-    takes it off (so does leaving a ``with`` block over it)."""
+    takes it off, and out of the model's record (so does leaving a ``with`` block over it)."""
 
-    def __init__(self, *handles) -> None:
+    def __init__(self, *handles, model: nn.Module | None = None, name: str = "") -> None:
         self._handles = handles
+        self._model, self._name = model, name
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        if self._model is not None:
+            _forget_hook(self._model, self._name)
 
     def __enter__(self) -> "ModelHooks":
         return self
@@ -692,14 +700,16 @@ def skip_padding(model: nn.Module) -> ModelHooks:
     ``generate()`` with a KV cache), runs as before. An encoder-decoder model (T5) is hooked
     at its encoder and its decoder, each of which receives its own mask (the decoder's is
     ``decoder_attention_mask``), since the source's mask says nothing of the target's
-    tokens. Checking for padding reads the mask on the host once per forward. Not saved
-    with the model: call it again after loading. Returns a :class:`ModelHooks`; its
-    ``remove()`` undoes this."""
+    tokens. Checking for padding reads the mask on the host once per forward. Noted in the
+    model's record, so :func:`from_pretrained` installs it again. Returns a
+    :class:`ModelHooks`; its ``remove()`` undoes this."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         stacks = [model.get_encoder(), model.get_decoder()]
     else:
         stacks = [model]
-    return ModelHooks(*(hook for stack in stacks for hook in _skip_padding_at(stack)))
+    _remember_hook(model, "skip_padding")
+    return ModelHooks(*(hook for stack in stacks for hook in _skip_padding_at(stack)),
+                      model=model, name="skip_padding")
 
 
 def _skip_padding_at(stack: nn.Module) -> tuple:
@@ -728,8 +738,8 @@ def add_aux_loss(model: nn.Module) -> ModelHooks:
     configured weights, join the objective of a loop that only reads the model's loss, such
     as Hugging Face's ``Trainer``. (An evaluation forward without autograd computes no aux
     losses, so there the loss stays the task's.) The layers' ``aux_loss_terms`` stay
-    readable as before. Not saved with the model: call it again after loading. Returns a
-    handle whose ``remove()`` undoes this.
+    readable as before. Noted in the model's record, so :func:`from_pretrained` installs it
+    again. Returns a :class:`ModelHooks`; its ``remove()`` undoes this.
 
     Given ``num_items_in_batch`` (the ``Trainer`` passes it to a model that takes loss
     arguments, normalises the loss by it over all its gradient-accumulation steps and
@@ -748,7 +758,30 @@ def add_aux_loss(model: nn.Module) -> ModelHooks:
                       *output[1:])
         return output
 
-    return ModelHooks(model.register_forward_hook(add, with_kwargs=True))
+    _remember_hook(model, "add_aux_loss")
+    return ModelHooks(model.register_forward_hook(add, with_kwargs=True), model=model,
+                      name="add_aux_loss")
+
+
+def _remember_hook(model: nn.Module, name: str) -> None:
+    """Note ``name`` in the model's replacement record, so that :func:`from_pretrained`
+    installs the hook again on the loaded model."""
+    hf_config = getattr(model, "config", None)
+    if hf_config is None:
+        return
+    record = dict(getattr(hf_config, CONFIG_KEY, None) or {"format": _FORMAT, "sites": {}})
+    record["hooks"] = sorted({*record.get("hooks", ()), name})
+    setattr(hf_config, CONFIG_KEY, record)
+
+
+def _forget_hook(model: nn.Module, name: str) -> None:
+    record = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if record and name in record.get("hooks", ()):
+        record = dict(record, hooks=[h for h in record["hooks"] if h != name])
+        setattr(model.config, CONFIG_KEY, record)
+
+
+_HOOKS = {"skip_padding": skip_padding, "add_aux_loss": add_aux_loss}
 
 
 def _share(model: nn.Module, kwargs: dict):
