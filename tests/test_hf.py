@@ -670,8 +670,11 @@ def test_the_hooks_are_saved_with_the_model_and_installed_again_until_removed(tm
 
     check(model, {"skip_padding": True, "add_aux_loss": True})
     model.save_pretrained(tmp_path / "both")
-    check(hf.from_pretrained(str(tmp_path / "both")).train(),
-          {"skip_padding": True, "add_aux_loss": True})
+    loaded = hf.from_pretrained(str(tmp_path / "both")).train()
+    check(loaded, {"skip_padding": True, "add_aux_loss": True})
+    hf.add_aux_loss(loaded)     # as a user might after loading: still added once
+    hf.skip_padding(loaded)
+    check(loaded, {"skip_padding": True, "add_aux_loss": True})
     padding.remove()
     model.save_pretrained(tmp_path / "one")
     check(hf.from_pretrained(str(tmp_path / "one")).train(),

@@ -717,6 +717,7 @@ def _skip_padding_at(stack: nn.Module) -> tuple:
     from .auxiliary import skipping_padding
     blocks: list[contextlib.ExitStack] = []     # one per forward in flight (nested forwards)
 
+    @_marked("skip_padding")
     def enter(module, args, kwargs):
         block = contextlib.ExitStack()
         mask = kwargs.get("attention_mask")
@@ -725,9 +726,11 @@ def _skip_padding_at(stack: nn.Module) -> tuple:
             block.enter_context(skipping_padding(module, mask))
         blocks.append(block)
 
+    @_marked("skip_padding")
     def leave(module, args, output):             # also after a forward that raised
         blocks.pop().close()
 
+    _remove_marked(stack, "skip_padding")        # installed once, however often asked
     return (stack.register_forward_pre_hook(enter, with_kwargs=True),
             stack.register_forward_hook(leave, always_call=True))
 
@@ -749,6 +752,7 @@ def add_aux_loss(model: nn.Module) -> ModelHooks:
     their sum."""
     from .auxiliary import aux_loss
 
+    @_marked("add_aux_loss")
     def add(module, args, kwargs, output):
         if isinstance(output, dict):        # a ModelOutput (its attribute follows the key)
             if output.get("loss") is not None:
@@ -759,8 +763,31 @@ def add_aux_loss(model: nn.Module) -> ModelHooks:
         return output
 
     _remember_hook(model, "add_aux_loss")
+    _remove_marked(model, "add_aux_loss")        # installed once, however often asked
     return ModelHooks(model.register_forward_hook(add, with_kwargs=True), model=model,
                       name="add_aux_loss")
+
+
+def _marked(name: str):
+    """Decorator: mark a hook function as this module's hook ``name``."""
+    def mark(fn):
+        fn._sparseffn_hook = name
+        return fn
+    return mark
+
+
+def _remove_marked(module: nn.Module, name: str) -> None:
+    """Take the hooks marked ``name`` off ``module``: calling :func:`skip_padding` or
+    :func:`add_aux_loss` again (on a model :func:`from_pretrained` already hooked, say)
+    replaces its hooks instead of adding a second set (which would add the aux loss twice)."""
+    extra = (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
+             module._forward_hooks_always_called)
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for hook_id, fn in list(hooks.items()):
+            if getattr(fn, "_sparseffn_hook", None) == name:
+                del hooks[hook_id]
+                for more in extra:
+                    more.pop(hook_id, None)
 
 
 def _remember_hook(model: nn.Module, name: str) -> None:
