@@ -676,6 +676,9 @@ def test_the_hooks_are_saved_with_the_model_and_installed_again_until_removed(tm
     hf.skip_padding(loaded)
     check(loaded, {"skip_padding": True, "add_aux_loss": True})
     padding.remove()
+    stale = hf.add_aux_loss(model)
+    hf.add_aux_loss(model)      # replaces the hook that stale holds
+    stale.remove()              # which then takes nothing off, the record included
     model.save_pretrained(tmp_path / "one")
     check(hf.from_pretrained(str(tmp_path / "one")).train(),
           {"skip_padding": False, "add_aux_loss": True})

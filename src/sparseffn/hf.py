@@ -668,9 +668,12 @@ class ModelHooks:
         self._model, self._name = model, name
 
     def remove(self) -> None:
+        # (hooks that a later call of the same function replaced are no longer there: the
+        # record then keeps the name, which the replacing hooks still answer to)
+        installed = any(_still_installed(handle) for handle in self._handles)
         for handle in self._handles:
             handle.remove()
-        if self._model is not None:
+        if installed and self._model is not None:
             _forget_hook(self._model, self._name)
 
     def __enter__(self) -> "ModelHooks":
@@ -678,6 +681,11 @@ class ModelHooks:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _still_installed(handle) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
 
 
 def _token_shape(args: tuple, kwargs: dict) -> torch.Size | None:
