@@ -682,3 +682,24 @@ def test_the_hooks_are_saved_with_the_model_and_installed_again_until_removed(tm
     model.save_pretrained(tmp_path / "one")
     check(hf.from_pretrained(str(tmp_path / "one")).train(),
           {"skip_padding": False, "add_aux_loss": True})
+
+
+def test_left_padded_generation_draws_the_same_tokens_with_skip_padding():
+    """A dropless router in evaluation: the padding never reached a real token anyway, so
+    computing it or not changes none of the tokens drawn (the prompt runs inside the block,
+    the decoding steps outside)."""
+    model = llama()
+    hf.sparsify(model, "sigma_moe")
+    model.eval()
+    ids = _ids(2, 7)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :3] = 0                                        # left padding
+    ids[0, :3] = 0
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                  pad_token_id=0)
+    plain = generate()
+    with hf.skip_padding(model):
+        assert torch.equal(generate(), plain)
