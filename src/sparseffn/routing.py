@@ -104,8 +104,10 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
 
 def _inside_func_transform() -> bool:
     """True inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ...). There a
-    forward cannot add to the usage buffers: torch.func refuses in-place changes of tensors
-    the function did not receive (BatchNorm's running statistics are refused alike)."""
+    forward records no usage: torch.func refuses in-place changes of tensors the function
+    did not receive, the usage buffers among them (BatchNorm's running statistics are refused
+    alike), and under ``vmap`` the counts of one entry would be summed into an unbatched
+    tensor."""
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
@@ -285,7 +287,7 @@ class SparseFFN(nn.Module):
             self.aux_losses = summed
         else:
             self.aux_losses = dict(routing.aux_losses)
-        if self.counts_usage:
+        if self.counts_usage and (torch.compiler.is_compiling() or not _inside_func_transform()):
             plan = routing.built_plan(num_experts)
             counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
                                         routing.dispatched, None if plan is None else plan.counts,
@@ -318,8 +320,6 @@ class SparseFFN(nn.Module):
         if usage.shape != counts.shape:
             raise ValueError(f"{type(self).__name__}: routing over {counts.shape[0]} experts, "
                              f"but usage is kept for {usage.shape[0]}")
-        if not torch.compiler.is_compiling() and _inside_func_transform():
-            return
         usage_mass = self._buffers["usage_mass"]
         usage.add_(counts.to(usage.dtype))
         usage_mass.add_(mass.to(usage_mass.dtype))

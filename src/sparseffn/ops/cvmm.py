@@ -213,6 +213,8 @@ class _CVMM(torch.autograd.Function):
     gates the expert outputs are never kept: the gate gradient is ``<dy, x W> = <dy Wᵀ, x>``,
     and ``dy Wᵀ`` is needed for the input gradient anyway.
     """
+    generate_vmap_rule = True
+
 
     @staticmethod
     def forward(x2, weight, gates, order, token_of_row, counts, in_layout: str,

@@ -40,5 +40,7 @@ def indices_outside(indices: torch.Tensor, bound: int) -> tuple[int, int] | None
     none. One pass over the indices (``aminmax``) and one host read."""
     if not indices.numel() or not checks_enabled(indices):
         return None
+    while torch._C._functorch.is_functorch_wrapped_tensor(indices):   # under torch.func:
+        indices = torch._C._functorch.get_unwrapped(indices)          # every entry's at once
     low, high = map(int, torch.aminmax(indices))
     return (low, high) if low < 0 or high >= bound else None

@@ -137,6 +137,8 @@ class _ReluExpertMLP(torch.autograd.Function):
     sorted order (the ReLU's derivative is read off h > 0). The forward returns ``(y, h)``,
     h as an output without a gradient, so that ``torch.func`` transforms see what is saved.
     """
+    generate_vmap_rule = True
+
 
     @staticmethod
     def forward(x, w1, w2, gates, order, tokens, counts, k):

@@ -374,6 +374,8 @@ class _LevelwiseTree(torch.autograd.Function):
     (the C kernels of ``fff_cpu.c`` on CPU, the Triton kernels on CUDA).
 
     Saves the node logits z and the output probabilities."""
+    generate_vmap_rule = True
+
 
     @staticmethod
     def forward(z, depth: int, activation: str):

@@ -127,8 +127,20 @@ def operator(name: str, device_types: Optional[str] = None):
         options = {} if device_types is None else {"device_types": device_types}
         op = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=(), **options)(
             without_autocast)
+        op.register_vmap(_one_at_a_time(op))
         return Operator(op, without_autocast)
     return wrap
+
+
+def _one_at_a_time(op):
+    """A ``torch.vmap`` rule for ``op``: one call per batch entry, the outputs stacked."""
+    def rule(info, in_dims, *args):
+        outs = [op(*(a.select(d, b) if d is not None else a for a, d in zip(args, in_dims)))
+                for b in range(info.batch_size)]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.stack(parts) for parts in zip(*outs)), (0,) * len(outs[0])
+        return torch.stack(outs), 0
+    return rule
 
 
 def _fused(*tensors: Optional[Tensor]) -> bool:

@@ -31,6 +31,8 @@ class _CastForTwo(torch.autograd.Function):
     """``x`` cast to ``dtype`` once and handed to two readers; the backward sums their
     gradients and casts the sum back to ``x``'s dtype in one operator (on a GPU one kernel:
     it reads the two reduced-precision gradients and writes the float32 one)."""
+    generate_vmap_rule = True
+
 
     @staticmethod
     def forward(x: torch.Tensor, dtype: torch.dtype):

@@ -176,6 +176,8 @@ class _SelectedScores(torch.autograd.Function):
     selected scores scattered into dense [T, H, n] score rows (zero where nothing was
     selected; a (token, head)'s k keys reach only its head's n sub-keys). The query's
     gradient is written half by half into one tensor of the query's dtype."""
+    generate_vmap_rule = True
+
 
     @staticmethod
     def forward(vals, query, keys_a, keys_b, idx):

@@ -96,6 +96,8 @@ def shared_row_index(idx: torch.Tensor, num_rows: int, *tensors: torch.Tensor,
 
 
 class _GatherDot(torch.autograd.Function):
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(x, table, idx, sparse, row_index):
         return kernels.gather_dot(x, table, idx)
@@ -128,6 +130,8 @@ class _GatherDot(torch.autograd.Function):
 
 
 class _GatherSum(torch.autograd.Function):
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(idx, weights, table, sparse, row_index):
         return kernels.gather_sum(idx, weights, table)
