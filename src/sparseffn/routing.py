@@ -103,11 +103,13 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
 
 
 def _inside_func_transform() -> bool:
-    """True inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ...). There a
-    forward records no usage: torch.func refuses in-place changes of tensors the function
-    did not receive, the usage buffers among them (BatchNorm's running statistics are refused
-    alike), and under ``vmap`` the counts of one entry would be summed into an unbatched
-    tensor."""
+    """True inside a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``, ...); False while
+    ``torch.compile`` traces. There a forward records no usage: torch.func refuses in-place
+    changes of tensors the function did not receive, the usage buffers among them
+    (BatchNorm's running statistics are refused alike), and under ``vmap`` the counts of one
+    entry would be summed into an unbatched tensor."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
@@ -208,8 +210,9 @@ class SparseFFN(nn.Module):
     @property
     def counts_usage(self) -> bool:
         """Whether the next forward records its usage: :attr:`records_usage`, and not inside
-        :func:`sparseffn.no_usage_statistics`."""
-        return self.records_usage and not self._transient.usage_paused
+        :func:`sparseffn.no_usage_statistics` or a ``torch.func`` transform."""
+        return (self.records_usage and not self._transient.usage_paused
+                and not _inside_func_transform())
 
     @property
     def aux_losses(self) -> dict[str, torch.Tensor]:
@@ -287,7 +290,7 @@ class SparseFFN(nn.Module):
             self.aux_losses = summed
         else:
             self.aux_losses = dict(routing.aux_losses)
-        if self.counts_usage and (torch.compiler.is_compiling() or not _inside_func_transform()):
+        if self.counts_usage:
             plan = routing.built_plan(num_experts)
             counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
                                         routing.dispatched, None if plan is None else plan.counts,
@@ -404,7 +407,7 @@ class RoutedFFN(SparseFFN):
         if mask is None:
             transient.kept_rows = None
             return None
-        flattened = x.dim() == 2 and mask.dim() > 1 and mask.numel() == x.shape[0]
+        flattened = x.dim() == 2 and mask.numel() == x.shape[0]
         if mask.shape != x.shape[:-1] and not flattened:
             raise ValueError(f"{type(self).__name__}: skipping_padding's mask has shape "
                              f"{tuple(mask.shape)}, but this layer's input is "

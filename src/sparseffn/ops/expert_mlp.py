@@ -139,7 +139,6 @@ class _ReluExpertMLP(torch.autograd.Function):
     """
     generate_vmap_rule = True
 
-
     @staticmethod
     def forward(x, w1, w2, gates, order, tokens, counts, k):
         gate_rows = gates.index_select(0, order)
