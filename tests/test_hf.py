@@ -523,34 +523,113 @@ def _tiny(name):
         "t5_gated": lambda: t.T5EncoderModel(t.T5Config(
             d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=VOCAB,
             dropout_rate=0.0, feed_forward_proj="gated-gelu")),
+        "bart": lambda: t.BartModel(t.BartConfig(**SEQ2SEQ)),
+        "marian": lambda: t.MarianMTModel(t.MarianConfig(**SEQ2SEQ)),
+        "whisper": lambda: t.WhisperModel(t.WhisperConfig(
+            num_mel_bins=8, max_source_positions=16, max_target_positions=32, **SEQ2SEQ)),
+        "vit": lambda: t.ViTModel(t.ViTConfig(image_size=16, patch_size=8,
+                                              hidden_dropout_prob=0.0, intermediate_size=64,
+                                              **_without_vocab(small))),
+        # two towers and a pooling head; the activation is named in each tower's config only
+        "siglip": lambda: t.SiglipModel(t.SiglipConfig(
+            text_config=dict(vocab_size=VOCAB, intermediate_size=64, **_without_vocab(small)),
+            vision_config=dict(image_size=16, patch_size=8, intermediate_size=64,
+                               **_without_vocab(small)))),
+        "gpt_neo": lambda: t.GPTNeoForCausalLM(t.GPTNeoConfig(
+            num_layers=2, hidden_size=32, num_heads=2, vocab_size=VOCAB,
+            attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+            resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0)),
+        "gpt_bigcode": lambda: t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0)),
+        "codegen": lambda: t.CodeGenForCausalLM(t.CodeGenConfig(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, rotary_dim=8,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "bloom": lambda: t.BloomForCausalLM(t.BloomConfig(
+            n_layer=2, hidden_size=32, n_head=2, vocab_size=VOCAB, hidden_dropout=0.0,
+            attention_dropout=0.0)),
     }
     return built[name]()
 
 
+# one encoder and one decoder layer, of different MLP widths
+SEQ2SEQ = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+               decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=48,
+               vocab_size=VOCAB, dropout=0.0, activation_dropout=0.0, pad_token_id=0,
+               bos_token_id=0, eos_token_id=0, decoder_start_token_id=2,
+               max_position_embeddings=64)
+
+
+def _without_vocab(config):
+    return {k: v for k, v in config.items() if k != "vocab_size"}
+
+
+def _pixels():
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+
+
+# The inputs of the models that take more than token ids
+INPUTS = {
+    "marian": lambda: {"input_ids": _ids(), "decoder_input_ids": _ids(length=5)},
+    "whisper": lambda: {"input_features": torch.randn(
+        2, 8, 32, generator=torch.Generator().manual_seed(3)), "decoder_input_ids": _ids(length=5)},
+    "vit": lambda: {"pixel_values": _pixels()},
+    "siglip": lambda: {"input_ids": _ids(), "pixel_values": _pixels()},
+}
+
+
+def _family_output(name, model):
+    out = model(**INPUTS.get(name, lambda: {"input_ids": _ids()})())
+    return next(getattr(out, key) for key in ("logits", "last_hidden_state", "logits_per_image")
+                if getattr(out, key, None) is not None)
+
+
 MORE_FAMILIES = ["gpt_neox", "gptj", "phi", "phi3", "falcon", "starcoder2", "gemma3",
-                 "distilbert", "t5", "t5_gated", "deberta_v2", "mpnet", "modernbert", "opt"]
+                 "distilbert", "t5", "t5_gated", "deberta_v2", "mpnet", "modernbert", "opt",
+                 "bart", "marian", "whisper", "vit", "siglip", "gpt_neo", "gpt_bigcode",
+                 "codegen", "bloom"]
 # (the families these join)
-JOINED = {"gemma3": "llama", "deberta_v2": "bert", "mpnet": "bert"}
+JOINED = {"gemma3": "llama", "deberta_v2": "bert", "mpnet": "bert", "marian": "bart",
+          "whisper": "bart", "siglip": "vit", "gpt_bigcode": "gpt_neo", "codegen": "gptj"}
+# MLPs per model where not 2 (SigLIP: two per tower and its vision pooling head's)
+MLPS = {"siglip": 5}
 
 
 @pytest.mark.parametrize("name", MORE_FAMILIES)
 def test_more_families_are_found_read_exactly_and_made_sparse(name, tmp_path):
     model = _tiny(name).eval()
+    with torch.no_grad():   # weights large enough for the MLPs' activations to tell apart
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
     sites = hf.find_mlps(model)
-    assert len(sites) == 2 and {s.family.name for s in sites} == {JOINED.get(name, name)}
-    dense_out = _output(model, _ids())
+    assert len(sites) == MLPS.get(name, 2)
+    assert {s.family.name for s in sites} == {JOINED.get(name, name)}
+    dense_out = _family_output(name, model)
     hf.upcycle(model, num_experts=3, k=2)        # the dense weights, read back exactly
-    torch.testing.assert_close(_output(model, _ids()), dense_out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(_family_output(name, model), dense_out, atol=1e-5, rtol=1e-4)
     model = _tiny(name)
     report = hf.sparsify(model, "sigma_moe")
-    assert len(report) == 2 and report.totals()["sparse_params"] > 0
+    assert len(report) == len(sites) and report.totals()["sparse_params"] > 0
     model.train()
-    (_output(model, _ids()).float().pow(2).mean() + sparseffn.aux_loss(model)).backward()
+    (_family_output(name, model).float().pow(2).mean() + sparseffn.aux_loss(model)).backward()
     for layer in (m for m in model.modules() if isinstance(m, sparseffn.SparseFFN)):
         assert layer.router.weight.grad.abs().sum() > 0
     model.eval().save_pretrained(tmp_path)
     loaded = hf.from_pretrained(str(tmp_path)).eval()
-    torch.testing.assert_close(_output(loaded, _ids()), _output(model, _ids()))
+    torch.testing.assert_close(_family_output(name, loaded), _family_output(name, model))
+
+
+def test_a_dropout_on_the_hidden_units_goes_with_the_dense_mlp():
+    """BART-family layers drop out their MLP's hidden units in their own forward
+    (``activation_dropout``); after the MLP is replaced there are none there, and the dropout
+    must not fall on the sparse layer's output instead."""
+    _quiet()
+    torch.manual_seed(0)
+    model = transformers.BartModel(transformers.BartConfig(**{**SEQ2SEQ,
+                                                              "activation_dropout": 0.5}))
+    hf.upcycle(model, num_experts=3, k=2)       # deterministic in training too
+    want = _family_output("bart", model.eval())
+    torch.testing.assert_close(_family_output("bart", model.train()), want)
 
 
 def test_skip_padding_masks_an_encoder_decoders_encoder_and_decoder_each_by_its_own_mask():

@@ -1,9 +1,10 @@
 """sparseffn layers inside Hugging Face ``transformers`` models (``pip install sparseffn[hf]``).
 
 - :func:`sparsify` puts a sparse layer in the MLP place of every block (or some blocks) of a
-  GPT-2, Llama/Mistral/Qwen-family, BERT-family (DeBERTa, MPNet), GPT-NeoX, GPT-J, Phi,
-  Phi-3, Falcon, StarCoder2, DistilBERT, ModernBERT, T5 or OPT model, found by module type,
-  and returns a report of what it replaced with parameter and FLOP counts;
+  GPT-2, Llama/Mistral/Qwen-family, BERT-family (DeBERTa, MPNet), GPT-NeoX, GPT-J, GPT-Neo,
+  BLOOM, Phi, Phi-3, Falcon, StarCoder2, DistilBERT, ModernBERT, T5, OPT, BART-family
+  (Marian, Whisper, ...) or ViT-family (CLIP, SigLIP, DINOv2, ...) model, found by module
+  type, and returns a report of what it replaced with parameter and FLOP counts;
 - :func:`moefy` turns the trained MLPs of such a model into mixtures of their own hidden
   units (MoEfication, Zhang et al. 2022, arXiv:2110.01786; see :mod:`sparseffn.convert`),
   and :func:`upcycle` into mixtures of copies of themselves (sparse upcycling, Komatsuzaki
@@ -62,9 +63,9 @@ def require_transformers():
 class SparseMLP(nn.Module):
     """A sparseffn layer in the place of a Hugging Face MLP: ``dropout(ffn(x))``, the dropout
     being the one the replaced MLP applied to its output (GPT-2's ``resid_pdrop``; none for
-    the others).
+    the others), plus ``residual`` where the MLP added its block's residual itself (BLOOM).
 
-    forward(hidden_states: [..., d_model]) -> [..., d_model]
+    forward(hidden_states: [..., d_model], residual: [..., d_model] | None) -> [..., d_model]
     """
 
     def __init__(self, ffn: nn.Module, dropout: float = 0.0, family: str = "") -> None:
@@ -73,8 +74,10 @@ class SparseMLP(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.family = family     # the MLPFamily whose MLP this replaced
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.ffn(hidden_states))
+    def forward(self, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.dropout(self.ffn(hidden_states))
+        return out if residual is None else out + residual
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,11 +207,29 @@ def _fused_gate_up(fused: str, down: str, *activation: str):
     return weights
 
 
-def _opt_replace(parent, name, site, ffn) -> None:
-    # OPTDecoderLayer: fc1 -> activation_fn -> fc2 -> dropout -> residual, in its own forward
-    site.fc1 = SparseMLP(ffn, family="opt")
-    site.activation_fn = nn.Identity()
-    site.fc2 = nn.Identity()
+def _block_fc_family(name: str, classes: tuple[tuple[str, str], ...]) -> MLPFamily:
+    """A family whose MLP lives in its block's own forward as ``fc2(act(fc1(x)))``, perhaps
+    with a dropout (``activation_dropout``) on the hidden units: OPT's decoder layer, and
+    the encoder and decoder layers of BART, Whisper and their kin. ``fc1`` becomes the sparse
+    layer, the activation and ``fc2`` identities, and the hidden units' dropout none (a sparse
+    layer does not expose them)."""
+    def swap(parent, attribute, site, ffn) -> None:
+        site.fc1 = SparseMLP(ffn, family=name)
+        site.activation_fn = nn.Identity()
+        site.fc2 = nn.Identity()
+        if hasattr(site, "activation_dropout"):
+            site.activation_dropout = 0.0
+
+    return MLPFamily(name, classes, dims=_linear_dims("fc1"),
+                     dense_params=lambda site: _params(site.fc1, site.fc2), replace=swap,
+                     dense_weights=_two_linears("fc1", "fc2", "activation_function"),
+                     mlp=lambda site: site.fc1,
+                     replaced=lambda site: isinstance(site.fc1, SparseMLP))
+
+
+def _bloom_replace(parent, name, site, ffn) -> None:
+    # BloomMLP.forward(hidden_states, residual): dropout(mlp(x)) + residual
+    setattr(parent, name, SparseMLP(ffn, site.hidden_dropout, "bloom"))
 
 
 def _t5_gated_weights(site, config) -> DenseWeights:
@@ -251,7 +272,8 @@ FAMILIES: list[MLPFamily] = [
         replaced=lambda site: isinstance(site.intermediate, SparseMLP)),
     _family("gpt_neox", _models(("gpt_neox", "GPTNeoXMLP")), "dense_h_to_4h", "dense_4h_to_h",
             "hidden_act"),
-    _family("gptj", _models(("gptj", "GPTJMLP")), "fc_in", "fc_out", "activation_function"),
+    _family("gptj", _models(("gptj", "GPTJMLP"), ("codegen", "CodeGenMLP")), "fc_in", "fc_out",
+            "activation_function"),
     _family("phi", _models(("phi", "PhiMLP")), "fc1", "fc2", "hidden_act"),
     _family("falcon", _models(("falcon", "FalconMLP")), "dense_h_to_4h", "dense_4h_to_h",
             "activation"),
@@ -273,12 +295,41 @@ FAMILIES: list[MLPFamily] = [
         dims=_linear_dims("Wi", halves=2), dense_params=_params,
         replace=_swapper("modernbert", output_dropout=False),
         dense_weights=_fused_gate_up("Wi", "Wo", "hidden_activation"), matrices=3),
-    MLPFamily(   # the MLP lives in the decoder layer; its input arrives as [batch·seq, d]
-        "opt", _models(("opt", "OPTDecoderLayer")), dims=_linear_dims("fc1"),
-        dense_params=lambda s: _params(s.fc1, s.fc2), replace=_opt_replace,
+    # OPT's MLP input arrives flattened, as [batch·seq, d]
+    _block_fc_family("opt", _models(("opt", "OPTDecoderLayer"))),
+    _block_fc_family("bart", _models(*(
+        (package, f"{prefix}{part}Layer")
+        for package, prefix in (("bart", "Bart"), ("mbart", "MBart"), ("marian", "Marian"),
+                                ("pegasus", "Pegasus"), ("plbart", "PLBart"),
+                                ("blenderbot", "Blenderbot"),
+                                ("blenderbot_small", "BlenderbotSmall"), ("m2m_100", "M2M100"),
+                                ("whisper", "Whisper"), ("speech_to_text", "Speech2Text"),
+                                ("mvp", "Mvp"), ("led", "LED"))
+        for part in ("Encoder", "Decoder")),
+        ("biogpt", "BioGptDecoderLayer"), ("xglm", "XGLMDecoderLayer"),
+        ("trocr", "TrOCRDecoderLayer"))),
+    # fc2(act(fc1(x))) with no dropout: the Vision Transformer and its descendants, the towers
+    # of CLIP and SigLIP (their activation is read from the tower's config)
+    _family("vit", _models(
+        ("vit", "ViTMLP"), ("deit", "DeiTMLP"), ("vit_mae", "ViTMAEMLP"), ("vit_msn", "ViTMSNMLP"),
+        ("beit", "BeitMLP"), ("dinov2", "Dinov2MLP"),
+        ("dinov2_with_registers", "Dinov2WithRegistersMLP"), ("ijepa", "IJepaMLP"),
+        ("vivit", "VivitMLP"), ("audio_spectrogram_transformer", "ASTMLP"), ("clip", "CLIPMLP"),
+        ("clipseg", "CLIPSegMLP"), ("altclip", "AltCLIPMLP"), ("metaclip_2", "MetaClip2MLP"),
+        ("chinese_clip", "ChineseCLIPVisionMLP"), ("x_clip", "XCLIPMLP"),
+        ("owlvit", "OwlViTMLP"), ("owlv2", "Owlv2MLP"), ("groupvit", "GroupViTMLP"),
+        ("siglip", "SiglipMLP"), ("siglip2", "Siglip2MLP"), ("blip", "BlipMLP"),
+        ("blip_2", "Blip2MLP"), ("instructblip", "InstructBlipMLP"),
+        ("idefics2", "Idefics2VisionMLP"), ("idefics3", "Idefics3VisionMLP"),
+        ("smolvlm", "SmolVLMVisionMLP"), ("kosmos2", "Kosmos2VisionMLP")),
+        "fc1", "fc2", "hidden_act"),
+    _family("gpt_neo", _models(("gpt_neo", "GPTNeoMLP"), ("gpt_bigcode", "GPTBigCodeMLP")),
+            "c_fc", "c_proj", "activation_function"),
+    MLPFamily(   # BloomGelu is GELU's tanh approximation; the MLP adds the residual itself
+        "bloom", _models(("bloom", "BloomMLP")), dims=_linear_dims("dense_h_to_4h"),
+        dense_params=_params, replace=_bloom_replace,
         dense_weights=lambda site, config: DenseWeights.from_linears(
-            site.fc1, site.fc2, _activation(config, "activation_function")),
-        mlp=lambda site: site.fc1, replaced=lambda site: isinstance(site.fc1, SparseMLP)),
+            site.dense_h_to_4h, site.dense_4h_to_h, "gelu_tanh")),
 ]
 
 
@@ -535,7 +586,12 @@ def _warn_if_a_cache_changes_outputs(model: nn.Module, who: str) -> None:
 # MoEfication of a whole model
 
 def dense_weights(site: Site, config: Any = None) -> DenseWeights:
-    """The weights of the MLP at ``site`` (gated for the Llama family)."""
+    """The weights of the MLP at ``site`` (gated for the Llama family). ``config``: the model's
+    config, where the activation is named unless the MLP holds a config of its own (a tower
+    of a two-tower model such as CLIP, whose top config names none)."""
+    own = getattr(site.module, "config", None)
+    if isinstance(own, require_transformers().PretrainedConfig):
+        config = own
     weights = site.family.dense_weights(site.module, config)
     if weights is None:
         raise ValueError(f"{site.path}: sparseffn does not know how to read the weights of a "
