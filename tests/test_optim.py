@@ -239,3 +239,102 @@ def test_clip_grad_value_clamps_a_sparse_gradient_as_the_dense_one_it_sums_to():
                                          (3, 1), check_invariants=True)
     sparseffn.clip_grad_value_(table, 0.5)
     assert table.grad.to_dense().flatten().tolist() == [0.0, 0.0, 0.5]
+
+
+# --- MixedAdamW: AdamW and SparseAdam in one optimiser -------------------------------------------
+
+def _sparse_pkm_block():
+    torch.manual_seed(0)
+    return _pkm_block(sparse_grad=True)
+
+
+def _train(model, optimizers, steps, seed=1, lr_of_step=None):
+    torch.manual_seed(seed)
+    for step in range(steps):
+        tokens = torch.randint(0, 11, (3, 5))
+        for opt in optimizers:
+            opt.zero_grad()
+            if lr_of_step is not None:
+                for group in opt.param_groups:
+                    group["lr"] = lr_of_step(step)
+        model(tokens).pow(2).mean().backward()
+        for opt in optimizers:
+            opt.step()
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("fused", [None, True])
+def test_mixed_adamw_takes_adamws_and_sparse_adams_steps(maximize, fused):
+    ours, theirs = _sparse_pkm_block(), _sparse_pkm_block()
+    sparse = sparseffn.sparse_grad_parameters(theirs)
+    assert len(sparse) == 1
+    groups = sparseffn.param_groups(theirs, 0.1)
+    kwargs = dict(betas=(0.8, 0.9), eps=1e-6, maximize=maximize)
+    reference = [torch.optim.AdamW(groups, lr=0.01, fused=fused, **kwargs),
+                 torch.optim.SparseAdam(sparse, lr=0.01, **kwargs)]
+    mixed = sparseffn.optim.MixedAdamW(
+        sparseffn.param_groups(ours, 0.1) + [{"params": sparseffn.sparse_grad_parameters(ours),
+                                              "weight_decay": 0.1}],
+        lr=0.01, fused=fused, **kwargs)
+    lr = lambda step: 0.01 / (step + 1)          # noqa: E731  (as a scheduler changes it)
+    _train(ours, [mixed], 4, lr_of_step=lr)
+    _train(theirs, reference, 4, lr_of_step=lr)
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    # the sparse table kept its gradient, and no decay touched it (weight_decay 0.1 asked)
+    assert sparseffn.sparse_grad_parameters(ours)[0].grad.is_sparse
+
+
+def test_mixed_adamw_resumes_from_its_state_dict_as_if_never_stopped():
+    whole, resumed = _sparse_pkm_block(), _sparse_pkm_block()
+    opt = sparseffn.optim.MixedAdamW(whole.parameters(), lr=0.01)
+    _train(whole, [opt], 5)
+    first = sparseffn.optim.MixedAdamW(resumed.parameters(), lr=0.01)
+    _train(resumed, [first], 3)
+    saved = first.state_dict()
+    assert set(saved["state"][len(saved["state"]) - 1]) == {"step", "exp_avg", "exp_avg_sq"}
+    again = sparseffn.optim.MixedAdamW(resumed.parameters(), lr=0.01)
+    again.load_state_dict(saved)
+    torch.manual_seed(1)                # the batches of steps 3 and 4
+    for _ in range(3):
+        torch.randint(0, 11, (3, 5))
+    for _ in range(2):
+        again.zero_grad()
+        resumed(torch.randint(0, 11, (3, 5))).pow(2).mean().backward()
+        again.step()
+    for p, q in zip(whole.parameters(), resumed.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("copy", ["deepcopy", "pickle"])
+def test_a_copied_mixed_adamw_still_takes_sparse_gradients(copy):
+    import copy as copying
+    import pickle
+    model = _sparse_pkm_block()
+    opt = sparseffn.optim.MixedAdamW(model.parameters(), lr=0.01)
+    _train(model, [opt], 1)
+    opt = copying.deepcopy(opt) if copy == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    table = sparseffn.sparse_grad_parameters(model)[0]
+    state_before = len(opt.state)
+    model(torch.randint(0, 11, (3, 5))).pow(2).mean().backward()
+    # the copy holds copies of the parameters, in the model's order
+    at = next(i for i, p in enumerate(model.parameters()) if p is table)
+    copied_table = opt.param_groups[0]["params"][at]
+    copied_table.grad = table.grad
+    before = copied_table.detach().clone()
+    opt.step()                 # (AdamW alone would raise on the sparse gradient)
+    assert not torch.equal(copied_table, before) and len(opt.state) == state_before
+
+
+def test_mixed_adamw_refuses_amsgrad_for_a_sparse_gradient_and_skips_an_empty_one():
+    model = _sparse_pkm_block()
+    table = sparseffn.sparse_grad_parameters(model)[0]
+    with pytest.raises(ValueError, match="amsgrad"):
+        _train(model, [sparseffn.optim.MixedAdamW(model.parameters(), amsgrad=True)], 1)
+    opt = sparseffn.optim.MixedAdamW([table], lr=0.01)
+    table.grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long),
+                                         torch.zeros(0, table.shape[1]), table.shape,
+                                         check_invariants=True)
+    before = table.detach().clone()
+    opt.step()
+    assert torch.equal(table, before) and not opt.state

@@ -168,3 +168,84 @@ def adam_optimizers(model: nn.Module, lr: float, betas: tuple[float, float] = (0
     if sparse:   # PKM values / PEER experts with sparse gradients (sparse_grad = true)
         optimizers.append(torch.optim.SparseAdam(sparse, lr=lr, betas=betas))
     return optimizers
+
+
+class MixedAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` that also takes parameters with sparse gradients (PKM/PEER tables
+    built with ``sparse_grad=True``), for training loops that hold one optimiser, such as
+    Hugging Face's ``Trainer`` (see :class:`sparseffn.hf.SparseTrainer`).
+
+    Every parameter with a dense gradient gets AdamW's update, fused or foreach as AdamW
+    chooses. A parameter whose gradient is sparse gets, in its rows that the gradient holds,
+    ``torch.optim.SparseAdam``'s arithmetic ("lazy" Adam: the other rows and their moments
+    stay as they are), without weight decay, as SparseAdam has none (decaying every row at
+    each step would touch the whole table, which sparse gradients exist to avoid); its
+    bias correction counts the steps in which it had a gradient. Its state (``step``,
+    ``exp_avg``, ``exp_avg_sq``) is kept as AdamW keeps a parameter's, so ``state_dict()`` and
+    ``load_state_dict()`` work as AdamW's. ``amsgrad`` is refused for a sparse gradient (as
+    SparseAdam has none). Arguments as ``torch.optim.AdamW``'s.
+
+    The sparse gradients are set aside by a step pre-hook registered at construction and
+    handled by a step post-hook, so a step pre-hook registered later sees them as ``None``.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 **kwargs) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         **kwargs)
+        self._register_sparse_hooks()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "_set_aside" not in self.__dict__:      # unpickled: hooks are not pickled
+            self._register_sparse_hooks()
+
+    def _register_sparse_hooks(self) -> None:
+        self._set_aside: list[tuple[dict, nn.Parameter, torch.Tensor]] = []
+        self.register_step_pre_hook(_set_sparse_gradients_aside)
+        self.register_step_post_hook(_update_sparse_rows)
+
+
+def _set_sparse_gradients_aside(optimizer: MixedAdamW, args, kwargs) -> None:
+    """MixedAdamW's step pre-hook: AdamW skips a parameter without a gradient."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and p.grad.is_sparse:
+                if group["amsgrad"]:
+                    raise ValueError("MixedAdamW: amsgrad has no sparse form (as SparseAdam "
+                                     "has none); a parameter has a sparse gradient")
+                optimizer._set_aside.append((group, p, p.grad))
+                p.grad = None
+
+
+@torch.no_grad()
+def _update_sparse_rows(optimizer: MixedAdamW, args, kwargs) -> None:
+    """MixedAdamW's step post-hook: SparseAdam's update (``torch.optim.SparseAdam``) of the
+    rows each set-aside gradient holds, its gradient given back."""
+    set_aside, optimizer._set_aside = optimizer._set_aside, []
+    for group, p, grad in set_aside:
+        p.grad = grad
+        grad = (-grad if group["maximize"] else grad).coalesce()
+        if grad._values().numel() == 0:
+            continue
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = float(state["step"])
+        beta1, beta2 = group["betas"]
+        rows, values = grad._indices()[0], grad._values()
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # old <- b * old + (1 - b) * new, as old += (1 - b) * (new - old), in the rows read
+        old_avg = exp_avg.index_select(0, rows)
+        avg_update = (values - old_avg).mul_(1 - beta1)
+        exp_avg.index_add_(0, rows, avg_update)
+        old_sq = exp_avg_sq.index_select(0, rows)
+        sq_update = values.pow(2).sub_(old_sq).mul_(1 - beta2)
+        exp_avg_sq.index_add_(0, rows, sq_update)
+        numer = avg_update.add_(old_avg)
+        denom = sq_update.add_(old_sq).sqrt_().add_(group["eps"])
+        step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+        p.index_add_(0, rows, numer.div_(denom).mul_(-step_size))
