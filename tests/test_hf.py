@@ -466,6 +466,67 @@ def test_a_trainer_skips_padding_and_trains_the_aux_losses_with_the_hooks(tmp_pa
     assert sparseffn.aux_loss(model) != 0
 
 
+def _lm_examples(n=8, length=12):
+    return [{"input_ids": ids, "labels": ids} for ids in _ids(n, length, seed=5)]
+
+
+def _trainer_args(tmp_path, **kwargs):
+    return transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+        save_strategy="no", logging_steps=1, dataloader_num_workers=0, **kwargs)
+
+
+def test_a_sparse_trainer_trains_sparse_gradient_tables_and_clips_them(tmp_path):
+    """The Trainer's AdamW and PyTorch's clipping raise on sparse gradients (PEER's tables
+    with sparse_grad=True); SparseTrainer trains them and clips every gradient together."""
+    pytest.importorskip("accelerate")
+    model = gpt2()
+    hf.sparsify(model, sparseffn.PEERConfig(d_model=32, num_experts=64, heads=2, k=4,
+                                             sparse_grad=True))
+    tables = sparseffn.sparse_grad_parameters(model)
+    assert tables
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    clipped = []          # each step's gradient norm after clipping
+
+    class AfterClipping(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            assert any(p.grad.is_sparse for p in tables)
+            clipped.append(float(sparseffn.optim.gradient_norm(
+                [p for p in model.parameters() if p.grad is not None])))
+
+    trainer = hf.SparseTrainer(model=model, args=_trainer_args(tmp_path, max_steps=3,
+                                                               max_grad_norm=0.05),
+                               train_dataset=_lm_examples(), callbacks=[AfterClipping()])
+    trainer.train()
+    logged = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert len(logged) == len(clipped) == 3
+    for before_clipping, after in zip(logged, clipped):
+        assert before_clipping > 0.05 and after == pytest.approx(0.05, rel=1e-4)
+    for name, p in model.named_parameters():        # every parameter trained, tables too
+        assert not torch.equal(p, before[name]), name
+    assert isinstance(trainer.optimizer.optimizer, sparseffn.optim.MixedAdamW)
+    assert set(model.config.sparseffn["hooks"]) == {"add_aux_loss", "skip_padding"}
+
+
+def test_a_sparse_trainer_decays_as_sparseffn_does_and_names_what_it_cannot_train(tmp_path):
+    model = gpt2()
+    hf.sparsify(model, "fff")
+    trainer = hf.SparseTrainer(model=model, args=_trainer_args(tmp_path, weight_decay=0.1),
+                               aux_loss=False, skip_padding=False)
+    decay, no_decay = trainer.create_optimizer().param_groups
+    biases = {id(p) for p in sparseffn.optim.no_weight_decay_parameters(model)}
+    assert biases and biases <= {id(p) for p in no_decay["params"]}
+    assert not biases & {id(p) for p in decay["params"]} and decay["weight_decay"] == 0.1
+    assert not model.config.sparseffn.get("hooks")          # (aux_loss, skip_padding False)
+    # another optimiser: the Trainer's, which cannot take sparse gradients
+    model = gpt2()
+    hf.sparsify(model, sparseffn.PEERConfig(d_model=32, num_experts=64, heads=2, k=4,
+                                             sparse_grad=True))
+    trainer = hf.SparseTrainer(model=model, args=_trainer_args(tmp_path, optim="sgd"))
+    with pytest.raises(ValueError, match="sparse gradients.*optim='sgd'"):
+        trainer.create_optimizer()
+
+
 @pytest.mark.parametrize("family", MODELS)
 def test_an_upcycled_model_computes_the_dense_model_and_saves_and_loads(family, tmp_path):
     model = MODELS[family]().eval()

@@ -930,3 +930,12 @@ def from_pretrained(path: str, model_class: type | None = None, **kwargs: Any) -
     model = _sparse_class(model_class).from_pretrained(path, config=config, **kwargs)
     model.__class__ = model_class     # the user's class again, so isinstance and pickling hold
     return model
+
+
+def __getattr__(name: str):
+    # SparseTrainer subclasses transformers.Trainer, so it is imported when first asked for
+    if name == "SparseTrainer":
+        require_transformers()
+        from .hf_trainer import SparseTrainer
+        return SparseTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,93 @@
+""":class:`SparseTrainer`: Hugging Face's ``Trainer`` for a model with sparseffn layers. Import
+it as ``sparseffn.hf.SparseTrainer`` (this module imports ``transformers``)."""
+
+from __future__ import annotations
+
+import transformers
+
+from . import hf
+from .auxiliary import sparse_grad_parameters
+from .optim import MixedAdamW, clip_grad_norm_, param_groups
+
+# The Trainer's ``optim`` names of PyTorch's AdamW, whose update MixedAdamW makes
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+
+
+class SparseTrainer(transformers.Trainer):
+    """``transformers.Trainer`` for a model with sparseffn layers. Arguments as the
+    ``Trainer``'s, and:
+
+    - ``aux_loss=True``: :func:`sparseffn.hf.add_aux_loss` on the model, so the aux losses
+      (balance, entropy) train with the loss the Trainer reads;
+    - ``skip_padding=True``: :func:`sparseffn.hf.skip_padding` on the model, so padding takes
+      no part in routing, capacities and the aux losses.
+
+    (Both are hooks on the model, saved with it; a model given through ``model_init`` gets
+    neither.) With the Trainer's AdamW (``optim`` ``"adamw_torch"`` or
+    ``"adamw_torch_fused"``, the defaults) the optimiser is :class:`sparseffn.optim.MixedAdamW`
+    over :func:`sparseffn.param_groups`:
+
+    - parameters with sparse gradients (PKM/PEER tables built with ``sparse_grad=True``)
+      train, where the Trainer's AdamW raises;
+    - no weight decay on the per-expert and FFF leaf biases, which the Trainer's rule (by
+      parameter name: "bias", norms) decays.
+
+    Gradient clipping (``max_grad_norm``) and the gradient norm it logs take sparse
+    gradients (:func:`sparseffn.clip_grad_norm_`), where PyTorch's raises. Another ``optim``,
+    or ``optimizer_cls_and_kwargs``, is the Trainer's own, and a ValueError if the model has
+    parameters with sparse gradients, as is a run over several processes with them; an
+    optimiser passed in ``optimizers`` is used as given.
+    """
+
+    def __init__(self, model=None, *args, aux_loss: bool = True, skip_padding: bool = True,
+                 **kwargs) -> None:
+        if model is not None:
+            if aux_loss:
+                hf.add_aux_loss(model)
+            if skip_padding:
+                hf.skip_padding(model)
+        super().__init__(model, *args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        sparse = sparse_grad_parameters(model)
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        if optim not in ADAMW_OPTIMS or getattr(self, "optimizer_cls_and_kwargs", None):
+            if sparse:
+                raise ValueError(f"SparseTrainer: the model has {len(sparse)} parameters with "
+                                 f"sparse gradients (sparse_grad=True), which only its AdamW "
+                                 f"(optim in {ADAMW_OPTIMS}) trains; got optim={optim!r}"
+                                 + (" and optimizer_cls_and_kwargs"
+                                    if getattr(self, "optimizer_cls_and_kwargs", None) else ""))
+            return super().create_optimizer(model)
+        if sparse and self.args.world_size > 1:
+            raise ValueError(f"SparseTrainer: the model has {len(sparse)} parameters with "
+                             f"sparse gradients (sparse_grad=True), which it does not train "
+                             f"over several processes (DDP cannot reduce them: see "
+                             f"sparseffn.distributed.all_reduce_sparse_grads); build the "
+                             f"layers with sparse_grad=False")
+        groups = param_groups(model, self.args.weight_decay)
+        if sparse:
+            groups.append({"params": sparse, "weight_decay": 0.0, "name": "sparse_grad"})
+        self.optimizer = MixedAdamW(groups, lr=self.args.learning_rate,
+                                    betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                    eps=self.args.adam_epsilon,
+                                    fused=True if optim == "adamw_torch_fused" else None)
+        return self.optimizer
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # the Trainer clips, and measures the norm it logs, with accelerator.clip_grad_norm_
+        accelerator = self.accelerator
+        clip = accelerator.clip_grad_norm_
+
+        def clip_grad_norm(parameters, max_norm, norm_type=2, **kwargs):
+            params = list(parameters)
+            if not any(p.grad is not None and p.grad.is_sparse for p in params):
+                return clip(params, max_norm, norm_type, **kwargs)
+            accelerator.unscale_gradients()      # as accelerate's own does first (fp16)
+            return clip_grad_norm_(params, max_norm, norm_type)
+
+        accelerator.clip_grad_norm_ = clip_grad_norm
