@@ -159,6 +159,28 @@ def test_save_pretrained_then_load_gives_the_same_sparse_model(family, tmp_path)
         torch.testing.assert_close(_output(auto, ids), want)
 
 
+def test_loading_takes_the_arguments_hugging_faces_loading_takes(tmp_path):
+    """Config changes (a new classification head: num_labels with ignore_mismatched_sizes;
+    output_hidden_states) and dtype, as the class's own from_pretrained takes them."""
+    _quiet()
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(bert().config)
+    hf.sparsify(model, "sigma_moe")
+    model.save_pretrained(tmp_path)
+    saved = model.state_dict()
+    loaded = hf.from_pretrained(str(tmp_path), num_labels=3, ignore_mismatched_sizes=True,
+                                output_hidden_states=True)
+    assert loaded.classifier.out_features == 3 and loaded.config.output_hidden_states
+    ffn = [name for name in saved if ".ffn." in name]
+    assert ffn
+    for name in ffn:                     # the sparse layers' trained weights, not a fresh init
+        torch.testing.assert_close(loaded.state_dict()[name], saved[name], rtol=0, atol=0)
+    half = hf.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    for name in ffn:
+        torch.testing.assert_close(half.state_dict()[name], saved[name].bfloat16())
+
+
 def test_a_model_without_a_record_loads_as_usual(tmp_path):
     model = gpt2().eval()
     model.save_pretrained(tmp_path)

@@ -909,14 +909,26 @@ def _sparse_class(model_class: type) -> type:
                                                        "__module__": model_class.__module__})
 
 
+# The arguments of ``from_pretrained`` that say which files to read, which reading the config
+# needs too
+_FILE_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token",
+                "revision", "subfolder", "trust_remote_code")
+
+
 def from_pretrained(path: str, model_class: type | None = None, **kwargs: Any) -> nn.Module:
     """Load a model that :func:`sparsify` or :func:`moefy` changed and ``save_pretrained``
     wrote: the model class (default: the first of ``config.architectures``; an Auto class
     such as ``AutoModelForCausalLM`` resolves to the concrete one) is built, the
     recorded sparse layers are put in place, then the weights load, through the class's own
-    ``from_pretrained`` (``kwargs`` go to it). A model without a record loads as usual."""
+    ``from_pretrained``. ``kwargs`` go to it, and do what they do there: ``dtype``,
+    ``device_map``, ``revision``, ..., and changes to the config (``num_labels=3`` with
+    ``ignore_mismatched_sizes=True`` for a new classification head,
+    ``output_hidden_states``). A model without a record loads as usual."""
     transformers = require_transformers()
-    config = transformers.AutoConfig.from_pretrained(path)
+    config = kwargs.get("config")
+    if not isinstance(config, transformers.PretrainedConfig):
+        config = transformers.AutoConfig.from_pretrained(
+            path, **{k: kwargs[k] for k in _FILE_KWARGS if k in kwargs})
     if model_class is None:
         names = getattr(config, "architectures", None) or []
         model_class = getattr(transformers, names[0], None) if names else None
@@ -927,7 +939,7 @@ def from_pretrained(path: str, model_class: type | None = None, **kwargs: Any) -
         model_class = mapping[type(config)]
     if not getattr(config, CONFIG_KEY, None):
         return model_class.from_pretrained(path, **kwargs)
-    model = _sparse_class(model_class).from_pretrained(path, config=config, **kwargs)
+    model = _sparse_class(model_class).from_pretrained(path, **kwargs)
     model.__class__ = model_class     # the user's class again, so isinstance and pickling hold
     return model
 
