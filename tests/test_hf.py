@@ -493,9 +493,10 @@ def _lm_examples(n=8, length=12):
 
 
 def _trainer_args(tmp_path, **kwargs):
-    return transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True,
-        save_strategy="no", logging_steps=1, dataloader_num_workers=0, **kwargs)
+    return transformers.TrainingArguments(**{
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 4, "report_to": [],
+        "use_cpu": True, "save_strategy": "no", "logging_steps": 1,
+        "dataloader_num_workers": 0, **kwargs})
 
 
 def test_a_sparse_trainer_trains_sparse_gradient_tables_and_clips_them(tmp_path):
@@ -528,6 +529,30 @@ def test_a_sparse_trainer_trains_sparse_gradient_tables_and_clips_them(tmp_path)
         assert not torch.equal(p, before[name]), name
     assert isinstance(trainer.optimizer.optimizer, sparseffn.optim.MixedAdamW)
     assert set(model.config.sparseffn["hooks"]) == {"add_aux_loss", "skip_padding"}
+
+
+def test_a_sparse_trainer_resumes_a_checkpoint_as_if_never_stopped(tmp_path):
+    """The optimiser state of the sparse tables (MixedAdamW's, saved in optimizer.pt) comes
+    back with the Trainer's checkpoint."""
+    pytest.importorskip("accelerate")
+
+    def sparse_gpt2():
+        model = gpt2()
+        hf.sparsify(model, sparseffn.PEERConfig(d_model=32, num_experts=64, heads=2, k=4,
+                                                 sparse_grad=True))
+        return model
+
+    def train(model, resume=None):
+        args = _trainer_args(tmp_path, max_steps=3, save_steps=2, save_strategy="steps",
+                             max_grad_norm=0.5, weight_decay=0.1)
+        hf.SparseTrainer(model=model, args=args, train_dataset=_lm_examples()).train(
+            resume_from_checkpoint=resume)
+        return model.state_dict()
+
+    straight = train(sparse_gpt2())
+    resumed = train(sparse_gpt2(), resume=str(tmp_path / "checkpoint-2"))
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
 
 
 def test_a_sparse_trainer_decays_as_sparseffn_does_and_names_what_it_cannot_train(tmp_path):
