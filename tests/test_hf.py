@@ -499,13 +499,24 @@ def _trainer_args(tmp_path, **kwargs):
         "dataloader_num_workers": 0, **kwargs})
 
 
+def _sparse_table_gpt2(seed=0):
+    """A GPT-2 without dropout whose MLPs are PEER layers with sparse-gradient tables, drawn
+    from ``seed``."""
+    model = gpt2()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    torch.manual_seed(seed)
+    hf.sparsify(model, sparseffn.PEERConfig(d_model=32, num_experts=64, heads=2, k=4,
+                                             sparse_grad=True))
+    return model
+
+
 def test_a_sparse_trainer_trains_sparse_gradient_tables_and_clips_them(tmp_path):
     """The Trainer's AdamW and PyTorch's clipping raise on sparse gradients (PEER's tables
     with sparse_grad=True); SparseTrainer trains them and clips every gradient together."""
     pytest.importorskip("accelerate")
-    model = gpt2()
-    hf.sparsify(model, sparseffn.PEERConfig(d_model=32, num_experts=64, heads=2, k=4,
-                                             sparse_grad=True))
+    model = _sparse_table_gpt2()
     tables = sparseffn.sparse_grad_parameters(model)
     assert tables
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -536,12 +547,6 @@ def test_a_sparse_trainer_resumes_a_checkpoint_as_if_never_stopped(tmp_path):
     back with the Trainer's checkpoint."""
     pytest.importorskip("accelerate")
 
-    def sparse_gpt2():
-        model = gpt2()
-        hf.sparsify(model, sparseffn.PEERConfig(d_model=32, num_experts=64, heads=2, k=4,
-                                                 sparse_grad=True))
-        return model
-
     def train(model, resume=None):
         args = _trainer_args(tmp_path, max_steps=3, save_steps=2, save_strategy="steps",
                              max_grad_norm=0.5, weight_decay=0.1)
@@ -549,10 +554,49 @@ def test_a_sparse_trainer_resumes_a_checkpoint_as_if_never_stopped(tmp_path):
             resume_from_checkpoint=resume)
         return model.state_dict()
 
-    straight = train(sparse_gpt2())
-    resumed = train(sparse_gpt2(), resume=str(tmp_path / "checkpoint-2"))
+    straight = train(_sparse_table_gpt2())
+    resumed = train(_sparse_table_gpt2(), resume=str(tmp_path / "checkpoint-2"))
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+
+
+def _sparse_trainer_replica(rank, world, port, out_dir):
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    model = _sparse_table_gpt2(seed=100 + rank)      # tables that differ until broadcast
+    args = _trainer_args(out_dir, per_device_train_batch_size=8 // world, max_steps=2,
+                         max_grad_norm=0.5, train_sampling_strategy="sequential",
+                         ddp_backend="gloo")
+    hf.SparseTrainer(model=model, args=args, train_dataset=_lm_examples(16),
+                     aux_loss=False).train()
+    torch.save(model.state_dict(), f"{out_dir}/rank{rank}.pt")
+    torch.distributed.barrier()
+    os._exit(0)      # (see tests/layers/test_distributed_usage.py: gloo at teardown)
+
+
+def test_a_sparse_trainer_over_two_processes_trains_as_one_process_on_both_batches(tmp_path):
+    """DDP (gloo) through accelerate: the sparse tables start as rank 0's, their gradients
+    are averaged like the dense ones, and the two replicas take the steps one process takes
+    on their batches together (the aux losses, of each replica's batch, left out)."""
+    pytest.importorskip("accelerate")
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sparse_trainer_replica, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = _sparse_table_gpt2(seed=100)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    args = _trainer_args(tmp_path / "one", per_device_train_batch_size=8, max_steps=2,
+                         max_grad_norm=0.5, train_sampling_strategy="sequential")
+    hf.SparseTrainer(model=model, args=args, train_dataset=_lm_examples(16),
+                     aux_loss=False).train()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[1][name], ranks[0][name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-4, atol=1e-6, msg=name)
+        assert name.endswith(".bias") or not torch.equal(value, before[name]), name
 
 
 def test_a_sparse_trainer_decays_as_sparseffn_does_and_names_what_it_cannot_train(tmp_path):
@@ -566,9 +610,7 @@ def test_a_sparse_trainer_decays_as_sparseffn_does_and_names_what_it_cannot_trai
     assert not biases & {id(p) for p in decay["params"]} and decay["weight_decay"] == 0.1
     assert not model.config.sparseffn.get("hooks")          # (aux_loss, skip_padding False)
     # another optimiser: the Trainer's, which cannot take sparse gradients
-    model = gpt2()
-    hf.sparsify(model, sparseffn.PEERConfig(d_model=32, num_experts=64, heads=2, k=4,
-                                             sparse_grad=True))
+    model = _sparse_table_gpt2()
     trainer = hf.SparseTrainer(model=model, args=_trainer_args(tmp_path, optim="sgd"))
     with pytest.raises(ValueError, match="sparse gradients.*optim='sgd'"):
         trainer.create_optimizer()

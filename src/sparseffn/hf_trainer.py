@@ -3,10 +3,13 @@ it as ``sparseffn.hf.SparseTrainer`` (this module imports ``transformers``)."""
 
 from __future__ import annotations
 
+import torch
 import transformers
 
 from . import hf
 from .auxiliary import sparse_grad_parameters
+from .distributed import (all_reduce_sparse_grads, ddp_ignore_sparse_grad_parameters,
+                          ddp_ignore_usage_buffers)
 from .optim import MixedAdamW, clip_grad_norm_, param_groups
 
 # The Trainer's ``optim`` names of PyTorch's AdamW, whose update MixedAdamW makes
@@ -35,8 +38,14 @@ class SparseTrainer(transformers.Trainer):
     Gradient clipping (``max_grad_norm``) and the gradient norm it logs take sparse
     gradients (:func:`sparseffn.clip_grad_norm_`), where PyTorch's raises. Another ``optim``,
     or ``optimizer_cls_and_kwargs``, is the Trainer's own, and a ValueError if the model has
-    parameters with sparse gradients, as is a run over several processes with them; an
-    optimiser passed in ``optimizers`` is used as given.
+    parameters with sparse gradients; an optimiser passed in ``optimizers`` is used as given.
+
+    Over several processes (DDP, as ``torchrun`` or ``accelerate launch`` start it): DDP
+    leaves the sparse-gradient tables alone (it cannot reduce sparse gradients); they start
+    as rank 0's and their gradients are averaged by
+    :func:`sparseffn.distributed.all_reduce_sparse_grads` at each optimiser step, before
+    clipping. Each rank keeps its own usage statistics (DDP would overwrite them with rank
+    0's; :func:`sparseffn.all_reduce_usage` sums them).
     """
 
     def __init__(self, model=None, *args, aux_loss: bool = True, skip_padding: bool = True,
@@ -46,7 +55,19 @@ class SparseTrainer(transformers.Trainer):
                 hf.add_aux_loss(model)
             if skip_padding:
                 hf.skip_padding(model)
+            ddp_ignore_usage_buffers(model)          # no effect in one process
+            ddp_ignore_sparse_grad_parameters(model)
         super().__init__(model, *args, **kwargs)
+        if model is not None and self.args.world_size > 1:
+            with torch.no_grad():      # DDP no longer broadcasts them: rank 0's everywhere
+                for table in sparse_grad_parameters(model):
+                    torch.distributed.broadcast(table, src=0)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if self.args.world_size > 1 and self.accelerator.sync_gradients:
+            all_reduce_sparse_grads(self.model)     # the last micro-batch's backward: DDP's
+        return loss
 
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
@@ -62,12 +83,6 @@ class SparseTrainer(transformers.Trainer):
                                  + (" and optimizer_cls_and_kwargs"
                                     if getattr(self, "optimizer_cls_and_kwargs", None) else ""))
             return super().create_optimizer(model)
-        if sparse and self.args.world_size > 1:
-            raise ValueError(f"SparseTrainer: the model has {len(sparse)} parameters with "
-                             f"sparse gradients (sparse_grad=True), which it does not train "
-                             f"over several processes (DDP cannot reduce them: see "
-                             f"sparseffn.distributed.all_reduce_sparse_grads); build the "
-                             f"layers with sparse_grad=False")
         groups = param_groups(model, self.args.weight_decay)
         if sparse:
             groups.append({"params": sparse, "weight_decay": 0.0, "name": "sparse_grad"})
