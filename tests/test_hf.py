@@ -542,6 +542,50 @@ def test_a_sparse_trainer_trains_sparse_gradient_tables_and_clips_them(tmp_path)
     assert set(model.config.sparseffn["hooks"]) == {"add_aux_loss", "skip_padding"}
 
 
+def test_a_sparse_trainers_logs_hold_the_aux_loss_and_the_least_balanced_usage(tmp_path,
+                                                                                capfd):
+    pytest.importorskip("accelerate")
+    from sparseffn.analysis import usage_health
+    model = gpt2()
+    hf.sparsify(model, "sigma_moe")
+    auxes, health, counted = [], [], []   # each training forward's aux loss; each window's
+    #                                       usage, and the slots it counted
+    model.register_forward_hook(
+        lambda m, args, out: auxes.append(float(sparseffn.aux_loss(m).detach()))
+        if torch.is_grad_enabled() else None)
+
+    class Window(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % args.logging_steps == 0:     # (the log comes next)
+                health.append(usage_health(model))
+                counted.append(sum(float(layer.usage_counts.sum()) for layer in model.modules()
+                                   if isinstance(layer, sparseffn.SparseFFN)))
+
+    trainer = hf.SparseTrainer(model=model, args=_trainer_args(tmp_path, max_steps=4,
+                                                               logging_steps=2),
+                               train_dataset=_lm_examples(16), callbacks=[Window()])
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == len(health) == 2 and len(auxes) == 4
+    for i, (log, window) in enumerate(zip(logs, health)):
+        assert log["aux_loss"] == pytest.approx(sum(auxes[2 * i:2 * i + 2]) / 2, rel=1e-5)
+        assert len(window) == 3          # every layer
+        assert log["usage_entropy_min"] == min(e for e, _ in window.values())
+        assert log["starved_fraction_max"] == max(s for _, s in window.values())
+    assert counted[1] == counted[0] > 0          # each window starts after the last log
+    assert "collapsed" not in capfd.readouterr().err
+    # every token the same MLP input: every token picks the same experts, and it is said
+    model = gpt2()
+    hf.sparsify(model, "sigma_moe")
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.ln_2.weight.zero_()
+            block.ln_2.bias.fill_(1.0)
+    hf.SparseTrainer(model=model, args=_trainer_args(tmp_path, max_steps=2, learning_rate=0.0),
+                     train_dataset=_lm_examples(8)).train()
+    assert "expert usage looks collapsed in transformer.h.0.mlp.ffn" in capfd.readouterr().err
+
+
 def test_a_sparse_trainer_resumes_a_checkpoint_as_if_never_stopped(tmp_path):
     """The optimiser state of the sparse tables (MixedAdamW's, saved in optimizer.pt) comes
     back with the Trainer's checkpoint."""

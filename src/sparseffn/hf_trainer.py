@@ -3,11 +3,14 @@ it as ``sparseffn.hf.SparseTrainer`` (this module imports ``transformers``)."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import transformers
 
 from . import hf
-from .auxiliary import sparse_grad_parameters
+from .analysis.summary import collapse_warning, usage_health
+from .auxiliary import aux_loss, all_reduce_usage, reset_usage, sparse_grad_parameters
 from .distributed import (all_reduce_sparse_grads, ddp_ignore_sparse_grad_parameters,
                           ddp_ignore_usage_buffers)
 from .optim import MixedAdamW, clip_grad_norm_, param_groups
@@ -40,6 +43,14 @@ class SparseTrainer(transformers.Trainer):
     or ``optimizer_cls_and_kwargs``, is the Trainer's own, and a ValueError if the model has
     parameters with sparse gradients; an optimiser passed in ``optimizers`` is used as given.
 
+    Each training log (every ``logging_steps``) adds, over the steps since the last one:
+    ``aux_loss`` (the mean of the forwards' aux losses, unweighted), and the usage of the
+    least balanced layer, ``usage_entropy_min`` (normalised, 1 = uniform) and
+    ``starved_fraction_max`` (the share of experts nearly unused), as
+    :mod:`sparseffn.analysis` defines them. The usage statistics start again after each log
+    (the window of ``sparseffn train``'s collapse monitor), and a warning is printed the first
+    time a layer looks collapsed.
+
     Over several processes (DDP, as ``torchrun`` or ``accelerate launch`` start it): DDP
     leaves the sparse-gradient tables alone (it cannot reduce sparse gradients); they start
     as rank 0's and their gradients are averaged by
@@ -58,6 +69,8 @@ class SparseTrainer(transformers.Trainer):
             ddp_ignore_usage_buffers(model)          # no effect in one process
             ddp_ignore_sparse_grad_parameters(model)
         super().__init__(model, *args, **kwargs)
+        self._aux_sum, self._aux_forwards = torch.zeros(()), 0   # since the last log
+        self._warned_of_collapse = False
         if model is not None and self.args.world_size > 1:
             with torch.no_grad():      # DDP no longer broadcasts them: rank 0's everywhere
                 for table in sparse_grad_parameters(model):
@@ -68,6 +81,44 @@ class SparseTrainer(transformers.Trainer):
         if self.args.world_size > 1 and self.accelerator.sync_gradients:
             all_reduce_sparse_grads(self.model)     # the last micro-batch's backward: DDP's
         return loss
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        if torch.is_grad_enabled():      # a training forward (evaluation's computes none)
+            aux = aux_loss(self.model).detach().float()
+            self._aux_sum = self._aux_sum.to(aux.device) + aux     # no host read here
+            self._aux_forwards += 1
+        return out
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs:       # a training log (every process calls log)
+            logs = {**logs, **self._routing_logs()}
+        super().log(logs, *args, **kwargs)
+
+    def _routing_logs(self) -> dict:
+        """The aux loss and the least balanced layer's usage since the last log."""
+        out = {}
+        if self._aux_forwards:
+            aux = self._aux_sum / self._aux_forwards
+            if self.args.world_size > 1:
+                aux = self.accelerator.reduce(aux, "mean")
+            out["aux_loss"] = float(aux)
+            self._aux_sum, self._aux_forwards = torch.zeros(()), 0
+        if self.args.world_size > 1:
+            all_reduce_usage(self.model)
+        health = usage_health(self.model)
+        reset_usage(self.model)
+        if health:
+            out["usage_entropy_min"] = min(e for e, _ in health.values())
+            out["starved_fraction_max"] = max(s for _, s in health.values())
+            collapsed = [name for name in health if collapse_warning(*health[name])]
+            if collapsed and not self._warned_of_collapse and self.is_world_process_zero():
+                self._warned_of_collapse = True
+                print(f"SparseTrainer step {self.state.global_step}: expert usage looks "
+                      f"collapsed in {collapsed[0]} ({collapse_warning(*health[collapsed[0]])})"
+                      f"; see usage_entropy_min / starved_fraction_max in the logs",
+                      file=sys.stderr)
+        return out
 
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
