@@ -724,6 +724,11 @@ def _tiny(name):
         "vit": lambda: t.ViTModel(t.ViTConfig(image_size=16, patch_size=8,
                                               hidden_dropout_prob=0.0, intermediate_size=64,
                                               **_without_vocab(small))),
+        # two towers, with CLIP's own activation (quick_gelu, its default)
+        "clip": lambda: t.CLIPModel(t.CLIPConfig(
+            text_config=dict(vocab_size=VOCAB, intermediate_size=64, **_without_vocab(small)),
+            vision_config=dict(image_size=16, patch_size=8, intermediate_size=64,
+                               **_without_vocab(small)), projection_dim=16)),
         # two towers and a pooling head; the activation is named in each tower's config only
         "siglip": lambda: t.SiglipModel(t.SiglipConfig(
             text_config=dict(vocab_size=VOCAB, intermediate_size=64, **_without_vocab(small)),
@@ -769,6 +774,7 @@ INPUTS = {
         2, 8, 32, generator=torch.Generator().manual_seed(3)), "decoder_input_ids": _ids(length=5)},
     "vit": lambda: {"pixel_values": _pixels()},
     "siglip": lambda: {"input_ids": _ids(), "pixel_values": _pixels()},
+    "clip": lambda: {"input_ids": _ids(), "pixel_values": _pixels()},
 }
 
 
@@ -780,13 +786,14 @@ def _family_output(name, model):
 
 MORE_FAMILIES = ["gpt_neox", "gptj", "phi", "phi3", "falcon", "starcoder2", "gemma3",
                  "distilbert", "t5", "t5_gated", "deberta_v2", "mpnet", "modernbert", "opt",
-                 "bart", "marian", "whisper", "vit", "siglip", "gpt_neo", "gpt_bigcode",
+                 "bart", "marian", "whisper", "vit", "clip", "siglip", "gpt_neo", "gpt_bigcode",
                  "codegen", "bloom"]
 # (the families these join)
 JOINED = {"gemma3": "llama", "deberta_v2": "bert", "mpnet": "bert", "marian": "bart",
-          "whisper": "bart", "siglip": "vit", "gpt_bigcode": "gpt_neo", "codegen": "gptj"}
-# MLPs per model where not 2 (SigLIP: two per tower and its vision pooling head's)
-MLPS = {"siglip": 5}
+          "whisper": "bart", "clip": "vit", "siglip": "vit", "gpt_bigcode": "gpt_neo",
+          "codegen": "gptj"}
+# MLPs per model where not 2 (two per tower; SigLIP's vision pooling head has one too)
+MLPS = {"clip": 4, "siglip": 5}
 
 
 @pytest.mark.parametrize("name", MORE_FAMILIES)

@@ -48,7 +48,8 @@ _FORMAT = 1
 # Hugging Face activation names (config.hidden_act / activation_function) that a sparseffn
 # layer computes exactly.
 _HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
-                   "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
+                   "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu",
+                   "quick_gelu": "quick_gelu"}
 
 
 def require_transformers():

@@ -107,7 +107,8 @@ def test_every_registration_has_an_example():
 
 def _mlp_experts_reference(store: MLPExperts, x, routing):
     act = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
-           "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}[store.activation]
+           "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+           "quick_gelu": lambda h: h * torch.sigmoid(1.702 * h)}[store.activation]
     rows = []
     for t in range(x.shape[0]):
         y = x.new_zeros(store.d_out)

@@ -58,7 +58,7 @@ def _call(impl, indices, t, activation, keep=None):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "quick_gelu"])
 @pytest.mark.parametrize("gated,biases", [(False, False), (False, True), (True, True)])
 def test_matches_the_loop(impl, activation, gated, biases):
     indices, t = _problem(gated=gated, biases=biases)

@@ -454,7 +454,7 @@ def product_key_topk(scores_a: torch.Tensor, scores_b: torch.Tensor,
 # MLP experts for a few tokens (pairs_cpu.c)
 
 #: Activation codes of ``sf_mlp_pairs`` by the names of ``sparseffn.activations``.
-PAIR_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+PAIR_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "quick_gelu": 4}
 
 
 def mlp_pairs_usable(x: torch.Tensor, gates: torch.Tensor | None, w1: torch.Tensor,

@@ -25,7 +25,7 @@
 #define HB 64   /* hidden units per work item */
 
 /* Activations by code, as sparseffn/activations.py names them. */
-enum { ACT_RELU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_SILU = 3 };
+enum { ACT_RELU = 0, ACT_GELU = 1, ACT_GELU_TANH = 2, ACT_SILU = 3, ACT_QUICK_GELU = 4 };
 
 static inline float activate(float a, int act) {
     switch (act) {
@@ -33,6 +33,7 @@ static inline float activate(float a, int act) {
     case ACT_GELU: return 0.5f * a * (1.0f + erff(a * 0.70710678118654752f));
     case ACT_GELU_TANH:
         return 0.5f * a * (1.0f + tanhf(0.79788456080286536f * (a + 0.044715f * a * a * a)));
+    case ACT_QUICK_GELU: return a / (1.0f + expf(-1.702f * a));   /* a * sigmoid(1.702 a) */
     default: return a / (1.0f + expf(-a));           /* silu */
     }
 }
