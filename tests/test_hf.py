@@ -2,6 +2,7 @@
 and MoEfication of whole models. Tiny randomly initialised configs; nothing is downloaded."""
 
 import json
+import math
 import logging
 import warnings
 
@@ -584,6 +585,38 @@ def test_a_sparse_trainers_logs_hold_the_aux_loss_and_the_least_balanced_usage(t
     hf.SparseTrainer(model=model, args=_trainer_args(tmp_path, max_steps=2, learning_rate=0.0),
                      train_dataset=_lm_examples(8)).train()
     assert "expert usage looks collapsed in transformer.h.0.mlp.ffn" in capfd.readouterr().err
+
+
+def test_a_sparse_seq2seq_trainer_trains_and_generates_a_model_from_model_init(tmp_path):
+    """Seq2SeqTrainer (translation, summarisation, Whisper) made sparse-aware by the mixin;
+    a model built by ``model_init`` (once in the constructor, again in ``train``) gets the
+    hooks too."""
+    pytest.importorskip("accelerate")
+    built = []
+
+    def model_init():
+        _quiet()
+        torch.manual_seed(0)
+        model = transformers.BartForConditionalGeneration(transformers.BartConfig(**SEQ2SEQ))
+        hf.sparsify(model, "switch")
+        built.append(model)
+        return model
+
+    examples = [{"input_ids": ids, "labels": ids[:5]} for ids in _ids(8, 9, seed=6)]
+    args = transformers.Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to=[],
+        use_cpu=True, save_strategy="no", logging_steps=1, predict_with_generate=True,
+        generation_max_length=6)
+    trainer = hf.SparseSeq2SeqTrainer(model_init=model_init, args=args,
+                                      train_dataset=examples, eval_dataset=examples[:4])
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert len(built) == 2 and trainer.model is built[-1]
+    for model in built:
+        assert set(model.config.sparseffn["hooks"]) == {"add_aux_loss", "skip_padding"}
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and all(log["aux_loss"] > 0 for log in logs)   # Switch's balance
+    assert math.isfinite(metrics["eval_loss"])
 
 
 def test_a_sparse_trainer_resumes_a_checkpoint_as_if_never_stopped(tmp_path):

@@ -945,10 +945,13 @@ def from_pretrained(path: str, model_class: type | None = None, **kwargs: Any) -
     return model
 
 
+_TRAINERS = ("SparseTrainer", "SparseSeq2SeqTrainer", "SparseTrainerMixin")
+
+
 def __getattr__(name: str):
-    # SparseTrainer subclasses transformers.Trainer, so it is imported when first asked for
-    if name == "SparseTrainer":
+    # the trainers subclass transformers.Trainer, so they are imported when first asked for
+    if name in _TRAINERS:
         require_transformers()
-        from .hf_trainer import SparseTrainer
-        return SparseTrainer
+        from . import hf_trainer
+        return getattr(hf_trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

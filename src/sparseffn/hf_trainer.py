@@ -1,5 +1,6 @@
-""":class:`SparseTrainer`: Hugging Face's ``Trainer`` for a model with sparseffn layers. Import
-it as ``sparseffn.hf.SparseTrainer`` (this module imports ``transformers``)."""
+"""Hugging Face's ``Trainer`` for a model with sparseffn layers: :class:`SparseTrainerMixin`,
+and :class:`SparseTrainer` and :class:`SparseSeq2SeqTrainer` made with it. Import them from
+``sparseffn.hf`` (this module imports ``transformers``)."""
 
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ from .optim import MixedAdamW, clip_grad_norm_, param_groups
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 
-class SparseTrainer(transformers.Trainer):
-    """``transformers.Trainer`` for a model with sparseffn layers. Arguments as the
-    ``Trainer``'s, and:
+class SparseTrainerMixin:
+    """What a Hugging Face ``Trainer`` needs for a model with sparseffn layers, for any
+    ``Trainer`` subclass: put it first, ``class SparseSFTTrainer(SparseTrainerMixin,
+    trl.SFTTrainer)``, as :class:`SparseTrainer` and :class:`SparseSeq2SeqTrainer` are made.
+    Arguments as the ``Trainer``'s, and:
 
     - ``aux_loss=True``: :func:`sparseffn.hf.add_aux_loss` on the model, so the aux losses
       (balance, entropy) train with the loss the Trainer reads;
     - ``skip_padding=True``: :func:`sparseffn.hf.skip_padding` on the model, so padding takes
       no part in routing, capacities and the aux losses.
 
-    (Both are hooks on the model, saved with it; a model given through ``model_init`` gets
-    neither.) With the Trainer's AdamW (``optim`` ``"adamw_torch"`` or
+    (Both are hooks on the model, saved with it; a model built by ``model_init`` gets them
+    too.) With the Trainer's AdamW (``optim`` ``"adamw_torch"`` or
     ``"adamw_torch_fused"``, the defaults) the optimiser is :class:`sparseffn.optim.MixedAdamW`
     over :func:`sparseffn.param_groups`:
 
@@ -59,22 +62,33 @@ class SparseTrainer(transformers.Trainer):
     0's; :func:`sparseffn.all_reduce_usage` sums them).
     """
 
-    def __init__(self, model=None, *args, aux_loss: bool = True, skip_padding: bool = True,
+    def __init__(self, *args, aux_loss: bool = True, skip_padding: bool = True,
                  **kwargs) -> None:
-        if model is not None:
-            if aux_loss:
-                hf.add_aux_loss(model)
-            if skip_padding:
-                hf.skip_padding(model)
-            ddp_ignore_usage_buffers(model)          # no effect in one process
-            ddp_ignore_sparse_grad_parameters(model)
-        super().__init__(model, *args, **kwargs)
+        self._hooks = (aux_loss, skip_padding)
         self._aux_sum, self._aux_forwards = torch.zeros(()), 0   # since the last log
         self._warned_of_collapse = False
-        if model is not None and self.args.world_size > 1:
-            with torch.no_grad():      # DDP no longer broadcasts them: rank 0's everywhere
+        super().__init__(*args, **kwargs)
+        if self.model is not None and self.model_init is None:   # (model_init's: below)
+            self._prepare(self.model)
+
+    def call_model_init(self, *args, **kwargs):
+        return self._prepare(super().call_model_init(*args, **kwargs))
+
+    def _prepare(self, model):
+        """The hooks, and what DDP must leave alone: sparse tables (rank 0's everywhere, as
+        DDP no longer broadcasts them) and usage statistics. Returns ``model``."""
+        aux_loss, skip_padding = self._hooks
+        if aux_loss:
+            hf.add_aux_loss(model)
+        if skip_padding:
+            hf.skip_padding(model)
+        ddp_ignore_usage_buffers(model)          # no effect in one process
+        ddp_ignore_sparse_grad_parameters(model)
+        if self.args.world_size > 1:
+            with torch.no_grad():
                 for table in sparse_grad_parameters(model):
                     torch.distributed.broadcast(table, src=0)
+        return model
 
     def training_step(self, model, inputs, *args, **kwargs):
         loss = super().training_step(model, inputs, *args, **kwargs)
@@ -114,10 +128,10 @@ class SparseTrainer(transformers.Trainer):
             collapsed = [name for name in health if collapse_warning(*health[name])]
             if collapsed and not self._warned_of_collapse and self.is_world_process_zero():
                 self._warned_of_collapse = True
-                print(f"SparseTrainer step {self.state.global_step}: expert usage looks "
-                      f"collapsed in {collapsed[0]} ({collapse_warning(*health[collapsed[0]])})"
-                      f"; see usage_entropy_min / starved_fraction_max in the logs",
-                      file=sys.stderr)
+                worst = collapsed[0]
+                print(f"{type(self).__name__} step {self.state.global_step}: expert usage "
+                      f"looks collapsed in {worst} ({collapse_warning(*health[worst])}); see "
+                      f"usage_entropy_min / starved_fraction_max in the logs", file=sys.stderr)
         return out
 
     def create_optimizer(self, model=None):
@@ -128,9 +142,10 @@ class SparseTrainer(transformers.Trainer):
         optim = getattr(self.args.optim, "value", self.args.optim)
         if optim not in ADAMW_OPTIMS or getattr(self, "optimizer_cls_and_kwargs", None):
             if sparse:
-                raise ValueError(f"SparseTrainer: the model has {len(sparse)} parameters with "
-                                 f"sparse gradients (sparse_grad=True), which only its AdamW "
-                                 f"(optim in {ADAMW_OPTIMS}) trains; got optim={optim!r}"
+                raise ValueError(f"{type(self).__name__}: the model has {len(sparse)} "
+                                 f"parameters with sparse gradients (sparse_grad=True), which "
+                                 f"only its AdamW (optim in {ADAMW_OPTIMS}) trains; got "
+                                 f"optim={optim!r}"
                                  + (" and optimizer_cls_and_kwargs"
                                     if getattr(self, "optimizer_cls_and_kwargs", None) else ""))
             return super().create_optimizer(model)
@@ -157,3 +172,12 @@ class SparseTrainer(transformers.Trainer):
             return clip_grad_norm_(params, max_norm, norm_type)
 
         accelerator.clip_grad_norm_ = clip_grad_norm
+
+
+class SparseTrainer(SparseTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with :class:`SparseTrainerMixin`: see it."""
+
+
+class SparseSeq2SeqTrainer(SparseTrainerMixin, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` (BART, T5, Whisper; ``predict_with_generate``) with
+    :class:`SparseTrainerMixin`: see it."""
