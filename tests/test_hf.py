@@ -676,6 +676,35 @@ def test_a_sparse_trainer_over_two_processes_trains_as_one_process_on_both_batch
         assert name.endswith(".bias") or not torch.equal(value, before[name]), name
 
 
+def test_lora_on_the_experts_and_the_attention_trains_saves_and_loads(tmp_path):
+    """PEFT's LoRA on the expert tensors (``target_parameters``: a rank-r update of each
+    expert's matrices) and on attention, over an upcycled Llama; the adapter saved alone
+    loads onto the sparse base model again."""
+    peft = pytest.importorskip("peft")
+    model = llama()
+    hf.upcycle(model, num_experts=4, k=2)
+    model.save_pretrained(tmp_path / "base")
+    ids = _ids()
+    base_out = _output(model.eval(), ids)
+    lora = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], target_parameters=["store.w1", "store.w2"],
+        init_lora_weights=False))
+    trained = [(name, p) for name, p in lora.named_parameters() if p.requires_grad]
+    assert any(".store." in name for name, _ in trained)
+    assert all("lora_" in name for name, _ in trained)      # the experts themselves frozen
+    lora.train()
+    (lora(input_ids=ids, labels=ids).loss + sparseffn.aux_loss(lora)).backward()
+    for name, p in trained:
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    lora.eval()
+    out = _output(lora, ids)
+    assert not torch.allclose(out, base_out)
+    lora.save_pretrained(tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(hf.from_pretrained(str(tmp_path / "base")),
+                                            str(tmp_path / "adapter")).eval()
+    torch.testing.assert_close(_output(loaded, ids), out)
+
+
 def test_a_sparse_trainer_decays_as_sparseffn_does_and_names_what_it_cannot_train(tmp_path):
     model = gpt2()
     hf.sparsify(model, "fff")
