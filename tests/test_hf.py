@@ -190,6 +190,25 @@ def test_a_model_without_a_record_loads_as_usual(tmp_path):
     torch.testing.assert_close(_output(loaded, ids), _output(model, ids))
 
 
+def test_sparsify_builds_each_layer_where_the_mlp_it_replaces_lives(monkeypatch):
+    """A model on the meta device (accelerate's init_empty_weights) or a GPU gets layers
+    initialised there, not on the CPU and copied: a Switch layer the size of a Llama-7B MLP
+    took 7 s to initialise on the CPU, and no time on the meta device."""
+    _quiet()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(llama().config)
+    built_on = []          # the devices of each new layer's parameters as it is built
+    build = hf.build_layer
+
+    def spy(config):
+        layer = build(config)
+        built_on.append({p.device.type for p in layer.parameters()})
+        return layer
+    monkeypatch.setattr(hf, "build_layer", spy)
+    hf.sparsify(model, "switch")
+    assert built_on == [{"meta"}, {"meta"}]
+
+
 def test_hugging_face_initialisation_leaves_our_layers_alone():
     """post_init() after the swap used to draw PEER's query network again with the model's
     initializer_range (std 0.02 instead of the layer's own)."""
