@@ -505,10 +505,15 @@ def _mark_initialised(module: nn.Module) -> None:
             p._is_hf_initialized = True
 
 
+def _first_parameter(site: Site) -> nn.Parameter | None:
+    """A parameter of the MLP at ``site``: its device and dtype are the new layer's."""
+    return next(iter(site.module.parameters()), None)
+
+
 def _install(model: nn.Module, site: Site, layer: nn.Module) -> None:
     parent_path, _, name = site.path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    first = next(iter(site.module.parameters()), None)
+    first = _first_parameter(site)
     if first is not None:
         layer = layer.to(device=first.device, dtype=first.dtype)
     _mark_initialised(layer)
@@ -566,7 +571,7 @@ def sparsify(model: nn.Module, layer: LayerSpec, *,
     report = SparsifyReport()
     for site in _chosen(sites, which):
         config = _layer_config(layer, site, len(sites))
-        first = next(iter(site.module.parameters()), None)
+        first = _first_parameter(site)
         # built where it goes: initialising a large layer on the CPU and copying it to a GPU
         # (or to the meta device) took seconds a layer (trunc_normal_ of 135M parameters: 7 s)
         with torch.device(first.device) if first is not None else contextlib.nullcontext():

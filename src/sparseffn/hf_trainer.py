@@ -140,14 +140,14 @@ class SparseTrainerMixin:
         model = self.model if model is None else model
         sparse = sparse_grad_parameters(model)
         optim = getattr(self.args.optim, "value", self.args.optim)
-        if optim not in ADAMW_OPTIMS or getattr(self, "optimizer_cls_and_kwargs", None):
+        given = getattr(self, "optimizer_cls_and_kwargs", None)    # (not in older Trainers)
+        if optim not in ADAMW_OPTIMS or given:
             if sparse:
                 raise ValueError(f"{type(self).__name__}: the model has {len(sparse)} "
                                  f"parameters with sparse gradients (sparse_grad=True), which "
                                  f"only its AdamW (optim in {ADAMW_OPTIMS}) trains; got "
                                  f"optim={optim!r}"
-                                 + (" and optimizer_cls_and_kwargs"
-                                    if getattr(self, "optimizer_cls_and_kwargs", None) else ""))
+                                 + (" and optimizer_cls_and_kwargs" if given else ""))
             return super().create_optimizer(model)
         groups = param_groups(model, self.args.weight_decay)
         if sparse:
