@@ -64,7 +64,7 @@ class SparseTrainerMixin:
 
     def __init__(self, *args, aux_loss: bool = True, skip_padding: bool = True,
                  **kwargs) -> None:
-        self._hooks = (aux_loss, skip_padding)
+        self._sparseffn_hooks = (aux_loss, skip_padding)
         self._aux_sum, self._aux_forwards = torch.zeros(()), 0   # since the last log
         self._warned_of_collapse = False
         super().__init__(*args, **kwargs)
@@ -77,7 +77,7 @@ class SparseTrainerMixin:
     def _prepare(self, model):
         """The hooks, and what DDP must leave alone: sparse tables (rank 0's everywhere, as
         DDP no longer broadcasts them) and usage statistics. Returns ``model``."""
-        aux_loss, skip_padding = self._hooks
+        aux_loss, skip_padding = self._sparseffn_hooks
         if aux_loss:
             hf.add_aux_loss(model)
         if skip_padding:
