@@ -901,6 +901,33 @@ def test_more_families_are_found_read_exactly_and_made_sparse(name, tmp_path):
     torch.testing.assert_close(_family_output(name, loaded), _family_output(name, model))
 
 
+def test_within_makes_one_tower_sparse_and_the_whole_model_saves_and_loads(tmp_path):
+    """A vision-language model's language model, or CLIP's vision tower, made sparse alone:
+    ``within`` selects the submodule's MLPs (``which`` counting among them) and records them
+    in the whole model's config, which loading reads."""
+    model = _tiny("clip").eval()
+    report = hf.sparsify(model, "sigma_moe", within="vision_model", which=[1])
+    assert [r.path for r in report.replacements] == ["vision_model.encoder.layers.1.mlp"]
+    assert [s.path for s in hf.find_mlps(model, replaced=False)] == [
+        "text_model.encoder.layers.0.mlp", "text_model.encoder.layers.1.mlp",
+        "vision_model.encoder.layers.0.mlp"]
+    model.save_pretrained(tmp_path)
+    loaded = hf.from_pretrained(str(tmp_path)).eval()
+    torch.testing.assert_close(_family_output("clip", loaded), _family_output("clip", model))
+    with pytest.raises(ValueError, match="within='vision': CLIPModel has no submodule"):
+        hf.upcycle(_tiny("clip"), num_experts=2, k=1, within="vision")
+
+
+def test_a_submodule_made_sparse_and_its_parent_saved_is_refused_on_loading(tmp_path):
+    """Its record lands in a nested config (vision_config), with paths from the submodule;
+    loading would otherwise build dense MLPs where sparse weights were saved, silently."""
+    model = _tiny("clip")
+    hf.sparsify(model.vision_model, "sigma_moe")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="recorded in config.vision_config.*within="):
+        hf.from_pretrained(str(tmp_path))
+
+
 def test_a_dropout_on_the_hidden_units_goes_with_the_dense_mlp():
     """BART-family layers drop out their MLP's hidden units in their own forward
     (``activation_dropout``); after the MLP is replaced there are none there, and the dropout

@@ -397,6 +397,21 @@ def find_mlps(model: nn.Module, *, replaced: bool = True) -> list[Site]:
     return [s for s in sites if replaced or not s.replaced]
 
 
+def _sites(model: nn.Module, within: str | None) -> list[Site]:
+    """The MLP places of ``model``, or of its submodule at path ``within`` (numbered among
+    themselves, paths still from ``model``, so the record in ``model.config`` finds them)."""
+    sites = find_mlps(model)
+    if within is None:
+        return sites
+    try:
+        model.get_submodule(within)
+    except AttributeError:
+        raise ValueError(f"within={within!r}: {type(model).__name__} has no submodule at that "
+                         f"path") from None
+    inside = [s for s in sites if within == "" or s.path.startswith(within + ".")]
+    return [replace(s, block=i) for i, s in enumerate(inside)]
+
+
 def _chosen(sites: list[Site], which: str | int | Sequence[int]) -> list[Site]:
     """The sites ``which`` names among ``sites`` (all of the model's, in block order) that still
     hold a dense MLP; naming a replaced one by number is an error."""
@@ -548,7 +563,8 @@ def _replacement(site: Site, config: LayerConfig, layer: nn.Module) -> Replaceme
 
 
 def sparsify(model: nn.Module, layer: LayerSpec, *,
-             which: str | int | Sequence[int] = "all") -> SparsifyReport:
+             which: str | int | Sequence[int] = "all",
+             within: str | None = None) -> SparsifyReport:
     """Replace the MLPs of a ``transformers`` model by sparseffn layers, in place.
 
     layer: a preset name (``"sigma_moe"``, ``"switch"``, ``"fff"``, ``"pkm"``, ``"peer"``,
@@ -557,13 +573,17 @@ def sparsify(model: nn.Module, layer: LayerSpec, *,
       function ``(d_model, d_ff) -> LayerConfig``.
     which: ``"all"``, ``n`` (every n-th block: 2 gives GLaM's every other block) or a list of
       block numbers (0-based, in module order).
+    within: the path of a submodule (``"model.language_model"`` of a vision-language model,
+      ``"vision_model"`` of CLIP): only its MLPs, ``which`` counting among them. Give
+      ``model`` itself, the one you save: its config holds the record that loading reads
+      (a submodule's config would be nested in it, where ``from_pretrained`` does not look).
 
     New layers take the dtype and device of the MLP they replace and their own
     initialisation. Returns a :class:`SparsifyReport`. Raises ValueError when the model has no
     MLP of a known type.
     """
     require_transformers()
-    sites = find_mlps(model)
+    sites = _sites(model, within)
     if not sites:
         raise ValueError(f"sparsify: found no MLP of a known type in {type(model).__name__}; "
                          f"known: {', '.join(f.name for f in FAMILIES)} "
@@ -647,7 +667,8 @@ def collect_mlp_inputs(model: nn.Module, batches: Iterable[dict], sites: list[Si
 
 def moefy(model: nn.Module, num_experts: int, k: int, batches: Iterable[dict], *,
           method: str = "activations", which: str | int | Sequence[int] = "all",
-          router_steps: int = 300, max_tokens: int = 50_000, seed: int = 0) -> SparsifyReport:
+          within: str | None = None, router_steps: int = 300, max_tokens: int = 50_000,
+          seed: int = 0) -> SparsifyReport:
     """Convert the trained MLPs of a ``transformers`` model into mixtures of their own hidden
     units, in place (MoEfication, Zhang et al. 2022; :mod:`sparseffn.convert`): split each MLP's
     units into ``num_experts`` experts (``method`` ``"activations"`` or ``"weights"``), fit a
@@ -655,10 +676,10 @@ def moefy(model: nn.Module, num_experts: int, k: int, batches: Iterable[dict], *
     (dicts of model inputs, e.g. tokenizer outputs) produce, and put the result in the MLP's
     place. ``report.fits[path]`` holds each router's held-out recall (see
     :func:`sparseffn.convert.fit_router`). Follow with :func:`sparseffn.convert.distill`
-    to fine-tune against the dense model.
+    to fine-tune against the dense model. ``which``, ``within``: as :func:`sparsify`'s.
     """
     require_transformers()
-    sites = _chosen(find_mlps(model), which)
+    sites = _chosen(_sites(model, within), which)
     if not sites:
         raise ValueError(f"moefy: found no MLP of a known type in {type(model).__name__}")
     weights = {s.path: dense_weights(s, getattr(model, "config", None)) for s in sites}
@@ -678,18 +699,19 @@ def moefy(model: nn.Module, num_experts: int, k: int, batches: Iterable[dict], *
 
 
 def upcycle(model: nn.Module, num_experts: int, k: int, *, router: Any = None,
-            which: str | int | Sequence[int] = "all") -> SparsifyReport:
+            which: str | int | Sequence[int] = "all",
+            within: str | None = None) -> SparsifyReport:
     """Turn the trained MLPs of a ``transformers`` model into mixtures of ``num_experts``
     copies of themselves, in place: sparse upcycling (Komatsuzaki et al. 2022,
     arXiv:2212.05055; :func:`sparseffn.convert.upcycle`). Each token uses ``k`` copies, so
     each MLP's parameters grow ``num_experts`` times and its FLOPs ``k`` times; with the
     default router (renormalised softmax top-k) the model computes what it computed before,
     until training makes the experts differ. ``router``: as :class:`~sparseffn.MoEConfig`'s
-    (a config, a dict with ``type``, or a name).
+    (a config, a dict with ``type``, or a name); ``which``, ``within``: as :func:`sparsify`'s.
     Recorded like :func:`sparsify`, so ``save_pretrained`` and :func:`from_pretrained` work.
     """
     require_transformers()
-    sites = _chosen(find_mlps(model), which)
+    sites = _chosen(_sites(model, within), which)
     if not sites:
         raise ValueError(f"upcycle: found no MLP of a known type in {type(model).__name__}")
     report = SparsifyReport()
@@ -950,10 +972,25 @@ def from_pretrained(path: str, model_class: type | None = None, **kwargs: Any) -
     if mapping is not None:
         model_class = mapping[type(config)]
     if not getattr(config, CONFIG_KEY, None):
+        _refuse_a_nested_record(config, path)
         return model_class.from_pretrained(path, **kwargs)
     model = _sparse_class(model_class).from_pretrained(path, **kwargs)
     model.__class__ = model_class     # the user's class again, so isinstance and pickling hold
     return model
+
+
+def _refuse_a_nested_record(config: Any, path: str) -> None:
+    """A ValueError where a sub-config (``text_config``, ``vision_config``, ...) holds a
+    replacement record: a submodule was made sparse and the whole model saved, and a load
+    that reads the top config only would build dense MLPs where sparse weights were saved."""
+    transformers = require_transformers()
+    for name, value in vars(config).items():
+        if isinstance(value, transformers.PretrainedConfig) and getattr(value, CONFIG_KEY, None):
+            raise ValueError(
+                f"{path}: the sparse layers were recorded in config.{name}, not in the model's "
+                f"config: a submodule was made sparse and the whole model saved, so its record "
+                f"names paths from that submodule. Make the whole model sparse with "
+                f"within=<the submodule's path> (sparsify, moefy, upcycle) and save it again")
 
 
 _TRAINERS = ("SparseTrainer", "SparseSeq2SeqTrainer", "SparseTrainerMixin")
