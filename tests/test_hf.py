@@ -970,6 +970,54 @@ def test_skip_padding_masks_an_encoder_decoders_encoder_and_decoder_each_by_its_
             assert layer.usage_counts.sum() == k * 14          # the target's real tokens
 
 
+def _switch_everywhere(model):
+    hf.sparsify(model, MoEConfig(d_model=32, num_experts=4, expert_size=8, k=1,
+                                 router=SwitchRouterConfig(capacity_factor=1.0)))
+    return model.train()
+
+
+def _right_padded(length=6, padding=3):
+    ids = torch.cat([_ids(2, length, seed=1), torch.zeros(2, padding, dtype=torch.long)], 1)
+    mask = torch.cat([torch.ones(2, length), torch.zeros(2, padding)], 1).long()
+    return ids, mask
+
+
+def test_skip_padding_masks_the_text_tower_only_of_a_two_tower_model():
+    """CLIP with both towers sparse: the text's mask is about the text tower's tokens; the
+    image tower has no padding and a different token count (it raised a shape error)."""
+    model = _switch_everywhere(_tiny("clip"))
+    hf.skip_padding(model)
+    ids, mask = _right_padded()
+    torch.manual_seed(0)
+    padded = model(input_ids=ids, attention_mask=mask, pixel_values=_pixels())
+    torch.manual_seed(0)
+    alone = model(input_ids=ids[:, :6], pixel_values=_pixels())
+    torch.testing.assert_close(padded.text_embeds, alone.text_embeds)
+    torch.testing.assert_close(padded.image_embeds, alone.image_embeds)
+
+
+def test_skip_padding_masks_the_language_model_of_a_vision_language_model():
+    _quiet()
+    torch.manual_seed(0)
+    small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                 intermediate_size=64)
+    model = _switch_everywhere(transformers.LlavaForConditionalGeneration(
+        transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(image_size=16, patch_size=8, **small),
+            text_config=transformers.LlamaConfig(vocab_size=VOCAB + 10, num_key_value_heads=2,
+                                                 **small),
+            image_token_index=VOCAB + 5, vision_feature_layer=-1)))
+    hf.skip_padding(model)
+    ids, mask = _right_padded()
+    ids = torch.cat([torch.full((2, 4), VOCAB + 5), ids], 1)        # 4 image tokens first
+    mask = torch.cat([torch.ones(2, 4, dtype=torch.long), mask], 1)
+    torch.manual_seed(0)
+    padded = model(input_ids=ids, attention_mask=mask, pixel_values=_pixels()).logits
+    torch.manual_seed(0)
+    alone = model(input_ids=ids[:, :10], pixel_values=_pixels()).logits
+    torch.testing.assert_close(padded[:, :10], alone)
+
+
 def test_an_opt_model_skips_padding_in_its_flattened_mlp_input():
     model = _tiny("opt")
     hf.sparsify(model, "sigma_moe")

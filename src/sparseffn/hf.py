@@ -798,7 +798,9 @@ def skip_padding(model: nn.Module) -> ModelHooks:
     ``generate()`` with a KV cache), runs as before. An encoder-decoder model (T5) is hooked
     at its encoder and its decoder, each of which receives its own mask (the decoder's is
     ``decoder_attention_mask``), since the source's mask says nothing of the target's
-    tokens. Checking for padding reads the mask on the host once per forward. Noted in the
+    tokens. The mask reaches the layers of the part that takes the tokens only: CLIP's or
+    SigLIP's text tower, a vision-language model's language model, not their image encoders.
+    Checking for padding reads the mask on the host once per forward. Noted in the
     model's record, so :func:`from_pretrained` installs it again. Returns a
     :class:`ModelHooks`; its ``remove()`` undoes this."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
@@ -821,7 +823,7 @@ def _skip_padding_at(stack: nn.Module) -> tuple:
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.shape == _token_shape(args, kwargs) \
                 and not bool(mask.bool().all()):
-            block.enter_context(skipping_padding(module, mask))
+            block.enter_context(skipping_padding(_token_part(module), mask))
         blocks.append(block)
 
     @_marked("skip_padding")
@@ -831,6 +833,29 @@ def _skip_padding_at(stack: nn.Module) -> tuple:
     _remove_marked(stack, "skip_padding")        # installed once, however often asked
     return (stack.register_forward_pre_hook(enter, with_kwargs=True),
             stack.register_forward_hook(leave, always_call=True))
+
+
+def _token_part(stack: nn.Module) -> nn.Module:
+    """The part of ``stack`` whose sparse layers see the tokens its mask is about: the
+    deepest module on the way to its token embeddings that holds a routed layer (CLIP's text
+    tower, a vision-language model's language model, not their image encoders), else
+    ``stack``."""
+    from .routing import RoutedFFN
+    try:
+        embeddings = stack.get_input_embeddings()
+    except (AttributeError, NotImplementedError):   # two towers (CLIP, SigLIP): no single one
+        text = getattr(stack, "text_model", None)
+        return text if isinstance(text, nn.Module) else stack
+    path = next((name for name, m in stack.named_modules() if m is embeddings), None)
+    part = stack
+    if path:
+        steps = path.split(".")
+        for depth in range(1, len(steps)):
+            inner = stack.get_submodule(".".join(steps[:depth]))
+            if not any(isinstance(m, RoutedFFN) for m in inner.modules()):
+                break
+            part = inner
+    return part
 
 
 def add_aux_loss(model: nn.Module) -> ModelHooks:
