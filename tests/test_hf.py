@@ -996,6 +996,20 @@ def test_skip_padding_masks_the_text_tower_only_of_a_two_tower_model():
     torch.testing.assert_close(padded.image_embeds, alone.image_embeds)
 
 
+def test_collected_mlp_inputs_leave_out_the_texts_padding_not_image_tokens():
+    """CLIP's tiny image tower has 5 tokens, as many as the padded text: the text's mask must
+    not pick image rows (moefy would fit its routers to the wrong samples)."""
+    model = _tiny("clip")
+    ids, mask = _right_padded(length=3, padding=2)
+    sites = hf.find_mlps(model)
+    rows = hf.collect_mlp_inputs(model, [{"input_ids": ids, "attention_mask": mask,
+                                          "pixel_values": _pixels()}], sites)
+    counts = {path: x.shape[0] for path, x in rows.items()}
+    assert counts == {"text_model.encoder.layers.0.mlp": 6, "text_model.encoder.layers.1.mlp": 6,
+                      "vision_model.encoder.layers.0.mlp": 10,
+                      "vision_model.encoder.layers.1.mlp": 10}
+
+
 def test_skip_padding_masks_the_language_model_of_a_vision_language_model():
     _quiet()
     torch.manual_seed(0)

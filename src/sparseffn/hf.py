@@ -635,16 +635,20 @@ def dense_weights(site: Site, config: Any = None) -> DenseWeights:
 def collect_mlp_inputs(model: nn.Module, batches: Iterable[dict], sites: list[Site], *,
                        max_tokens: int = 50_000) -> dict[str, torch.Tensor]:
     """Run ``model(**batch)`` for each batch and keep what each site's MLP receives:
-    ``{path: [N, d_model]}``, padding left out where a batch has an ``attention_mask``, at
-    most ``max_tokens`` rows per site."""
+    ``{path: [N, d_model]}``, padding left out where a batch has an ``attention_mask`` (in
+    the MLPs of the part that takes the tokens: not in an image tower's, whatever its token
+    count), at most ``max_tokens`` rows per site."""
     store: dict[str, list[torch.Tensor]] = {s.path: [] for s in sites}
     mask: list[torch.Tensor | None] = [None]
+    mlps = {id(s.family.mlp(s.module)) for s in sites}
+    part = _token_part(model, lambda m: any(id(sub) in mlps for sub in m.modules()))
+    masked = {id(m) for m in part.modules()}
 
     def hook(path):
         def keep(module, args):
             x = args[0]
             rows = x[mask[0]] if mask[0] is not None and mask[0].shape == x.shape[:-1] \
-                else x.reshape(-1, x.shape[-1])
+                and id(module) in masked else x.reshape(-1, x.shape[-1])
             if sum(t.shape[0] for t in store[path]) < max_tokens:
                 store[path].append(rows.detach().float().cpu())
         return keep
@@ -835,12 +839,17 @@ def _skip_padding_at(stack: nn.Module) -> tuple:
             stack.register_forward_hook(leave, always_call=True))
 
 
-def _token_part(stack: nn.Module) -> nn.Module:
-    """The part of ``stack`` whose sparse layers see the tokens its mask is about: the
-    deepest module on the way to its token embeddings that holds a routed layer (CLIP's text
+def _holds_routed_layers(module: nn.Module) -> bool:
+    from .routing import RoutedFFN
+    return any(isinstance(m, RoutedFFN) for m in module.modules())
+
+
+def _token_part(stack: nn.Module,
+                holds: Callable[[nn.Module], bool] = _holds_routed_layers) -> nn.Module:
+    """The part of ``stack`` whose layers see the tokens its mask is about: the deepest
+    module on the way to its token embeddings that ``holds`` (a routed layer) (CLIP's text
     tower, a vision-language model's language model, not their image encoders), else
     ``stack``."""
-    from .routing import RoutedFFN
     try:
         embeddings = stack.get_input_embeddings()
     except (AttributeError, NotImplementedError):   # two towers (CLIP, SigLIP): no single one
@@ -852,7 +861,7 @@ def _token_part(stack: nn.Module) -> nn.Module:
         steps = path.split(".")
         for depth in range(1, len(steps)):
             inner = stack.get_submodule(".".join(steps[:depth]))
-            if not any(isinstance(m, RoutedFFN) for m in inner.modules()):
+            if not holds(inner):
                 break
             part = inner
     return part
