@@ -11,13 +11,17 @@ import transformers
 
 from . import hf
 from .analysis.summary import collapse_warning, usage_health
-from .auxiliary import aux_loss, all_reduce_usage, reset_usage, sparse_grad_parameters
+from .auxiliary import (aux_loss, all_reduce_usage, reset_usage, routing_stats,
+                        sparse_grad_parameters)
 from .distributed import (all_reduce_sparse_grads, ddp_ignore_sparse_grad_parameters,
                           ddp_ignore_usage_buffers)
 from .optim import MixedAdamW, clip_grad_norm_, param_groups
 
 # The Trainer's ``optim`` names of PyTorch's AdamW, whose update MixedAdamW makes
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# A layer's usage warns of a collapse only when its logging window routed this many slots
+# per expert: under uniform routing an expert gets none with probability about e^-10 then
+MIN_SLOTS_PER_EXPERT = 10
 
 
 class SparseTrainerMixin:
@@ -52,7 +56,8 @@ class SparseTrainerMixin:
     ``starved_fraction_max`` (the share of experts nearly unused), as
     :mod:`sparseffn.analysis` defines them. The usage statistics start again after each log
     (the window of ``sparseffn train``'s collapse monitor), and a warning is printed the first
-    time a layer looks collapsed.
+    time a layer looks collapsed over a window that routed at least
+    :data:`MIN_SLOTS_PER_EXPERT` slots per expert (fewer starve experts by chance).
 
     Over several processes (DDP, as ``torchrun`` or ``accelerate launch`` start it): DDP
     leaves the sparse-gradient tables alone (it cannot reduce sparse gradients); they start
@@ -121,11 +126,16 @@ class SparseTrainerMixin:
         if self.args.world_size > 1:
             all_reduce_usage(self.model)
         health = usage_health(self.model)
+        # slots routed per expert in the window: with a few, uniform routing starves experts
+        per_expert = {name: float(stats["usage_counts"].sum()) / stats["usage_counts"].numel()
+                      for name, stats in routing_stats(self.model).items()
+                      if "usage_counts" in stats}
         reset_usage(self.model)
         if health:
             out["usage_entropy_min"] = min(e for e, _ in health.values())
             out["starved_fraction_max"] = max(s for _, s in health.values())
-            collapsed = [name for name in health if collapse_warning(*health[name])]
+            collapsed = [name for name in health if collapse_warning(*health[name])
+                         and per_expert.get(name, 0.0) >= MIN_SLOTS_PER_EXPERT]
             if collapsed and not self._warned_of_collapse and self.is_world_process_zero():
                 self._warned_of_collapse = True
                 worst = collapsed[0]
