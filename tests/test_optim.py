@@ -338,3 +338,28 @@ def test_mixed_adamw_refuses_amsgrad_for_a_sparse_gradient_and_skips_an_empty_on
     before = table.detach().clone()
     opt.step()
     assert torch.equal(table, before) and not opt.state
+
+
+def test_mixed_adamw_refuses_a_sparse_gradient_of_single_elements():
+    table = nn.Parameter(torch.zeros(4, 3))
+    table.grad = torch.zeros(4, 3).to_sparse(2)          # sparse_dim 2: elements, not rows
+    with pytest.raises(ValueError, match="sparse_dim 1"):
+        sparseffn.optim.MixedAdamW([table]).step()
+
+
+def test_a_mixed_adamw_step_that_raised_leaves_nothing_for_the_next_step():
+    model = _sparse_pkm_block()
+    opt = sparseffn.optim.MixedAdamW(model.parameters(), lr=0.01)
+    reference = _sparse_pkm_block()
+    theirs = sparseffn.optim.MixedAdamW(reference.parameters(), lr=0.01)
+    model(torch.randint(0, 11, (3, 5))).pow(2).mean().backward()
+
+    def failing():
+        raise RuntimeError("a closure that fails")
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(failing)              # after the pre-hook, before the post-hook
+    _train(model, [opt], 2)
+    _train(reference, [theirs], 2)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+

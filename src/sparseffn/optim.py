@@ -207,13 +207,19 @@ class MixedAdamW(torch.optim.AdamW):
 
 
 def _set_sparse_gradients_aside(optimizer: MixedAdamW, args, kwargs) -> None:
-    """MixedAdamW's step pre-hook: AdamW skips a parameter without a gradient."""
+    """MixedAdamW's step pre-hook: AdamW skips a parameter without a gradient. (What a step
+    that raised before its post-hook left set aside is dropped, not applied later.)"""
+    optimizer._set_aside = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is not None and p.grad.is_sparse:
                 if group["amsgrad"]:
                     raise ValueError("MixedAdamW: amsgrad has no sparse form (as SparseAdam "
                                      "has none); a parameter has a sparse gradient")
+                if p.grad.sparse_dim() != 1:
+                    raise ValueError(f"MixedAdamW: a sparse gradient must hold whole rows "
+                                     f"(sparse_dim 1, as embedding tables give), got "
+                                     f"sparse_dim {p.grad.sparse_dim()}")
                 optimizer._set_aside.append((group, p, p.grad))
                 p.grad = None
 
