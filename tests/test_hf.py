@@ -747,6 +747,10 @@ def test_a_sparse_trainer_decays_as_sparseffn_does_and_names_what_it_cannot_trai
     trainer = hf.SparseTrainer(model=model, args=_trainer_args(tmp_path, optim="sgd"))
     with pytest.raises(ValueError, match="sparse gradients.*optim='sgd'"):
         trainer.create_optimizer()
+    trainer = hf.SparseTrainer(model=model, args=_trainer_args(tmp_path))
+    trainer.is_fsdp_enabled = True       # (as accelerate's FSDP plugin sets it)
+    with pytest.raises(ValueError, match="FSDP and DeepSpeed cannot"):
+        trainer.create_optimizer()
 
 
 @pytest.mark.parametrize("family", MODELS)

@@ -48,7 +48,8 @@ class SparseTrainerMixin:
     Gradient clipping (``max_grad_norm``) and the gradient norm it logs take sparse
     gradients (:func:`sparseffn.clip_grad_norm_`), where PyTorch's raises. Another ``optim``,
     or ``optimizer_cls_and_kwargs``, is the Trainer's own, and a ValueError if the model has
-    parameters with sparse gradients; an optimiser passed in ``optimizers`` is used as given.
+    parameters with sparse gradients, as is FSDP or DeepSpeed with them; an optimiser passed
+    in ``optimizers`` is used as given.
 
     Each training log (every ``logging_steps``) adds, over the steps since the last one:
     ``aux_loss`` (the mean of the forwards' aux losses, unweighted), and the usage of the
@@ -159,6 +160,12 @@ class SparseTrainerMixin:
                                  f"optim={optim!r}"
                                  + (" and optimizer_cls_and_kwargs" if given else ""))
             return super().create_optimizer(model)
+        if sparse and (getattr(self, "is_fsdp_enabled", False)
+                       or getattr(self, "is_deepspeed_enabled", False)):
+            raise ValueError(f"{type(self).__name__}: the model has {len(sparse)} parameters "
+                             f"with sparse gradients (sparse_grad=True), which FSDP and "
+                             f"DeepSpeed cannot shard or reduce; train them under DDP, or "
+                             f"build the layers with sparse_grad=False")
         groups = param_groups(model, self.args.weight_decay)
         if sparse:
             groups.append({"params": sparse, "weight_decay": 0.0, "name": "sparse_grad"})
