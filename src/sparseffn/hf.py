@@ -545,14 +545,21 @@ def _put_in_place(model: nn.Module, site: Site, layer: nn.Module,
     _record(model, site, layer.config)
 
 
-def _record(model: nn.Module, site: Site, config: LayerConfig) -> None:
+def _update_record(model: nn.Module, change: Callable[[dict], None]) -> None:
+    """Apply ``change`` to a copy of the model's replacement record (a new, empty one where it
+    has none) and store the copy in ``model.config``; nothing for a model without a config."""
     hf_config = getattr(model, "config", None)
     if hf_config is None:
         return
     record = dict(getattr(hf_config, CONFIG_KEY, None) or {"format": _FORMAT, "sites": {}})
-    record["sites"] = {**record.get("sites", {}),
-                       site.path: {"family": site.family.name, "layer": config.to_dict()}}
+    change(record)
     setattr(hf_config, CONFIG_KEY, record)
+
+
+def _record(model: nn.Module, site: Site, config: LayerConfig) -> None:
+    entry = {"family": site.family.name, "layer": config.to_dict()}
+    _update_record(model, lambda record: record.update(
+        sites={**record.get("sites", {}), site.path: entry}))
 
 
 def _replacement(site: Site, config: LayerConfig, layer: nn.Module) -> Replacement:
@@ -925,12 +932,8 @@ def _remove_marked(module: nn.Module, name: str) -> None:
 def _remember_hook(model: nn.Module, name: str) -> None:
     """Note ``name`` in the model's replacement record, so that :func:`from_pretrained`
     installs the hook again on the loaded model."""
-    hf_config = getattr(model, "config", None)
-    if hf_config is None:
-        return
-    record = dict(getattr(hf_config, CONFIG_KEY, None) or {"format": _FORMAT, "sites": {}})
-    record["hooks"] = sorted({*record.get("hooks", ()), name})
-    setattr(hf_config, CONFIG_KEY, record)
+    _update_record(model, lambda record: record.update(
+        hooks=sorted({*record.get("hooks", ()), name})))
 
 
 def _forget_hook(model: nn.Module, name: str) -> None:
