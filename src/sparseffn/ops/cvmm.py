@@ -215,7 +215,6 @@ class _CVMM(torch.autograd.Function):
     """
     generate_vmap_rule = True
 
-
     @staticmethod
     def forward(x2, weight, gates, order, token_of_row, counts, in_layout: str,
                 out_layout: str, num_tokens: int, k: int):

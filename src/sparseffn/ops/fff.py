@@ -376,7 +376,6 @@ class _LevelwiseTree(torch.autograd.Function):
     Saves the node logits z and the output probabilities."""
     generate_vmap_rule = True
 
-
     @staticmethod
     def forward(z, depth: int, activation: str):
         return _expanded_probs(kernels.fff_expand, z, depth, activation)

@@ -33,7 +33,6 @@ class _CastForTwo(torch.autograd.Function):
     it reads the two reduced-precision gradients and writes the float32 one)."""
     generate_vmap_rule = True
 
-
     @staticmethod
     def forward(x: torch.Tensor, dtype: torch.dtype):
         cast = x.to(dtype)

@@ -178,7 +178,6 @@ class _SelectedScores(torch.autograd.Function):
     gradient is written half by half into one tensor of the query's dtype."""
     generate_vmap_rule = True
 
-
     @staticmethod
     def forward(vals, query, keys_a, keys_b, idx):
         return vals.clone()
