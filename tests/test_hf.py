@@ -394,6 +394,21 @@ def test_collect_mlp_inputs_leaves_out_padding():
     assert all(x.shape == (24 - 5, 32) for x in got.values())
 
 
+def _switch_everywhere(model, expert_size=8):
+    """``model`` with Switch layers at capacity 1.0 in every MLP (where padding would take
+    experts' places and change the capacity), in training mode."""
+    hf.sparsify(model, MoEConfig(d_model=32, num_experts=4, expert_size=expert_size, k=1,
+                                 router=SwitchRouterConfig(capacity_factor=1.0)))
+    return model.train()
+
+
+def _right_padded(length=6, padding=3):
+    """Two sequences of ``length`` tokens right-padded by ``padding``: ids and mask [2, L]."""
+    ids = torch.cat([_ids(2, length, seed=1), torch.zeros(2, padding, dtype=torch.long)], 1)
+    mask = torch.cat([torch.ones(2, length), torch.zeros(2, padding)], 1).long()
+    return ids, mask
+
+
 def _switch_in_training(family):
     """A model of ``family`` without dropout, its MLPs Switch layers at capacity 1.0 (where
     padding would take experts' places and change the capacity), in training mode."""
@@ -404,9 +419,7 @@ def _switch_in_training(family):
             setattr(model.config, name, 0.0)
     model = type(model)(model.config)
     torch.manual_seed(1)
-    hf.sparsify(model, MoEConfig(d_model=32, num_experts=4, expert_size=16, k=1,
-                                 router=SwitchRouterConfig(capacity_factor=1.0)))
-    return model.train()
+    return _switch_everywhere(model, expert_size=16)
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
@@ -414,9 +427,8 @@ def test_inside_skipping_padding_a_padded_batch_trains_as_its_tokens_alone(famil
     def model():
         return _switch_in_training(family)
 
-    ids = _ids(2, 6)
-    padded = torch.cat([ids, torch.zeros(2, 4, dtype=ids.dtype)], dim=1)
-    mask = torch.cat([torch.ones(2, 6), torch.zeros(2, 4)], dim=1).long()
+    padded, mask = _right_padded(padding=4)
+    ids = padded[:, :6]
     alone = model()
     want = _output(alone, ids)
     want_aux = sparseffn.aux_loss(alone)
@@ -980,18 +992,6 @@ def test_skip_padding_masks_an_encoder_decoders_encoder_and_decoder_each_by_its_
               decoder_attention_mask=target_mask)
         for layer in layers["decoder"]:
             assert layer.usage_counts.sum() == k * 14          # the target's real tokens
-
-
-def _switch_everywhere(model):
-    hf.sparsify(model, MoEConfig(d_model=32, num_experts=4, expert_size=8, k=1,
-                                 router=SwitchRouterConfig(capacity_factor=1.0)))
-    return model.train()
-
-
-def _right_padded(length=6, padding=3):
-    ids = torch.cat([_ids(2, length, seed=1), torch.zeros(2, padding, dtype=torch.long)], 1)
-    mask = torch.cat([torch.ones(2, length), torch.zeros(2, padding)], 1).long()
-    return ids, mask
 
 
 def test_skip_padding_masks_the_text_tower_only_of_a_two_tower_model():
