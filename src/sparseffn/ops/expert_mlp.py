@@ -24,6 +24,7 @@ from . import kernels, native, triton_cvmm
 from .cvmm import (DispatchPlan, _pairs_to_slots, backward_gate_rows, check_expert_indices,
                    cvmm)
 from .precision import autocast_dtype
+from .sizes import exported_for_any_size
 from .rows import gather_sum
 
 _FUSED_ACTIVATIONS = {"relu"}
@@ -191,10 +192,14 @@ def expert_mlp_few_ok(x: torch.Tensor, indices: torch.Tensor, gates: torch.Tenso
     tensors = (x, gates, w1, w2, b1, b2, w_gate)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False
-    if x.dim() != 2 or indices.dim() != 2:
+    if x.dim() != 2 or indices.dim() != 2 or exported_for_any_size(indices.shape[0]):
         return False
     d_in = w1.shape[2] * (1 if w_gate is None else 2)
-    if indices.numel() * w1.shape[1] * (d_in + w2.shape[2]) > FEW_PAIRS_MACS:
+    # tokens > ⌊M / macs per token⌋, not tokens · macs > M: under torch.export with a dynamic
+    # token count the guard is then an integer bound (a rational one, 65536/9 tokens, failed
+    # the export's constraint solver with "Expected op to be '=='")
+    if indices.shape[0] > FEW_PAIRS_MACS // (indices.shape[1] * w1.shape[1]
+                                             * (d_in + w2.shape[2])):
         return False
     if autocast_dtype(x) is not None:    # x and gates go in as float32
         if not (x.is_cpu and x.is_floating_point() and gates.is_floating_point()):

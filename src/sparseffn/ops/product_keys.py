@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 from . import kernels, triton_rows
 from .precision import autocast_off
 from .rows import gather_dot
+from .sizes import exported_for_any_size
 
 # Sub-key scores of at most this many floats (per half) exist at once during retrieval.
 _SCORE_CHUNK_ELEMENTS = 1 << 22
@@ -124,8 +125,9 @@ def retrieve(query: torch.Tensor, keys_a: torch.Tensor, keys_b: torch.Tensor,
 
         # A batch that fits one chunk is not looped over: under torch.compile(dynamic=True)
         # a loop over a symbolic token count fixes the count (a recompile for every batch
-        # size), where this test only adds the guard tokens <= step.
-        if tokens <= step:
+        # size), where this test only adds the guard tokens <= step; a program exported for
+        # any token count retrieves the whole batch at once.
+        if exported_for_any_size(tokens) or tokens <= step:
             vals, idx = select(slice(None))
             vals, idx = vals.contiguous(), idx.contiguous()
         else:

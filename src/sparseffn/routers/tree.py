@@ -15,6 +15,7 @@ from ..losses import usage_entropy_loss
 from ..ops import fff
 from ..ops.fff import SOFT_FORMULATIONS, TREE_ACTIVATIONS
 from ..ops.precision import autocast_off
+from ..ops.sizes import exported_for_any_size
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import (matrix_tuple, require_bool, require_choice, require_non_negative,
@@ -215,7 +216,8 @@ class TreeRouter(Router):
     def _linear_logits(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias, nodes = self.weight.float(), self.bias, self.num_nodes
         if (self.depth is not None and self.depth >= _PADDED_MIN_DEPTH
-                and x.shape[0] >= _PADDED_MIN_TOKENS and x.device.type == "cpu"):
+                and x.device.type == "cpu" and not exported_for_any_size(x.shape[0])
+                and x.shape[0] >= _PADDED_MIN_TOKENS):   # (a guard, when exported, if first)
             weight = F.pad(weight, (0, 0, 0, 1))
             bias = None if bias is None else F.pad(bias.float(), (0, 1))
             return F.linear(x, weight, bias)[:, :nodes]

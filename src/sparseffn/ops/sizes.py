@@ -1,0 +1,19 @@
+"""Paths chosen by a batch's size, under ``torch.export``.
+
+A few layers pick a path by the token count: the expert MLPs of a few tokens without a
+dispatch plan, product-key retrieval in chunks of tokens, the tree router's padded GEMM. Under
+``torch.export`` with a dynamic token count each such test is a guard, and the exported
+program serves only the sizes on the side traced: an unbounded ``Dim`` then fails the export
+("Constraints violated"). A program exported for every size takes the path that serves every
+size: the dispatch plan, one retrieval of the whole batch, the unpadded GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def exported_for_any_size(size) -> bool:
+    """True while ``torch.export`` traces a dynamic size (a ``SymInt``); False in eager mode,
+    under ``torch.compile`` (which keeps its bounded number of graphs) and for a static size."""
+    return isinstance(size, torch.SymInt) and torch.compiler.is_exporting()
