@@ -25,6 +25,7 @@ from typing import Iterator
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 _ALLOCATORS = ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"),
                (torch.Tensor, "new_empty"), (torch.Tensor, "new_empty_strided"))
@@ -44,6 +45,8 @@ def poison_value(dtype: torch.dtype) -> float | int | bool:
 def _poisoning(allocate):
     def allocate_poisoned(*args, **kwargs):
         out = allocate(*args, **kwargs)
+        if is_fake(out) or any(isinstance(size, torch.SymInt) for size in out.shape):
+            return out     # no memory: traced (torch.export), its sizes perhaps symbols
         if out.numel() and not out.is_meta and out.layout == torch.strided:
             with torch.no_grad():      # also for an allocation made with requires_grad=True
                 out.fill_(poison_value(out.dtype))

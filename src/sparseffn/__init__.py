@@ -22,6 +22,7 @@ from .router_config import (DenseGateRouterConfig, GShardRouterConfig, Hierarchi
                             NoisyTopKRouterConfig, RouterConfig, SBaseRouterConfig,
                             SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
 from .matching import active_equal_dense, compare_with_dense, param_equal_dense
+from .onnx_export import portable_forms, to_onnx
 from .ops import DispatchPlan, cvmm
 from .optim import (adam_optimizers, clip_grad_norm_, clip_grad_value_, no_weight_decay_parameters,
                     param_groups)
@@ -45,7 +46,7 @@ __all__ = [
     "computing_aux_losses",
     "config_from_dict", "cvmm",
     "dense_grad_parameters", "no_usage_statistics", "no_weight_decay_parameters",
-    "param_equal_dense", "param_groups",
+    "param_equal_dense", "param_groups", "portable_forms",
     "reset_usage", "routing_stats", "skipping_padding",
-    "sparse_grad_parameters", "summing_aux_losses", "tune_cpu_allocator",
+    "sparse_grad_parameters", "summing_aux_losses", "to_onnx", "tune_cpu_allocator",
 ]

@@ -135,17 +135,28 @@ def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:
 
 
 def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stable sort of integer ids in ``[0, bound)``: (sorted ids, int64 order), the ids in
-    the narrowest dtype that holds them (:func:`~.ids.id_dtype`)."""
-    return torch.sort(keys.to(id_dtype(0, max(bound - 1, 0))), stable=True)
+    """A stable sort of integer ids in ``[0, bound)`` [n]: (sorted ids, int64 order), the ids
+    in the narrowest dtype that holds them (:func:`~.ids.id_dtype`).
+
+    Under ``torch.export`` the ids are made unique, ``id · n + position``, and sorted plainly:
+    the same order, and ONNX has no stable sort (an exported plan failed to convert)."""
+    keys = keys.to(id_dtype(0, max(bound - 1, 0)))
+    if torch.compiler.is_exporting():
+        position = torch.arange(keys.shape[0], device=keys.device)
+        order = torch.sort(keys.long() * keys.shape[0] + position).indices
+        return keys.index_select(0, order), order
+    return torch.sort(keys, stable=True)
 
 
 def _expert_counts(sorted_keys: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The length of each expert's block in the sorted keys ([S], values in
     ``[0, num_experts]``): int64 [E], found by binary search for every block boundary (no
     scatter, so no atomics on a GPU; the keys ``num_experts``, dropped pairs, are left after
-    the last block)."""
+    the last block). Under ``torch.export``, by comparing every key with every expert
+    ([E, S] at once; ONNX has no binary search)."""
     experts = torch.arange(num_experts + 1, dtype=sorted_keys.dtype, device=sorted_keys.device)
+    if torch.compiler.is_exporting():
+        return (sorted_keys.unsqueeze(0) == experts[:-1].unsqueeze(1)).sum(1)
     bounds = torch.searchsorted(sorted_keys, experts)                  # int64 [E + 1]
     return bounds[1:] - bounds[:-1]
 

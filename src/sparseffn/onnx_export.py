@@ -1,0 +1,77 @@
+"""ONNX export of models that hold sparse layers.
+
+``torch.onnx.export(model, args, dynamo=True)`` fails on every routed layer: the layers'
+arithmetic runs in ``sparseffn::`` operators (:mod:`~sparseffn.ops.kernels`), for which ONNX
+has no function. :func:`to_onnx` exports the model with ``torch.export``, replaces each
+operator by its portable form (:mod:`~sparseffn.ops.portable`: functional PyTorch ops that
+ONNX has, the experts still computed sparsely, one block per expert), and hands the program
+to ``torch.onnx.export``::
+
+    model.eval()
+    tokens = torch.export.Dim("tokens", min=2)
+    onnx_program = sparseffn.to_onnx(model, (x,), dynamic_shapes=({0: tokens},))
+    onnx_program.save("model.onnx")         # onnxruntime.InferenceSession("model.onnx")
+
+The portable forms are not registered globally: PyTorch's fake tensors prefer a registered
+decomposition to an operator's own shape function whenever sizes are symbolic, so
+``torch.export`` and ``torch.compile(dynamic=True)`` would trace the portable forms too.
+``torch.onnx.export`` needs the ``onnx`` and ``onnxscript`` packages (``pip install
+sparseffn[onnx]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .ops import portable
+from .routing import SparseFFN
+
+
+def portable_forms() -> dict:
+    """``{operator overload: portable form}`` for ``ExportedProgram.run_decompositions``:
+    ``torch.export.export(model, args).run_decompositions(portable_forms())`` is a program
+    without ``sparseffn::`` operators, which other exporters can take."""
+    return portable.forms()
+
+
+def _require_onnx_packages() -> None:
+    import importlib.util
+    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+    if missing:
+        from .bench.plotting import MissingDependency
+        raise MissingDependency(f"to_onnx needs {' and '.join(missing)}: pip install "
+                                f"'sparseffn[onnx]' (or {' '.join(missing)})")
+
+
+def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
+            dynamic_shapes: Any = None, strict: bool = False,
+            **onnx_options: Any) -> "torch.onnx.ONNXProgram":
+    """``torch.onnx.export`` of ``model`` (in eval mode) with its sparse layers' operators
+    replaced by their portable forms; returns the ``ONNXProgram`` (``.save(path)``).
+
+    Args:
+      model: any module; its sparse layers must be in eval mode (routing noise, dropout,
+        capacity drops and usage statistics are training behaviour, which the program would
+        not reproduce): a ValueError otherwise.
+      args, kwargs: example inputs, as ``torch.export.export`` takes them.
+      dynamic_shapes: as ``torch.export.export`` takes it (a ``Dim`` for the token count
+        lets the program serve every batch size).
+      strict: ``torch.export``'s strict mode.
+      onnx_options: passed to ``torch.onnx.export`` (``opset_version``,
+        ``input_names``, ``output_names``, ``optimize``, ...).
+    """
+    _require_onnx_packages()
+    training = [name for name, module in model.named_modules()
+                if isinstance(module, SparseFFN) and module.training]
+    if training:
+        raise ValueError(f"to_onnx exports inference: call model.eval() first (sparse layers "
+                         f"in training mode: {', '.join(n or '<model>' for n in training[:3])}"
+                         f"{', ...' if len(training) > 3 else ''})")
+    with torch.no_grad():
+        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                      strict=strict)
+        program = program.run_decompositions(portable_forms())
+        onnx_options.setdefault("verbose", False)   # no progress lines on stdout
+        return torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, **onnx_options)

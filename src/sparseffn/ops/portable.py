@@ -1,0 +1,158 @@
+"""Portable forms of the inference operators, for exporters (ONNX).
+
+Each ``sparseffn::`` operator of :mod:`~sparseffn.ops.kernels` runs a C, Triton or PyTorch
+implementation that writes into buffers it allocated, cuts its work into chunks by size, or
+reads per-expert counts on the host. An exporter that turns a ``torch.export`` program into
+another runtime's graph (ONNX) can take none of that. The forms here compute what the
+operators compute in *functional* PyTorch ops whose output shapes follow from the input
+shapes alone, each of which ONNX has:
+
+- the expert products still run sparsely: one block per expert, over the rows that
+  ``nonzero`` finds for it (the shape the ONNX graph gives that block is the runtime's
+  count, not the one traced), so an exported mixture costs what the pairs cost, not the
+  dense MLP's multiply-adds;
+- gathered rows are ``index_select`` and a sum (the [T, m, d] rows in memory at once);
+- top-k is ``torch.topk``, whose ONNX ``TopK`` orders equal values by index as the
+  operators do.
+
+:func:`sparseffn.to_onnx` applies them (``ExportedProgram.run_decompositions(forms())``)
+before ``torch.onnx.export``; they are not registered globally (see
+:mod:`sparseffn.onnx_export`). Inference only: the backward operators have no portable form.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..activations import activation_fn
+
+
+def _expert_of_sorted_rows(counts: Tensor, rows: int) -> Tensor:
+    """e(r) for the expert-sorted rows r < ``rows`` [rows]: the number of experts whose block
+    ends at or before r; rows after the last block (dropped pairs) get E."""
+    ends = counts.cumsum(0)                                                      # [E]
+    r = torch.arange(rows, device=counts.device, dtype=ends.dtype)
+    return (r.unsqueeze(1) >= ends.unsqueeze(0)).sum(1)
+
+
+def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tensor],
+              out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int, group: int,
+              relu: bool, mask_with: Optional[Tensor], dot_with: Optional[Tensor]
+              ) -> tuple[Tensor, Tensor]:
+    """:func:`~sparseffn.ops.kernels.cvmm_rows`, one product per expert over the rows that
+    ``nonzero`` finds in its block (shapes: as that operator's)."""
+    rows = src.shape[0] if in_idx is None else in_idx.shape[0]
+    if out_idx is not None and in_idx is None:
+        rows = out_idx.shape[0]
+    dtype = torch.promote_types(src.dtype, weight.dtype)
+    gathered = (src if in_idx is None else src.index_select(0, in_idx)).to(dtype)  # [P, m]
+    expert = _expert_of_sorted_rows(counts, rows)
+    z = gathered.new_zeros(rows, weight.shape[2])
+    for e in range(weight.shape[0]):
+        mine = (expert == e).nonzero().squeeze(1)
+        z = z.index_copy(0, mine, gathered.index_select(0, mine) @ weight[e].to(dtype))
+    computed = (expert < weight.shape[0]).unsqueeze(1)        # dropped rows: exactly zero
+    zero = z.new_zeros(())
+    dots = (torch.where(computed, z * dot_with.to(dtype), zero).sum(1) if dot_with is not None
+            else src.new_empty(0, dtype=dtype))
+    y = z if scale is None else z * scale.to(dtype).unsqueeze(1)
+    if relu:
+        y = torch.relu(y)
+    if mask_with is not None:
+        y = torch.where(mask_with > 0, y, zero)
+    y = torch.where(computed, y, zero)
+    if out_idx is None:
+        return y, dots
+    slots = torch.zeros_like(y).index_copy(0, out_idx, y)
+    return slots.view(out_rows, group, y.shape[1]).sum(1), dots
+
+
+def expert_mlp_pairs(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
+                     activation: str, b1: Optional[Tensor], b2: Optional[Tensor],
+                     w_gate: Optional[Tensor], keep: Optional[Tensor]) -> Tensor:
+    """:func:`~sparseffn.ops.kernels.expert_mlp_pairs`, one MLP per expert over the pairs
+    that ``nonzero`` finds for it, added into each pair's token (shapes: as that
+    operator's)."""
+    act = activation_fn(activation)
+    chosen = indices.long()
+    if keep is not None:     # a pair never computed adds exactly zero
+        chosen = chosen.masked_fill(~keep, w1.shape[0])
+    y = x.new_zeros(x.shape[0], w2.shape[2])
+    for e in range(w1.shape[0]):
+        token, slot = (chosen == e).nonzero().unbind(1)
+        rows = x.index_select(0, token)
+        pre = rows @ w1[e].t()
+        if b1 is not None:
+            pre = pre + b1[e]
+        hidden = act(pre) if w_gate is None else act(rows @ w_gate[e].t()) * pre
+        out = hidden @ w2[e]
+        if b2 is not None:
+            out = out + b2[e]
+        y = y.index_add(0, token, out * gates[token, slot].unsqueeze(1).to(out.dtype))
+    return y
+
+
+def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
+    """``out[t, j] = <x[t], table[idx[t, j]]>`` [T, m] (as the operator)."""
+    dtype = torch.promote_types(x.dtype, table.dtype)
+    rows = table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
+    return (rows.to(dtype) * x.to(dtype).unsqueeze(1)).sum(-1)
+
+
+def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
+    """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]`` [T, d] (as the operator)."""
+    rows = table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
+    return (rows * weights.to(table.dtype).unsqueeze(-1)).sum(1)
+
+
+def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each row, equal values by index (ONNX ``TopK`` orders them so;
+    the eager operator raises on NaN, which the exported graph does not check)."""
+    return torch.topk(scores, k, dim=-1)
+
+
+def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`~sparseffn.ops.kernels.product_key_topk`: the top k of the sums of each row's
+    top-k candidates of both halves, ties to the lower product index."""
+    from .kernels import rankable, sub_key_indices
+    rows, n_a = scores_a.shape
+    val_a, idx_a = torch.topk(rankable(scores_a), min(k, n_a), dim=-1)
+    val_b, idx_b = torch.topk(rankable(scores_b), min(k, scores_b.shape[1]), dim=-1)
+    candidates = idx_a.shape[1] * idx_b.shape[1]
+    sums = (val_a.unsqueeze(-1) + val_b.unsqueeze(-2)).reshape(rows, candidates)
+    full = (idx_a.unsqueeze(-1) + n_a * idx_b.unsqueeze(-2)).reshape(rows, candidates)
+    # candidates put in index order first, so TopK's tie rule (lower position) is the index's
+    by_index = torch.topk(full, full.shape[1], dim=-1, largest=False).indices
+    _, pos = torch.topk(sums.gather(1, by_index), k, dim=-1)
+    indices = full.gather(1, by_index).gather(1, pos)
+    sub_a, sub_b = sub_key_indices(indices, n_a)
+    return scores_a.gather(1, sub_a) + scores_b.gather(1, sub_b), indices
+
+
+def fff_descend(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int) -> Tensor:
+    """:func:`~sparseffn.ops.kernels.fff_descend` in gathers (its PyTorch path)."""
+    from .kernels import descend_from_logits_fn
+    weight = weight.to(x.dtype)
+
+    def node_logit(level: int, node: Tensor) -> Tensor:
+        z = (x * weight.index_select(0, node)).sum(1)
+        return z if bias is None else z + bias.index_select(0, node).to(z.dtype)
+    return descend_from_logits_fn(node_logit, depth, x.shape[0], x.device)
+
+
+def forms() -> dict:
+    """The portable form of each inference operator: ``{operator overload: function}``."""
+    from . import kernels
+    return {
+        kernels.cvmm_rows.op._opoverload: cvmm_rows,
+        kernels.expert_mlp_pairs.op._opoverload: expert_mlp_pairs,
+        kernels.gather_dot.op._opoverload: gather_dot,
+        kernels.gather_sum.op._opoverload: gather_sum,
+        kernels.topk_rows.op._opoverload: topk_rows,
+        kernels.product_key_topk.op._opoverload: product_key_topk,
+        kernels.fff_expand.op._opoverload: kernels.fff_expand_torch,
+        kernels.fff_descend.op._opoverload: fff_descend,
+    }

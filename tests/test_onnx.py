@@ -1,0 +1,144 @@
+"""ONNX export (``sparseffn.to_onnx``): every layer, a whole language model and a sparsified
+Hugging Face model run in ONNX Runtime and compute what they compute in PyTorch, at token
+counts other than the one traced (other routings), an empty batch, and with NaN in a token."""
+
+import tempfile
+
+import pytest
+import torch
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import sparseffn                                              # noqa: E402
+from sparseffn.ops import kernels, portable                   # noqa: E402
+from tests.layers.test_conformance import D, EXAMPLES, _build  # noqa: E402
+
+
+def _session(program) -> "ort.InferenceSession":
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/model.onnx"
+        program.save(path)
+        return ort.InferenceSession(path)
+
+
+def _run(session, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    feeds = {arg.name: x.numpy() for arg, x in zip(session.get_inputs(), inputs)}
+    return [torch.from_numpy(out) for out in session.run(None, feeds)]
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_every_layer_runs_in_onnx_runtime_at_any_token_count(name):
+    """Traced at 37 tokens with the count dynamic; run at 0, 1 and 300 tokens and at 9 with a
+    NaN in token 3, which stays in its row. The layer's eager outputs, one output."""
+    torch.manual_seed(0)
+    layer = _build(EXAMPLES[name]).eval()
+    tokens = torch.export.Dim("tokens", min=2)
+    session = _session(sparseffn.to_onnx(layer, (torch.randn(37, D),),
+                                         dynamic_shapes=({0: tokens},)))
+    assert len(session.get_outputs()) == 1
+    nan_token = torch.randn(9, D)
+    nan_token[3, 2] = float("nan")
+    for x in (torch.randn(0, D), torch.randn(1, D), torch.randn(300, D), nan_token):
+        with torch.no_grad():
+            want = layer(x)
+        got, = _run(session, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+
+
+class _TopK(torch.nn.Module):
+    def forward(self, scores_a, scores_b):
+        return (*kernels.topk_rows(scores_a, 3), *kernels.product_key_topk(scores_a, scores_b, 5))
+
+
+def test_equal_scores_rank_by_index_in_onnx_runtime():
+    """The operators order equal scores by index; ONNX's TopK does the same for the forms'
+    ``torch.topk``. Integer-valued scores (many ties) and +inf, which ranks as a huge number
+    whose sums with the other half round to one value."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 3, (6, 8), generator=gen).float()
+    b = torch.randint(0, 3, (6, 7), generator=gen).float()
+    a[1, 2] = a[4, 5] = float("inf")
+    rows = torch.export.Dim("rows", min=2)
+    session = _session(sparseffn.to_onnx(_TopK(), (a, b), dynamic_shapes=({0: rows}, {0: rows})))
+    for got, want in zip(_run(session, a, b), _TopK()(a, b)):
+        assert torch.equal(got, want)
+
+
+def test_training_mode_is_refused_by_name():
+    layer = _build(EXAMPLES["layer:sigma_moe"]).train()
+    with pytest.raises(ValueError, match=r"model.eval\(\).*<model>"):
+        sparseffn.to_onnx(layer, (torch.randn(5, D),))
+
+
+def test_torch_export_keeps_the_operators():
+    """The forms are applied by to_onnx alone: ``torch.export`` (whose fake tensors would
+    prefer a registered decomposition to the operators' shape functions) keeps the operators,
+    and PyTorch's global decomposition table holds none of them."""
+    from torch._decomp import decomposition_table
+    layer = _build(EXAMPLES["layer:sigma_moe"]).eval()
+    program = torch.export.export(layer, (torch.randn(37, D),)).run_decompositions()
+    targets = {str(node.target) for node in program.graph.nodes}
+    assert any(target.startswith("sparseffn.") for target in targets), sorted(targets)
+    assert not set(portable.forms()) & set(decomposition_table)
+
+
+@pytest.mark.parametrize("preset", ["sigma_moe", "pkm"])
+def test_a_language_model_runs_in_onnx_runtime(preset):
+    """A whole LM (attention, positions, a preset's FFNs) with batch and length dynamic."""
+    from sparseffn.models import LMConfig, TransformerLM, ffn_preset
+    layout = ffn_preset(preset, 32, 64, 2)
+    config = LMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, context=32,
+                      ffn=layout.ffn, sparse_every=layout.sparse_every,
+                      dense_ffn=layout.dense_ffn)
+    torch.manual_seed(0)
+    model = TransformerLM(config).eval()
+    batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2, max=32)
+    session = _session(sparseffn.to_onnx(model, (torch.randint(0, 64, (2, 9)),),
+                                         dynamic_shapes=({0: batch, 1: length},)))
+    for shape in ((3, 17), (1, 32)):
+        tokens = torch.randint(0, 64, shape)
+        with torch.no_grad():
+            want = model(tokens)
+        got, = _run(session, tokens)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
+    """A Llama with σ-MoE FFNs (``hf.sparsify``): logits at other batch sizes and lengths."""
+    pytest.importorskip("transformers")
+    from sparseffn import hf
+    from tests.test_hf import llama
+
+    model = llama()
+    hf.sparsify(model, sparseffn.SigmaMoEConfig(d_model=32, num_experts=4, expert_size=8, k=2))
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    wrapped = Logits().eval()
+    batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2)
+    session = _session(sparseffn.to_onnx(wrapped, (torch.randint(0, 50, (2, 7)),),
+                                         dynamic_shapes=({0: batch, 1: length},)))
+    for shape in ((3, 11), (1, 4)):
+        ids = torch.randint(0, 50, shape)
+        with torch.no_grad():
+            want = wrapped(ids)
+        got, = _run(session, ids)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_onnx_packages_the_error_says_what_to_install(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "onnxscript" else real(name, *a))
+    from sparseffn.bench.plotting import MissingDependency
+    with pytest.raises(MissingDependency, match=r"onnxscript: pip install 'sparseffn\[onnx\]'"):
+        sparseffn.to_onnx(_build(EXAMPLES["layer:dense"]).eval(), (torch.randn(3, D),))
