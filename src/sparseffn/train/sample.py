@@ -16,7 +16,6 @@ from ..models.generate import Decoder, generate
 from ..models.lm import LMConfig, TransformerLM
 from . import checkpoint as ckpt
 from .config import ConfigError
-from .model_config import saved_model_config
 
 
 def load_language_model(path: str | Path) -> tuple[dict, TransformerLM, object]:
@@ -27,18 +26,10 @@ def load_language_model(path: str | Path) -> tuple[dict, TransformerLM, object]:
     if (saved is not None and saved.get("kind") != "lm") or state.get("tokenizer") is None:
         raise ConfigError(f"{path} holds a classifier's checkpoint; sample needs a language "
                           f"model's (model.kind = 'lm')")
-    try:
-        config = saved_model_config(saved) if saved is not None else None
-    except (TypeError, ValueError):      # a field this version renamed or dropped
-        config = None
-    if config is not None:
-        model = TransformerLM(config)
-        model.load_state_dict(state["model"])
-    else:    # an older checkpoint, or a config this version cannot build: as eval does, from
-        from .trainer import load_trained    # the run config and corpus (noting what differs)
-        state, _, _, model = load_trained(path, state)
+    from .trainer import load_network
+    state, model = load_network(path, state)
     assert isinstance(model.config, LMConfig)
-    return state, model.eval(), tokenizer_from_state(state["tokenizer"])
+    return state, model, tokenizer_from_state(state["tokenizer"])
 
 
 def sample_texts(path: str | Path, prompt: str = "\n", tokens: int = 200, samples: int = 1,

@@ -47,12 +47,12 @@ from ..optim import adam_optimizers
 from ..runtime import (compiled, compiling_checkpointed_sparse_layers, compiling_many,
                        deterministic_algorithms)
 from ..data import ArrayData, TextData, bits_per_byte, load_arrays
-from ..models.classifier import SparseClassifier
+from ..models.classifier import ClassifierConfig, SparseClassifier
 from ..models.lm import LMConfig, TransformerLM
 from . import checkpoint as ckpt
 from .config import (ConfigError, RunConfig, TrainSpec, _check, run_config_from_dict,
                      total_steps)
-from .model_config import checkpoint_model_config, run_model_config
+from .model_config import checkpoint_model_config, run_model_config, saved_model_config
 from .lock import folder_lock
 from .loss_scaling import LossScaling
 from .parallel import Parallel
@@ -96,6 +96,26 @@ def load_trained(path: str | Path, state: dict | None = None
     model = build_model(run, data, state)
     model.load_state_dict(state["model"])
     return state, run, data, model
+
+
+def load_network(path: str | Path, state: dict | None = None) -> tuple[dict, torch.nn.Module]:
+    """(the checkpoint's state, its network in eval mode on the CPU holding its weights),
+    built from the model config the checkpoint keeps; from its run config and corpus, as
+    ``sparseffn eval`` does, for a checkpoint without one or with one this version cannot
+    build. ``state``: the checkpoint already loaded from ``path``."""
+    state = ckpt.load(path) if state is None else state
+    saved = state.get("model_config")
+    try:
+        config = saved_model_config(saved) if saved is not None else None
+    except (TypeError, ValueError):      # a field this version renamed or dropped
+        config = None
+    if config is not None:
+        model = (SparseClassifier(config) if isinstance(config, ClassifierConfig)
+                 else TransformerLM(config))
+        model.load_state_dict(state["model"])
+    else:    # an older checkpoint, or a config this version cannot build: as eval does, from
+        state, _, _, model = load_trained(path, state)   # its run config and corpus
+    return state, model.eval()
 
 
 def peak_rss_bytes() -> int:
