@@ -501,6 +501,38 @@ def test_export_safetensors_holds_the_weights_and_config(corpus, tmp_path, capsy
     model.load_state_dict(weights)     # the network that config builds takes these weights
 
 
+@pytest.mark.parametrize("kind", ["lm", "classifier"])
+def test_export_onnx_writes_the_trained_network(kind, corpus, tmp_path, capsys):
+    """``export --onnx``: ONNX Runtime computes the trained network's logits for other batch
+    sizes (and lengths); the command reports the check it ran. A failed export leaves the
+    earlier file as it was."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from sparseffn.train.trainer import load_network
+    run = lm_run(corpus, "sigma_moe", steps=2) if kind == "lm" else classifier_run(
+        {"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3}, steps=2)
+    out = tmp_path / "run"
+    Trainer(run, out, progress=False).train()
+    assert main(["export", str(out / "checkpoint.pt"), "--onnx"]) == 0
+    printed = capsys.readouterr().out
+    assert "model.onnx" in printed and "largest difference" in printed
+    _, model = load_network(out / "checkpoint.pt")
+    session = ort.InferenceSession(str(out / "model.onnx"))
+    assert [arg.name for arg in session.get_inputs()] == ["tokens" if kind == "lm" else
+                                                          "features"]
+    for shape in ((1, 5), (4, 16)) if kind == "lm" else ((1, 6), (7, 6)):
+        x = torch.randint(0, 256, shape) if kind == "lm" else torch.randn(shape)
+        with torch.no_grad():
+            want = model(x)
+        got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    before = (out / "model.onnx").read_bytes()
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    assert main(["export", str(tmp_path / "bad.pt"), "--onnx", "--out",
+                 str(out / "model.onnx")]) == 2
+    assert (out / "model.onnx").read_bytes() == before
+
+
 def test_export_copes_with_tied_tensors_and_never_leaves_half_a_file(tmp_path, capsys):
     pytest.importorskip("safetensors")
     from sparseffn.train.export import export_safetensors, load_safetensors

@@ -70,9 +70,16 @@ def compare_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from .export import export_safetensors
-    path = export_safetensors(args.checkpoint, args.out)
+    from .export import export_onnx, export_safetensors
+    if args.safetensors:
+        path = export_safetensors(args.checkpoint, args.out)
+        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+        return 0
+    path, difference = export_onnx(args.checkpoint, args.out)
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    print("ONNX Runtime against PyTorch on another batch: " + (
+        "onnxruntime not installed, not run" if difference is None
+        else f"largest difference {difference:.1e}"))
     return 0
 
 
@@ -126,10 +133,14 @@ def add_commands(commands) -> None:
 
     export = commands.add_parser("export", help="write a checkpoint's weights in another format")
     export.add_argument("checkpoint", help="a checkpoint.pt written by train")
-    export.add_argument("--safetensors", action="store_true", required=True,
-                        help="as a .safetensors file (the run config in its metadata)")
-    export.add_argument("--out", help="the file to write (default: model.safetensors beside "
-                        "the checkpoint)")
+    export_format = export.add_mutually_exclusive_group(required=True)
+    export_format.add_argument("--safetensors", action="store_true",
+                               help="as a .safetensors file (the run config in its metadata)")
+    export_format.add_argument("--onnx", action="store_true",
+                               help="the network as an ONNX model, batch and length dynamic "
+                                    "(needs sparseffn[onnx])")
+    export.add_argument("--out", help="the file to write (default: model.safetensors or "
+                        "model.onnx beside the checkpoint)")
     export.set_defaults(func=export_command)
 
     sample = commands.add_parser("sample", help="text from a language model's checkpoint")

@@ -1,5 +1,6 @@
 """``sparseffn export CHECKPOINT --safetensors``: the model weights of a checkpoint as a
 ``.safetensors`` file, which any framework opens without unpickling (Hugging Face's format).
+``--onnx``: the trained network as an ONNX model (:func:`export_onnx`).
 
 The run config and the step go into the file's metadata (``sparseffn_config`` as JSON,
 ``sparseffn_step``), which :func:`load_safetensors` returns with the weights. Where the
@@ -118,3 +119,57 @@ def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise ckpt.CheckpointError(f"{path} was not exported by sparseffn (no sparseffn_config "
                                    f"in its metadata)")
     return st.load_file(str(path)), metadata
+
+
+def export_onnx(checkpoint: str | Path, out: str | Path | None = None
+                ) -> tuple[Path, float | None]:
+    """Write the network of ``checkpoint`` to ``out`` (default: ``model.onnx`` beside it) as
+    an ONNX model (:func:`sparseffn.to_onnx`), atomically: an interrupted or failed export
+    leaves any earlier file whole. A language model takes int64 ``tokens`` [batch, time],
+    time up to its context, and gives ``logits`` [batch, time, vocab]; a classifier takes
+    float32 ``features`` [batch, in_features] and gives ``logits`` [batch, classes]; the
+    batch size (and the time) are dynamic.
+
+    Returns the path and, where ``onnxruntime`` is installed, the largest absolute difference
+    between ONNX Runtime's outputs and PyTorch's on a batch of 3 other than the traced one
+    (None without it)."""
+    from ..onnx_export import to_onnx
+    from .trainer import load_network
+    _, model = load_network(checkpoint)
+    example, check, dynamic, input_name = _onnx_inputs(model)
+    program = to_onnx(model, (example,), dynamic_shapes=(dynamic,), input_names=[input_name],
+                      output_names=["logits"])
+    target = Path(out) if out else Path(checkpoint).with_name("model.onnx")
+    with ckpt.atomic_path(target) as temp:
+        program.save(str(temp))
+    return target, _onnx_runtime_difference(target, model, check)
+
+
+def _onnx_inputs(model: nn.Module):
+    """(the traced input, another input to check, its dynamic dimensions, its name)."""
+    from ..models.lm import TransformerLM
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.export.Dim("batch", min=1)
+    if isinstance(model, TransformerLM):
+        config = model.config
+        time = torch.export.Dim("time", min=2, max=config.context)
+        example = torch.randint(0, config.vocab_size, (2, min(8, config.context)),
+                                generator=gen)
+        check = torch.randint(0, config.vocab_size, (3, config.context), generator=gen)
+        return example, check, {0: batch, 1: time}, "tokens"
+    features = model.config.in_features
+    return (torch.randn(2, features, generator=gen), torch.randn(3, features, generator=gen),
+            {0: batch}, "features")
+
+
+def _onnx_runtime_difference(path: Path, model: nn.Module, inputs: torch.Tensor
+                             ) -> float | None:
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    session = onnxruntime.InferenceSession(str(path))
+    got = session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0]
+    with torch.no_grad():
+        want = model(inputs)
+    return float((torch.from_numpy(got) - want).abs().max())
