@@ -50,10 +50,14 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
     dtype = torch.promote_types(src.dtype, weight.dtype)
     gathered = (src if in_idx is None else src.index_select(0, in_idx)).to(dtype)  # [P, m]
     expert = _expert_of_sorted_rows(counts, rows)
-    z = gathered.new_zeros(rows, weight.shape[2])
+    places, blocks = [], []
     for e in range(weight.shape[0]):
         mine = (expert == e).nonzero().squeeze(1)
-        z = z.index_copy(0, mine, gathered.index_select(0, mine) @ weight[e].to(dtype))
+        places.append(mine)
+        blocks.append(gathered.index_select(0, mine) @ weight[e].to(dtype))
+    # one scatter of all the blocks (one per expert would copy the [P, n] rows E times)
+    z = gathered.new_zeros(rows, weight.shape[2]).index_copy(0, torch.cat(places),
+                                                             torch.cat(blocks))
     computed = (expert < weight.shape[0]).unsqueeze(1)        # dropped rows: exactly zero
     zero = z.new_zeros(())
     dots = (torch.where(computed, z * dot_with.to(dtype), zero).sum(1) if dot_with is not None
@@ -80,7 +84,7 @@ def expert_mlp_pairs(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor, w2: 
     chosen = indices.long()
     if keep is not None:     # a pair never computed adds exactly zero
         chosen = chosen.masked_fill(~keep, w1.shape[0])
-    y = x.new_zeros(x.shape[0], w2.shape[2])
+    tokens, outputs = [], []
     for e in range(w1.shape[0]):
         token, slot = (chosen == e).nonzero().unbind(1)
         rows = x.index_select(0, token)
@@ -91,21 +95,26 @@ def expert_mlp_pairs(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor, w2: 
         out = hidden @ w2[e]
         if b2 is not None:
             out = out + b2[e]
-        y = y.index_add(0, token, out * gates[token, slot].unsqueeze(1).to(out.dtype))
-    return y
+        tokens.append(token)
+        outputs.append(out * gates[token, slot].unsqueeze(1).to(out.dtype))
+    # one scatter-add of every pair (one per expert would copy the [T, n] output E times)
+    return x.new_zeros(x.shape[0], w2.shape[2]).index_add(0, torch.cat(tokens),
+                                                          torch.cat(outputs))
 
 
 def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     """``out[t, j] = <x[t], table[idx[t, j]]>`` [T, m] (as the operator)."""
     dtype = torch.promote_types(x.dtype, table.dtype)
     rows = table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
-    return (rows.to(dtype) * x.to(dtype).unsqueeze(1)).sum(-1)
+    return torch.bmm(rows.to(dtype), x.to(dtype).unsqueeze(-1)).squeeze(-1)
 
 
 def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     """``out[t] = Σ_j weights[t, j] · table[idx[t, j]]`` [T, d] (as the operator)."""
     rows = table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
-    return (rows * weights.to(table.dtype).unsqueeze(-1)).sum(1)
+    # a batched product, not a product and a sum: two passes fewer over the [T, m, d] rows
+    # (a PKM layer at 1,024 tokens in ONNX Runtime, 2 CPU threads: 105 -> 82 ms)
+    return torch.bmm(weights.to(table.dtype).unsqueeze(1), rows).squeeze(1)
 
 
 def topk_rows(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -119,17 +128,24 @@ def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor
     top-k candidates of both halves, ties to the lower product index."""
     from .kernels import rankable, sub_key_indices
     rows, n_a = scores_a.shape
-    val_a, idx_a = torch.topk(rankable(scores_a), min(k, n_a), dim=-1)
-    val_b, idx_b = torch.topk(rankable(scores_b), min(k, scores_b.shape[1]), dim=-1)
+    val_a, idx_a = _top_by_index(rankable(scores_a), min(k, n_a))
+    val_b, idx_b = _top_by_index(rankable(scores_b), min(k, scores_b.shape[1]))
+    # candidates laid out j-major: i + n_a·j increases along a row, so TopK's tie rule (the
+    # lower position) is the operator's (the lower index), with no sort of the k² candidates
     candidates = idx_a.shape[1] * idx_b.shape[1]
-    sums = (val_a.unsqueeze(-1) + val_b.unsqueeze(-2)).reshape(rows, candidates)
-    full = (idx_a.unsqueeze(-1) + n_a * idx_b.unsqueeze(-2)).reshape(rows, candidates)
-    # candidates put in index order first, so TopK's tie rule (lower position) is the index's
-    by_index = torch.topk(full, full.shape[1], dim=-1, largest=False).indices
-    _, pos = torch.topk(sums.gather(1, by_index), k, dim=-1)
-    indices = full.gather(1, by_index).gather(1, pos)
+    sums = (val_b.unsqueeze(-1) + val_a.unsqueeze(-2)).reshape(rows, candidates)
+    full = (n_a * idx_b.unsqueeze(-1) + idx_a.unsqueeze(-2)).reshape(rows, candidates)
+    _, pos = torch.topk(sums, k, dim=-1)
+    indices = full.gather(1, pos)
     sub_a, sub_b = sub_key_indices(indices, n_a)
     return scores_a.gather(1, sub_a) + scores_b.gather(1, sub_b), indices
+
+
+def _top_by_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest scores of each row (ties to the lower index) [R, k], in index order."""
+    values, idx = torch.topk(scores, k, dim=-1)
+    idx, order = torch.sort(idx, dim=-1)          # distinct indices: any sort is this one
+    return values.gather(1, order), idx
 
 
 def fff_descend(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int) -> Tensor:
