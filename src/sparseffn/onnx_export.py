@@ -21,7 +21,10 @@ sparseffn[onnx]``).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import logging
+import warnings
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -69,9 +72,33 @@ def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
         raise ValueError(f"to_onnx exports inference: call model.eval() first (sparse layers "
                          f"in training mode: {', '.join(n or '<model>' for n in training[:3])}"
                          f"{', ...' if len(training) > 3 else ''})")
-    with torch.no_grad():
+    with torch.no_grad(), _without_exporter_noise():
         program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                       strict=strict)
         program = program.run_decompositions(portable_forms())
         onnx_options.setdefault("verbose", False)   # no progress lines on stdout
         return torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, **onnx_options)
+
+
+# Loggers that print at every export something that concerns no model: PyTorch 2.13's ONNX
+# registry ("torchvision is not installed. Skipping torchvision::nms", four lines), and
+# onnx_ir's "Attribute type is ambiguous because it is an empty sequence" (its default is
+# right).
+_NOISY_LOGGERS = ("torch.onnx._internal.exporter._registration", "onnx_ir._convenience")
+
+
+@contextlib.contextmanager
+def _without_exporter_noise() -> Iterator[None]:
+    """Quiet :data:`_NOISY_LOGGERS` below errors, and pytree's FutureWarning on ``LeafSpec``
+    from inside ``torch.export``, for the duration."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
