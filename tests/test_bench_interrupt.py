@@ -5,8 +5,8 @@ while it still compiles, or in its timed rounds, must print and write what it me
 lose every number; a preset whose step raises must not stop the others. Interrupts are
 raised from inside the steps here, where a SIGINT would land. `bench lm`, `fig2` and
 `generate` keep whole timed rounds; `bench layers`, `routers`, `productkeys`, `compile`,
-`distributed` and `tokenizers` keep whole configs, depths, cases, layers, process counts and
-vocabulary sizes (one loop, `InterruptibleLoop`).
+`onnx`, `distributed` and `tokenizers` keep whole configs, depths, cases, layers, process
+counts and vocabulary sizes (one loop, `InterruptibleLoop`).
 """
 
 import json
@@ -528,6 +528,19 @@ def test_bench_compile_interrupted_at_a_later_layer_writes_the_earlier(monkeypat
     monkeypatch.setattr(compiled, "_measure_layer", interrupt)
     with pytest.raises(KeyboardInterrupt):           # in the first layer: nothing to write
         compiled.run(tokens=16, d_model=32, repeats=1, names=["dense"])
+
+
+def test_bench_onnx_interrupted_at_a_later_layer_writes_the_earlier(monkeypatch, tmp_path,
+                                                                   capsys):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from sparseffn.bench import onnx_runtime
+    interrupt_where(monkeypatch, onnx_runtime, "_measure", lambda name: name == "pkm")
+    path = tmp_path / "onnx.json"
+    assert cli.main(["bench", "onnx", "--layers", "switch", "pkm", "dense", "--tokens", "16",
+                     "--d-model", "16", "--repeats", "1", "--json", str(path)]) == 0
+    assert [r["layer"] for r in json.loads(path.read_text())] == ["switch"]
+    assert "bench onnx: interrupted: not measured: pkm, dense" in capsys.readouterr().out
 
 
 def test_bench_distributed_interrupted_at_a_later_process_count_writes_the_earlier(

@@ -142,3 +142,22 @@ def test_without_the_onnx_packages_the_error_says_what_to_install(monkeypatch):
     from sparseffn.bench.plotting import MissingDependency
     with pytest.raises(MissingDependency, match=r"onnxscript: pip install 'sparseffn\[onnx\]'"):
         sparseffn.to_onnx(_build(EXAMPLES["layer:dense"]).eval(), (torch.randn(3, D),))
+
+
+def test_bench_onnx_reports_both_runtimes_and_their_agreement(tmp_path, capsys):
+    """``sparseffn bench onnx``: a row and a record per layer, the ratios positive and the
+    two runtimes' outputs within float32 rounding of each other."""
+    import json
+
+    from sparseffn import cli
+    path = tmp_path / "onnx.json"
+    assert cli.main(["bench", "onnx", "--layers", "sigma_moe", "peer", "--tokens", "24",
+                     "--d-model", "16", "--repeats", "2", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["layer"] for r in records] == ["sigma_moe", "peer"]
+    for record in records:
+        assert record["max_abs_difference"] < 1e-4
+        assert all(record[key] > 0 for key in ("torch_ms", "ort_ms", "ort_over_torch",
+                                                "torch_over_dense", "ort_over_dense"))
+    out = capsys.readouterr().out
+    assert "ORT/dense" in out and out.count("\nsigma_moe ") == 1

@@ -138,6 +138,13 @@ def _bench_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_onnx(args: argparse.Namespace) -> int:
+    from .bench import onnx_runtime
+    onnx_runtime.run(tokens=args.tokens, d_model=args.d_model, repeats=args.repeats,
+                     names=args.layers, json_path=args.json)
+    return 0
+
+
 def _bench_tokenizers(args: argparse.Namespace) -> int:
     from .bench import tokenizers
     tokenizers.run(megabytes=args.megabytes, vocab_sizes=tuple(args.vocab_sizes),
@@ -317,6 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"only these layers (default: all): {', '.join(LAYER_NAMES)}")
     comp.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     comp.set_defaults(func=_bench_compile)
+
+    onnx_bench = benches.add_parser(
+        "onnx", help="every layer exported with sparseffn.to_onnx and run in ONNX Runtime "
+                     "beside its PyTorch forward and the dense MLP in both (CPU, inference)")
+    onnx_bench.add_argument("--tokens", type=int, default=1024, help="tokens per batch (1024)")
+    onnx_bench.add_argument("--d-model", type=int, default=256, help="layer width (256)")
+    onnx_bench.add_argument("--repeats", type=int, default=10, help="timed rounds (10)")
+    onnx_bench.add_argument("--layers", nargs="+", metavar="NAME", choices=LAYER_NAMES,
+                            help=f"only these layers (default: all): {', '.join(LAYER_NAMES)}")
+    onnx_bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    onnx_bench.set_defaults(func=_bench_onnx)
 
     pk = benches.add_parser(
         "productkeys", help="product-key retrieval vs naive scoring (N = 2^10..2^20), PEER with "
