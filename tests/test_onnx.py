@@ -47,6 +47,40 @@ def test_every_layer_runs_in_onnx_runtime_at_any_token_count(name):
     assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
 
 
+@pytest.mark.parametrize("name", ["layer:sigma_moe", "layer:pkm", "layer:fff"])
+def test_a_float16_layer_runs_in_onnx_runtime(name):
+    """A layer in float16 (``.half()``): a float16 graph, the layer's outputs to float16's
+    rounding."""
+    torch.manual_seed(0)
+    layer = _build(EXAMPLES[name]).half().eval()
+    tokens = torch.export.Dim("tokens", min=2)
+    session = _session(sparseffn.to_onnx(layer, (torch.randn(37, D).half(),),
+                                         dynamic_shapes=({0: tokens},)))
+    x = torch.randn(300, D).half()
+    with torch.no_grad():
+        want = layer(x)
+    got, = _run(session, x)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("mixture", ["jacobs", "deep"])
+def test_the_classic_mixtures_run_in_onnx_runtime(mixture):
+    """Jacobs et al. 1991's mixture of experts and Eigen et al. 2013's deep mixture."""
+    from sparseffn.layers.classic import DeepMixtureOfExperts, MixtureOfExperts
+    torch.manual_seed(0)
+    model = (MixtureOfExperts(8, 3, 4) if mixture == "jacobs" else
+             DeepMixtureOfExperts(8, 3)).eval()
+    batch = torch.export.Dim("batch", min=2)
+    session = _session(sparseffn.to_onnx(model, (torch.randn(5, 8),),
+                                         dynamic_shapes=({0: batch},)))
+    x = torch.randn(33, 8)
+    with torch.no_grad():
+        want = model(x)
+    got, = _run(session, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 class _TopK(torch.nn.Module):
     def forward(self, scores_a, scores_b):
         return (*kernels.topk_rows(scores_a, 3), *kernels.product_key_topk(scores_a, scores_b, 5))
