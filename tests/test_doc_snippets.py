@@ -59,6 +59,9 @@ NOT_RUN = {
         "needs a process group; tests/test_expert_parallel.py runs the fixed exchange",
     ("huggingface.md", 'load_safetensors_model("runs/NAME/model.safetensors"'):
         "needs a trained run; tests/train/test_export_model.py exports and loads one",
+    ("huggingface.md", 'kwargs={"input_ids": ids, "use_cache": False}'):
+        "exports a whole model (10-15 s); tests/test_onnx.py's "
+        "test_a_sparsified_hugging_face_model_runs_in_onnx_runtime makes the same call",
     ("huggingface.md", "torch.compile(model.forward, fullgraph=True)"):
         "Inductor takes 30-40 s to compile it on a CPU; tests/test_hf.py's "
         "test_generation_with_a_static_cache_compiles_one_graph_per_phase makes the same calls "

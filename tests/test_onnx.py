@@ -140,30 +140,26 @@ def test_a_language_model_runs_in_onnx_runtime(preset):
 
 
 def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
-    """A Llama with σ-MoE FFNs (``hf.sparsify``): logits at other batch sizes and lengths."""
+    """A Llama with σ-MoE FFNs (``hf.sparsify``), exported as docs/huggingface.md shows:
+    logits at other batch sizes and lengths."""
     pytest.importorskip("transformers")
     from sparseffn import hf
     from tests.test_hf import llama
 
     model = llama()
     hf.sparsify(model, sparseffn.SigmaMoEConfig(d_model=32, num_experts=4, expert_size=8, k=2))
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids, use_cache=False).logits
-
-    wrapped = Logits().eval()
+    model.eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
     batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2)
-    session = _session(sparseffn.to_onnx(wrapped, (torch.randint(0, 50, (2, 7)),),
-                                         dynamic_shapes=({0: batch, 1: length},)))
+    session = _session(sparseffn.to_onnx(
+        model, (), kwargs={"input_ids": ids, "use_cache": False},
+        dynamic_shapes={"input_ids": {0: batch, 1: length}, "use_cache": None},
+        input_names=["input_ids"], output_names=["logits"]))
+    assert [out.name for out in session.get_outputs()] == ["logits"]
     for shape in ((3, 11), (1, 4)):
         ids = torch.randint(0, 50, shape)
         with torch.no_grad():
-            want = wrapped(ids)
+            want = model(input_ids=ids, use_cache=False).logits
         got, = _run(session, ids)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
