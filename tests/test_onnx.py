@@ -164,6 +164,35 @@ def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_that_skips_padding_exports_with_its_mask():
+    """``hf.skip_padding`` installed (as ``SparseTrainer`` does): the hook would read the mask
+    on the host, which an export cannot; the exported program skips padding for every mask
+    and gives the model's logits for batches with and without padding."""
+    pytest.importorskip("transformers")
+    from sparseffn import hf
+    from tests.test_hf import llama
+
+    model = llama()
+    hf.sparsify(model, sparseffn.MoEConfig(d_model=32, num_experts=4, expert_size=8, k=1,
+                                           router=sparseffn.SwitchRouterConfig()))
+    hf.skip_padding(model)
+    model.eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2)
+    session = _session(sparseffn.to_onnx(
+        model, (), kwargs={"input_ids": ids, "attention_mask": mask, "use_cache": False},
+        dynamic_shapes={"input_ids": {0: batch, 1: length},
+                        "attention_mask": {0: batch, 1: length}, "use_cache": None}))
+    ids = torch.randint(1, 50, (3, 9))
+    for mask in (torch.ones(3, 9, dtype=torch.long),
+                 torch.tensor([[1] * 9, [1] * 6 + [0] * 3, [1] * 3 + [0] * 6])):
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = _run(session, ids, mask)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_without_the_onnx_packages_the_error_says_what_to_install(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec

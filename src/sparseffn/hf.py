@@ -811,7 +811,8 @@ def skip_padding(model: nn.Module) -> ModelHooks:
     ``decoder_attention_mask``), since the source's mask says nothing of the target's
     tokens. The mask reaches the layers of the part that takes the tokens only: CLIP's or
     SigLIP's text tower, a vision-language model's language model, not their image encoders.
-    Checking for padding reads the mask on the host once per forward. Noted in the
+    Checking for padding reads the mask on the host once per forward (under ``torch.export``
+    it is not checked: the program skips padding for every mask). Noted in the
     model's record, so :func:`from_pretrained` installs it again. Returns a
     :class:`ModelHooks`; its ``remove()`` undoes this."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
@@ -832,8 +833,10 @@ def _skip_padding_at(stack: nn.Module) -> tuple:
     def enter(module, args, kwargs):
         block = contextlib.ExitStack()
         mask = kwargs.get("attention_mask")
+        # An exported program serves every mask, so it skips padding always (without padding
+        # that computes the same), where reading the mask on the host would fail the export.
         if isinstance(mask, torch.Tensor) and mask.shape == _token_shape(args, kwargs) \
-                and not bool(mask.bool().all()):
+                and (torch.compiler.is_exporting() or not bool(mask.bool().all())):
             block.enter_context(skipping_padding(_token_part(module), mask))
         blocks.append(block)
 

@@ -379,6 +379,7 @@ class RoutedFFN(SparseFFN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x_flat = x.reshape(-1, self.d_model)
+        tokens = x_flat.shape[0]    # (not x.shape[:-1].numel(), which fixes symbolic sizes)
         rows = self._kept_rows(x)
         if rows is not None:                    # inside sparseffn.skipping_padding
             x_flat = x_flat.index_select(0, rows)
@@ -387,7 +388,7 @@ class RoutedFFN(SparseFFN):
         y = self.store(x_store, routing)                                 # [T, d_out]
         y = self._record_routing(routing, self.num_experts, y)
         if rows is not None:                    # the tokens left out get zeros
-            y = y.new_zeros(x.shape[:-1].numel(), y.shape[-1]).index_copy(0, rows, y)
+            y = y.new_zeros(tokens, y.shape[-1]).index_copy(0, rows, y)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _kept_rows(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -38,7 +38,7 @@ def indices_outside(indices: torch.Tensor, bound: int) -> tuple[int, int] | None
     """``(lowest, highest)`` of ``indices`` when some index lies outside ``[0, bound)``, else
     None; None also when the check does not run now (:func:`checks_enabled`) or there are
     none. One pass over the indices (``aminmax``) and one host read."""
-    if not indices.numel() or not checks_enabled(indices):
+    if not checks_enabled(indices) or not indices.numel():   # (a size guard when traced)
         return None
     while torch._C._functorch.is_functorch_wrapped_tensor(indices):   # under torch.func:
         indices = torch._C._functorch.get_unwrapped(indices)          # every entry's at once
