@@ -81,6 +81,22 @@ def test_the_classic_mixtures_run_in_onnx_runtime(mixture):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_tree_with_hard_inference_runs_in_onnx_runtime():
+    """FFF's greedy descent at inference (``eval_mode="hard"``, Belcak & Wattenhofer): the
+    one operator no conformance layer calls in evaluation."""
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(sparseffn.FFFConfig(d_model=D, depth=3, leaf_width=4,
+                                                      eval_mode="hard")).eval()
+    tokens = torch.export.Dim("tokens", min=2)
+    session = _session(sparseffn.to_onnx(layer, (torch.randn(37, D),),
+                                         dynamic_shapes=({0: tokens},)))
+    x = torch.randn(300, D)
+    with torch.no_grad():
+        want = layer(x)
+    got, = _run(session, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 class _TopK(torch.nn.Module):
     def forward(self, scores_a, scores_b):
         return (*kernels.topk_rows(scores_a, 3), *kernels.product_key_topk(scores_a, scores_b, 5))

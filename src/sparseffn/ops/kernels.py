@@ -695,6 +695,12 @@ def fff_descend(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int) -
         return triton_tree.descend(x, weight, bias, depth)
     if _fused(x, weight, bias):
         return native.fff_descend(x, weight, bias, depth)
+    return fff_descend_torch(x, weight, bias, depth)
+
+
+def fff_descend_torch(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int) -> Tensor:
+    """:func:`fff_descend` in PyTorch ops: each level's node rows gathered and dotted with the
+    tokens (the operator's implementation where no kernel runs, and its portable form)."""
     weight = weight.to(x.dtype)
 
     def node_logit(level: int, node: Tensor) -> Tensor:

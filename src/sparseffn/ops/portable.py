@@ -11,7 +11,8 @@ shapes alone, each of which ONNX has:
   ``nonzero`` finds for it (the shape the ONNX graph gives that block is the runtime's
   count, not the one traced), so an exported mixture costs what the pairs cost, not the
   dense MLP's multiply-adds;
-- gathered rows are ``index_select`` and a sum (the [T, m, d] rows in memory at once);
+- gathered rows are ``index_select`` and a batched product (the [T, m, d] rows in memory
+  at once);
 - top-k is ``torch.topk``, whose ONNX ``TopK`` orders equal values by index as the
   operators do.
 
@@ -148,17 +149,6 @@ def _top_by_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values.gather(1, order), idx
 
 
-def fff_descend(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int) -> Tensor:
-    """:func:`~sparseffn.ops.kernels.fff_descend` in gathers (its PyTorch path)."""
-    from .kernels import descend_from_logits_fn
-    weight = weight.to(x.dtype)
-
-    def node_logit(level: int, node: Tensor) -> Tensor:
-        z = (x * weight.index_select(0, node)).sum(1)
-        return z if bias is None else z + bias.index_select(0, node).to(z.dtype)
-    return descend_from_logits_fn(node_logit, depth, x.shape[0], x.device)
-
-
 def forms() -> dict:
     """The portable form of each inference operator: ``{operator overload: function}``."""
     from . import kernels
@@ -170,5 +160,5 @@ def forms() -> dict:
         kernels.topk_rows.op._opoverload: topk_rows,
         kernels.product_key_topk.op._opoverload: product_key_topk,
         kernels.fff_expand.op._opoverload: kernels.fff_expand_torch,
-        kernels.fff_descend.op._opoverload: fff_descend,
+        kernels.fff_descend.op._opoverload: kernels.fff_descend_torch,
     }
