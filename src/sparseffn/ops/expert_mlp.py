@@ -24,8 +24,8 @@ from . import kernels, native, triton_cvmm
 from .cvmm import (DispatchPlan, _pairs_to_slots, backward_gate_rows, check_expert_indices,
                    cvmm)
 from .precision import autocast_dtype
-from .sizes import exported_for_any_size
 from .rows import gather_sum
+from .sizes import exported_for_any_size
 
 _FUSED_ACTIVATIONS = {"relu"}
 
