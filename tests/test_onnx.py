@@ -97,6 +97,35 @@ def test_a_tree_with_hard_inference_runs_in_onnx_runtime():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("router", ["switch", "gshard", "gshard_groups"])
+def test_capacity_at_inference_exports_for_any_token_count(router):
+    """Switch and GShard with an ``eval_capacity_factor`` (Fedus et al. 2022; Lepikhin et al.
+    2020): the capacity follows the token count in the program (it was fixed to the traced
+    count's, and the buffer positions' binary search had no ONNX form). At 300 tokens the
+    capacity drops pairs: the outputs differ from the same layer's without one."""
+    def layer(eval_capacity_factor):
+        kind = (sparseffn.SwitchRouterConfig if router == "switch" else
+                sparseffn.GShardRouterConfig)
+        options = {"group_size": 64} if router == "gshard_groups" else {}
+        torch.manual_seed(0)
+        return sparseffn.build_layer(sparseffn.MoEConfig(
+            d_model=D, num_experts=4, expert_size=8, k=1 if router == "switch" else 2,
+            router=kind(capacity_factor=1.0, eval_capacity_factor=eval_capacity_factor,
+                        **options))).eval()
+    capped, dropless = layer(1.0), layer(None)
+    tokens = torch.export.Dim("tokens", min=2)
+    session = _session(sparseffn.to_onnx(capped, (torch.randn(37, D),),
+                                         dynamic_shapes=({0: tokens},)))
+    for size in (5, 300):
+        x = torch.randn(size, D)
+        with torch.no_grad():
+            want = capped(x)
+        got, = _run(session, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert not torch.allclose(want, dropless(x))
+
+
 class _TopK(torch.nn.Module):
     def forward(self, scores_a, scores_b):
         return (*kernels.topk_rows(scores_a, 3), *kernels.product_key_topk(scores_a, scores_b, 5))

@@ -49,7 +49,12 @@ def positions_in_expert(experts: torch.Tensor, num_experts: int,
         key = groups * num_experts + experts
         bound = max(key.numel() if num_groups is None else num_groups, 1) * num_experts
     sorted_key, order = stable_sort_ids(key, bound)
-    first = torch.searchsorted(sorted_key, sorted_key)   # where each pair's run of keys starts
+    if torch.compiler.is_exporting():   # ONNX has no binary search: count the smaller keys
+        ids = torch.arange(bound, device=key.device, dtype=sorted_key.dtype)
+        below = (sorted_key.unsqueeze(0) < ids.unsqueeze(1)).sum(1)                 # [bound]
+        first = below.index_select(0, sorted_key.long())
+    else:
+        first = torch.searchsorted(sorted_key, sorted_key)   # where each run of keys starts
     rank = torch.arange(key.numel(), device=key.device) - first
     return torch.empty_like(rank).scatter_(0, order, rank)
 

@@ -139,8 +139,11 @@ def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch
     in the narrowest dtype that holds them (:func:`~.ids.id_dtype`).
 
     Under ``torch.export`` the ids are made unique, ``id · n + position``, and sorted plainly:
-    the same order, and ONNX has no stable sort (an exported plan failed to convert)."""
-    keys = keys.to(id_dtype(0, max(bound - 1, 0)))
+    the same order, and ONNX has no stable sort (an exported plan failed to convert). A
+    symbolic ``bound`` (GShard's group ids, exported for any token count) takes int64, since
+    choosing the width would be a guard on it."""
+    symbolic = isinstance(bound, torch.SymInt)
+    keys = keys.to(torch.int64 if symbolic else id_dtype(0, max(bound - 1, 0)))
     if torch.compiler.is_exporting():
         position = torch.arange(keys.shape[0], device=keys.device)
         order = torch.sort(keys.long() * keys.shape[0] + position).indices

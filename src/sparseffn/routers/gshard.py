@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..ops.assignment import positions_in_expert
+from ..ops.sizes import exported_for_any_size
 from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
@@ -178,13 +179,19 @@ class GShardRouter(LinearRouter):
         cfg = self.config
         gates = torch.softmax(self.logits(x), dim=-1)          # line 2
         tokens = x.shape[0]
-        group_size = min(cfg.group_size or tokens, tokens) if tokens else 1
+        any_size = exported_for_any_size(tokens)
+        if any_size:   # exported for every token count: no test of the count (a guard); a
+            # batch within one group takes the grouped path with one group (the same result)
+            group_size = torch.sym_min(cfg.group_size, tokens) if cfg.group_size else tokens
+        else:
+            group_size = min(cfg.group_size or tokens, tokens) if tokens else 1
         capacity = capacity_of(active_capacity_factor(cfg, self.training), group_size, 2,
                                self.num_experts)
         random_second = self.training and cfg.second_expert == "random"
         # one group: None, so the sort keys carry no group ids (their width would then follow
         # the token count, a graph per width under torch.compile(dynamic=True))
-        groups = None if group_size >= tokens else group_size
+        groups = ((group_size if cfg.group_size else None) if any_size
+                  else None if group_size >= tokens else group_size)
         aux = self.computes_aux_losses
         names = ("dropped_fraction", "first_dropped_fraction", "second_dispatched_fraction")
         if capacity is None and not random_second:
@@ -204,7 +211,7 @@ class GShardRouter(LinearRouter):
         fractions = flags.float().mean(0) if tokens else torch.zeros(len(names), device=x.device)
         stats = dict(zip(names, fractions.unbind()))
         if capacity is not None:
-            stats["capacity"] = torch.full((), float(capacity), device=x.device)
+            stats["capacity"] = torch.full((), torch.sym_float(capacity), device=x.device)
         return Routing(indices=result.indices, weights=result.combine, dispatched=dispatched,
                        aux_losses={} if result.aux_loss is None else {"gshard": result.aux_loss},
                        stats=stats)

@@ -100,7 +100,7 @@ class SwitchRouter(LinearRouter):
             dispatched = (positions_in_expert(top1, self.num_experts) < capacity).unsqueeze(1)
             weights = weights * dispatched
             stats = {"dropped_fraction": 1.0 - dispatched.float().mean(),
-                     "capacity": torch.full((), float(capacity), device=x.device)}
+                     "capacity": torch.full((), torch.sym_float(capacity), device=x.device)}
         else:    # on the input's device: a CPU tensor in a compiled graph stops CUDA graphs
             dispatched, stats = None, {"dropped_fraction": torch.zeros((), device=x.device)}
         aux = {"balance": switch_balance_loss(probs, top1, self.global_batch),
