@@ -204,17 +204,26 @@ def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_model_that_skips_padding_exports_with_its_mask():
+@pytest.mark.parametrize("layer", ["switch_capacity", "sigma_moe", "gshard"])
+def test_a_model_that_skips_padding_exports_with_its_mask(layer):
     """``hf.skip_padding`` installed (as ``SparseTrainer`` does): the hook would read the mask
     on the host, which an export cannot; the exported program skips padding for every mask
-    and gives the model's logits for batches with and without padding."""
+    and gives the model's logits for batches with and without padding. The real tokens'
+    count is then data-dependent: Switch's capacity at inference follows it, σ-MoE's k = 2
+    pairs and GShard's statistics are counted from it."""
     pytest.importorskip("transformers")
     from sparseffn import hf
     from tests.test_hf import llama
 
+    configs = {
+        "switch_capacity": sparseffn.MoEConfig(
+            d_model=32, num_experts=4, expert_size=8, k=1, router=sparseffn.SwitchRouterConfig(
+                capacity_factor=1.0, eval_capacity_factor=1.0)),
+        "sigma_moe": sparseffn.SigmaMoEConfig(d_model=32, num_experts=4, expert_size=8, k=2),
+        "gshard": sparseffn.MoEConfig(d_model=32, num_experts=4, expert_size=8, k=2,
+                                      router=sparseffn.GShardRouterConfig())}
     model = llama()
-    hf.sparsify(model, sparseffn.MoEConfig(d_model=32, num_experts=4, expert_size=8, k=1,
-                                           router=sparseffn.SwitchRouterConfig()))
+    hf.sparsify(model, configs[layer])
     hf.skip_padding(model)
     model.eval()
     ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])

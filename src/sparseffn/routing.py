@@ -415,7 +415,12 @@ class RoutedFFN(SparseFFN):
                              f"{tuple(x.shape)}: the mask must have the input's shape without "
                              f"its last dimension (e.g. [batch, seq] for [batch, seq, d_model]), "
                              f"or as many elements as a flattened input has rows")
-        transient.kept_rows = mask.to(x.device).reshape(-1).nonzero().squeeze(1)
+        kept = mask.to(x.device).reshape(-1).nonzero().squeeze(1)
+        if torch.compiler.is_exporting():   # a bound for the data-dependent count: without
+            # it the export's runtime checks of sizes derived from it (k pairs a token) were
+            # up to 2^64 - 4, which no int64 of the ONNX graph holds
+            torch._check(kept.shape[0] <= 2 ** 31 - 1)
+        transient.kept_rows = kept
         return transient.kept_rows
 
     def _cast_once(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -199,8 +199,11 @@ class GShardRouter(LinearRouter):
             # alone. No buffer positions, and statistics known without computing them (made
             # on the input's device: a CPU tensor in a compiled graph stops CUDA graphs).
             top, combine = _top2(gates)
+            # the third statistic: 1 with tokens, 0 without (no test of the count: a guard
+            # when exported, where the count of real tokens may be data-dependent)
+            present = torch.sym_float(torch.sym_min(tokens, 1))
             known = (*torch.zeros(2, device=x.device).unbind(),
-                     torch.full((), 1.0 if tokens else 0.0, device=x.device))
+                     torch.full((), present, device=x.device))
             return Routing(indices=top, weights=combine, stats=dict(zip(names, known)),
                            aux_losses={"gshard": _mean_group_aux(gates, top[:, 0], groups)}
                            if aux else {})
@@ -208,7 +211,7 @@ class GShardRouter(LinearRouter):
         result = gshard_top2(gates, groups, capacity, uniform, aux=aux)
         dispatched = result.dispatched
         flags = torch.stack([~dispatched.any(1), ~dispatched[:, 0], dispatched[:, 1]], 1)
-        fractions = flags.float().mean(0) if tokens else torch.zeros(len(names), device=x.device)
+        fractions = flags.float().sum(0) / torch.sym_max(tokens, 1)   # an empty batch: zeros
         stats = dict(zip(names, fractions.unbind()))
         if capacity is not None:
             stats["capacity"] = torch.full((), torch.sym_float(capacity), device=x.device)

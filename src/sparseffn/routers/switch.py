@@ -10,6 +10,7 @@ import torch
 
 from ..losses import router_z_loss, switch_balance_loss
 from ..ops.assignment import positions_in_expert
+from ..ops.sizes import exported_for_any_size
 from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_probability
@@ -96,7 +97,7 @@ class SwitchRouter(LinearRouter):
         tokens = x.shape[0]
         capacity = capacity_of(active_capacity_factor(cfg, self.training), tokens, 1,
                                self.num_experts)
-        if capacity is not None and tokens:
+        if capacity is not None and (exported_for_any_size(tokens) or tokens):
             dispatched = (positions_in_expert(top1, self.num_experts) < capacity).unsqueeze(1)
             weights = weights * dispatched
             stats = {"dropped_fraction": 1.0 - dispatched.float().mean(),
