@@ -1,11 +1,13 @@
 """Paths chosen by a batch's size, under ``torch.export``.
 
 A few layers pick a path by the token count: the expert MLPs of a few tokens without a
-dispatch plan, product-key retrieval in chunks of tokens, the tree router's padded GEMM. Under
+dispatch plan, product-key retrieval in chunks of tokens, the tree router's padded GEMM,
+GShard's groups (and Switch's capacity, when the batch may be empty). Under
 ``torch.export`` with a dynamic token count each such test is a guard, and the exported
 program serves only the sizes on the side traced: an unbounded ``Dim`` then fails the export
 ("Constraints violated"). A program exported for every size takes the path that serves every
-size: the dispatch plan, one retrieval of the whole batch, the unpadded GEMM.
+size: the dispatch plan, one retrieval of the whole batch, the unpadded GEMM, the grouped
+assignment (one group when the batch fits one).
 """
 
 from __future__ import annotations
