@@ -204,13 +204,14 @@ def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layer", ["switch_capacity", "sigma_moe", "gshard"])
+@pytest.mark.parametrize("layer", ["switch_capacity", "sigma_moe", "gshard", "peer"])
 def test_a_model_that_skips_padding_exports_with_its_mask(layer):
     """``hf.skip_padding`` installed (as ``SparseTrainer`` does): the hook would read the mask
     on the host, which an export cannot; the exported program skips padding for every mask
     and gives the model's logits for batches with and without padding. The real tokens'
     count is then data-dependent: Switch's capacity at inference follows it, σ-MoE's k = 2
-    pairs and GShard's statistics are counted from it."""
+    pairs and GShard's statistics are counted from it, PEER's query BatchNorm normalises
+    it."""
     pytest.importorskip("transformers")
     from sparseffn import hf
     from tests.test_hf import llama
@@ -221,9 +222,15 @@ def test_a_model_that_skips_padding_exports_with_its_mask(layer):
                 capacity_factor=1.0, eval_capacity_factor=1.0)),
         "sigma_moe": sparseffn.SigmaMoEConfig(d_model=32, num_experts=4, expert_size=8, k=2),
         "gshard": sparseffn.MoEConfig(d_model=32, num_experts=4, expert_size=8, k=2,
-                                      router=sparseffn.GShardRouterConfig())}
+                                      router=sparseffn.GShardRouterConfig()),
+        "peer": sparseffn.PEERConfig(d_model=32, num_experts=16, heads=2, k=2, key_dim=8,
+                                     query_norm="batchnorm")}
     model = llama()
     hf.sparsify(model, configs[layer])
+    with torch.no_grad():   # statistics as after training, not the identity of a fresh norm
+        for norm in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm1d)):
+            norm.running_mean.uniform_(-1, 1), norm.running_var.uniform_(0.5, 2)
+            norm.weight.uniform_(0.5, 2), norm.bias.uniform_(-1, 1)
     hf.skip_padding(model)
     model.eval()
     ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])

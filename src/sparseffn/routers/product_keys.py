@@ -96,11 +96,21 @@ class QueryNorm(nn.Module):
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         if self.kind == "batchnorm":
+            if torch.compiler.is_exporting() and not self.training:
+                return self._running_norm(q)
             # an empty batch has no statistics to normalise by (and must not update them)
             return q if q.shape[0] == 0 else self.norm(q)
         halves = F.layer_norm(q.view(q.shape[0], q.shape[1] // self.half, self.half),
                               (self.half,))
         return halves.view(q.shape) * self.weight + self.bias
+
+    def _running_norm(self, q: torch.Tensor) -> torch.Tensor:
+        """The BatchNorm at inference, by its running statistics, written out: an exported
+        program's token count may be data-dependent (the real tokens of a padded batch), and
+        PyTorch's batch norm tests it (a guard the export stops on)."""
+        norm = self.norm
+        scale = torch.rsqrt(norm.running_var + norm.eps) * norm.weight
+        return (q - norm.running_mean) * scale + norm.bias
 
 
 class ProductKeyRouter(nn.Module):
