@@ -104,10 +104,8 @@ def capacity_of(capacity_factor: float | None, tokens: int, k: int, num_experts:
     (``capacity_factor`` 0 or None)."""
     if not capacity_factor:
         return None
-    capacity = math.ceil(capacity_factor * k * tokens / num_experts)
-    if isinstance(capacity, torch.SymInt):   # max() would compare: a guard on the count
-        return torch.sym_max(1, capacity)
-    return max(1, capacity)
+    # sym_max: the built-in max for numbers; for a symbolic count, no comparison (a guard)
+    return torch.sym_max(1, math.ceil(capacity_factor * k * tokens / num_experts))
 
 
 class Router(nn.Module):
