@@ -222,10 +222,14 @@ def sum_slots(rows: Tensor, out_idx: Tensor, out_rows: int, group: int) -> Tenso
 
 
 def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu,
-                     mask_with, dot_with):
+                     mask_with, dot_with, grouped=grouped_mm_rows, put_back=None):
+    """:func:`cvmm_rows` in PyTorch ops: the per-expert products by ``grouped``, the rows put
+    back in slot order and summed by ``put_back`` (default :func:`sum_slots`). The portable
+    form of ``ops/portable.py`` passes its own two, which read no counts on the host and
+    write into no tensor in place."""
     dtype = torch.promote_types(src.dtype, weight.dtype)
     rows = src if in_idx is None else src.index_select(0, in_idx)                # [P, m]
-    z = grouped_mm_rows(rows.to(dtype), weight.to(dtype), counts)               # [P, n]
+    z = grouped(rows.to(dtype), weight.to(dtype), counts)                       # [P, n]
     if dot_with is not None:   # rows of dropped pairs: exactly zero, even against NaN
         dots = zero_rows_after((z * dot_with.to(dtype)).sum(1, keepdim=True), counts).squeeze(1)
     else:
@@ -239,7 +243,7 @@ def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, grou
         y = zero_rows_after(y, counts)
     if out_idx is None:
         return y, dots
-    return sum_slots(y, out_idx, out_rows, group), dots
+    return (put_back or sum_slots)(y, out_idx, out_rows, group), dots
 
 
 @cvmm_rows.register_fake

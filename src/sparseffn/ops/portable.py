@@ -43,36 +43,35 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
               out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int, group: int,
               relu: bool, mask_with: Optional[Tensor], dot_with: Optional[Tensor]
               ) -> tuple[Tensor, Tensor]:
-    """:func:`~sparseffn.ops.kernels.cvmm_rows`, one product per expert over the rows that
-    ``nonzero`` finds in its block (shapes: as that operator's)."""
-    rows = src.shape[0] if in_idx is None else in_idx.shape[0]
-    if out_idx is not None and in_idx is None:
-        rows = out_idx.shape[0]
-    dtype = torch.promote_types(src.dtype, weight.dtype)
-    gathered = (src if in_idx is None else src.index_select(0, in_idx)).to(dtype)  # [P, m]
-    expert = _expert_of_sorted_rows(counts, rows)
+    """:func:`~sparseffn.ops.kernels.cvmm_rows`: its PyTorch implementation, with the
+    per-expert products of :func:`_per_expert_products` and the functional slot sum of
+    :func:`_sum_slots` (shapes: as that operator's)."""
+    from .kernels import _cvmm_rows_torch
+    return _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu,
+                            mask_with, dot_with, grouped=_per_expert_products,
+                            put_back=_sum_slots)
+
+
+def _sum_slots(rows: Tensor, out_idx: Tensor, out_rows: int, group: int) -> Tensor:
+    """:func:`~sparseffn.ops.kernels.sum_slots` into a fresh zero tensor (the operator's
+    copies into an uninitialised one in place, which an exported graph cannot hold)."""
+    slots = torch.zeros_like(rows).index_copy(0, out_idx, rows)
+    return slots.view(out_rows, group, rows.shape[1]).sum(1)
+
+
+def _per_expert_products(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
+    """:func:`~sparseffn.ops.grouped_mm.grouped_mm_rows` [P, n] without reading the counts
+    on the host: one product per expert over the rows that ``nonzero`` finds in its block;
+    the rows after the last block stay zero."""
+    expert = _expert_of_sorted_rows(counts, rows.shape[0])
     places, blocks = [], []
     for e in range(weight.shape[0]):
         mine = (expert == e).nonzero().squeeze(1)
         places.append(mine)
-        blocks.append(gathered.index_select(0, mine) @ weight[e].to(dtype))
+        blocks.append(rows.index_select(0, mine) @ weight[e])
     # one scatter of all the blocks (one per expert would copy the [P, n] rows E times)
-    z = gathered.new_zeros(rows, weight.shape[2]).index_copy(0, torch.cat(places),
-                                                             torch.cat(blocks))
-    computed = (expert < weight.shape[0]).unsqueeze(1)        # dropped rows: exactly zero
-    zero = z.new_zeros(())
-    dots = (torch.where(computed, z * dot_with.to(dtype), zero).sum(1) if dot_with is not None
-            else src.new_empty(0, dtype=dtype))
-    y = z if scale is None else z * scale.to(dtype).unsqueeze(1)
-    if relu:
-        y = torch.relu(y)
-    if mask_with is not None:
-        y = torch.where(mask_with > 0, y, zero)
-    y = torch.where(computed, y, zero)
-    if out_idx is None:
-        return y, dots
-    slots = torch.zeros_like(y).index_copy(0, out_idx, y)
-    return slots.view(out_rows, group, y.shape[1]).sum(1), dots
+    return rows.new_zeros(rows.shape[0], weight.shape[2]).index_copy(0, torch.cat(places),
+                                                                     torch.cat(blocks))
 
 
 def expert_mlp_pairs(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
