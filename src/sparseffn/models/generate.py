@@ -113,8 +113,9 @@ def _blocked_by(blocker: str) -> str:
             f"capacity), so a KV cache would change the model's outputs")
 
 
-def _check_prompt(model: nn.Module, prompt: torch.Tensor) -> None:
-    vocab = model.config.vocab_size
+def check_prompt(prompt: torch.Tensor, vocab: int) -> None:
+    """A ValueError unless ``prompt`` is int64 (or int32) token ids [batch, time >= 1] in
+    [0, vocab)."""
     if prompt.dim() != 2 or prompt.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"prompt must be int64 token ids [batch, time], got "
                          f"{tuple(prompt.shape)} {prompt.dtype}")
@@ -134,21 +135,32 @@ def _sample(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
     inside :func:`~sparseffn.no_usage_statistics` unless ``record_usage``."""
     was_training = model.training
     model.eval()
-    tokens = prompt.long()
     counting = contextlib.nullcontext() if record_usage else no_usage_statistics(model)
     try:
         with counting:
-            for step in range(max_new_tokens):
-                logits = next_logits(tokens, step)
-                if temperature == 0:     # greedy: the arg-max, without building its one-hot
-                    following = logits.argmax(-1, keepdim=True)
-                else:
-                    following = torch.multinomial(
-                        next_token_distribution(logits, temperature, top_k, top_p), 1,
-                        generator=generator)
-                tokens = torch.cat([tokens, following], dim=1)
+            return draw_tokens(prompt, max_new_tokens, next_logits, temperature, top_k, top_p,
+                               generator)
     finally:
         model.train(was_training)
+
+
+def draw_tokens(prompt: torch.Tensor, max_new_tokens: int,
+                next_logits: Callable[[torch.Tensor, int], torch.Tensor], temperature: float,
+                top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """``prompt`` [B, T] followed by ``max_new_tokens`` tokens, int64 [B, T +
+    max_new_tokens], each drawn from :func:`next_token_distribution` of
+    ``next_logits(tokens so far, step)`` [B, V] (the arg-max where ``temperature`` is 0)."""
+    tokens = prompt.long()
+    for step in range(max_new_tokens):
+        logits = next_logits(tokens, step)
+        if temperature == 0:     # greedy: the arg-max, without building its one-hot
+            following = logits.argmax(-1, keepdim=True)
+        else:
+            following = torch.multinomial(
+                next_token_distribution(logits, temperature, top_k, top_p), 1,
+                generator=generator)
+        tokens = torch.cat([tokens, following], dim=1)
     return tokens
 
 
@@ -175,7 +187,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
     counts every forward: with the cache each token once, the prompt included; where the
     window runs, every token of the window at every step."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
-    _check_prompt(model, prompt)
+    check_prompt(prompt, model.config.vocab_size)
     context = model.config.context
     cache = _kv_cache(model, use_cache)
 
@@ -262,7 +274,7 @@ class Decoder:
         cache first (the prompt starts new sequences). The compiled steps are specialised to
         ``record_usage``: the first call with the other value compiles them again."""
         check_sampling(temperature, top_k, top_p, max_new_tokens)
-        _check_prompt(self.model, prompt)
+        check_prompt(prompt, self.model.config.vocab_size)
         cache, model = self.cache, self.model
         if prompt.shape[0] != cache.batch:
             raise ValueError(f"Decoder: made for {cache.batch} sequences, the prompt holds "
