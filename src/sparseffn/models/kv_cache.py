@@ -9,6 +9,8 @@ is full.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -168,3 +170,46 @@ class StaticSlot:
         self.keys.index_copy_(2, self.positions, keys)
         self.values.index_copy_(2, self.positions, values)
         return self.keys, self.values
+
+
+class PastSlot:
+    """One attention layer's part of a functional forward
+    (:meth:`~sparseffn.models.lm.TransformerLM.forward_with_past`): the keys and values of the
+    positions already processed, [B, H, context, d_head] each, read and never written, and the
+    positions of the new tokens (int64 [t]).
+
+    :meth:`attend` computes attention over the past positions and the new ones without
+    writing the new keys into the past (no copy of the cache: what a program exported for ONNX
+    Runtime reads instead of rewriting), and keeps the new keys and values [B, H, t, d_head]
+    for the caller to store at their positions."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+                 ) -> None:
+        self.keys, self.values, self.positions = keys, values, positions
+        self.new_keys: torch.Tensor | None = None
+        self.new_values: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q kᵀ / sqrt(d_head)) v over the keys query i sees (Vaswani et al. 2017,
+        arXiv:1706.03762, Eq. 1): the past positions before its own that no new token
+        overwrites, and the new tokens at positions up to its own. ``q``, ``k``, ``v``
+        [B, H, t, d_head] -> [B, H, t, d_head]. The past slots it does not see get weight 0,
+        so they must hold finite values."""
+        if k.dtype != self.keys.dtype:
+            raise ValueError(f"forward_with_past: the past keys are {self.keys.dtype}, the "
+                             f"attention computes {k.dtype}")
+        self.new_keys, self.new_values = k, v
+        positions = self.positions
+        slots = torch.arange(self.keys.shape[2], device=positions.device)
+        overwritten = (slots[None, :] == positions[:, None]).any(0)                   # [C]
+        sees_past = (slots[None, :] <= positions[:, None]) & ~overwritten             # [t, C]
+        sees_new = positions[None, :] <= positions[:, None]                            # [t, t]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        past = torch.matmul(q, self.keys.transpose(-1, -2)).float() * scale
+        new = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        weights = torch.cat([past.masked_fill(~sees_past, -math.inf),
+                             new.masked_fill(~sees_new, -math.inf)], dim=-1).softmax(-1)
+        weights = weights.to(q.dtype)
+        context = self.keys.shape[2]
+        return (torch.matmul(weights[..., :context], self.values)
+                + torch.matmul(weights[..., context:], v))

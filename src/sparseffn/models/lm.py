@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 from ..config import DenseMLPConfig, LayerConfig, config_from_dict
 from ..matching import compute_equal_dense, param_equal_dense
 from ..validation import (require_bool, require_positive_int, require_probability)
-from .kv_cache import AttentionCache, KVCache, StaticKVCache, StaticSlot, causal_mask
+from .kv_cache import (AttentionCache, KVCache, PastSlot, StaticKVCache, StaticSlot,
+                       causal_mask)
 
 
 def _layer_config(value: Any, field: str) -> LayerConfig | None:
@@ -158,7 +159,8 @@ class CausalSelfAttention(nn.Module):
     cache's: their keys and values are added to it and each attends to every cached position
     and to the new ones up to itself. With a :class:`~sparseffn.models.kv_cache.StaticSlot`
     they are written at the slot's positions and each attends over the whole cache under the
-    slot's mask."""
+    slot's mask. With a :class:`~sparseffn.models.kv_cache.PastSlot` they attend to the
+    slot's past and to each other, and the slot keeps their keys and values."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float, n_layers: int) -> None:
         super().__init__()
@@ -170,11 +172,14 @@ class CausalSelfAttention(nn.Module):
         # scaled by depth so the residual stream's variance grows slowly (GPT-2)
         nn.init.normal_(self.out.weight, 0.0, 1.0 / math.sqrt(d_model * 2 * n_layers))
 
-    def forward(self, x: torch.Tensor, cache: AttentionCache | StaticSlot | None = None
+    def forward(self, x: torch.Tensor, cache: AttentionCache | StaticSlot | PastSlot | None = None
                 ) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         dropout = self.dropout if self.training else 0.0
+        if isinstance(cache, PastSlot):
+            y = cache.attend(q, k, v)
+            return self.out(y.transpose(1, 2).reshape(b, t, d))
         if isinstance(cache, StaticSlot):
             k, v = cache.extend(k, v)
             y = F.scaled_dot_product_attention(q, k, v, cache.mask, dropout_p=dropout)
@@ -203,7 +208,7 @@ class Block(nn.Module):
         self.ffn = build_layer(ffn)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: AttentionCache | StaticSlot | None = None
+    def forward(self, x: torch.Tensor, cache: AttentionCache | StaticSlot | PastSlot | None = None
                 ) -> torch.Tensor:
         x = x + self.dropout(self.attention(self.norm1(x), cache))
         return x + self.dropout(self.ffn(self.norm2(x)))
@@ -294,6 +299,30 @@ class TransformerLM(nn.Module):
         advanced (``model(tokens, cache=cache)`` checks and advances it). This is the step
         :class:`~sparseffn.models.generate.Decoder` compiles: its shapes depend on t alone."""
         return self._logits(tokens, positions, cache.slots(positions))
+
+    def forward_with_past(self, tokens: torch.Tensor, positions: torch.Tensor,
+                          past_keys: list[torch.Tensor], past_values: list[torch.Tensor]
+                          ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The functional form of a forward with a KV cache, nothing written: the logits
+        [B, t, vocab_size] of ``tokens`` [B, t] at ``positions`` (int64 [t], in [0,
+        context)), each attending to the keys and values of the earlier positions in
+        ``past_keys`` / ``past_values`` (one [B, n_heads, context, d_head] tensor per block;
+        the slots no earlier token wrote get weight 0, so they must hold finite values: a
+        cache of zeros starts sequences) and to the new tokens at positions up to its own. Returns the
+        logits and the new tokens' keys and values per block, [B, n_heads, t, d_head] each:
+        the caller stores them at ``positions`` of its cache.
+
+        This is the program :func:`sparseffn.decoder_to_onnx` exports (the prompt and each
+        decoding step); the past is only read, so an exported step copies no cache. As in
+        :meth:`forward_at`, nothing is checked on the host."""
+        if not len(past_keys) == len(past_values) == len(self.blocks):
+            raise ValueError(f"forward_with_past: {len(past_keys)} past keys and "
+                             f"{len(past_values)} past values for a model of "
+                             f"{len(self.blocks)} blocks")
+        slots = [PastSlot(keys, values, positions) for keys, values in zip(past_keys, past_values)]
+        logits = self._logits(tokens, positions, slots)
+        return (logits, [slot.new_keys for slot in slots],
+                [slot.new_values for slot in slots])
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor,
                 caches: list | None) -> torch.Tensor:
