@@ -22,6 +22,7 @@ from .router_config import (DenseGateRouterConfig, GShardRouterConfig, Hierarchi
                             NoisyTopKRouterConfig, RouterConfig, SBaseRouterConfig,
                             SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
 from .matching import active_equal_dense, compare_with_dense, param_equal_dense
+from .onnx_decoding import OnnxDecoder, decoder_to_onnx
 from .onnx_export import portable_forms, to_onnx
 from .ops import DispatchPlan, cvmm
 from .optim import (adam_optimizers, clip_grad_norm_, clip_grad_value_, no_weight_decay_parameters,
@@ -36,7 +37,8 @@ __all__ = [
     "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig",
     "DispatchPlan", "FFFConfig", "FastFeedForward", "GShardRouterConfig",
     "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig", "LayerConfig", "LayerCost",
-    "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig", "PEER", "PEERConfig",
+    "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig", "OnnxDecoder", "PEER",
+    "PEERConfig",
     "PKMConfig", "ProductKeyMemory", "ProductKeySpec", "RouterConfig", "Routing",
     "SBaseRouterConfig", "SigmaMoE", "SigmaMoEConfig", "SigmaRouterConfig",
     "SoftmaxRouterConfig", "SparseFFN", "SwitchRouterConfig", "TopKMLP", "TopKMLPConfig",
@@ -44,7 +46,7 @@ __all__ = [
     "aux_loss_terms",
     "build_layer", "build_router", "clip_grad_norm_", "clip_grad_value_", "compare_with_dense",
     "computing_aux_losses",
-    "config_from_dict", "cvmm",
+    "config_from_dict", "cvmm", "decoder_to_onnx",
     "dense_grad_parameters", "no_usage_statistics", "no_weight_decay_parameters",
     "param_equal_dense", "param_groups", "portable_forms",
     "reset_usage", "routing_stats", "skipping_padding",
