@@ -533,6 +533,40 @@ def test_export_onnx_writes_the_trained_network(kind, corpus, tmp_path, capsys):
     assert (out / "model.onnx").read_bytes() == before
 
 
+def test_export_onnx_kv_cache_writes_the_decoding_program(corpus, tmp_path, capsys):
+    """``export --onnx --kv-cache``: OnnxDecoder generates from the file what the trained LM
+    generates; the command reports its check. A classifier has no cache to export, a model
+    whose routing a cache would change is refused (an evaluation capacity), and
+    ``--kv-cache`` with ``--safetensors`` too."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from sparseffn import OnnxDecoder
+    from sparseffn.train.trainer import load_network
+    out = tmp_path / "run"
+    Trainer(lm_run(corpus, "sigma_moe", steps=2), out, progress=False).train()
+    assert main(["export", str(out / "checkpoint.pt"), "--onnx", "--kv-cache"]) == 0
+    printed = capsys.readouterr().out
+    assert "decoder.onnx" in printed and "token by token with the cache: largest" in printed
+    _, model = load_network(out / "checkpoint.pt")
+    prompt = torch.randint(0, 256, (2, 3))
+    assert torch.equal(OnnxDecoder(out / "decoder.onnx").generate(prompt, 10, temperature=0),
+                       model.generate(prompt, 10, temperature=0))
+    assert main(["export", str(out / "checkpoint.pt"), "--safetensors", "--kv-cache"]) == 2
+    assert "--kv-cache goes with --onnx" in capsys.readouterr().err
+    classifier = tmp_path / "classifier"
+    Trainer(classifier_run({"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3}, steps=1),
+            classifier, progress=False).train()
+    assert main(["export", str(classifier / "checkpoint.pt"), "--onnx", "--kv-cache"]) == 2
+    assert "only a language model has a KV cache" in capsys.readouterr().err
+    assert not (classifier / "decoder.onnx").exists()
+    capacity = tmp_path / "capacity"
+    Trainer(lm_run(corpus, {"type": "moe", "num_experts": 4, "expert_size": 16, "k": 1,
+                            "router": {"type": "switch", "eval_capacity_factor": 0.5}},
+                   steps=1), capacity, progress=False).train()
+    assert main(["export", str(capacity / "checkpoint.pt"), "--onnx", "--kv-cache"]) == 2
+    assert "routes each token by the tokens evaluated with it" in capsys.readouterr().err
+
+
 def test_export_copes_with_tied_tensors_and_never_leaves_half_a_file(tmp_path, capsys):
     pytest.importorskip("safetensors")
     from sparseffn.train.export import export_safetensors, load_safetensors

@@ -71,13 +71,18 @@ def compare_command(args: argparse.Namespace) -> int:
 
 def export_command(args: argparse.Namespace) -> int:
     from .export import export_onnx, export_safetensors
+    if args.kv_cache and not args.onnx:
+        print("sparseffn: export: --kv-cache goes with --onnx", file=sys.stderr)
+        return 2
     if args.safetensors:
         path = export_safetensors(args.checkpoint, args.out)
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
         return 0
-    path, difference = export_onnx(args.checkpoint, args.out)
+    path, difference = export_onnx(args.checkpoint, args.out, kv_cache=args.kv_cache)
     print(f"wrote {path} ({path.stat().st_size:,} bytes)")
-    print("ONNX Runtime against PyTorch on another batch: " + (
+    checked = ("a prompt, then token by token with the cache" if args.kv_cache
+               else "another batch")
+    print(f"ONNX Runtime against PyTorch on {checked}: " + (
         "onnxruntime not installed, not run" if difference is None
         else f"largest difference {difference:.1e}"))
     return 0
@@ -139,8 +144,11 @@ def add_commands(commands) -> None:
     export_format.add_argument("--onnx", action="store_true",
                                help="the network as an ONNX model, batch and length dynamic "
                                     "(needs sparseffn[onnx])")
-    export.add_argument("--out", help="the file to write (default: model.safetensors or "
-                        "model.onnx beside the checkpoint)")
+    export.add_argument("--kv-cache", action="store_true",
+                        help="with --onnx: a language model's decoding program, the KV cache "
+                             "among its inputs (sparseffn.OnnxDecoder generates from it)")
+    export.add_argument("--out", help="the file to write (default: model.safetensors, "
+                        "model.onnx or decoder.onnx beside the checkpoint)")
     export.set_defaults(func=export_command)
 
     sample = commands.add_parser("sample", help="text from a language model's checkpoint")

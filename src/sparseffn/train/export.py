@@ -121,8 +121,8 @@ def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return st.load_file(str(path)), metadata
 
 
-def export_onnx(checkpoint: str | Path, out: str | Path | None = None
-                ) -> tuple[Path, float | None]:
+def export_onnx(checkpoint: str | Path, out: str | Path | None = None,
+                kv_cache: bool = False) -> tuple[Path, float | None]:
     """Write the network of ``checkpoint`` to ``out`` (default: ``model.onnx`` beside it) as
     an ONNX model (:func:`sparseffn.to_onnx`), atomically: an interrupted or failed export
     leaves any earlier file whole. A language model takes int64 ``tokens`` [batch, time],
@@ -130,18 +130,38 @@ def export_onnx(checkpoint: str | Path, out: str | Path | None = None
     float32 ``features`` [batch, in_features] and gives ``logits`` [batch, classes]; the
     batch size (and the time) are dynamic.
 
+    ``kv_cache``: a language model's decoding program instead (default ``decoder.onnx``;
+    :func:`sparseffn.decoder_to_onnx`, which :class:`sparseffn.OnnxDecoder` generates from);
+    a CheckpointError for a classifier.
+
     Returns the path and, where ``onnxruntime`` is installed, the largest absolute difference
-    between ONNX Runtime's outputs and PyTorch's on a batch of 3 other than the traced one
-    (None without it)."""
+    between ONNX Runtime's logits and PyTorch's on a batch of 3 other than the traced one (for
+    the decoder: a prompt of half the context, then one token at a time to its end; None
+    without onnxruntime)."""
+    from ..models.lm import TransformerLM
     from ..onnx_export import to_onnx
     from .trainer import load_network
     _, model = load_network(checkpoint)
-    example, check, dynamic, input_name = _onnx_inputs(model)
-    program = to_onnx(model, (example,), dynamic_shapes=(dynamic,), input_names=[input_name],
-                      output_names=["logits"])
-    target = Path(out) if out else Path(checkpoint).with_name("model.onnx")
+    if kv_cache:
+        if not isinstance(model, TransformerLM):
+            raise ckpt.CheckpointError(f"{checkpoint} holds a {type(model).__name__}: only a "
+                                       f"language model has a KV cache to export (drop "
+                                       f"--kv-cache)")
+        from ..onnx_decoding import decoder_to_onnx
+        try:
+            program = decoder_to_onnx(model)
+        except ValueError as error:      # routing that a cache would change (a capacity)
+            raise ckpt.CheckpointError(f"{checkpoint}: {error}") from error
+    else:
+        example, check, dynamic, input_name = _onnx_inputs(model)
+        program = to_onnx(model, (example,), dynamic_shapes=(dynamic,),
+                          input_names=[input_name], output_names=["logits"])
+    default = "decoder.onnx" if kv_cache else "model.onnx"
+    target = Path(out) if out else Path(checkpoint).with_name(default)
     with ckpt.atomic_path(target) as temp:
         program.save(str(temp))
+    if kv_cache:
+        return target, _decoder_difference(target, model)
     return target, _onnx_runtime_difference(target, model, check)
 
 
@@ -173,3 +193,25 @@ def _onnx_runtime_difference(path: Path, model: nn.Module, inputs: torch.Tensor
     with torch.no_grad():
         want = model(inputs)
     return float((torch.from_numpy(got) - want).abs().max())
+
+
+def _decoder_difference(path: Path, model: nn.Module) -> float | None:
+    """The largest difference between the logits :class:`~sparseffn.OnnxDecoder` gives a batch
+    of 3 whole-context sequences (half of each as the prompt, then token by token) and
+    PyTorch's forward of them; None without onnxruntime."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return None
+    from ..onnx_decoding import OnnxDecoder
+    context = model.config.context
+    tokens = torch.randint(0, model.config.vocab_size, (3, context),
+                           generator=torch.Generator().manual_seed(1))
+    decoder = OnnxDecoder(path)
+    decoder.reset(3)
+    prompt = max(1, context // 2)
+    got = torch.cat([decoder.step(tokens[:, :prompt])]
+                    + [decoder.step(tokens[:, i:i + 1]) for i in range(prompt, context)], 1)
+    with torch.no_grad():
+        want = model(tokens)
+    return float((got - want).abs().max())
