@@ -199,9 +199,8 @@ def _decoder_difference(path: Path, model: nn.Module) -> float | None:
     """The largest difference between the logits :class:`~sparseffn.OnnxDecoder` gives a batch
     of 3 whole-context sequences (half of each as the prompt, then token by token) and
     PyTorch's forward of them; None without onnxruntime."""
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("onnxruntime") is None:
         return None
     from ..onnx_decoding import OnnxDecoder
     context = model.config.context
