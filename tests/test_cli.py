@@ -363,6 +363,26 @@ def test_bench_generate_times_the_three_modes_of_every_preset(tmp_path, capsys):
     assert "the prompt must hold 1..context (8) tokens" in capsys.readouterr().err
 
 
+def test_bench_generate_onnx_times_onnx_runtime_beside_pytorch(tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    path = tmp_path / "generate.json"
+    assert cli.main(["bench", "generate", "--presets", "sigma_moe", "--d-model", "32",
+                     "--n-layers", "2", "--n-heads", "2", "--context", "12", "--d-ff", "256",
+                     "--prompt", "3", "--repeats", "1", "--device", "cpu", "--onnx",
+                     "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["preset"] for r in records] == ["dense", "sigma_moe"]
+    for r in records:       # same tokens: ONNX Runtime's draws are PyTorch's too
+        assert r["onnx_ms_per_token"] > 0 and r["onnx_over_cache"] > 0 and r["same_tokens"]
+    assert records[0]["onnx_over_dense"] == 1.0
+    assert "onnx/cache" in capsys.readouterr().out
+    assert cli.main(["bench", "generate", "--onnx", "--dtype", "bfloat16", "--device",
+                     "cpu"]) == 2
+    assert "--onnx runs ONNX Runtime's CPU provider in float32, not on cpu in bfloat16" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, None])
 def test_bench_lms_float16_step_scales_the_loss_as_training_does(monkeypatch, dtype):
     """From a loss scale of 2^60 the scaled float16 gradients overflow: the step is skipped

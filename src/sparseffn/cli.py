@@ -94,7 +94,7 @@ def _bench_generate(args: argparse.Namespace) -> int:
                        n_heads=args.n_heads, context=args.context, d_ff=args.d_ff,
                        batch=args.batch, prompt=args.prompt, tokens=args.tokens,
                        repeats=args.repeats, device=args.device, dtype=args.dtype,
-                       compile=args.compile, json_path=args.json)
+                       compile=args.compile, onnx=args.onnx, json_path=args.json)
     except ValueError as error:   # a preset that does not fit these sizes, an unknown name
         print(f"sparseffn bench generate: {error}", file=sys.stderr)
         return 2
@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", choices=COMPILE_MODES, default="none",
                      help="torch.compile the static mode's steps: none (the default), default, "
                           "or reduce-overhead (CUDA graphs)")
+    gen.add_argument("--onnx", action="store_true",
+                     help="also generate in ONNX Runtime from each model's exported decoding "
+                          "program (sparseffn.OnnxDecoder; CPU, float32)")
     gen.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     gen.set_defaults(func=_bench_generate)
 
