@@ -62,6 +62,9 @@ NOT_RUN = {
     ("huggingface.md", 'kwargs={"input_ids": ids, "use_cache": False}'):
         "exports a whole model (10-15 s); tests/test_onnx.py's "
         "test_a_sparsified_hugging_face_model_runs_in_onnx_runtime makes the same call",
+    ("README.md", "decoder_to_onnx(model.eval())"):
+        "exports a whole LM (10 s); tests/test_onnx_decoding.py's check_decoding makes the "
+        "same calls",
     ("huggingface.md", "torch.compile(model.forward, fullgraph=True)"):
         "Inductor takes 30-40 s to compile it on a CPU; tests/test_hf.py's "
         "test_generation_with_a_static_cache_compiles_one_graph_per_phase makes the same calls "

@@ -9,7 +9,7 @@ measured. One call generates ``tokens`` tokens after a prompt of ``prompt`` rand
 (:func:`sparseffn.models.generate.generate`, greedy). Every (preset, mode) call is timed in
 rotation, one of each per round (CUDA events on a GPU, the wall clock on a CPU), after one
 call of each that compiles and warms up; ratios are medians of per-round ratios.
-``same tokens`` says whether the three modes drew the same tokens, which they do unless two
+``same tokens`` says whether the modes drew the same tokens, which they do unless two
 logits tie to within rounding.
 
 ``onnx=True`` (CPU, float32) adds a fourth mode: the model's decoding program exported with

@@ -28,8 +28,8 @@ def _onnx_runtime():
         import onnxruntime
     except ImportError:
         from .plotting import MissingDependency
-        raise MissingDependency("bench onnx needs onnxruntime: pip install onnxruntime "
-                                "(and 'sparseffn[onnx]' for the export)") from None
+        raise MissingDependency("this benchmark needs onnxruntime: pip install "
+                                "'sparseffn[onnx]' (or onnxruntime)") from None
     return onnxruntime
 
 
