@@ -163,6 +163,37 @@ def test_torch_export_keeps_the_operators():
     assert not set(portable.forms()) & set(decomposition_table)
 
 
+@pytest.mark.parametrize("name", ["layer:sigma_moe", "router:switch", "variant:fff_sparse",
+                                  "variant:moe_gated_converted"])
+def test_expert_mlps_choose_the_pairs_or_the_plan_by_the_token_count(name, monkeypatch):
+    """Exported for any token count at inference, an expert MLP is an ``If``: the pairs read
+    straight from the weights up to ``few_pairs_tokens`` tokens, the dispatch plan above,
+    as eager inference chooses. With the bound lowered to 4 tokens (in eager mode too), both
+    branches run in ONNX Runtime, at 1, 4, 5 and 300 tokens and with a NaN in a token, and
+    give the layer's outputs; the pairs' branch has no NonZero (no block per expert)."""
+    import importlib
+    for module in map(importlib.import_module, ["sparseffn.ops.expert_mlp",
+                                                "sparseffn.stores.mlp"]):
+        monkeypatch.setattr(module, "few_pairs_tokens", lambda *args: 4)
+    torch.manual_seed(0)
+    layer = _build(EXAMPLES[name]).eval()
+    tokens = torch.export.Dim("tokens", min=2)
+    program = sparseffn.to_onnx(layer, (torch.randn(37, D),), dynamic_shapes=({0: tokens},))
+    choice, = [node for node in program.model_proto.graph.node if node.op_type == "If"]
+    pairs = next(a.g for a in choice.attribute if a.name == "then_branch")
+    assert "NonZero" not in {node.op_type for node in pairs.node}
+    session = _session(program)
+    nan_token = torch.randn(9, D)
+    nan_token[3, 2] = float("nan")
+    for x in (torch.randn(1, D), torch.randn(4, D), torch.randn(5, D), torch.randn(300, D),
+              nan_token):
+        with torch.no_grad():
+            want = layer(x)
+        got, = _run(session, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+
+
 @pytest.mark.parametrize("preset", ["sigma_moe", "pkm"])
 def test_a_language_model_runs_in_onnx_runtime(preset):
     """A whole LM (attention, positions, a preset's FFNs) with batch and length dynamic."""

@@ -180,6 +180,17 @@ class _ReluExpertMLP(torch.autograd.Function):
         return grad_x, grad_w1, grad_w2, grad_g, None, None, None, None
 
 
+def few_pairs_tokens(k: int, w1: torch.Tensor, w2: torch.Tensor,
+                     w_gate: torch.Tensor | None = None) -> int:
+    """The most tokens whose k pairs come to ``FEW_PAIRS_MACS`` multiply-adds at most (weights
+    as :func:`expert_mlp_few` takes them). An integer bound, ``⌊M / macs per token⌋``, so that
+    under torch.export with a dynamic token count ``tokens <= bound`` is an integer guard (a
+    rational one, 65536/9 tokens, failed the export's constraint solver with "Expected op to
+    be '=='")."""
+    d_in = w1.shape[2] * (1 if w_gate is None else 2)
+    return FEW_PAIRS_MACS // (k * w1.shape[1] * (d_in + w2.shape[2]))
+
+
 def expert_mlp_few_ok(x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor,
                       w1: torch.Tensor, w2: torch.Tensor, activation: str = "relu",
                       b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -194,12 +205,7 @@ def expert_mlp_few_ok(x: torch.Tensor, indices: torch.Tensor, gates: torch.Tenso
         return False
     if x.dim() != 2 or indices.dim() != 2 or exported_for_any_size(indices.shape[0]):
         return False
-    d_in = w1.shape[2] * (1 if w_gate is None else 2)
-    # tokens > ⌊M / macs per token⌋, not tokens · macs > M: under torch.export with a dynamic
-    # token count the guard is then an integer bound (a rational one, 65536/9 tokens, failed
-    # the export's constraint solver with "Expected op to be '=='")
-    if indices.shape[0] > FEW_PAIRS_MACS // (indices.shape[1] * w1.shape[1]
-                                             * (d_in + w2.shape[2])):
+    if indices.shape[0] > few_pairs_tokens(indices.shape[1], w1, w2, w_gate):
         return False
     if autocast_dtype(x) is not None:    # x and gates go in as float32
         if not (x.is_cpu and x.is_floating_point() and gates.is_floating_point()):

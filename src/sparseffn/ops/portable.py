@@ -77,29 +77,28 @@ def _per_expert_products(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor
 def expert_mlp_pairs(x: Tensor, indices: Tensor, gates: Tensor, w1: Tensor, w2: Tensor,
                      activation: str, b1: Optional[Tensor], b2: Optional[Tensor],
                      w_gate: Optional[Tensor], keep: Optional[Tensor]) -> Tensor:
-    """:func:`~sparseffn.ops.kernels.expert_mlp_pairs`, one MLP per expert over the pairs
-    that ``nonzero`` finds for it, added into each pair's token (shapes: as that
-    operator's)."""
+    """:func:`~sparseffn.ops.kernels.expert_mlp_pairs` with each pair's expert weights
+    gathered, [T, k, G, d] (shapes: as that operator's): a few ops whatever the number of
+    experts, for the few tokens the operator is called on (a decoding step). Eq. 25 of
+    Csordás et al. 2023 (arXiv:2310.10837), ``y_t = Σ_j g_tj f_{i_tj}(x_t)``, each pair's
+    product a batched matrix-vector product."""
     act = activation_fn(activation)
     chosen = indices.long()
-    if keep is not None:     # a pair never computed adds exactly zero
-        chosen = chosen.masked_fill(~keep, w1.shape[0])
-    tokens, outputs = [], []
-    for e in range(w1.shape[0]):
-        token, slot = (chosen == e).nonzero().unbind(1)
-        rows = x.index_select(0, token)
-        pre = rows @ w1[e].t()
-        if b1 is not None:
-            pre = pre + b1[e]
-        hidden = act(pre) if w_gate is None else act(rows @ w_gate[e].t()) * pre
-        out = hidden @ w2[e]
-        if b2 is not None:
-            out = out + b2[e]
-        tokens.append(token)
-        outputs.append(out * gates[token, slot].unsqueeze(1).to(out.dtype))
-    # one scatter-add of every pair (one per expert would copy the [T, n] output E times)
-    return x.new_zeros(x.shape[0], w2.shape[2]).index_add(0, torch.cat(tokens),
-                                                          torch.cat(outputs))
+    if keep is not None:     # a dropped pair reads expert 0, and adds exactly zero below
+        chosen = chosen.masked_fill(~keep, 0)
+    rows = x.unsqueeze(1).unsqueeze(3)                                     # [T, 1, d_in, 1]
+    pre = torch.matmul(w1[chosen], rows).squeeze(3)                        # [T, k, G]
+    if b1 is not None:
+        pre = pre + b1[chosen]
+    hidden = act(pre) if w_gate is None else \
+        act(torch.matmul(w_gate[chosen], rows).squeeze(3)) * pre
+    out = torch.matmul(hidden.unsqueeze(2), w2[chosen]).squeeze(2)         # [T, k, d_out]
+    if b2 is not None:
+        out = out + b2[chosen]
+    out = out * gates.unsqueeze(2).to(out.dtype)
+    if keep is not None:
+        out = torch.where(keep.unsqueeze(2), out, torch.zeros((), dtype=out.dtype))
+    return out.sum(1)
 
 
 def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:

@@ -7,10 +7,13 @@ import math
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..activations import activation_fn
 from ..init import dense_init_std
-from ..ops.expert_mlp import expert_mlp, expert_mlp_few, expert_mlp_few_ok
+from ..ops.cvmm import DispatchPlan
+from ..ops.expert_mlp import expert_mlp, expert_mlp_few, expert_mlp_few_ok, few_pairs_tokens
+from ..ops.sizes import exported_for_any_size
 from ..ops.precision import autocast_dtype
 from ..routing import Routing
 from .base import ExpertStore
@@ -132,11 +135,54 @@ class MLPExperts(ExpertStore):
                                                  self.w2, *few):
             return expert_mlp_few(x, routing.indices, routing.weights, self.w1, self.w2, *few,
                                   dispatched=routing.dispatched)
-        plan = routing.plan(self.num_experts)
-        return expert_mlp(x, plan, self.w1, self.w2, routing.weights, activation=self.activation,
+        if dropout is None and self._exported_inference(x, routing):
+            return self._few_or_planned(x, routing)
+        return self._planned(x, routing.plan(self.num_experts), routing.weights,
+                             routing.indices, dropout)
+
+    def _planned(self, x: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor,
+                 indices: torch.Tensor, dropout=None) -> torch.Tensor:
+        """:func:`~sparseffn.ops.expert_mlp.expert_mlp` of these experts: [T, d_out]."""
+        biased = self.b1 is not None or self.b2 is not None
+        return expert_mlp(x, plan, self.w1, self.w2, weights, activation=self.activation,
                           hidden_dropout=dropout, b1=self.b1, b2=self.b2,
-                          indices=routing.indices if self.b1 is not None or self.b2 is not None
-                          else None, w_gate=self.w_gate)
+                          indices=indices if biased else None, w_gate=self.w_gate)
+
+    def _exported_inference(self, x: torch.Tensor, routing: Routing) -> bool:
+        """Whether torch.export traces an inference forward for any token count given as an
+        input's size. Not for a count the program computes (the real tokens of a model that
+        skips padding): inside ``torch.cond``'s branches each operand's data-dependent size
+        is a new symbol, and the plan's shape checks could not relate them."""
+        if not exported_for_any_size(x.shape[0]) or routing.indices.dim() != 2:
+            return False
+        if free_unbacked_symbols(x.shape[0]):
+            return False
+        tensors = (x, routing.weights, *self.parameters())
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+    def _few_or_planned(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """A program's choice (``torch.cond``, an ONNX ``If``) between the two paths eager
+        inference chooses between by the batch's size: the pairs read straight from the
+        weights up to :func:`~sparseffn.ops.expert_mlp.few_pairs_tokens` tokens (decoding),
+        the dispatch plan above. With the plan alone, an exported σ-MoE decoded a token in ONNX
+        Runtime through one block of small ops per expert. [T, d_out]."""
+        few = (self.activation, self.b1, self.b2, self.w_gate)
+
+        def pairs(x, indices, weights, *dispatched):
+            return expert_mlp_few(x, indices, weights, self.w1, self.w2, *few,
+                                  dispatched=dispatched[0] if dispatched else None)
+
+        def planned(x, indices, weights, *dispatched):
+            # a plan of its own: one kept on the routing would leak out of the branch
+            plan = DispatchPlan.build(indices, self.num_experts,
+                                      dispatched=dispatched[0] if dispatched else None)
+            return self._planned(x, plan, weights, indices)
+
+        operands = (x, routing.indices, routing.weights)
+        if routing.dispatched is not None:
+            operands += (routing.dispatched,)
+        bound = few_pairs_tokens(routing.indices.shape[1], self.w1, self.w2, self.w_gate)
+        return torch.cond(x.shape[0] <= bound, pairs, planned, operands)
 
     def dense_output(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``Σ_e w_e f_e(x)`` over every expert: the hidden layers as one GEMM
