@@ -143,7 +143,9 @@ def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch
     symbolic ``bound`` (GShard's group ids, exported for any token count) takes int64, since
     choosing the width would be a guard on it."""
     symbolic = isinstance(bound, torch.SymInt)
-    keys = keys.to(torch.int64 if symbolic else id_dtype(0, max(bound - 1, 0)))
+    # (no builtin max: PyTorch 2.8-2.9's non-strict export replaces it by a function that
+    # Dynamo refuses to trace inside torch.cond's branches)
+    keys = keys.to(torch.int64 if symbolic else id_dtype(0, bound - 1 if bound > 1 else 0))
     if torch.compiler.is_exporting():
         position = torch.arange(keys.shape[0], device=keys.device)
         order = torch.sort(keys.long() * keys.shape[0] + position).indices
