@@ -158,6 +158,31 @@ def test_an_interruptible_loop_lets_through_what_it_cannot_keep():
     assert run_loop([], interrupt_at(None))[0].left == []
 
 
+def test_an_interrupt_inside_a_compilation_leaves_eager_ops_working():
+    """A Ctrl-C between the entry and the exit of PyTorch's Python dispatcher context (inside
+    a compilation) leaves its dispatch key set, and every eager op after it failed an
+    internal assert (seen once in ``bench lm --compile default``, interrupted): the loop
+    clears it, whether it keeps the interrupt or lets it through."""
+    key = torch._C.DispatchKey.PythonDispatcher
+
+    def leaking(stop):
+        def body(item):
+            if item == stop:
+                torch._C._dispatch_tls_set_dispatch_key_included(key, True)
+                raise KeyboardInterrupt
+        return body
+    try:
+        loop, _ = run_loop("abc", leaking("b"))
+        assert loop.left == ["b", "c"]
+        assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
+        assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))
+        with pytest.raises(KeyboardInterrupt):
+            run_loop("abc", leaking("a"))
+        assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_included(key, False)
+
+
 def test_an_interruptible_loop_raises_a_dropped_interrupt_before_the_next_item():
     with keeping_swallowed_interrupts():
         loop, done = run_loop("abc", lambda item: item == "a" and drop_an_interrupt())

@@ -104,10 +104,23 @@ class InterruptibleLoop(Generic[Item]):
     def __exit__(self, kind, error, traceback) -> bool:
         if kind is None or not issubclass(kind, KeyboardInterrupt):
             return False
+        clear_leaked_python_dispatcher()
         if not 0 < self.finished < len(self.items):
             return False
         self.left = self.items[self.finished:]
         return True
+
+
+def clear_leaked_python_dispatcher() -> None:
+    """Undo what a Ctrl-C inside PyTorch's compiler can leave behind: landing between the
+    entry and the exit of its Python dispatcher context, it leaves the dispatch key set for
+    this thread with no dispatcher, and the next eager op fails PyTorch's internal assert "Hit
+    PythonDispatcher dispatch key but PythonDispatcherTLS was not set" (seen once, in ``bench
+    lm --compile default`` stopped while it compiled, on a loaded machine). Outside a
+    compilation the key is never meant to be set."""
+    key = torch._C.DispatchKey.PythonDispatcher
+    if torch._C._dispatch_tls_is_dispatch_key_included(key):
+        torch._C._dispatch_tls_set_dispatch_key_included(key, False)
 
 
 def preparing_stopped(left: list[str]) -> str:
