@@ -122,6 +122,7 @@ def test_misuse_is_named(sigma_moe_decoder, tmp_path):
     assert decoder.length == 10                          # refused steps add nothing
     with pytest.raises(ValueError, match="batch must be a positive integer"):
         decoder.reset(0)
+    assert decoder.generate(torch.zeros(0, 3, dtype=torch.long), 4).shape == (0, 7)
     layer = sparseffn.to_onnx(torch.nn.Linear(4, 4).eval(), (torch.randn(2, 4),))
     layer.save(str(tmp_path / "layer.onnx"))
     with pytest.raises(ValueError, match="not a program of decoder_to_onnx"):

@@ -176,10 +176,13 @@ class OnnxDecoder:
         """``prompt`` (int64 [batch, T], T >= 1) followed by ``max_new_tokens`` drawn tokens,
         int64 [batch, T + max_new_tokens]: :func:`sparseffn.models.generate.generate`'s
         sampling, the prompt run at once into a new cache and each drawn token alone. Once
-        the sequence fills the context, each token runs the last ``context`` tokens."""
+        the sequence fills the context, each token runs the last ``context`` tokens. An empty
+        batch gives an empty batch, as ``generate`` does."""
         check_sampling(temperature, top_k, top_p, max_new_tokens)
         prompt = torch.as_tensor(prompt)
         check_prompt(prompt, self.vocab_size)
+        if prompt.shape[0] == 0:          # no sequence: nothing to run
+            return prompt.new_zeros(0, prompt.shape[1] + max_new_tokens, dtype=torch.long)
 
         def next_logits(tokens: torch.Tensor, step: int) -> torch.Tensor:
             if step == 0 or self.length >= self.context:    # the prompt, or the window
