@@ -115,7 +115,7 @@ def test_misuse_is_named(sigma_moe_decoder, tmp_path):
     with pytest.raises(ValueError, match="10 cached and 3 new tokens exceed the model's "
                                          "context of 12"):
         decoder.step(torch.randint(0, 20, (2, 3)))
-    with pytest.raises(ValueError, match=r"holds 2 sequences \(reset\), got 3"):
+    with pytest.raises(ValueError, match="the cache holds 2 sequences, got 3"):
         decoder.step(torch.randint(0, 20, (3, 1)))
     with pytest.raises(ValueError, match=r"token ids outside \[0, 20\)"):
         decoder.step(torch.tensor([[3], [20]]))

@@ -36,6 +36,7 @@ from torch import nn
 
 from .models.generate import (_blocked_by, cache_blocker, check_prompt, check_sampling,
                               draw_tokens)
+from .models.kv_cache import first_position
 
 _ONNX_FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
                      "tensor(double)": np.float64}
@@ -153,14 +154,8 @@ class OnnxDecoder:
         batch size, past the context); the cache is then unchanged."""
         tokens = torch.as_tensor(tokens)
         check_prompt(tokens, self.vocab_size)
-        b, t = tokens.shape
-        if b != self.batch:
-            raise ValueError(f"OnnxDecoder: the cache holds {self.batch} sequences (reset), "
-                             f"got {b}")
-        if self.length + t > self.context:
-            raise ValueError(f"OnnxDecoder: {self.length} cached and {t} new tokens exceed "
-                             f"the model's context of {self.context}")
-        start = self.length
+        start = first_position("OnnxDecoder", tokens, self.batch, self.length, self.context)
+        t = tokens.shape[1]
         feeds = {"tokens": tokens.long().numpy(),
                  "positions": np.arange(start, start + t, dtype=np.int64), **self._past}
         logits, *new = self.session.run(None, feeds)

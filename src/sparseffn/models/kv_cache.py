@@ -84,6 +84,20 @@ def causal_mask(new: int, past: int, device: torch.device) -> torch.Tensor | Non
     return torch.ones(new, past + new, dtype=torch.bool, device=device).tril(diagonal=past)
 
 
+def first_position(owner: str, tokens: torch.Tensor, batch: int, length: int,
+                   context: int) -> int:
+    """The first position of ``tokens`` [B, t] continuing ``batch`` sequences of ``length``
+    cached positions, and a ValueError naming ``owner`` if they do not fit:
+    another batch size, or more positions than the ``context`` has left."""
+    b, t = tokens.shape
+    if b != batch:
+        raise ValueError(f"{owner}: the cache holds {batch} sequences, got {b}")
+    if length + t > context:
+        raise ValueError(f"{owner}: {length} cached and {t} new tokens exceed the model's "
+                         f"context of {context}")
+    return length
+
+
 class StaticKVCache:
     """Every attention layer's keys and values of ``batch`` sequences, [batch, heads,
     context, d_head] each, allocated (zeroed) when the cache is made: a forward of t new
@@ -133,14 +147,7 @@ class StaticKVCache:
     def claim(self, tokens: torch.Tensor) -> int:
         """The first position of ``tokens`` [B, t] and a ValueError if they do not fit: another
         batch size, or more positions than the context has left. Advances nothing."""
-        b, t = tokens.shape
-        if b != self.batch:
-            raise ValueError(f"StaticKVCache: the cache holds {self.batch} sequences, got "
-                             f"{b}")
-        if self.length + t > self.context:
-            raise ValueError(f"StaticKVCache: {self.length} cached and {t} new tokens exceed "
-                             f"the model's context of {self.context}")
-        return self.length
+        return first_position("StaticKVCache", tokens, self.batch, self.length, self.context)
 
     def slots(self, positions: torch.Tensor) -> list["StaticSlot"]:
         """Each layer's view of a forward of tokens at ``positions`` (int64 [t], on the cache's
