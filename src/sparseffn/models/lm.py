@@ -308,9 +308,9 @@ class TransformerLM(nn.Module):
         context)), each attending to the keys and values of the earlier positions in
         ``past_keys`` / ``past_values`` (one [B, n_heads, context, d_head] tensor per block;
         the slots no earlier token wrote get weight 0, so they must hold finite values: a
-        cache of zeros starts sequences) and to the new tokens at positions up to its own. Returns the
-        logits and the new tokens' keys and values per block, [B, n_heads, t, d_head] each:
-        the caller stores them at ``positions`` of its cache.
+        cache of zeros starts sequences) and to the new tokens at positions up to its own.
+        Returns the logits and the new tokens' keys and values per block, [B, n_heads, t,
+        d_head] each: the caller stores them at ``positions`` of its cache.
 
         This is the program :func:`sparseffn.decoder_to_onnx` exports (the prompt and each
         decoding step); the past is only read, so an exported step copies no cache. As in
