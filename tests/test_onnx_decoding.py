@@ -140,5 +140,6 @@ def test_without_onnx_runtime_the_error_says_what_to_install(monkeypatch, sigma_
 
     monkeypatch.setattr(builtins, "__import__", no_onnxruntime)
     from sparseffn.bench.plotting import MissingDependency
-    with pytest.raises(MissingDependency, match="pip install onnxruntime"):
+    with pytest.raises(MissingDependency,
+                       match=r"pip install 'sparseffn\[onnx\]' \(or onnxruntime\)"):
         sparseffn.OnnxDecoder(sigma_moe_decoder[1])

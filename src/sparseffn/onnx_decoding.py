@@ -116,7 +116,7 @@ class OnnxDecoder:
             except ImportError:
                 from .bench.plotting import MissingDependency
                 raise MissingDependency("OnnxDecoder needs onnxruntime: pip install "
-                                        "onnxruntime") from None
+                                        "'sparseffn[onnx]' (or onnxruntime)") from None
             program = onnxruntime.InferenceSession(str(program))
         self.session = program
         inputs = {value.name: value for value in program.get_inputs()}
