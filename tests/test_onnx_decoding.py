@@ -4,8 +4,6 @@ the logits of PyTorch's forward of the whole sequence, greedy and sampled genera
 ``generate()``'s tokens past the point where the context fills, the program only reads its
 past, float16 works, and misuse is named."""
 
-import tempfile
-
 import pytest
 import torch
 
@@ -22,15 +20,6 @@ def exported(model, folder) -> str:
     path = f"{folder}/decoder.onnx"
     sparseffn.decoder_to_onnx(model).save(path)
     return path
-
-
-@pytest.fixture(scope="module")
-def sigma_moe_decoder():
-    """A tiny σ-MoE LM (context 12, vocabulary 20, 2 blocks of 2 heads of 8) and its decoder's
-    path."""
-    model = tiny_lm("sigma_moe").eval()
-    with tempfile.TemporaryDirectory() as folder:
-        yield model, exported(model, folder)
 
 
 def teacher_forced(decoder, tokens, pieces):
@@ -65,20 +54,14 @@ def check_decoding(model, path):
     assert torch.equal(*drawn)
 
 
-def test_a_sigma_moe_lm_decodes_in_onnx_runtime(sigma_moe_decoder):
-    check_decoding(*sigma_moe_decoder)
-
-
-@pytest.mark.parametrize("ffn", ["pkm", "fff"])
-def test_product_keys_and_trees_decode_in_onnx_runtime(ffn, tmp_path):
-    model = tiny_lm(ffn).eval()
-    check_decoding(model, exported(model, tmp_path))
-
-
-def test_the_program_reads_its_past_and_copies_none_of_it(sigma_moe_decoder):
-    """The past keys and values meet only the attention's products (a Transpose of the keys,
+def test_a_sigma_moe_lm_decodes_in_onnx_runtime_reading_its_past(tmp_path):
+    """A tiny σ-MoE LM (context 12, vocabulary 20, 2 blocks of 2 heads of 8). In its program
+    the past keys and values meet only the attention's products (a Transpose of the keys,
     which ONNX Runtime folds into its MatMul): nothing writes or concatenates the cache."""
-    graph = onnx.load(sigma_moe_decoder[1]).graph
+    model = tiny_lm("sigma_moe").eval()
+    path = exported(model, tmp_path)
+    check_decoding(model, path)
+    graph = onnx.load(path).graph
     inputs = [value.name for value in graph.input]
     assert inputs == ["tokens", "positions", "past_keys.0", "past_keys.1", "past_values.0",
                       "past_values.1"]
@@ -89,8 +72,16 @@ def test_the_program_reads_its_past_and_copies_none_of_it(sigma_moe_decoder):
     assert readers <= {"MatMul", "Transpose"}, readers
 
 
+@pytest.mark.parametrize("ffn", ["pkm", "fff"])
+def test_product_keys_and_trees_decode_in_onnx_runtime(ffn, tmp_path):
+    model = tiny_lm(ffn).eval()
+    check_decoding(model, exported(model, tmp_path))
+
+
 def test_a_float16_lm_decodes_in_float16(tmp_path):
-    model = tiny_lm("sigma_moe").half().eval()
+    """(Product keys: a σ-MoE LM's export takes three times as long, and test_onnx.py runs a
+    float16 σ-MoE layer.)"""
+    model = tiny_lm("pkm").half().eval()
     decoder = sparseffn.OnnxDecoder(exported(model, tmp_path))
     assert decoder.dtype.__name__ == "float16"
     tokens = torch.randint(0, 20, (2, 12))
@@ -100,8 +91,8 @@ def test_a_float16_lm_decodes_in_float16(tmp_path):
                                rtol=1e-2, atol=1e-2)
 
 
-def test_misuse_is_named(sigma_moe_decoder, tmp_path):
-    model, path = sigma_moe_decoder
+def test_misuse_is_named(tmp_path):
+    path = exported(tiny_lm("dense").eval(), tmp_path)
     with pytest.raises(TypeError, match="exports a TransformerLM, got Linear"):
         sparseffn.decoder_to_onnx(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"call model.eval\(\) first"):
@@ -129,7 +120,7 @@ def test_misuse_is_named(sigma_moe_decoder, tmp_path):
         sparseffn.OnnxDecoder(tmp_path / "layer.onnx")
 
 
-def test_without_onnx_runtime_the_error_says_what_to_install(monkeypatch, sigma_moe_decoder):
+def test_without_onnx_runtime_the_error_says_what_to_install(monkeypatch, tmp_path):
     import builtins
     real_import = builtins.__import__
 
@@ -142,4 +133,4 @@ def test_without_onnx_runtime_the_error_says_what_to_install(monkeypatch, sigma_
     from sparseffn.bench.plotting import MissingDependency
     with pytest.raises(MissingDependency,
                        match=r"pip install 'sparseffn\[onnx\]' \(or onnxruntime\)"):
-        sparseffn.OnnxDecoder(sigma_moe_decoder[1])
+        sparseffn.OnnxDecoder(tmp_path / "decoder.onnx")     # (asked before it is read)
