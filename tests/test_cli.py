@@ -367,12 +367,12 @@ def test_bench_generate_onnx_times_onnx_runtime_beside_pytorch(tmp_path, capsys)
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     path = tmp_path / "generate.json"
-    assert cli.main(["bench", "generate", "--presets", "sigma_moe", "--d-model", "32",
+    assert cli.main(["bench", "generate", "--presets", "pkm", "--d-model", "32",
                      "--n-layers", "2", "--n-heads", "2", "--context", "12", "--d-ff", "256",
                      "--prompt", "3", "--repeats", "1", "--device", "cpu", "--onnx",
                      "--json", str(path)]) == 0
     records = json.loads(path.read_text())
-    assert [r["preset"] for r in records] == ["dense", "sigma_moe"]
+    assert [r["preset"] for r in records] == ["dense", "pkm"]
     for r in records:       # same tokens: ONNX Runtime's draws are PyTorch's too
         assert r["onnx_ms_per_token"] > 0 and r["onnx_over_cache"] > 0 and r["same_tokens"]
     assert records[0]["onnx_over_dense"] == 1.0
