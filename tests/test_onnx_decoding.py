@@ -101,6 +101,8 @@ def test_misuse_is_named(tmp_path):
                                          r"tokens evaluated with it"):
         sparseffn.decoder_to_onnx(capacity_lm(0.5).eval())
     decoder = sparseffn.OnnxDecoder(ort.InferenceSession(path))
+    with pytest.raises(ValueError, match=r"no cache yet; call reset\(batch\) first"):
+        decoder.step(torch.randint(0, 20, (2, 1)))
     decoder.reset(2)
     decoder.step(torch.randint(0, 20, (2, 10)))
     with pytest.raises(ValueError, match="10 cached and 3 new tokens exceed the model's "

@@ -129,6 +129,12 @@ class OnnxDecoder:
         first = inputs[self._keys[0]]
         _, self.heads, self.context, self.head_dim = first.shape
         self.dtype = _ONNX_FLOAT_TYPES[first.type]
+        logits, *new = [value.name for value in program.get_outputs()]
+        # where each output goes: new_keys.{i} into past_keys.{i}, by name
+        self._stored_as = [name.replace("new_", "past_", 1) for name in new]
+        if sorted(self._stored_as) != sorted(self._keys + self._values):
+            raise ValueError(f"OnnxDecoder: not a program of decoder_to_onnx (outputs: "
+                             f"{', '.join([logits, *new])})")
         self.vocab_size = program.get_outputs()[0].shape[-1]
         self.batch = 0
         self.length = 0
@@ -152,6 +158,8 @@ class OnnxDecoder:
         continuing the sequences in the cache, at positions ``length, ..., length + t - 1``;
         their keys and values are added to the cache. A ValueError if they do not fit (another
         batch size, past the context); the cache is then unchanged."""
+        if not self._past:
+            raise ValueError("OnnxDecoder.step: no cache yet; call reset(batch) first")
         tokens = torch.as_tensor(tokens)
         check_prompt(tokens, self.vocab_size)
         start = first_position("OnnxDecoder", tokens, self.batch, self.length, self.context)
@@ -159,7 +167,7 @@ class OnnxDecoder:
         feeds = {"tokens": tokens.long().numpy(),
                  "positions": np.arange(start, start + t, dtype=np.int64), **self._past}
         logits, *new = self.session.run(None, feeds)
-        for name, written in zip(self._keys + self._values, new):
+        for name, written in zip(self._stored_as, new):
             self._past[name][:, :, start:start + t] = written
         self.length = start + t
         return torch.from_numpy(logits).float()
