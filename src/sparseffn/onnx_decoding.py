@@ -43,18 +43,20 @@ _ONNX_FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
 
 
 class _DecodingStep(nn.Module):
-    """forward(tokens, positions, *past_keys, *past_values) -> (logits, *new_keys,
-    *new_values): :meth:`TransformerLM.forward_with_past` with flat arguments."""
+    """forward(tokens, positions, past_keys, past_values) -> (logits, *new_keys,
+    *new_values): :meth:`TransformerLM.forward_with_past` with flat outputs. (Lists, not
+    ``*past``: PyTorch 2.9's export wrote guards on variadic arguments that did not run,
+    "NameError: name 'L' is not defined".)"""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        blocks = len(past) // 2
-        logits, keys, values = self.model.forward_with_past(
-            tokens, positions, list(past[:blocks]), list(past[blocks:]))
+                past_keys: list[torch.Tensor], past_values: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, ...]:
+        logits, keys, values = self.model.forward_with_past(tokens, positions, past_keys,
+                                                            past_values)
         return (logits, *keys, *values)
 
 
@@ -85,14 +87,15 @@ def decoder_to_onnx(model: nn.Module, **onnx_options: Any) -> "torch.onnx.ONNXPr
     example_time = min(3, config.context)
     tokens = torch.randint(0, config.vocab_size, (2, example_time), device=weight.device)
     positions = torch.arange(example_time, device=weight.device)
-    past = [torch.zeros(2, heads, config.context, config.d_model // heads, dtype=weight.dtype,
-                        device=weight.device) for _ in range(2 * blocks)]
-    dynamic = ({0: batch, 1: time}, {0: time}, tuple({0: batch} for _ in past))
+    keys, values = ([torch.zeros(2, heads, config.context, config.d_model // heads,
+                                 dtype=weight.dtype, device=weight.device)
+                     for _ in range(blocks)] for _ in range(2))
+    dynamic = ({0: batch, 1: time}, {0: time}, [{0: batch}] * blocks, [{0: batch}] * blocks)
     names = [f"{kind}.{i}" for kind in ("keys", "values") for i in range(blocks)]
     onnx_options.setdefault("input_names",
                             ["tokens", "positions", *(f"past_{name}" for name in names)])
     onnx_options.setdefault("output_names", ["logits", *(f"new_{name}" for name in names)])
-    return to_onnx(_DecodingStep(model).eval(), (tokens, positions, *past),
+    return to_onnx(_DecodingStep(model).eval(), (tokens, positions, keys, values),
                    dynamic_shapes=dynamic, **onnx_options)
 
 
