@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import kernels, triton_sinkhorn
-from .cvmm import stable_sort_ids
+from .cvmm import search_sorted, stable_sort_ids
 
 
 def count_keys(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -49,12 +49,14 @@ def positions_in_expert(experts: torch.Tensor, num_experts: int,
         key = groups * num_experts + experts
         bound = max(key.numel() if num_groups is None else num_groups, 1) * num_experts
     sorted_key, order = stable_sort_ids(key, bound)
-    if torch.compiler.is_exporting():   # ONNX has no binary search: count the smaller keys
+    # where each pair's run of keys starts. Exported, where the search compares every key,
+    # searched by id (experts × groups) rather than by pair: [bound, P] comparisons, not
+    # [P, P]
+    if torch.compiler.is_exporting():
         ids = torch.arange(bound, device=key.device, dtype=sorted_key.dtype)
-        below = (sorted_key.unsqueeze(0) < ids.unsqueeze(1)).sum(1)                 # [bound]
-        first = below.index_select(0, sorted_key.long())
+        first = search_sorted(sorted_key, ids).index_select(0, sorted_key.long())
     else:
-        first = torch.searchsorted(sorted_key, sorted_key)   # where each run of keys starts
+        first = search_sorted(sorted_key, sorted_key)
     rank = torch.arange(key.numel(), device=key.device) - first
     return torch.empty_like(rank).scatter_(0, order, rank)
 

@@ -153,16 +153,22 @@ def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch
     return torch.sort(keys, stable=True)
 
 
+def search_sorted(sorted_keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``torch.searchsorted(sorted_keys, values)``: where each of ``values`` [V] would go in
+    ``sorted_keys`` [S] (before equal keys), int64 [V]. Under ``torch.export``, by counting
+    the smaller keys ([V, S] compared at once): ONNX has no binary search."""
+    if torch.compiler.is_exporting():
+        return (sorted_keys.unsqueeze(0) < values.unsqueeze(1)).sum(1)
+    return torch.searchsorted(sorted_keys, values)
+
+
 def _expert_counts(sorted_keys: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The length of each expert's block in the sorted keys ([S], values in
-    ``[0, num_experts]``): int64 [E], found by binary search for every block boundary (no
-    scatter, so no atomics on a GPU; the keys ``num_experts``, dropped pairs, are left after
-    the last block). Under ``torch.export``, by comparing every key with every expert
-    ([E, S] at once; ONNX has no binary search)."""
+    ``[0, num_experts]``): int64 [E], the difference of the block boundaries
+    (:func:`search_sorted`; no scatter, so no atomics on a GPU; the keys ``num_experts``,
+    dropped pairs, are left after the last block)."""
     experts = torch.arange(num_experts + 1, dtype=sorted_keys.dtype, device=sorted_keys.device)
-    if torch.compiler.is_exporting():
-        return (sorted_keys.unsqueeze(0) == experts[:-1].unsqueeze(1)).sum(1)
-    bounds = torch.searchsorted(sorted_keys, experts)                  # int64 [E + 1]
+    bounds = search_sorted(sorted_keys, experts)                       # int64 [E + 1]
     return bounds[1:] - bounds[:-1]
 
 
