@@ -179,43 +179,53 @@ class StaticSlot:
         return self.keys, self.values
 
 
+def past_slots(past_keys: list[torch.Tensor], past_values: list[torch.Tensor],
+               positions: torch.Tensor) -> list["PastSlot"]:
+    """Each layer's :class:`PastSlot` for new tokens at ``positions`` (int64 [t]) over its
+    past keys and values [B, H, context, d_head], the masks built once for all: query i sees
+    the past slots before its position that no new token overwrites, and the new tokens at
+    positions up to its own."""
+    context = past_keys[0].shape[2] if past_keys else 0
+    slots = torch.arange(context, device=positions.device)
+    overwritten = (slots[None, :] == positions[:, None]).any(0)                       # [C]
+    sees_past = (slots[None, :] <= positions[:, None]) & ~overwritten                 # [t, C]
+    sees_new = positions[None, :] <= positions[:, None]                                # [t, t]
+    return [PastSlot(keys, values, sees_past, sees_new)
+            for keys, values in zip(past_keys, past_values)]
+
+
 class PastSlot:
     """One attention layer's part of a functional forward
-    (:meth:`~sparseffn.models.lm.TransformerLM.forward_with_past`): the keys and values of the
-    positions already processed, [B, H, context, d_head] each, read and never written, and the
-    positions of the new tokens (int64 [t]).
+    (:meth:`~sparseffn.models.lm.TransformerLM.forward_with_past`; made by
+    :func:`past_slots`): the keys and values of the positions already processed, [B, H,
+    context, d_head] each, read and never written, and which of them (bool [t, context]) and
+    of the new tokens (bool [t, t]) each new token sees.
 
     :meth:`attend` computes attention over the past positions and the new ones without
     writing the new keys into the past (no copy of the cache: what a program exported for ONNX
     Runtime reads instead of rewriting), and keeps the new keys and values [B, H, t, d_head]
     for the caller to store at their positions."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-                 ) -> None:
-        self.keys, self.values, self.positions = keys, values, positions
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, sees_past: torch.Tensor,
+                 sees_new: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
+        self.sees_past, self.sees_new = sees_past, sees_new
         self.new_keys: torch.Tensor | None = None
         self.new_values: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q kᵀ / sqrt(d_head)) v over the keys query i sees (Vaswani et al. 2017,
-        arXiv:1706.03762, Eq. 1): the past positions before its own that no new token
-        overwrites, and the new tokens at positions up to its own. ``q``, ``k``, ``v``
-        [B, H, t, d_head] -> [B, H, t, d_head]. The past slots it does not see get weight 0,
-        so they must hold finite values."""
+        arXiv:1706.03762, Eq. 1). ``q``, ``k``, ``v`` [B, H, t, d_head] -> [B, H, t, d_head].
+        The past slots it does not see get weight 0, so they must hold finite values."""
         if k.dtype != self.keys.dtype:
             raise ValueError(f"forward_with_past: the past keys are {self.keys.dtype}, the "
                              f"attention computes {k.dtype}")
         self.new_keys, self.new_values = k, v
-        positions = self.positions
-        slots = torch.arange(self.keys.shape[2], device=positions.device)
-        overwritten = (slots[None, :] == positions[:, None]).any(0)                   # [C]
-        sees_past = (slots[None, :] <= positions[:, None]) & ~overwritten             # [t, C]
-        sees_new = positions[None, :] <= positions[:, None]                            # [t, t]
         scale = 1.0 / math.sqrt(q.shape[-1])
         past = torch.matmul(q, self.keys.transpose(-1, -2)).float() * scale
         new = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-        weights = torch.cat([past.masked_fill(~sees_past, -math.inf),
-                             new.masked_fill(~sees_new, -math.inf)], dim=-1).softmax(-1)
+        weights = torch.cat([past.masked_fill(~self.sees_past, -math.inf),
+                             new.masked_fill(~self.sees_new, -math.inf)], dim=-1).softmax(-1)
         weights = weights.to(q.dtype)
         context = self.keys.shape[2]
         return (torch.matmul(weights[..., :context], self.values)

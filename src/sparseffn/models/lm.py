@@ -27,7 +27,7 @@ from ..config import DenseMLPConfig, LayerConfig, config_from_dict
 from ..matching import compute_equal_dense, param_equal_dense
 from ..validation import (require_bool, require_positive_int, require_probability)
 from .kv_cache import (AttentionCache, KVCache, PastSlot, StaticKVCache, StaticSlot,
-                       causal_mask)
+                       causal_mask, past_slots)
 
 
 def _layer_config(value: Any, field: str) -> LayerConfig | None:
@@ -319,7 +319,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"forward_with_past: {len(past_keys)} past keys and "
                              f"{len(past_values)} past values for a model of "
                              f"{len(self.blocks)} blocks")
-        slots = [PastSlot(keys, values, positions) for keys, values in zip(past_keys, past_values)]
+        slots = past_slots(past_keys, past_values, positions)
         logits = self._logits(tokens, positions, slots)
         return (logits, [slot.new_keys for slot in slots],
                 [slot.new_values for slot in slots])
