@@ -37,6 +37,7 @@ from torch import nn
 from .models.generate import (_blocked_by, cache_blocker, check_prompt, check_sampling,
                               draw_tokens)
 from .models.kv_cache import first_position
+from .onnx_export import require_onnxruntime
 
 _ONNX_FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
                      "tensor(double)": np.float64}
@@ -114,13 +115,7 @@ class OnnxDecoder:
 
     def __init__(self, program: str | Path | Any) -> None:
         if isinstance(program, (str, Path)):
-            try:
-                import onnxruntime
-            except ImportError:
-                from .bench.plotting import MissingDependency
-                raise MissingDependency("OnnxDecoder needs onnxruntime: pip install "
-                                        "'sparseffn[onnx]' (or onnxruntime)") from None
-            program = onnxruntime.InferenceSession(str(program))
+            program = require_onnxruntime("OnnxDecoder").InferenceSession(str(program))
         self.session = program
         inputs = {value.name: value for value in program.get_inputs()}
         self._keys = sorted((name for name in inputs if name.startswith("past_keys.")),

@@ -39,7 +39,30 @@ def portable_forms() -> dict:
     return portable.forms()
 
 
-def _require_onnx_packages() -> None:
+def require_onnxruntime(user: str):
+    """The ``onnxruntime`` module, or MissingDependency saying that ``user`` needs it and what
+    to install."""
+    try:
+        import onnxruntime
+    except ImportError:
+        from .bench.plotting import MissingDependency
+        raise MissingDependency(f"{user} needs onnxruntime: pip install 'sparseffn[onnx]' "
+                                f"(or onnxruntime)") from None
+    return onnxruntime
+
+
+def cpu_session(path: str, threads: int):
+    """An ONNX Runtime session of the program at ``path`` on the CPU execution provider, with
+    ``threads`` intra-op threads and one inter-op thread (the benchmarks give it as many as
+    PyTorch uses)."""
+    ort = require_onnxruntime("this benchmark")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def require_onnx_packages() -> None:
     import importlib.util
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
     if missing:
@@ -65,7 +88,7 @@ def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
       onnx_options: passed to ``torch.onnx.export`` (``opset_version``,
         ``input_names``, ``output_names``, ``optimize``, ...).
     """
-    _require_onnx_packages()
+    require_onnx_packages()
     training = [name for name, module in model.named_modules()
                 if isinstance(module, SparseFFN) and module.training]
     if training:

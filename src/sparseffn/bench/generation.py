@@ -153,24 +153,18 @@ def _check_onnx_runtime(device: torch.device, dtype: str) -> None:
     if device.type != "cpu" or dtype != "float32":
         raise ValueError(f"--onnx runs ONNX Runtime's CPU provider in float32, not on "
                          f"{device.type} in {dtype}")
-    from ..onnx_export import _require_onnx_packages
-    from .onnx_runtime import _onnx_runtime
-    _onnx_runtime()
-    _require_onnx_packages()
+    from ..onnx_export import require_onnx_packages, require_onnxruntime
+    require_onnxruntime("this benchmark")
+    require_onnx_packages()
 
 
 def _onnx_decoder(model, path: str):
     """The model's decoding program, exported to ``path``, as an OnnxDecoder whose session
     uses as many intra-op threads as PyTorch."""
     from ..onnx_decoding import OnnxDecoder, decoder_to_onnx
-    from .onnx_runtime import _onnx_runtime
-    ort = _onnx_runtime()
+    from ..onnx_export import cpu_session
     decoder_to_onnx(model).save(path)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.inter_op_num_threads = 1
-    return OnnxDecoder(ort.InferenceSession(path, options,
-                                            providers=["CPUExecutionProvider"]))
+    return OnnxDecoder(cpu_session(path, torch.get_num_threads()))
 
 
 def format_table(records: list[dict]) -> str:

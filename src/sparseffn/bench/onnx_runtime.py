@@ -18,19 +18,10 @@ from pathlib import Path
 
 import torch
 
+from ..onnx_export import cpu_session, require_onnxruntime
 from .compiled import layer_configs
 from .measure import (InterruptibleLoop, error_summary, interleaved_times, paired_ratio,
                       raise_if_interrupted, write_json)
-
-
-def _onnx_runtime():
-    try:
-        import onnxruntime
-    except ImportError:
-        from .plotting import MissingDependency
-        raise MissingDependency("this benchmark needs onnxruntime: pip install "
-                                "'sparseffn[onnx]' (or onnxruntime)") from None
-    return onnxruntime
 
 
 class _Exported:
@@ -39,18 +30,13 @@ class _Exported:
     def __init__(self, layer: torch.nn.Module, d_model: int, folder: str, name: str,
                  threads: int) -> None:
         from .. import to_onnx
-        ort = _onnx_runtime()
         start = time.perf_counter()
         tokens = torch.export.Dim("tokens", min=2)
         program = to_onnx(layer, (torch.randn(37, d_model),), dynamic_shapes=({0: tokens},))
         self.export_s = time.perf_counter() - start
         path = Path(folder) / f"{name}.onnx"
         program.save(str(path))
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(path), options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = cpu_session(str(path), threads)
         self.input = self.session.get_inputs()[0].name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,12 +48,12 @@ def run(tokens: int = 1024, d_model: int = 256, repeats: int = 10,
     """Each layer of :func:`~.compiled.layer_configs` (or ``names``) in PyTorch and in ONNX
     Runtime on ``tokens`` tokens; one row printed per layer as it is measured, the records
     written to ``json_path``. Ctrl-C after the first layer keeps the layers measured."""
-    _onnx_runtime()
+    ort = require_onnxruntime("this benchmark")
     configs = layer_configs(d_model)
     names = names or list(configs)
     threads = torch.get_num_threads()
     print(f"sparseffn bench onnx: {tokens} tokens, d_model {d_model}, fp32, {threads} threads, "
-          f"torch {torch.__version__}, onnxruntime {_onnx_runtime().__version__}")
+          f"torch {torch.__version__}, onnxruntime {ort.__version__}")
     print(f"{'layer':12s} {'export s':>8s} {'torch ms':>9s} {'ORT ms':>8s} {'ORT/torch':>9s} "
           f"{'torch/dense':>11s} {'ORT/dense':>9s} {'max |diff|':>10s}")
     records: list[dict] = []
