@@ -12,6 +12,7 @@ pytest.importorskip("onnxscript")
 
 import sparseffn                                              # noqa: E402
 from sparseffn.ops import kernels, portable                   # noqa: E402
+from sparseffn.requirements import torch_release              # noqa: E402
 from tests.layers.test_conformance import D, EXAMPLES, _build  # noqa: E402
 
 
@@ -151,6 +152,43 @@ def test_training_mode_is_refused_by_name():
         sparseffn.to_onnx(layer, (torch.randn(5, D),))
 
 
+def test_torch_onnx_export_alone_exports_the_sparse_layers():
+    """``torch.onnx.export(model, args, dynamo=True)``, nothing of sparseffn's in the call and
+    gradients enabled: its capture traces each operator as its portable form and each layer
+    as inference (the expert MLP's ``If``), and the program gives the layers' outputs at
+    other token counts, an empty batch and with a NaN in a token (in its row only)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_build(EXAMPLES[name]) for name in
+                                  ("layer:sigma_moe", "layer:pkm", "layer:fff"))).eval()
+    tokens = torch.export.Dim("tokens", min=2)
+    program = torch.onnx.export(model, (torch.randn(37, D),), dynamo=True, verbose=False,
+                                dynamic_shapes=({0: tokens},))
+    targets = {str(node.target) for node in program.exported_program.graph.nodes}
+    assert not [target for target in targets if target.startswith("sparseffn.")]
+    if torch_release(torch.__version__) >= (2, 9):
+        # (2.8's torch.export reads grad mode as on inside the layer's no_grad block: the
+        # program has the plan alone, which gives the same outputs)
+        assert "If" in {node.op_type for node in program.model_proto.graph.node}
+    session = _session(program)
+    nan_token = torch.randn(9, D)
+    nan_token[3, 2] = float("nan")
+    for x in (torch.randn(1, D), torch.randn(300, D), torch.randn(0, D), nan_token):
+        with torch.no_grad():
+            want = model(x)
+        got, = _run(session, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+    # the forms stay with the export: torch.export alone still keeps the operators
+    program = torch.export.export(model, (torch.randn(37, D),))
+    assert any(str(node.target).startswith("sparseffn.") for node in program.graph.nodes)
+
+
+def test_torch_onnx_export_refuses_a_layer_in_training_mode():
+    layer = _build(EXAMPLES["layer:sigma_moe"])
+    with pytest.raises(Exception, match=r"SigmaMoE is in training mode.*model.eval\(\)"):
+        torch.onnx.export(layer.train(), (torch.randn(5, D),), dynamo=True, verbose=False)
+
+
 def test_torch_export_keeps_the_operators():
     """The forms are applied by to_onnx alone: ``torch.export`` (whose fake tensors would
     prefer a registered decomposition to the operators' shape functions) keeps the operators,
@@ -161,6 +199,12 @@ def test_torch_export_keeps_the_operators():
     targets = {str(node.target) for node in program.graph.nodes}
     assert any(target.startswith("sparseffn.") for target in targets), sorted(targets)
     assert not set(portable.forms()) & set(decomposition_table)
+    # portable_forms() for run_decompositions: a program of ATen ops, the layer's outputs
+    aten = program.run_decompositions(sparseffn.portable_forms())
+    assert not [n for n in aten.graph.nodes if str(n.target).startswith("sparseffn.")]
+    x = torch.randn(37, D)
+    with torch.no_grad():
+        torch.testing.assert_close(aten.module()(x), layer(x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["layer:sigma_moe", "variant:moe_gated_converted"])
@@ -212,8 +256,9 @@ def test_a_language_model_runs_in_onnx_runtime(preset):
 
 
 def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
-    """A Llama with σ-MoE FFNs (``hf.sparsify``), exported as docs/huggingface.md shows:
-    logits at other batch sizes and lengths."""
+    """A Llama with σ-MoE FFNs (``hf.sparsify``), exported by ``torch.onnx.export`` as
+    docs/huggingface.md shows, with gradients enabled as a script has them: logits at other
+    batch sizes and lengths."""
     pytest.importorskip("transformers")
     from sparseffn import hf
     from tests.test_hf import llama
@@ -222,13 +267,16 @@ def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
     hf.sparsify(model, sparseffn.SigmaMoEConfig(d_model=32, num_experts=4, expert_size=8, k=2))
     model.eval()
     ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
-    batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2)
-    session = _session(sparseffn.to_onnx(
-        model, (), kwargs={"input_ids": ids, "use_cache": False},
+    # PyTorch 2.9's torch.onnx.export specialises a Llama's batch (dense or sparse) at 1;
+    # 2.11 and 2.13 do not
+    first = 1 if torch_release(torch.__version__) >= (2, 11) else 2
+    batch, length = torch.export.Dim("batch", min=first), torch.export.Dim("length", min=2)
+    session = _session(torch.onnx.export(
+        model, (), kwargs={"input_ids": ids, "use_cache": False}, dynamo=True, verbose=False,
         dynamic_shapes={"input_ids": {0: batch, 1: length}, "use_cache": None},
         input_names=["input_ids"], output_names=["logits"]))
     assert [out.name for out in session.get_outputs()] == ["logits"]
-    for shape in ((3, 11), (1, 4)):
+    for shape in ((3, 11), (first, 4)):
         ids = torch.randint(0, 50, shape)
         with torch.no_grad():
             want = model(input_ids=ids, use_cache=False).logits

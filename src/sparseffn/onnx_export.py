@@ -1,20 +1,26 @@
 """ONNX export of models that hold sparse layers.
 
-``torch.onnx.export(model, args, dynamo=True)`` fails on every routed layer: the layers'
-arithmetic runs in ``sparseffn::`` operators (:mod:`~sparseffn.ops.kernels`), for which ONNX
-has no function. :func:`to_onnx` exports the model with ``torch.export``, replaces each
-operator by its portable form (:mod:`~sparseffn.ops.portable`: functional PyTorch ops that
-ONNX has, the experts still computed sparsely, one block per expert), and hands the program
-to ``torch.onnx.export``::
+The layers' arithmetic runs in ``sparseffn::`` operators (:mod:`~sparseffn.ops.kernels`),
+for which ONNX has no function. While ``torch.export`` traces a model for ONNX, each operator
+traces as its *portable form* instead (:mod:`~sparseffn.ops.portable`: functional PyTorch
+ops that ONNX has, the experts still computed sparsely, one block per expert), so the
+program holds ATen ops alone. Both ways of exporting do this:
+
+- ``torch.onnx.export(model, args, dynamo=True)``, as for any model: the layers see the
+  exporter's flag, refuse training mode and trace inference (as under ``no_grad``);
+- :func:`to_onnx`, which also refuses training mode by the layers' names before tracing,
+  traces under ``no_grad`` and quiets the exporter's logging::
 
     model.eval()
     tokens = torch.export.Dim("tokens", min=2)
     onnx_program = sparseffn.to_onnx(model, (x,), dynamic_shapes=({0: tokens},))
     onnx_program.save("model.onnx")         # onnxruntime.InferenceSession("model.onnx")
 
-The portable forms are not registered globally: PyTorch's fake tensors prefer a registered
+``torch.export`` alone keeps the operators (its programs run them, AOTInductor's packages
+too); :func:`portable_forms` turns such a program into ATen ops. The forms are not
+registered in PyTorch's global decomposition table: its fake tensors prefer a registered
 decomposition to an operator's own shape function whenever sizes are symbolic, so
-``torch.export`` and ``torch.compile(dynamic=True)`` would trace the portable forms too.
+``torch.export`` and ``torch.compile(dynamic=True)`` would trace them too.
 ``torch.onnx.export`` needs the ``onnx`` and ``onnxscript`` packages (``pip install
 sparseffn[onnx]``).
 """
@@ -96,9 +102,9 @@ def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
                          f"in training mode: {', '.join(n or '<model>' for n in training[:3])}"
                          f"{', ...' if len(training) > 3 else ''})")
     with torch.no_grad(), _without_exporter_noise():
-        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
-                                      strict=strict)
-        program = program.run_decompositions(portable_forms())
+        with portable.tracing_forms():
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                          strict=strict)
         onnx_options.setdefault("verbose", False)   # no progress lines on stdout
         return torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, **onnx_options)
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .ops.cvmm import DispatchPlan
+from .ops.portable import exporting_to_onnx, tracing_forms
 from .ops.precision import cast_for_two
 
 
@@ -377,6 +378,11 @@ class RoutedFFN(SparseFFN):
         return self.router(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if exporting_to_onnx():
+            return self._onnx_forward(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         x_flat = x.reshape(-1, self.d_model)
         tokens = x_flat.shape[0]    # (not x.shape[:-1].numel(), which fixes symbolic sizes)
@@ -390,6 +396,19 @@ class RoutedFFN(SparseFFN):
         if rows is not None:                    # the tokens left out get zeros
             y = y.new_zeros(tokens, y.shape[-1]).index_copy(0, rows, y)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _onnx_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward that ``torch.onnx.export(model, ...)`` traces: an ONNX program computes
+        inference, so a layer in training mode (routing noise, capacity drops, usage counts)
+        is refused, and the layer runs without autograd, as eager inference runs under
+        ``no_grad`` (the few-token expert path, no aux losses)."""
+        if self.training:
+            raise ValueError(f"{type(self).__name__} is in training mode: an ONNX program "
+                             f"computes inference; call model.eval() before torch.onnx.export")
+        # tracing_forms: torch.cond's branches (the expert MLP's If) then need not ask
+        # PyTorch's flag, which Dynamo traces them with
+        with torch.no_grad(), tracing_forms():
+            return self._forward(x)
 
     def _kept_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """The rows of the flattened ``x`` [..., d_model] this forward computes (int64 [T']),

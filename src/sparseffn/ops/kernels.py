@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from ..activations import activation_fn
-from . import dense_products, native, triton_cvmm, triton_rows, triton_tree
+from . import dense_products, native, portable, triton_cvmm, triton_rows, triton_tree
 from .debug import checks_enabled
 from .grouped_mm import grouped_mm_rows, grouped_weight_grad_rows, pad_rows, zero_rows_after
 
@@ -84,6 +84,8 @@ class Operator:
         return self.op.register_fake(fn)
 
     def __call__(self, *args, **kwargs):
+        if portable.traces_forms():
+            return portable.form_of(self)(*args, **kwargs)
         if _direct_call_ok(args) and (not kwargs or _direct_call_ok(kwargs.values())):
             return self.implementation(*args, **kwargs)
         return self.op(*args, **kwargs)

@@ -16,14 +16,17 @@ shapes alone, each of which ONNX has:
 - top-k is ``torch.topk``, whose ONNX ``TopK`` orders equal values by index as the
   operators do.
 
-:func:`sparseffn.to_onnx` applies them (``ExportedProgram.run_decompositions(forms())``)
-before ``torch.onnx.export``; they are not registered globally (see
+Each operator traces as its form while ``torch.export`` traces for ``torch.onnx.export`` or
+inside :func:`tracing_forms` (:func:`sparseffn.to_onnx`), and ``forms()`` is the table for
+``ExportedProgram.run_decompositions``; they are not registered globally (see
 :mod:`sparseffn.onnx_export`). Inference only: the backward operators have no portable form.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import functools
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -145,6 +148,58 @@ def _top_by_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     values, idx = torch.topk(scores, k, dim=-1)
     idx, order = torch.sort(idx, dim=-1)          # distinct indices: any sort is this one
     return values.gather(1, order), idx
+
+
+def exporting_to_onnx() -> bool:
+    """Whether ``torch.onnx.export`` (its ``torch.export`` capture) is tracing this call."""
+    return torch.compiler.is_exporting() and _in_onnx_export()
+
+
+@torch.compiler.assume_constant_result
+def _in_onnx_export() -> bool:
+    # called, not traced, by Dynamo (the exporter's strict capture, torch.cond's branches),
+    # which would read PyTorch's flag as False
+    return torch.onnx.is_in_onnx_export()
+
+
+_tracing_forms = False
+
+
+@contextlib.contextmanager
+def tracing_forms() -> Iterator[None]:
+    """While ``torch.export`` traces inside this context, each operator traces as its
+    portable form (:meth:`~sparseffn.ops.kernels.Operator.__call__`), so that the program has
+    no ``sparseffn::`` operator (:func:`sparseffn.to_onnx`; ``torch.onnx.export`` needs no
+    context). Outside an export it changes nothing; ``torch.export`` alone keeps the
+    operators."""
+    global _tracing_forms
+    outer, _tracing_forms = _tracing_forms, True
+    try:
+        yield
+    finally:
+        _tracing_forms = outer
+
+
+def traces_forms() -> bool:
+    """Whether an operator called now traces as its portable form: ``torch.export`` traces
+    inside :func:`tracing_forms` or for ``torch.onnx.export``."""
+    return torch.compiler.is_exporting() and (_tracing_forms or _in_onnx_export())
+
+
+def form_of(operator) -> Callable:
+    """The portable form of a :class:`~sparseffn.ops.kernels.Operator`; a clear error for an
+    operator that has none (the backward operators: an exported program is inference)."""
+    form = _forms().get(operator.op._opoverload)
+    if form is None:
+        raise NotImplementedError(
+            f"{operator.op._opoverload.name()} has no portable form: an ONNX export computes "
+            f"inference only (call model.eval() and export under torch.no_grad())")
+    return form
+
+
+@functools.lru_cache(maxsize=None)
+def _forms() -> dict:
+    return forms()
 
 
 def forms() -> dict:
