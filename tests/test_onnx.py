@@ -3,6 +3,7 @@ Hugging Face model run in ONNX Runtime and compute what they compute in PyTorch,
 counts other than the one traced (other routings), an empty batch, and with NaN in a token."""
 
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -187,6 +188,19 @@ def test_torch_onnx_export_refuses_a_layer_in_training_mode():
     layer = _build(EXAMPLES["layer:sigma_moe"])
     with pytest.raises(Exception, match=r"SigmaMoE is in training mode.*model.eval\(\)"):
         torch.onnx.export(layer.train(), (torch.randn(5, D),), dynamo=True, verbose=False)
+
+
+def test_torchscript_tracing_is_refused_by_name():
+    """``torch.jit.trace`` and the TorchScript exporter (``dynamo=False``), whose trace records
+    a C kernel's output buffer but not the kernel (the program would return memory nothing
+    wrote), stop with a message saying what to use."""
+    layer = _build(EXAMPLES["layer:sigma_moe"]).eval()
+    with pytest.raises(NotImplementedError, match="SigmaMoE: TorchScript tracing"):
+        torch.jit.trace(layer, torch.randn(5, D))
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(NotImplementedError, match=r"dynamo=True\) or sparseffn.to_onnx"):
+            torch.onnx.export(layer, (torch.randn(5, D),), f"{folder}/m.onnx", dynamo=False)
 
 
 def test_torch_export_keeps_the_operators():

@@ -22,7 +22,7 @@ registered in PyTorch's global decomposition table: its fake tensors prefer a re
 decomposition to an operator's own shape function whenever sizes are symbolic, so
 ``torch.export`` and ``torch.compile(dynamic=True)`` would trace them too.
 ``torch.onnx.export`` needs the ``onnx`` and ``onnxscript`` packages (``pip install
-sparseffn[onnx]``).
+sparseffn[onnx]``). TorchScript tracing (``dynamo=False``) is refused by the layers.
 """
 
 from __future__ import annotations

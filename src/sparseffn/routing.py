@@ -380,6 +380,12 @@ class RoutedFFN(SparseFFN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if exporting_to_onnx():
             return self._onnx_forward(x)
+        if torch.jit.is_tracing():
+            raise NotImplementedError(
+                f"{type(self).__name__}: TorchScript tracing (torch.jit.trace, or "
+                f"torch.onnx.export(..., dynamo=False)) cannot record sparseffn's operators, "
+                f"and the program it made would compute wrong outputs. Use torch.export, or "
+                f"for ONNX torch.onnx.export(..., dynamo=True) or sparseffn.to_onnx")
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
