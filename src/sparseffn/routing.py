@@ -411,8 +411,8 @@ class RoutedFFN(SparseFFN):
         if self.training:
             raise ValueError(f"{type(self).__name__} is in training mode: an ONNX program "
                              f"computes inference; call model.eval() before torch.onnx.export")
-        # tracing_forms: torch.cond's branches (the expert MLP's If) then need not ask
-        # PyTorch's flag, which Dynamo traces them with
+        # tracing_forms: for torch.cond's branches (the expert MLP's If), which Dynamo
+        # traces, reading PyTorch's ONNX flag as False
         with torch.no_grad(), tracing_forms():
             return self._forward(x)
 

@@ -151,15 +151,11 @@ def _top_by_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def exporting_to_onnx() -> bool:
-    """Whether ``torch.onnx.export`` (its ``torch.export`` capture) is tracing this call."""
-    return torch.compiler.is_exporting() and _in_onnx_export()
-
-
-@torch.compiler.assume_constant_result
-def _in_onnx_export() -> bool:
-    # called, not traced, by Dynamo (the exporter's strict capture, torch.cond's branches),
-    # which would read PyTorch's flag as False
-    return torch.onnx.is_in_onnx_export()
+    """Whether ``torch.onnx.export`` (its ``torch.export`` capture) is tracing this call.
+    False where Dynamo traces it (the exporter's strict capture, ``torch.cond``'s branches),
+    which reads PyTorch's flag as False: a layer carries it into ``cond`` with
+    :func:`tracing_forms`."""
+    return torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export()
 
 
 _tracing_forms = False
@@ -183,7 +179,7 @@ def tracing_forms() -> Iterator[None]:
 def traces_forms() -> bool:
     """Whether an operator called now traces as its portable form: ``torch.export`` traces
     inside :func:`tracing_forms` or for ``torch.onnx.export``."""
-    return torch.compiler.is_exporting() and (_tracing_forms or _in_onnx_export())
+    return torch.compiler.is_exporting() and (_tracing_forms or torch.onnx.is_in_onnx_export())
 
 
 def form_of(operator) -> Callable:
