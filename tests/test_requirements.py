@@ -3,17 +3,13 @@
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
 from sparseffn.requirements import MINIMUM_TORCH, check_torch, torch_release
-
-try:
-    import tomllib
-except ModuleNotFoundError:   # Python 3.10
-    import tomli as tomllib
 
 
 @pytest.mark.parametrize("version, release", [

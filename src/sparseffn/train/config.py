@@ -36,16 +36,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
-
-try:
-    import tomllib
-except ModuleNotFoundError:   # Python 3.10
-    import tomli as tomllib   # type: ignore[no-redef]
 
 from ..config import LayerConfig, config_from_dict
 from ..models.classifier import ClassifierConfig
