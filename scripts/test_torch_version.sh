@@ -4,6 +4,8 @@
 #
 #   bash scripts/test_torch_version.sh 2.11.0                 # the whole suite
 #   bash scripts/test_torch_version.sh 2.11.0 tests/test_hf.py -x
+#   PYTHON=python3.13 VENV=.venv-torch2.13.0-py3.13 bash scripts/test_torch_version.sh 2.13.0
+#                                                  # another Python (pyenv has 3.12 and 3.13)
 #
 # Why: the lent GPU machines run PyTorch 2.11 and Triton 3.6, and a GPU session has 15 minutes
 # of device time. Code that only 2.13 runs correctly costs that session its one call, or
