@@ -73,7 +73,9 @@ class Operator:
     tensor subclasses, functorch transforms, a ``TorchDispatchMode`` (FLOP counters,
     debuggers), a ``TorchFunctionMode``, the autograd profiler, or with an input that
     requires grad while grad is enabled (the operators have no autograd formula), the
-    registered operator runs."""
+    registered operator runs. While ``torch.export`` traces for ONNX (``torch.onnx.export``,
+    :func:`sparseffn.to_onnx`), the operator's portable form runs instead
+    (:func:`~sparseffn.ops.portable.traces_forms`)."""
 
     def __init__(self, op, implementation) -> None:
         self.op = op
