@@ -204,9 +204,10 @@ def test_torchscript_tracing_is_refused_by_name():
 
 
 def test_torch_export_keeps_the_operators():
-    """The forms are applied by to_onnx alone: ``torch.export`` (whose fake tensors would
-    prefer a registered decomposition to the operators' shape functions) keeps the operators,
-    and PyTorch's global decomposition table holds none of them."""
+    """The forms are traced for ONNX alone: ``torch.export`` (whose fake tensors would prefer
+    a registered decomposition to the operators' shape functions) keeps the operators,
+    PyTorch's global decomposition table holds none of them, and ``portable_forms()`` turns
+    such a program into ATen ops that compute the layer's outputs."""
     from torch._decomp import decomposition_table
     layer = _build(EXAMPLES["layer:sigma_moe"]).eval()
     program = torch.export.export(layer, (torch.randn(37, D),)).run_decompositions()
