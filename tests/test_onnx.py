@@ -184,6 +184,31 @@ def test_torch_onnx_export_alone_exports_the_sparse_layers():
     assert any(str(node.target).startswith("sparseffn.") for node in program.graph.nodes)
 
 
+@pytest.mark.skipif(torch_release(torch.__version__) < (2, 11),
+                    reason="strict export on PyTorch 2.8 and 2.9 refuses the layers' writes of "
+                           "their statistics: 'Mutating module attribute aux_losses during "
+                           "export'")
+def test_a_strict_export_serves_every_token_count():
+    """``to_onnx(..., strict=True)``: Dynamo traces the layers, where a symbolic size looks
+    like an int, so a path chosen by size was a guard ("<= 7281") and an unbounded ``Dim``
+    failed. Layers that choose by size (the expert MLP's ``If``, product-key retrieval's
+    chunks, the tree router's padded GEMM, GShard's groups) give their outputs at 1, 300 and
+    0 tokens."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_build(EXAMPLES[name]) for name in (
+        "layer:sigma_moe", "layer:pkm", "router:tree", "router:gshard"))).eval()
+    tokens = torch.export.Dim("tokens", min=2)
+    program = sparseffn.to_onnx(model, (torch.randn(37, D),), dynamic_shapes=({0: tokens},),
+                                strict=True)
+    assert "If" in {node.op_type for node in program.model_proto.graph.node}
+    session = _session(program)
+    for x in (torch.randn(1, D), torch.randn(300, D), torch.randn(0, D)):
+        with torch.no_grad():
+            want = model(x)
+        got, = _run(session, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_torch_onnx_export_refuses_a_layer_in_training_mode():
     layer = _build(EXAMPLES["layer:sigma_moe"])
     with pytest.raises(Exception, match=r"SigmaMoE is in training mode.*model.eval\(\)"):

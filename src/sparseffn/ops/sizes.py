@@ -17,5 +17,11 @@ import torch
 
 def exported_for_any_size(size) -> bool:
     """True while ``torch.export`` traces a dynamic size (a ``SymInt``); False in eager mode,
-    under ``torch.compile`` (which keeps its bounded number of graphs) and for a static size."""
-    return isinstance(size, torch.SymInt) and torch.compiler.is_exporting()
+    under ``torch.compile`` (which keeps its bounded number of graphs) and for a static size
+    of a non-strict export. Dynamo, which traces a strict export, shows a symbolic size as
+    an ``int``: there every size counts as dynamic (the path that serves every size serves a
+    static one too). Otherwise the size test was a guard, and ``to_onnx(..., strict=True)``
+    with an unbounded ``Dim`` failed ("Not all values of t ... satisfy ... <= 7281")."""
+    if not torch.compiler.is_exporting():
+        return False
+    return isinstance(size, torch.SymInt) or torch.compiler.is_dynamo_compiling()

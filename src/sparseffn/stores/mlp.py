@@ -155,7 +155,9 @@ class MLPExperts(ExpertStore):
         is a new symbol, and the plan's shape checks could not relate them."""
         if not exported_for_any_size(x.shape[0]) or routing.indices.dim() != 2:
             return False
-        if free_unbacked_symbols(x.shape[0]):
+        # (Dynamo, tracing a strict export, cannot call free_unbacked_symbols; its sizes
+        # come from the inputs there unless skip_padding counts them)
+        if not torch.compiler.is_dynamo_compiling() and free_unbacked_symbols(x.shape[0]):
             return False
         tensors = (x, routing.weights, *self.parameters())
         return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
