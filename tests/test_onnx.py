@@ -29,6 +29,19 @@ def _run(session, *inputs: torch.Tensor) -> list[torch.Tensor]:
     return [torch.from_numpy(out) for out in session.run(None, feeds)]
 
 
+def _check_token_counts(session, module: torch.nn.Module, counts: tuple[int, ...]) -> None:
+    """The session gives ``module``'s eager outputs at each of ``counts`` tokens, and at 9
+    tokens with a NaN in token 3, which stays in its row."""
+    nan_token = torch.randn(9, D)
+    nan_token[3, 2] = float("nan")
+    for x in [torch.randn(n, D) for n in counts] + [nan_token]:
+        with torch.no_grad():
+            want = module(x)
+        got, = _run(session, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+
+
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_every_layer_runs_in_onnx_runtime_at_any_token_count(name):
     """Traced at 37 tokens with the count dynamic; run at 0, 1 and 300 tokens and at 9 with a
@@ -39,14 +52,7 @@ def test_every_layer_runs_in_onnx_runtime_at_any_token_count(name):
     session = _session(sparseffn.to_onnx(layer, (torch.randn(37, D),),
                                          dynamic_shapes=({0: tokens},)))
     assert len(session.get_outputs()) == 1
-    nan_token = torch.randn(9, D)
-    nan_token[3, 2] = float("nan")
-    for x in (torch.randn(0, D), torch.randn(1, D), torch.randn(300, D), nan_token):
-        with torch.no_grad():
-            want = layer(x)
-        got, = _run(session, x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+    _check_token_counts(session, layer, (0, 1, 300))
 
 
 @pytest.mark.parametrize("name", ["layer:sigma_moe", "layer:pkm", "layer:fff"])
@@ -170,15 +176,7 @@ def test_torch_onnx_export_alone_exports_the_sparse_layers():
         # (2.8's torch.export reads grad mode as on inside the layer's no_grad block: the
         # program has the plan alone, which gives the same outputs)
         assert "If" in {node.op_type for node in program.model_proto.graph.node}
-    session = _session(program)
-    nan_token = torch.randn(9, D)
-    nan_token[3, 2] = float("nan")
-    for x in (torch.randn(1, D), torch.randn(300, D), torch.randn(0, D), nan_token):
-        with torch.no_grad():
-            want = model(x)
-        got, = _run(session, x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+    _check_token_counts(_session(program), model, (1, 300, 0))
     # the forms stay with the export: torch.export alone still keeps the operators
     program = torch.export.export(model, (torch.randn(37, D),))
     assert any(str(node.target).startswith("sparseffn.") for node in program.graph.nodes)
@@ -267,16 +265,7 @@ def test_expert_mlps_choose_the_pairs_or_the_plan_by_the_token_count(name, monke
     choice, = [node for node in program.model_proto.graph.node if node.op_type == "If"]
     pairs = next(a.g for a in choice.attribute if a.name == "then_branch")
     assert "NonZero" not in {node.op_type for node in pairs.node}
-    session = _session(program)
-    nan_token = torch.randn(9, D)
-    nan_token[3, 2] = float("nan")
-    for x in (torch.randn(1, D), torch.randn(4, D), torch.randn(5, D), torch.randn(300, D),
-              nan_token):
-        with torch.no_grad():
-            want = layer(x)
-        got, = _run(session, x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+    _check_token_counts(_session(program), layer, (1, 4, 5, 300))
 
 
 @pytest.mark.parametrize("preset", ["sigma_moe", "pkm"])
