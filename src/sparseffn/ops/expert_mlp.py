@@ -23,6 +23,7 @@ from ..activations import activation_fn
 from . import kernels, native, triton_cvmm
 from .cvmm import (DispatchPlan, _pairs_to_slots, backward_gate_rows, check_expert_indices,
                    cvmm)
+from .grad_mode import grad_wanted
 from .precision import autocast_dtype
 from .rows import gather_sum
 from .sizes import exported_for_any_size
@@ -201,7 +202,7 @@ def expert_mlp_few_ok(x: torch.Tensor, indices: torch.Tensor, gates: torch.Tenso
     weights and any floating x and gates, see :func:`expert_mlp_few`) and the pairs come to
     at most ``FEW_PAIRS_MACS`` multiply-adds."""
     tensors = (x, gates, w1, w2, b1, b2, w_gate)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if grad_wanted(*tensors):
         return False
     if x.dim() != 2 or indices.dim() != 2 or exported_for_any_size(indices.shape[0]):
         return False

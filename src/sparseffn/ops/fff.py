@@ -44,6 +44,7 @@ from torch.nn import functional as F
 from ..requirements import torch_release
 from ..runtime import assume_constant_result
 from . import kernels, native, triton_tree
+from .grad_mode import grad_wanted
 from .kernels import descend_from_logits_fn
 from .precision import autocast_off
 
@@ -324,7 +325,7 @@ def leaf_probs_levelwise(z: torch.Tensor, activation: str = "logsigmoid") -> tor
         return _levelwise_torch(z, depth, activation)
     if z.stride(-1) != 1:    # the kernels take any row stride (e.g. a slice of wider logits)
         z = z.contiguous()
-    if torch.is_grad_enabled() and z.requires_grad:
+    if grad_wanted(z):
         return _LevelwiseTree.apply(z, depth, activation)
     return _expanded_probs(kernels.fff_expand, z, depth, activation)   # no autograd node
 

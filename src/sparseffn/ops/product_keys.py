@@ -27,6 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import kernels, triton_rows
+from .grad_mode import grad_wanted
 from .precision import autocast_off
 from .rows import gather_dot
 from .sizes import exported_for_any_size
@@ -136,9 +137,7 @@ def retrieve(query: torch.Tensor, keys_a: torch.Tensor, keys_b: torch.Tensor,
             for start in range(0, tokens, step):
                 part = slice(start, min(tokens, start + step))
                 vals[part], idx[part] = select(part)
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query, keys_a, keys_b))
-    if not needs_grad:
+    if not grad_wanted(query, keys_a, keys_b):
         return vals, idx
     if _dense_backward(heads * max(n_a, n_b), query, keys_a, keys_b):
         return _SelectedScores.apply(vals, query, keys_a, keys_b, idx), idx

@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from . import dense_products, kernels, triton_rows
 from .debug import indices_outside
+from .grad_mode import grad_wanted
 from .kernels import scatter_rows
 
 
@@ -87,8 +88,7 @@ def shared_row_index(idx: torch.Tensor, num_rows: int, *tensors: torch.Tensor,
     the Triton kernels' own, not the dense products of ``ops/dense_products.py``); else None
     (the C kernel and the PyTorch path group the pairs themselves). Pass the result as
     ``row_index`` to :func:`gather_dot` and :func:`gather_sum`."""
-    if (sparse_grad or not torch.is_grad_enabled()
-            or not any(t.requires_grad for t in tensors) or not triton_rows.usable(*tensors)
+    if (sparse_grad or not grad_wanted(*tensors) or not triton_rows.usable(*tensors)
             or not triton_rows.fits_int32_index(idx, num_rows)
             or dense_products.pays(idx, num_rows)):     # (the dense form groups nothing)
         return None

@@ -13,6 +13,7 @@ from ..activations import activation_fn
 from ..init import dense_init_std
 from ..ops.cvmm import DispatchPlan
 from ..ops.expert_mlp import expert_mlp, expert_mlp_few, expert_mlp_few_ok, few_pairs_tokens
+from ..ops.grad_mode import grad_wanted
 from ..ops.sizes import exported_for_any_size
 from ..ops.precision import autocast_dtype
 from ..routing import Routing
@@ -159,8 +160,7 @@ class MLPExperts(ExpertStore):
         # come from the inputs there unless skip_padding counts them)
         if not torch.compiler.is_dynamo_compiling() and free_unbacked_symbols(x.shape[0]):
             return False
-        tensors = (x, routing.weights, *self.parameters())
-        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        return not grad_wanted(x, routing.weights, *self.parameters())
 
     def _few_or_planned(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """A program's choice (``torch.cond``, an ONNX ``If``) between the two paths eager
