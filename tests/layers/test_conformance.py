@@ -170,7 +170,7 @@ def _reference(layer, x):
     finally:
         del layer.route
     reference = STORE_REFERENCES[type(layer.store)]
-    return y, reference(layer.store, x.reshape(-1, D), captured[0]).reshape(y.shape)
+    return y, reference(layer.store, x.reshape(-1, layer.d_model), captured[0]).reshape(y.shape)
 
 
 # --- the checks ------------------------------------------------------------------------------
@@ -362,19 +362,30 @@ def test_a_compiled_layer_follows_no_usage_statistics_in_and_out(name):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_output_and_gradients_match_the_store_reference(name, training):
-    layer = _build(EXAMPLES[name]).train(training)
-    with torch.no_grad():      # biases start at zero; the reference must see them added
-        for key, p in layer.named_parameters():
-            if key.rsplit(".", 1)[-1] in ("b1", "b2", "b_out") and not p.any():
-                p.normal_(0.0, 0.5)
+    layer = with_nonzero_biases(_build(EXAMPLES[name]).train(training))
     if isinstance(layer, RoutedFFN):
         assert type(layer.store) in STORE_REFERENCES, "add a loop reference for this store"
     if training and "dropout" in name or (training and EXAMPLES[name] is VARIANTS.get(
             "peer_sparse_grad")):
         layer.store.hidden_dropout.p = 0.0      # the reference has no dropout mask to share
-    x = torch.randn(7, D, requires_grad=True)
+    check_against_the_reference(layer, torch.randn(7, D, requires_grad=True))
+
+
+def with_nonzero_biases(layer):
+    """``layer`` with its expert biases drawn: they start at zero, and the reference must see
+    them added."""
+    with torch.no_grad():
+        for key, p in layer.named_parameters():
+            if key.rsplit(".", 1)[-1] in ("b1", "b2", "b_out") and not p.any():
+                p.normal_(0.0, 0.5)
+    return layer
+
+
+def check_against_the_reference(layer, x, atol=1e-5):
+    """The output of ``layer`` on ``x`` (which requires grad) and the gradients of ``x`` and of
+    every parameter equal those of the loop reference fed the layer's own routing."""
     y, ref = _reference(layer, x)
-    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y, ref, atol=atol, rtol=1e-4)
     grad = torch.randn_like(y)
     params = [x] + params_of(layer)
     got = torch.autograd.grad(y, params, grad, retain_graph=True, allow_unused=True)
@@ -384,7 +395,7 @@ def test_output_and_gradients_match_the_store_reference(name, training):
         if w is None:
             assert g is None or torch.all(g == 0)
         else:
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(g, w, atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
