@@ -220,7 +220,7 @@ def backward_gate_rows(gates: torch.Tensor | None, order: torch.Tensor) -> torch
 
 def _pairs_to_slots(order: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Per-row values [S] in sorted order back to slot order [S] (a permutation)."""
-    return torch.empty_like(values).index_copy_(0, order, values)
+    return kernels.unsort_rows(values, order)
 
 
 class _CVMM(torch.autograd.Function):

@@ -27,6 +27,7 @@ capacity) is never computed, and where it appears in an output it is exactly zer
                                   et al. 2023, arXiv:2310.10837, App. B.1, Eq. 40)
     sparseffn::expert_weight_grad Σ over an expert's rows of aᵀ b (the CVMM weight gradient)
     sparseffn::expert_mlp_pairs   a few tokens' MLP experts without a plan (inference)
+    sparseffn::unsort_rows        per-row values in expert-sorted order back to slot order
     sparseffn::gather_dot         <x[t], table[idx[t, j]]>   (these four: dense products for
                                   a small table where enabled, see ops/dense_products.py)
     sparseffn::gather_sum         Σ_j w[t, j] · table[idx[t, j]]
@@ -223,6 +224,22 @@ def sum_slots(rows: Tensor, out_idx: Tensor, out_rows: int, group: int) -> Tenso
     if group == 1:
         return slots
     return slots.view(out_rows, group, rows.shape[1]).sum(1)
+
+
+@operator("unsort_rows")
+def unsort_rows(rows: Tensor, order: Tensor) -> Tensor:
+    """``rows`` [S, ...] in a plan's expert-sorted order back to slot order: ``out[order[r]] =
+    rows[r]``, ``order`` int64 [S] a permutation of ``[0, S)``.
+
+    An operator rather than the ``index_copy_`` into a new tensor it runs, because
+    Inductor's CPU backend (PyTorch 2.13) scheduled a fused kernel that read such a copy before
+    writing it: a compiled σ-MoE backward (k ≥ E/2) gave its router NaN or 1e31 gradients."""
+    return torch.empty_like(rows).index_copy_(0, order, rows)
+
+
+@unsort_rows.register_fake
+def _(rows, order):
+    return torch.empty_like(rows)
 
 
 def _cvmm_rows_torch(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu,
