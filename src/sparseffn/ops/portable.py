@@ -152,10 +152,22 @@ def _top_by_index(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def exporting_to_onnx() -> bool:
     """Whether ``torch.onnx.export`` (its ``torch.export`` capture) is tracing this call.
-    False where Dynamo traces it (the exporter's strict capture, ``torch.cond``'s branches),
-    which reads PyTorch's flag as False: a layer carries it into ``cond`` with
-    :func:`tracing_forms`."""
-    return torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export()
+
+    Dynamo folds ``torch.onnx.is_in_onnx_export()`` to False, so where Dynamo traces (the
+    exporter's strict capture, which it tries after a failed non-strict one, and
+    ``torch.cond``'s branches) the flag is read from the module of the exporter that holds
+    it, as Dynamo reads any module attribute. (Without that, a layer in training mode, refused
+    by the non-strict capture, was captured strictly as a training program and failed at
+    ONNX conversion with "No ONNX function found for sparseffn.cvmm_rows".)"""
+    if not torch.compiler.is_exporting():
+        return False
+    if torch.onnx.is_in_onnx_export():
+        return True
+    try:
+        from torch.onnx._internal.exporter import _flags
+    except ImportError:      # a PyTorch without the module: the public flag alone
+        return False
+    return bool(getattr(_flags, "_is_onnx_exporting", False))
 
 
 _tracing_forms = False
@@ -179,7 +191,7 @@ def tracing_forms() -> Iterator[None]:
 def traces_forms() -> bool:
     """Whether an operator called now traces as its portable form: ``torch.export`` traces
     inside :func:`tracing_forms` or for ``torch.onnx.export``."""
-    return torch.compiler.is_exporting() and (_tracing_forms or torch.onnx.is_in_onnx_export())
+    return torch.compiler.is_exporting() and (_tracing_forms or exporting_to_onnx())
 
 
 def form_of(operator) -> Callable:
