@@ -586,9 +586,11 @@ def test_compiles_in_one_graph_and_matches_eager(name):
 
 @pytest.mark.parametrize("config", [
     EXAMPLES["layer:sigma_moe"], EXAMPLES["layer:pkm"], EXAMPLES["layer:fff"],
-    # k >= E/2: Inductor's CPU backend read the unsorted gate gradient before writing it
-    SigmaMoEConfig(d_model=D, num_experts=8, expert_size=6, k=4)],
-    ids=["sigma_moe", "pkm", "fff", "sigma_moe_half_the_experts"])
+    # PyTorch 2.13's Inductor read the scatter behind the unsorted gate gradient (k >= E/2)
+    # and behind gather's gradient (S-BASE) before writing it
+    SigmaMoEConfig(d_model=D, num_experts=8, expert_size=6, k=4),
+    MoEConfig(d_model=D, num_experts=6, expert_size=6, k=1, router=SBaseRouterConfig())],
+    ids=["sigma_moe", "pkm", "fff", "sigma_moe_half_the_experts", "sbase_top1"])
 def test_inductor_compiled_training_step_matches_eager(config):
     """The default backend generates code: one MoE, one product-key and one tree layer give
     eager's output and gradients (of the input and of every parameter)."""

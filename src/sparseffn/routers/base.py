@@ -10,8 +10,10 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..init import dense_init_std, equal_norm_rows_
+from ..ops import kernels
 from ..ops.precision import autocast_dtype, autocast_off
 from ..registry import RouterConfig
 from ..routing import Routing
@@ -29,6 +31,43 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 ROUTER_PRECISIONS = ("float32", "autocast")
+
+
+def selected_scores(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``scores.gather(1, indices)``: each token's scores of its selected experts, [T, E] and
+    int64 [T, k] -> [T, k].
+
+    While ``torch.compile`` traces a forward whose backward it will compile, the gradient is
+    the ``sparseffn::dense_rows`` operator instead of the ``scatter_add`` into zeros that
+    autograd writes for ``gather``. Inductor's CPU backend in PyTorch 2.13 (not 2.9 or 2.11)
+    scheduled a fused kernel that read that scatter's target before the scatter ran: a
+    compiled S-BASE layer (E 6, k 1) got wrong input and router gradients, in training and
+    in evaluation. Eager keeps the plain ``gather``."""
+    if torch.compiler.is_compiling() and torch.is_grad_enabled() and scores.requires_grad:
+        return _SelectedScores.apply(scores, indices)
+    return scores.gather(1, indices)
+
+
+class _SelectedScores(torch.autograd.Function):
+    """``scores.gather(1, indices)`` whose gradient is one opaque operator (see
+    :func:`selected_scores`)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(scores, indices):
+        return scores.gather(1, indices)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        scores, indices = inputs
+        ctx.save_for_backward(indices)
+        ctx.num_experts = scores.shape[1]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        indices, = ctx.saved_tensors
+        return kernels.dense_rows(indices, grad.contiguous(), ctx.num_experts), None
 
 
 def selection_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -12,7 +12,8 @@ from ..ops.sizes import exported_for_any_size
 from ..registry import RouterConfig, implements, require_capacity_factor, require_router_k
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
-from .base import LinearRouter, ROUTER_PRECISIONS, active_capacity_factor, capacity_of
+from .base import (LinearRouter, ROUTER_PRECISIONS, active_capacity_factor, capacity_of,
+                   selected_scores)
 
 GSHARD_SECOND_EXPERT = ("random", "all")
 
@@ -119,7 +120,7 @@ def _top2(gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lines 5-6 and 15-16: each token's two experts (int64 [T, 2], by gate) and their gates
     normalised by g1 + g2 ([T, 2])."""
     top = torch.topk(gates.detach(), 2, dim=-1).indices
-    chosen = gates.gather(1, top)
+    chosen = selected_scores(gates, top)
     return top, chosen / chosen.sum(-1, keepdim=True)
 
 

@@ -14,7 +14,7 @@ from ..ops.assignment import (capacity_rounding, exact_balanced_assignment,
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
-from .base import LinearRouter, ROUTER_PRECISIONS
+from .base import LinearRouter, ROUTER_PRECISIONS, selected_scores
 
 SBASE_ASSIGNMENTS = ("sinkhorn", "exact")
 SBASE_ROUNDINGS = ("topk", "capacity")
@@ -94,7 +94,7 @@ class SBaseRouter(LinearRouter):
             indices = self.assign(logits)
         else:
             indices = torch.topk(logits.detach(), self.k, dim=-1, sorted=False).indices
-        weights = torch.sigmoid(logits.gather(1, indices))                        # Eq. 32
+        weights = torch.sigmoid(selected_scores(logits, indices))                 # Eq. 32
         aux = {"entropy": batch_entropy_loss(logits, self.global_batch)} \
             if self.computes_aux_losses else {}
         routing = Routing(indices=indices, weights=weights, aux_losses=aux)

@@ -12,7 +12,7 @@ from ..losses import batch_entropy_loss
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import require_bool, require_choice, require_non_negative, require_probability
-from .base import LinearRouter, ROUTER_PRECISIONS, drop_experts
+from .base import LinearRouter, ROUTER_PRECISIONS, drop_experts, selected_scores
 
 SIGMA_GATES = ("sigmoid", "softmax", "softmax_renorm", "hard")
 
@@ -105,14 +105,14 @@ def select_topk(logits: torch.Tensor, k: int, gate: str, expert_dropout: float, 
     # Sigmoid and softmax are monotonic, so the top-k of the logits is the top-k of s.
     indices = torch.topk(selection_logits.detach(), k, dim=-1, sorted=False).indices
     kept = None if dropped is None else ~dropped.gather(1, indices)          # [T, k]
-    chosen_logits = logits.gather(1, indices)
+    chosen_logits = selected_scores(logits, indices)
     if gate == "sigmoid":
         weights = torch.sigmoid(chosen_logits)
     elif gate == "hard":   # s - sg(s) is exactly 0, so the weights are exactly 1
         scores = torch.sigmoid(chosen_logits)
         weights = 1.0 + (scores - scores.detach())
     elif gate == "softmax":
-        weights = torch.softmax(logits, dim=-1).gather(1, indices)
+        weights = selected_scores(torch.softmax(logits, dim=-1), indices)
     else:  # softmax_renorm: softmax over the selected (and kept) logits
         shifted = (chosen_logits - chosen_logits.detach().amax(-1, keepdim=True)).exp()
         if kept is not None:

@@ -15,7 +15,7 @@ from ..registry import RouterConfig, implements, require_capacity_factor, requir
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_probability
 from .base import (LinearRouter, ROUTER_PRECISIONS, active_capacity_factor, capacity_of,
-                   drop_experts)
+                   drop_experts, selected_scores)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class SwitchRouter(LinearRouter):
         probs = torch.softmax(logits, dim=-1)
         selection, _ = drop_experts(probs, cfg.expert_dropout, self.training)
         top1 = selection.detach().argmax(-1)                                   # [T]
-        weights = probs.gather(1, top1.unsqueeze(1))                          # [T, 1]
+        weights = selected_scores(probs, top1.unsqueeze(1))                   # [T, 1]
         tokens = x.shape[0]
         capacity = capacity_of(active_capacity_factor(cfg, self.training), tokens, 1,
                                self.num_experts)
