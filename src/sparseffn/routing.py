@@ -93,14 +93,22 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
         ones = torch.ones(flat.shape, device=flat.device, dtype=torch.float32) if keep is None \
             else keep.float()
         if mass_each is None:
-            counts = flat.new_zeros(num_experts, dtype=torch.float32).index_add_(0, flat, ones)
+            counts = _per_expert(flat, ones, num_experts)
         else:   # both: one scatter of the (1, weight) columns
-            both = flat.new_zeros((2, num_experts), dtype=torch.float32).index_add_(
-                1, flat, torch.stack((ones, mass_each)))
+            both = _per_expert(flat, torch.stack((ones, mass_each)), num_experts)
             return both[0], both[1]
     if mass is None:
-        mass = flat.new_zeros(num_experts, dtype=torch.float32).index_add_(0, flat, mass_each)
+        mass = _per_expert(flat, mass_each, num_experts)
     return counts.float(), mass
+
+
+def _per_expert(flat: torch.Tensor, values: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``values`` [..., S] summed by the expert ids ``flat`` [S]: float32 [..., E]. One expert
+    takes a sum: Inductor (PyTorch 2.11, 2.13) failed to generate a scatter into one element,
+    so a compiled layer with one expert did not compile."""
+    if num_experts == 1:
+        return values.sum(-1, keepdim=True)
+    return values.new_zeros((*values.shape[:-1], num_experts)).index_add_(-1, flat, values)
 
 
 def _inside_func_transform() -> bool:
