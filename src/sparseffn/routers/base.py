@@ -143,8 +143,23 @@ def capacity_of(capacity_factor: float | None, tokens: int, k: int, num_experts:
     (``capacity_factor`` 0 or None)."""
     if not capacity_factor:
         return None
-    # sym_max: the built-in max for numbers; for a symbolic count, no comparison (a guard)
-    return torch.sym_max(1, math.ceil(capacity_factor * k * tokens / num_experts))
+    return count_max(1, math.ceil(capacity_factor * k * tokens / num_experts))
+
+
+def count_min(a: int, b: int) -> int:
+    """``min`` of two counts: ``torch.sym_min`` where one is symbolic (a comparison there would
+    be a guard), the built-in ``min`` of two ints (Dynamo on PyTorch 2.8 to 2.11 refuses
+    ``torch.sym_min`` of two ints: "torch.* op returned non-Tensor")."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return torch.sym_min(a, b)
+    return min(a, b)
+
+
+def count_max(a: int, b: int) -> int:
+    """``max`` of two counts, as :func:`count_min`."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return torch.sym_max(a, b)
+    return max(a, b)
 
 
 class Router(nn.Module):

@@ -13,7 +13,7 @@ from ..registry import RouterConfig, implements, require_capacity_factor, requir
 from ..routing import Routing
 from ..validation import require_choice, require_non_negative, require_positive_int
 from .base import (LinearRouter, ROUTER_PRECISIONS, active_capacity_factor, capacity_of,
-                   selected_scores)
+                   count_max, count_min, selected_scores)
 
 GSHARD_SECOND_EXPERT = ("random", "all")
 
@@ -202,7 +202,7 @@ class GShardRouter(LinearRouter):
             top, combine = _top2(gates)
             # the third statistic: 1 with tokens, 0 without (no test of the count: a guard
             # when exported, where the count of real tokens may be data-dependent)
-            present = torch.sym_float(torch.sym_min(tokens, 1))
+            present = torch.sym_float(count_min(tokens, 1))
             known = (*torch.zeros(2, device=x.device).unbind(),
                      torch.full((), present, device=x.device))
             return Routing(indices=top, weights=combine, stats=dict(zip(names, known)),
@@ -212,7 +212,7 @@ class GShardRouter(LinearRouter):
         result = gshard_top2(gates, groups, capacity, uniform, aux=aux)
         dispatched = result.dispatched
         flags = torch.stack([~dispatched.any(1), ~dispatched[:, 0], dispatched[:, 1]], 1)
-        fractions = flags.float().sum(0) / torch.sym_max(tokens, 1)   # an empty batch: zeros
+        fractions = flags.float().sum(0) / count_max(tokens, 1)       # an empty batch: zeros
         stats = dict(zip(names, fractions.unbind()))
         if capacity is not None:
             stats["capacity"] = torch.full((), torch.sym_float(capacity), device=x.device)
