@@ -827,6 +827,7 @@ def skip_padding(model: nn.Module) -> ModelHooks:
 def _skip_padding_at(stack: nn.Module) -> tuple:
     """The two hooks of :func:`skip_padding` on ``stack``, whose forward takes the mask."""
     from .auxiliary import skipping_padding
+    from .ops.sizes import exporting
     blocks: list[contextlib.ExitStack] = []     # one per forward in flight (nested forwards)
 
     @_marked("skip_padding")
@@ -836,7 +837,7 @@ def _skip_padding_at(stack: nn.Module) -> tuple:
         # An exported program serves every mask, so it skips padding always (without padding
         # that computes the same), where reading the mask on the host would fail the export.
         if isinstance(mask, torch.Tensor) and mask.shape == _token_shape(args, kwargs) \
-                and (torch.compiler.is_exporting() or not bool(mask.bool().all())):
+                and (exporting() or not bool(mask.bool().all())):
             block.enter_context(skipping_padding(_token_part(module), mask))
         blocks.append(block)
 

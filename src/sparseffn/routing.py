@@ -15,6 +15,7 @@ from torch import nn
 from .ops.cvmm import DispatchPlan
 from .ops.portable import exporting_to_onnx, tracing_forms
 from .ops.precision import cast_for_two
+from .ops.sizes import exporting
 
 
 @dataclass
@@ -449,7 +450,7 @@ class RoutedFFN(SparseFFN):
                              f"its last dimension (e.g. [batch, seq] for [batch, seq, d_model]), "
                              f"or as many elements as a flattened input has rows")
         kept = mask.to(x.device).reshape(-1).nonzero().squeeze(1)
-        if torch.compiler.is_exporting():   # a bound for the data-dependent count: without
+        if exporting():   # a bound for the data-dependent count: without
             # it the export's runtime checks of sizes derived from it (k pairs a token) were
             # up to 2^64 - 4, which no int64 of the ONNX graph holds
             torch._check(kept.shape[0] <= 2 ** 31 - 1)

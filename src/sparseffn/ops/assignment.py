@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import kernels, triton_sinkhorn
+from .sizes import exporting
 from .cvmm import search_sorted, stable_sort_ids
 
 
@@ -52,7 +53,7 @@ def positions_in_expert(experts: torch.Tensor, num_experts: int,
     # where each pair's run of keys starts. Exported, where the search compares every key,
     # searched by id (experts × groups) rather than by pair: [bound, P] comparisons, not
     # [P, P]
-    if torch.compiler.is_exporting():
+    if exporting():
         ids = torch.arange(bound, device=key.device, dtype=sorted_key.dtype)
         first = search_sorted(sorted_key, ids).index_select(0, sorted_key.long())
     else:

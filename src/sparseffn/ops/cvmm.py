@@ -30,6 +30,7 @@ from . import kernels
 from .debug import indices_outside
 from .ids import id_dtype
 from .precision import autocast_dtype
+from .sizes import exporting
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def stable_sort_ids(keys: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch
     # (no builtin max: PyTorch 2.8-2.9's non-strict export replaces it by a function that
     # Dynamo refuses to trace inside torch.cond's branches)
     keys = keys.to(torch.int64 if symbolic else id_dtype(0, bound - 1 if bound > 1 else 0))
-    if torch.compiler.is_exporting():
+    if exporting():
         position = torch.arange(keys.shape[0], device=keys.device)
         order = torch.sort(keys.long() * keys.shape[0] + position).indices
         return keys.index_select(0, order), order
@@ -157,7 +158,7 @@ def search_sorted(sorted_keys: torch.Tensor, values: torch.Tensor) -> torch.Tens
     """``torch.searchsorted(sorted_keys, values)``: where each of ``values`` [V] would go in
     ``sorted_keys`` [S] (before equal keys), int64 [V]. Under ``torch.export``, by counting
     the smaller keys ([V, S] compared at once): ONNX has no binary search."""
-    if torch.compiler.is_exporting():
+    if exporting():
         return (sorted_keys.unsqueeze(0) < values.unsqueeze(1)).sum(1)
     return torch.searchsorted(sorted_keys, values)
 

@@ -47,6 +47,7 @@ from . import kernels, native, triton_tree
 from .grad_mode import grad_wanted
 from .kernels import descend_from_logits_fn
 from .precision import autocast_off
+from .sizes import exporting
 
 TREE_ACTIVATIONS = ("logsigmoid", "softplus", "linear", "relu", "gelu")
 SOFT_FORMULATIONS = ("orig", "logs", "matrix", "matrix_sparse", "levelwise")
@@ -321,7 +322,7 @@ def leaf_probs_levelwise(z: torch.Tensor, activation: str = "logsigmoid") -> tor
     each node's two branch values (Eq. 7 computed top-down without repeating a level per leaf):
     O(L) per token. Log-sigmoid runs as products of ``σ(±z)`` and needs no normalisation."""
     depth = depth_of(z.shape[-1])
-    if not _kernel_ok(z) or (_EXPORT_TAKES_PYTORCH_OPS and torch.compiler.is_exporting()):
+    if not _kernel_ok(z) or (_EXPORT_TAKES_PYTORCH_OPS and exporting()):
         return _levelwise_torch(z, depth, activation)
     if z.stride(-1) != 1:    # the kernels take any row stride (e.g. a slice of wider logits)
         z = z.contiguous()

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..activations import activation_fn
+from .sizes import exporting
 
 
 def _expert_of_sorted_rows(counts: Tensor, rows: int) -> Tensor:
@@ -159,7 +160,7 @@ def exporting_to_onnx() -> bool:
     it, as Dynamo reads any module attribute. (Without that, a layer in training mode, refused
     by the non-strict capture, was captured strictly as a training program and failed at
     ONNX conversion with "No ONNX function found for sparseffn.cvmm_rows".)"""
-    if not torch.compiler.is_exporting():
+    if not exporting():
         return False
     if torch.onnx.is_in_onnx_export():
         return True
@@ -191,7 +192,7 @@ def tracing_forms() -> Iterator[None]:
 def traces_forms() -> bool:
     """Whether an operator called now traces as its portable form: ``torch.export`` traces
     inside :func:`tracing_forms` or for ``torch.onnx.export``."""
-    return torch.compiler.is_exporting() and (_tracing_forms or exporting_to_onnx())
+    return exporting() and (_tracing_forms or exporting_to_onnx())
 
 
 def form_of(operator) -> Callable:

@@ -15,6 +15,16 @@ from __future__ import annotations
 import torch
 
 
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing this call: ``torch.compiler.is_exporting()``, read
+    from the flag it returns. Dynamo on PyTorch 2.8 to 2.11 folds the call itself to True in
+    every graph it traces, ``torch.compile``'s included (measured), so a compiled layer took
+    the paths meant for exported programs; it reads the module flag as it is (True in a
+    strict export, False under ``torch.compile``), as 2.13's Dynamo does for the call."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def exported_for_any_size(size) -> bool:
     """True while ``torch.export`` traces a dynamic size (a ``SymInt``); False in eager mode,
     under ``torch.compile`` (which keeps its bounded number of graphs) and for a static size
@@ -22,6 +32,6 @@ def exported_for_any_size(size) -> bool:
     an ``int``: there every size counts as dynamic (the path that serves every size serves a
     static one too). Otherwise the size test was a guard, and ``to_onnx(..., strict=True)``
     with an unbounded ``Dim`` failed ("Not all values of t ... satisfy ... <= 7281")."""
-    if not torch.compiler.is_exporting():
+    if not exporting():
         return False
     return isinstance(size, torch.SymInt) or torch.compiler.is_dynamo_compiling()

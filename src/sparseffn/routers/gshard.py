@@ -183,7 +183,7 @@ class GShardRouter(LinearRouter):
         any_size = exported_for_any_size(tokens)
         if any_size:   # exported for every token count: no test of the count (a guard); a
             # batch within one group takes the grouped path with one group (the same result)
-            group_size = torch.sym_min(cfg.group_size, tokens) if cfg.group_size else tokens
+            group_size = count_min(cfg.group_size, tokens) if cfg.group_size else tokens
         else:
             group_size = min(cfg.group_size or tokens, tokens) if tokens else 1
         capacity = capacity_of(active_capacity_factor(cfg, self.training), group_size, 2,

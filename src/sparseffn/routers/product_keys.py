@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from ..ops.precision import autocast_dtype
 from ..ops.product_keys import retrieve
+from ..ops.sizes import exporting
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import require_choice, require_positive_int
@@ -96,7 +97,7 @@ class QueryNorm(nn.Module):
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         if self.kind == "batchnorm":
-            if torch.compiler.is_exporting() and not self.training:
+            if exporting() and not self.training:
                 return self._running_norm(q)
             # an empty batch has no statistics to normalise by (and must not update them)
             return q if q.shape[0] == 0 else self.norm(q)
