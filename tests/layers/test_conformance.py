@@ -153,7 +153,7 @@ def _dense_reference(layer, x):
     return layer.down(layer.activation(layer.up(x)))
 
 
-def _reference(layer, x):
+def output_and_reference(layer, x):
     """The layer's output by the loop reference of its store, fed the layer's own routing
     (captured from the same forward, so noise and sampling agree)."""
     if not isinstance(layer, RoutedFFN):
@@ -384,7 +384,7 @@ def with_nonzero_biases(layer):
 def check_against_the_reference(layer, x, atol=1e-5):
     """The output of ``layer`` on ``x`` (which requires grad) and the gradients of ``x`` and of
     every parameter equal those of the loop reference fed the layer's own routing."""
-    y, ref = _reference(layer, x)
+    y, ref = output_and_reference(layer, x)
     torch.testing.assert_close(y, ref, atol=atol, rtol=1e-4)
     grad = torch.randn_like(y)
     params = [x] + params_of(layer)

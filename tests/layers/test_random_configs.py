@@ -23,7 +23,7 @@ from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
                                      SBaseRouterConfig, SigmaRouterConfig, SoftmaxRouterConfig,
                                      SwitchRouterConfig, TreeRouterConfig)
 from sparseffn.routers import ProductKeyRouterConfig
-from tests.layers.test_conformance import (_reference, check_against_the_reference,
+from tests.layers.test_conformance import (check_against_the_reference, output_and_reference,
                                           with_nonzero_biases)
 
 D_MODELS = (1, 3, 7, 17, 33, 64, 65, 130)
@@ -114,5 +114,5 @@ def test_a_random_layer_matches_its_reference(seed):
     atol = 1e-5 * max(1.0, config.d_model ** 0.5)
     check_against_the_reference(layer, x, atol=atol)
     with torch.no_grad():   # inference: the paths without a backward (few tokens' experts)
-        y, ref = _reference(layer.eval(), x)
+        y, ref = output_and_reference(layer.eval(), x)
     torch.testing.assert_close(y, ref, atol=atol, rtol=1e-4)
