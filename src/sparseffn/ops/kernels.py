@@ -747,3 +747,6 @@ def descend_from_logits_fn(node_logit: Callable[[int, Tensor], Tensor], depth: i
 @fff_descend.register_fake
 def _(x, weight, bias, depth):
     return x.new_empty(x.shape[0], dtype=torch.int64)
+
+
+portable.fill_forms()

@@ -25,7 +25,6 @@ inside :func:`tracing_forms` (:func:`sparseffn.to_onnx`), and ``forms()`` is the
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -198,7 +197,7 @@ def traces_forms() -> bool:
 def form_of(operator) -> Callable:
     """The portable form of a :class:`~sparseffn.ops.kernels.Operator`; a clear error for an
     operator that has none (the backward operators: an exported program is inference)."""
-    form = _forms().get(operator.op._opoverload)
+    form = _FORMS.get(operator.op._opoverload)
     if form is None:
         raise NotImplementedError(
             f"{operator.op._opoverload.name()} has no portable form: an ONNX export computes "
@@ -206,9 +205,15 @@ def form_of(operator) -> Callable:
     return form
 
 
-@functools.lru_cache(maxsize=None)
-def _forms() -> dict:
-    return forms()
+# What form_of looks up: a plain dict, which Dynamo reads where it traces (torch.cond's
+# branches); an lru_cache made it warn on every export of a mixture.
+_FORMS: dict = {}
+
+
+def fill_forms() -> None:
+    """Fill the table :func:`form_of` reads, from :func:`forms` (kernels.py calls it once
+    its operators exist)."""
+    _FORMS.update(forms())
 
 
 def forms() -> dict:
