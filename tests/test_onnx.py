@@ -134,6 +134,32 @@ def test_capacity_at_inference_exports_for_any_token_count(router):
         assert not torch.allclose(want, dropless(x))
 
 
+def test_many_experts_export_as_blocks_and_run_in_onnx_runtime():
+    """Above ``PER_EXPERT_PRODUCTS_UP_TO`` experts the expert products are exported as one
+    batched product over blocks of each expert's rows: a Switch layer of 40 experts with a
+    capacity at inference (dropped pairs) gives its outputs at 0, 1 and 300 tokens and at 9
+    with a NaN, and its graph has no NonZero (no product per expert)."""
+    from sparseffn.ops import portable
+    experts = portable.PER_EXPERT_PRODUCTS_UP_TO + 8
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(sparseffn.MoEConfig(
+        d_model=D, num_experts=experts, expert_size=4, k=1,
+        router=sparseffn.SwitchRouterConfig(capacity_factor=1.0, eval_capacity_factor=0.5))
+    ).eval()
+    program = sparseffn.to_onnx(layer, (torch.randn(37, D),),
+                                dynamic_shapes=({0: torch.export.Dim("tokens", min=2)},))
+
+    def op_types(graph) -> set[str]:
+        return {node.op_type for node in graph.node} | {
+            op for node in graph.node for a in node.attribute if a.g.node
+            for op in op_types(a.g)}
+    assert "NonZero" not in op_types(program.model_proto.graph)
+    _check_token_counts(_session(program), layer, (0, 1, 300))
+    with torch.no_grad():    # at 300 tokens the capacity drops pairs
+        x = torch.randn(300, D)
+        assert (layer(x) == 0).all(1).any()
+
+
 class _TopK(torch.nn.Module):
     def forward(self, scores_a, scores_b):
         return (*kernels.topk_rows(scores_a, 3), *kernels.product_key_topk(scores_a, scores_b, 5))
