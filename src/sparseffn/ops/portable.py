@@ -102,9 +102,11 @@ def _products_in_blocks(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     block within one expert's rows: [N, B, m] @ [N, m, n], with each block's expert weights
     gathered. The rows after the last block (dropped pairs) are exactly zero.
 
-    B = Σ counts // (2E) + 1 and N = Σ_e ceil(count_e / B), so however the rows are spread
-    over the experts the products cost at most E·B ≈ Σ counts / 2 + E rows more than the
-    pairs' (a quarter more on average), and N < 3E expert matrices are gathered. The sizes
+    B = Σ counts // (2E) + 2 and N = Σ_e ceil(count_e / B), so however the rows are spread
+    over the experts the products cost at most E·B ≈ Σ counts / 2 + 2E rows more than the
+    pairs' (a quarter more on average), and N < 3E expert matrices are gathered. (B is at
+    least 2: Inductor's batched product asks whether B is 1, which AOTInductor cannot
+    decide for a size the graph counts.) The sizes
     are counted in the graph (not the ones traced), so the graph has the same few nodes for
     any number of experts: one product per expert makes the graph and its export time grow
     with E (one σ-MoE layer of 64 experts: 44-51 s to export, against 8-9 s); padding every
@@ -113,8 +115,8 @@ def _products_in_blocks(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     mean count)."""
     experts, num_rows = weight.shape[0], rows.shape[0]
     counts = counts.long()
-    block = (counts.sum() // (BLOCKS_PER_EXPERT * experts) + 1).item()
-    torch._check(block >= 1)
+    block = (counts.sum() // (BLOCKS_PER_EXPERT * experts) + 2).item()
+    torch._check(block >= 2)
     starts = counts.cumsum(0) - counts                                        # [E]
     blocks = (counts + block - 1) // block                                    # [E]
     first_block = blocks.cumsum(0) - blocks                                   # [E]
