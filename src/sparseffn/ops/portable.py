@@ -104,15 +104,16 @@ def _products_in_blocks(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
 
     B = Σ counts // (2E) + 2 and N = Σ_e ceil(count_e / B), so however the rows are spread
     over the experts the products cost at most E·B ≈ Σ counts / 2 + 2E rows more than the
-    pairs' (a quarter more on average), and N < 3E expert matrices are gathered. (B is at
-    least 2: Inductor's batched product asks whether B is 1, which AOTInductor cannot
-    decide for a size the graph counts.) The sizes
-    are counted in the graph (not the ones traced), so the graph has the same few nodes for
-    any number of experts: one product per expert makes the graph and its export time grow
-    with E (one σ-MoE layer of 64 experts: 44-51 s to export, against 8-9 s); padding every
-    expert to the largest count exported as fast, but made a model with a busy expert cost up
-    to E/k times its pairs (3.4x the per-expert products' time with one expert at 13.7x the
-    mean count)."""
+    pairs' (a quarter more on average), and N < 3E expert matrices are gathered. B is at
+    least 2: Inductor's batched product asks whether B is 1, which AOTInductor cannot decide
+    for a size the graph counts.
+
+    The sizes are counted in the graph (not the ones traced), so the graph has the same few
+    nodes for any number of experts: one product per expert makes the graph and its export
+    time grow with E (one σ-MoE layer of 64 experts: 44-51 s to export, against 8-9 s);
+    padding every expert to the largest count exported as fast, but made a model with a busy
+    expert cost up to E/k times its pairs (3.4x the per-expert products' time with one
+    expert at 13.7x the mean count)."""
     experts, num_rows = weight.shape[0], rows.shape[0]
     counts = counts.long()
     block = (counts.sum() // (BLOCKS_PER_EXPERT * experts) + 2).item()
@@ -123,7 +124,8 @@ def _products_in_blocks(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     num_blocks = blocks.sum().item()
     torch._check(num_blocks >= 0)
     # block j of expert e(j) reads rows starts[e] + (j - first_block[e])·B + lane; past the
-    # expert's count, the last row (those products are never read; with no block, no row)
+    # expert's count, whatever row that reaches (at most the last): those products are never
+    # read, and each product row depends on its own input row alone. No block, no index.
     block_expert = _expert_of_sorted_rows(blocks, num_blocks)                  # [N]
     place = ((torch.arange(num_blocks, device=rows.device) - first_block[block_expert])
              .unsqueeze(1) * block + torch.arange(block, device=rows.device))  # [N, B]
