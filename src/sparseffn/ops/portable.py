@@ -112,7 +112,7 @@ def _products_in_blocks(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     nodes for any number of experts: one product per expert makes the graph and its export
     time grow with E (one σ-MoE layer of 64 experts: 44-51 s to export, against 8-9 s);
     padding every expert to the largest count exported as fast, but made a model with a busy
-    expert cost up to E/k times its pairs (3.4x the per-expert products' time with one
+    expert cost up to E/k times its pairs (3.2-3.4x the per-expert products' time with one
     expert at 13.7x the mean count)."""
     experts, num_rows = weight.shape[0], rows.shape[0]
     counts = counts.long()
