@@ -9,6 +9,7 @@ import torch
 import sparseffn
 from sparseffn.config import PEERConfig, PKMConfig
 from sparseffn.ops import dense_products, kernels, rows
+from tests.ops.triton_cases import DEVICE     # where the Triton kernels run (on a GPU: CUDA)
 
 
 @pytest.fixture
@@ -141,7 +142,6 @@ def test_an_empty_batch_takes_the_row_path(dense, counted):
 
 
 def test_peer_shares_no_row_index_when_the_dense_form_runs(dense, triton_on_cpu):
-    from tests.ops.triton_cases import DEVICE   # where the Triton kernels run (on a GPU: CUDA)
     idx, _, table, x = (t.to(DEVICE) for t in _pairs(dtype=torch.float32))
     table.requires_grad_()
     assert rows.shared_row_index(idx, table.shape[0], table, x) is None
@@ -186,7 +186,6 @@ def test_spread_rows_writes_each_rows_summed_weights_without_atomics(dtype, trit
     nowhere, every other element zero, the same bits on every run, and the same values as the
     scatter the dense form takes where the kernel does not."""
     from sparseffn.ops import triton_rows
-    from tests.ops.triton_cases import DEVICE   # where the Triton kernels run (on a GPU: CUDA)
     idx, w, _, _ = _pairs(tokens=37, n=41, m=6, dtype=torch.float32)
     idx[3, 2:5] = idx[3, 1]                                   # one row four times
     idx[4, 0], idx[5, 3] = -2, 41                             # out of range
