@@ -127,10 +127,19 @@ def test_slot_sums_match_the_torch_implementation(dtype, group, cvmm_kernel):
     close(got, want, dtype)
 
 
+@pytest.fixture(params=[None, 1, 3, 64])
+def weight_grad_splits(request, monkeypatch):
+    """The weight gradient with the split count its heuristic picks (one, on the CPU), one
+    range per expert, three ranges, or 64 (more ranges than an expert's rows: most sum
+    nothing)."""
+    monkeypatch.setattr(triton_cvmm, "WEIGHT_GRAD_SPLITS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_weight_gradient_matches_the_loop(dtype, gathered, scaled):
+def test_weight_gradient_matches_the_loop(dtype, gathered, scaled, weight_grad_splits):
     src, _, counts, in_idx, scale, rows = _problem([6, 0, 17, 2], 19, 1, dropped=4, dtype=dtype)
     b = torch.randn(30, 45, device=DEVICE).to(dtype)
     b_idx = torch.randint(0, 30, (rows,), device=DEVICE)
@@ -145,6 +154,40 @@ def test_weight_gradient_matches_the_loop(dtype, gathered, scaled):
                         zip((counts.cumsum(0) - counts).tolist(), counts.cumsum(0).tolist())])
     close(got, want, dtype)
     assert bool((got[1] == 0).all()), "an expert without rows gets an exact zero gradient"
+
+
+def test_weight_gradient_split_keeps_nan_in_its_expert_and_empty_experts_zero(
+        weight_grad_splits):
+    """Split or not, a NaN row reaches only its own expert's gradient, an expert with no
+    rows gets exact zeros, and an empty batch gives a zero gradient of the right shape."""
+    src, _, counts, in_idx, scale, rows = _problem([40, 0, 37, 3], 24, 1, dropped=2)
+    b = torch.randn(rows, 33, device=DEVICE)
+    src[in_idx[45]] = float("nan")     # read by row 45 (expert 2), perhaps by others
+    got = kernels.expert_weight_grad(src, b, counts, in_idx, None, scale)
+    for e, (first, last) in enumerate([(0, 40), (40, 40), (40, 77), (77, 80)]):
+        reads_nan = bool((in_idx[first:last] == in_idx[45]).any())
+        assert bool(got[e].isnan().any()) == reads_nan, f"expert {e}"
+        assert reads_nan or bool(got[e].isfinite().all())
+    assert bool((got[1] == 0).all())
+    empty = kernels.expert_weight_grad(src[:0], b[:0], torch.zeros_like(counts), None, None,
+                                       None)
+    assert empty.shape == (4, 24, 33) and bool((empty == 0).all())
+
+
+def test_weight_gradient_splits_only_where_the_tiles_are_too_few(monkeypatch):
+    """The split-K heuristic: on 132 multiprocessors, the LM's 8 experts of [256, 256] over
+    32,768 rows get several ranges; Fig. 2's 64 experts of [2048, 128] (4,096 tiles) none;
+    and no range is cut below the minimum rows of a mean expert."""
+    monkeypatch.setattr(triton_cvmm, "_multiprocessors", lambda device: 132)
+    splits = lambda *shape: triton_cvmm.weight_grad_splits(*shape, torch.device(DEVICE))  # noqa
+    assert splits(32768, 8, 256, 256) == 5          # 128 tiles: cdiv(4·132, 128)
+    assert splits(131072, 16, 512, 128) == 3        # Fig. 2, d_model 512: 256 tiles
+    assert splits(131072, 64, 2048, 128) == 1
+    assert splits(8 * 1024, 8, 256, 256) == 2       # 1,024 rows an expert: two of 512
+    assert splits(8 * 100, 8, 256, 256) == 1
+    assert splits(10 ** 8, 1, 64, 64) == triton_cvmm._WEIGHT_GRAD_MAX_SPLITS
+    monkeypatch.setattr(triton_cvmm, "WEIGHT_GRAD_SPLITS", 7)
+    assert splits(0, 64, 2048, 128) == 7
 
 
 def test_empty_batch_and_nan_rows(cvmm_kernel):

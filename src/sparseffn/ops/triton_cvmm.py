@@ -16,8 +16,10 @@ dataflow of ScatterMoE (Tan et al. 2024, arXiv:2403.08245) and SonicMoE (arXiv:2
   re-read and the tile map not recomputed for every column tile (on an H100 at the Fig. 2
   shapes of Csordás et al., expert size 128: 0.60-0.68× the time of the tile kernel).
 - ``expert_weight_grad``: one program computes a [BLOCK_M, BLOCK_N] tile of one expert's
-  weight gradient ``Σ_r a_rᵀ b_r`` over that expert's rows, gathering both sides as they
-  load, in a fixed order: no atomics, the same result on every run.
+  weight gradient ``Σ_r a_rᵀ b_r`` over that expert's rows (or over one of ``splits``
+  ranges of them, when the tiles alone are too few to fill the GPU: split-K, the partial
+  sums added after), gathering both sides as they load, in a fixed order: no atomics, the
+  same result on every run.
 
 Which tile of which expert a program computes is read off the per-expert counts inside the
 kernel (a cumulative sum over at most ``MAX_EXPERTS`` experts), so nothing is read on the
@@ -331,16 +333,21 @@ if triton is not None:
             tl.store(dots_ptr + split * num_rows + rows64, dot_sum, mask=computed)
 
     @triton.autotune(configs=_tile_configs(WEIGHT_GRAD_UNTUNED, _WEIGHT_GRAD_TILES),
-                     key=["ma", "nb", "HAS_A_IDX", "HAS_B_IDX", "HAS_SCALE"])
+                     key=["ma", "nb", "splits", "HAS_A_IDX", "HAS_B_IDX", "HAS_SCALE"])
     @triton.jit
     def _weight_grad_kernel(a_ptr, stride_a, a_idx_ptr, b_ptr, stride_b, b_idx_ptr, scale_ptr,
-                            counts_ptr, num_experts, ma, nb,
-                            out_ptr, stride_oe, stride_om,
+                            counts_ptr, num_experts, ma, nb, splits,
+                            out_ptr, stride_os, stride_oe, stride_om,
                             HAS_A_IDX: tl.constexpr, HAS_B_IDX: tl.constexpr,
                             HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
                             BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Tile (program 0) of expert (program 1)'s ``Σ_r a_rᵀ b_r`` over split (program 2)
+        of its rows: the rows ``[start, end)`` cut into ``splits`` ranges of whole
+        ``BLOCK_K`` steps (a range past the end sums nothing), stored at
+        ``out[split, expert]``."""
         expert = tl.program_id(1)
+        split = tl.program_id(2)
         tiles_n = tl.cdiv(nb, BLOCK_N)
         pid_m = tl.program_id(0) // tiles_n
         pid_n = tl.program_id(0) % tiles_n
@@ -348,14 +355,17 @@ if triton is not None:
         count = tl.load(counts_ptr + e, mask=e < num_experts, other=0).to(tl.int32)
         start = tl.sum(tl.where(e < expert, count, 0), 0)
         end = start + tl.sum(tl.where(e == expert, count, 0), 0)
+        per_split = tl.cdiv(tl.cdiv(end - start, splits), BLOCK_K) * BLOCK_K
+        first = tl.minimum(start + split * per_split, end)
+        last = tl.minimum(first + per_split, end)
         cols_a = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols_b = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         a_ok = cols_a < ma
         b_ok = cols_b < nb
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_K):
+        for r0 in range(first, last, BLOCK_K):
             rs = r0 + tl.arange(0, BLOCK_K)
-            r_ok = rs < end
+            r_ok = rs < last
             if HAS_A_IDX:
                 a_rows = tl.load(a_idx_ptr + rs, mask=r_ok, other=0).to(tl.int64)
             else:
@@ -372,9 +382,9 @@ if triton is not None:
             b = tl.load(b_ptr + b_rows[:, None] * stride_b + cols_b[None, :],
                         mask=r_ok[:, None] & b_ok[None, :], other=0.0)          # [BK, BN]
             acc = tl.dot(a_t, b, acc, input_precision=PRECISION)
-        tl.store(out_ptr + expert.to(tl.int64) * stride_oe + cols_a[:, None].to(tl.int64) * stride_om
-                 + cols_b[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=a_ok[:, None] & b_ok[None, :])
+        tl.store(out_ptr + split.to(tl.int64) * stride_os + expert.to(tl.int64) * stride_oe
+                 + cols_a[:, None].to(tl.int64) * stride_om + cols_b[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=a_ok[:, None] & b_ok[None, :])
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -466,6 +476,34 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
     return out, dots
 
 
+# The weight gradient's split-K: each output tile sums one expert's rows, P / E of them (4,096
+# at the LM's shapes, 8,192 at Fig. 2's d_model 512), in one program. When the tiles are few
+# (8 experts of [256, 256]: 128 tiles of 64×64 for an H100's 132 multiprocessors), each
+# multiprocessor runs one long loop and waits on its loads. The rows are then cut into
+# ``splits`` ranges, computed by separate programs into float32 partial gradients that are
+# summed in a fixed order after (no atomics: the same result on every run). Enough splits for
+# about ``_WEIGHT_GRAD_PROGRAMS_PER_SM`` programs a multiprocessor, each range at least
+# ``_WEIGHT_GRAD_MIN_SPLIT_ROWS`` rows (of the mean expert) and at most ``_WEIGHT_GRAD_MAX_SPLITS``
+# ranges. ``WEIGHT_GRAD_SPLITS`` set to a number fixes the splits (benchmarks, tests).
+WEIGHT_GRAD_SPLITS: Optional[int] = None
+_WEIGHT_GRAD_PROGRAMS_PER_SM = 4
+_WEIGHT_GRAD_MIN_SPLIT_ROWS = 512
+_WEIGHT_GRAD_MAX_SPLITS = 16
+
+
+def weight_grad_splits(rows: int, num_experts: int, ma: int, nb: int,
+                       device: torch.device) -> int:
+    """How many ranges :func:`expert_weight_grad` cuts each expert's rows into (1: none), from
+    what the host knows: the ``rows`` of all experts, the experts and the gradient's shape
+    [ma, nb] (tiles counted at 64×64, the smallest tuned tile)."""
+    if WEIGHT_GRAD_SPLITS is not None:
+        return max(1, int(WEIGHT_GRAD_SPLITS))
+    tiles = cdiv(ma, 64) * cdiv(nb, 64) * num_experts
+    wanted = cdiv(_WEIGHT_GRAD_PROGRAMS_PER_SM * _multiprocessors(device), max(tiles, 1))
+    longest = rows // (max(num_experts, 1) * _WEIGHT_GRAD_MIN_SPLIT_ROWS)
+    return max(1, min(wanted, longest, _WEIGHT_GRAD_MAX_SPLITS))
+
+
 def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Optional[Tensor],
                        b_idx: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
     """``sparseffn::expert_weight_grad`` in Triton (same arguments and result)."""
@@ -473,14 +511,19 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
     a_src, b_src = _rowwise(a_src.to(dtype)), _rowwise(b_src.to(dtype))
     num_experts = counts.shape[0]
     ma, nb = a_src.shape[1], b_src.shape[1]
-    out = a_src.new_empty(num_experts, ma, nb)
     if not (num_experts and ma and nb):
-        return out
+        return a_src.new_empty(num_experts, ma, nb)
+    rows = (a_idx if a_idx is not None else b_idx if b_idx is not None else a_src).shape[0]
+    splits = weight_grad_splits(rows, num_experts, ma, nb, a_src.device)
+    # one split writes the gradient; several write float32 partials [splits, E, ma, nb]
+    out = (a_src.new_empty(1, num_experts, ma, nb) if splits == 1 else
+           a_src.new_empty(splits, num_experts, ma, nb, dtype=torch.float32))
     grid = lambda meta: (cdiv(ma, meta["BLOCK_M"]) * cdiv(nb, meta["BLOCK_N"]),  # noqa: E731
-                         num_experts)
+                         num_experts, splits)
     _weight_grad_kernel[grid](
         a_src, a_src.stride(0), a_idx, b_src, b_src.stride(0), b_idx, scale,
-        counts.contiguous(), num_experts, ma, nb, out, out.stride(0), out.stride(1),
-        HAS_A_IDX=a_idx is not None, HAS_B_IDX=b_idx is not None, HAS_SCALE=scale is not None,
-        PRECISION=_precision(dtype), BLOCK_E=_block_e(num_experts))
-    return out
+        counts.contiguous(), num_experts, ma, nb, splits, out, out.stride(0), out.stride(1),
+        out.stride(2), HAS_A_IDX=a_idx is not None, HAS_B_IDX=b_idx is not None,
+        HAS_SCALE=scale is not None, PRECISION=_precision(dtype),
+        BLOCK_E=_block_e(num_experts))
+    return out[0] if splits == 1 else out.sum(0).to(dtype)
