@@ -2,12 +2,16 @@
 and GEMM references that bound them.
 
     python scripts/gpu_cvmm_calls.py [--d-model 512 1024 2048] [--tokens 32768] [--rounds 10]
+                                     [--lm]
 
 At the Fig. 2 shapes of Csordás et al. 2023 (arXiv:2310.10837: expert size 128, k = 4,
 d_ff = 4·d_model, experts = d_ff / 128; random top-k routing) in bf16, for each call:
 milliseconds per call (median over rounds of a loop of calls), TF/s, and, for the two calls
 whose inner size is the expert size, the row-tile kernel against the tile kernel in the same
-rounds (``auto/tile``). The calls (``ops/expert_mlp.py``):
+rounds (``auto/tile``), and for the two weight gradients, the split-K the heuristic picks
+against one range per expert (``auto/unsplit``). ``--lm`` adds the shapes of ``bench lm``'s
+σ-MoE (d_model 256, 8 experts of 256, k = 2, 64 × 256 tokens). The calls
+(``ops/expert_mlp.py``):
 
 - ``up``    hidden = relu(x[token] W1ᵀ)              m = d_model, n = expert size
 - ``down``  y = Σ_slots g · hidden W2                m = expert size, n = d_model (+ k-slot sum)
@@ -44,31 +48,38 @@ from sparseffn.ops.cvmm import DispatchPlan
 from sparseffn.routing import expert_usage
 
 EXPERT_SIZE, K = 128, 4
+# bench lm's σ-MoE (models/presets.py, d_ff 2048): d_model, experts, expert size, k, tokens
+LM_SHAPE = (256, 8, 256, 2, 64 * 256)
 
 
-def _with_tile_kernel(fn):
-    """``fn`` with every call on the tile kernel (no row-tile kernel)."""
+def _with(name: str, value, fn):
+    """``fn`` with ``triton_cvmm.<name>`` set to ``value`` for its calls: ``ROW_TILE_MAX_K``
+    0 runs every call on the tile kernel (no row-tile kernel); ``WEIGHT_GRAD_SPLITS`` 1 sums
+    each expert's weight gradient in one range (no split-K)."""
     def run():
-        saved = triton_cvmm.ROW_TILE_MAX_K
-        triton_cvmm.ROW_TILE_MAX_K = 0
+        saved = getattr(triton_cvmm, name)
+        setattr(triton_cvmm, name, value)
         try:
             return fn()
         finally:
-            triton_cvmm.ROW_TILE_MAX_K = saved
+            setattr(triton_cvmm, name, saved)
     return run
 
 
 def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torch.device,
-                dtype: torch.dtype) -> None:
-    experts = 4 * d_model // EXPERT_SIZE
+                dtype: torch.dtype, experts: int | None = None, expert_size: int = EXPERT_SIZE,
+                k: int = K) -> None:
+    """The six calls at ``d_model`` (``experts`` of ``expert_size``, default Fig. 2's
+    4·d_model / ``EXPERT_SIZE``; ``k`` per token)."""
+    experts = experts or 4 * d_model // expert_size
     gen = torch.Generator(device=device).manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, device=device, generator=gen)   # noqa: E731
     x = randn(tokens, d_model).to(dtype)
-    indices = torch.rand(tokens, experts, device=device, generator=gen).topk(K, dim=1).indices
+    indices = torch.rand(tokens, experts, device=device, generator=gen).topk(k, dim=1).indices
     plan = DispatchPlan.build(indices, experts)
     rows, counts, order, token_of = plan.num_rows, plan.counts, plan.order, plan.token_of_row
-    w1 = (randn(experts, EXPERT_SIZE, d_model) * d_model ** -0.5).to(dtype)
-    w2 = (randn(experts, EXPERT_SIZE, d_model) * EXPERT_SIZE ** -0.5).to(dtype)
+    w1 = (randn(experts, expert_size, d_model) * d_model ** -0.5).to(dtype)
+    w2 = (randn(experts, expert_size, d_model) * expert_size ** -0.5).to(dtype)
     gates = torch.rand(rows, device=device, generator=gen).to(dtype)
     grad_y = randn(tokens, d_model).to(dtype)
     cvmm, weight_grad = triton_cvmm.cvmm_rows, triton_cvmm.expert_weight_grad
@@ -78,21 +89,23 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
     steps = {
         "up": lambda: cvmm(x, w1.transpose(1, 2), counts, token_of, None, None, rows, 1, True,
                            None, None),
-        "down": lambda: cvmm(hidden, w2, counts, None, order, gates, tokens, K, False, None, None),
+        "down": lambda: cvmm(hidden, w2, counts, None, order, gates, tokens, k, False, None, None),
         "gpre": lambda: cvmm(grad_y, w2.transpose(1, 2), counts, token_of, None, gates, rows, 1,
                              False, hidden, hidden),
-        "gx": lambda: cvmm(grad_pre, w1, counts, None, order, None, tokens, K, False, None, None),
+        "gx": lambda: cvmm(grad_pre, w1, counts, None, order, None, tokens, k, False, None, None),
         "dw2": lambda: weight_grad(hidden, grad_y, counts, None, token_of, gates),
         "dw1": lambda: weight_grad(grad_pre, x, counts, None, token_of, None),
     }
-    flop = 2 * rows * d_model * EXPERT_SIZE
-    print(f"d_model {d_model}: {experts} experts, {rows} rows, {flop / 1e9:.1f} GFLOP a call",
-          flush=True)
+    flop = 2 * rows * d_model * expert_size
+    print(f"d_model {d_model}: {experts} experts of {expert_size}, k {k}, {rows} rows, "
+          f"{flop / 1e9:.1f} GFLOP a call", flush=True)
     total = 0.0
     for name, fn in steps.items():
         contenders = {"auto": fn}
         if name in ("down", "gx"):   # inner size = expert size: the row-tile kernel's calls
-            contenders["tile"] = _with_tile_kernel(fn)
+            contenders["tile"] = _with("ROW_TILE_MAX_K", 0, fn)
+        if name in ("dw2", "dw1"):
+            contenders["unsplit"] = _with("WEIGHT_GRAD_SPLITS", 1, fn)
         times = per_call_times(contenders, rounds, calls, device)
         ms = statistics.median(times["auto"])
         total += ms
@@ -100,15 +113,20 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
         if "tile" in times:
             ratio = statistics.median(a / b for a, b in zip(times["auto"], times["tile"]))
             line += f"   tile kernel {statistics.median(times['tile']):.3f} ms, auto/tile {ratio:.3f}"
+        if "unsplit" in times:
+            splits = triton_cvmm.weight_grad_splits(rows, experts, d_model, expert_size, device)
+            ratio = statistics.median(a / b for a, b in zip(times["auto"], times["unsplit"]))
+            line += (f"   {splits} splits; unsplit {statistics.median(times['unsplit']):.3f} ms, "
+                     f"auto/unsplit {ratio:.3f}")
         print(line, flush=True)
     print(f"  the six calls: {total:.3f} ms", flush=True)
     gathered = x.index_select(0, token_of)
     slots = torch.empty(rows, d_model, device=device, dtype=dtype)
     references = {
         f"gather x's rows [{rows}, {d_model}]": lambda: x.index_select(0, token_of),
-        f"k-slot sum [{tokens}, {K}, {d_model}]": lambda: slots.view(tokens, K, d_model).sum(1),
-        f"matmul [{rows}, {d_model}] x [{d_model}, {EXPERT_SIZE}]": lambda: gathered @ w1[0].t(),
-        f"matmul [{rows}, {EXPERT_SIZE}] x [{EXPERT_SIZE}, {d_model}]": lambda: hidden @ w2[0],
+        f"k-slot sum [{tokens}, {k}, {d_model}]": lambda: slots.view(tokens, k, d_model).sum(1),
+        f"matmul [{rows}, {d_model}] x [{d_model}, {expert_size}]": lambda: gathered @ w1[0].t(),
+        f"matmul [{rows}, {expert_size}] x [{expert_size}, {d_model}]": lambda: hidden @ w2[0],
     }
     if hasattr(torch, "_grouped_mm") and device.type == "cuda":
         offsets = plan.offsets.to(torch.int32)
@@ -172,6 +190,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=10, help="calls per timed loop")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--lm", action="store_true",
+                        help="also the six calls at bench lm's σ-MoE shapes (LM_SHAPE)")
     args = parser.parse_args()
     device, where = kernel_script_device(parser, args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # interpreter: no bf16
@@ -182,6 +202,12 @@ def main() -> None:
           f"expert size {EXPERT_SIZE}, k={K}", flush=True)
     for d_model in args.d_model:
         bench_width(d_model, args.tokens, args.rounds, args.calls, device, dtype)
+    if args.lm:
+        d_model, experts, expert_size, k, tokens = LM_SHAPE
+        if device.type != "cuda":     # the interpreter: a check that it runs, at a small size
+            tokens = args.tokens
+        bench_width(d_model, tokens, args.rounds, args.calls, device, dtype, experts,
+                    expert_size, k)
     for d_model in args.d_model:
         bench_bookkeeping(d_model, args.tokens, args.rounds, args.calls, device)
 
