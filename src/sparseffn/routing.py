@@ -240,6 +240,20 @@ class SparseFFN(nn.Module):
     def routing_stats(self, value: dict[str, torch.Tensor]) -> None:
         self._transient.routing_stats = value
 
+    def _start_forward(self, x: torch.Tensor) -> None:
+        """Check ``x`` (:meth:`_check_input`) and let go of what the last forward left: its
+        aux losses keep its autograd graph alive, and with it each parameter's AccumulateGrad
+        node, which the graph this forward builds would reuse on the CUDA stream it was made
+        on (a CUDA graph captured after an eager step on the default stream then fails, and
+        PyTorch warns that "the AccumulateGrad node's stream does not match"). Kept inside
+        :func:`sparseffn.summing_aux_losses` (each call adds to the last) and in an
+        activation checkpoint's recomputation (which records nothing)."""
+        self._check_input(x)
+        transient = self._transient
+        if not transient.summing and not recomputing():
+            transient.aux_losses = {}
+            transient.routing_stats = {}
+
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a floating-point tensor, got "
@@ -398,7 +412,7 @@ class RoutedFFN(SparseFFN):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        self._start_forward(x)
         x_flat = x.reshape(-1, self.d_model)
         tokens = x_flat.shape[0]    # (not x.shape[:-1].numel(), which fixes symbolic sizes)
         rows = self._kept_rows(x)

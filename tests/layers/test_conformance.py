@@ -21,6 +21,7 @@ import io
 import json
 import math
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -461,6 +462,35 @@ def test_inference_mode_then_training_forward(name):
     layer.reset_usage()
     assert all(p.grad is not None for p in layer.parameters() if p.requires_grad) or \
         isinstance(layer, RoutedFFN)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_a_forward_lets_go_of_the_last_forwards_graph_before_building_its_own(name):
+    """A layer keeps its last forward's aux losses, in the autograd graph, for ``aux_loss``
+    to collect. The next forward lets go of them before its first submodule runs: a graph
+    kept alive keeps each parameter's AccumulateGrad node, which the new graph would reuse
+    with the CUDA stream it was made on, so that a CUDA graph captured after an eager step
+    on the default stream fails (PyTorch warns that "the AccumulateGrad node's stream does
+    not match")."""
+    layer = _build(EXAMPLES[name]).train()
+    x = torch.randn(7, D)
+    (layer(x).sum() + sparseffn.aux_loss(layer)).backward()
+    if not isinstance(layer, sparseffn.SparseFFN):
+        return
+    kept = [t for t in (*layer.aux_losses.values(), *layer.routing_stats.values())
+            if t.grad_fn is not None]
+    assert kept or not any(t.requires_grad for t in layer.aux_losses.values())
+    alive = [weakref.ref(t) for t in kept]
+    del kept
+    seen = []
+
+    def check(module, args):
+        seen.append([ref() is not None for ref in alive])
+    hooks = [child.register_forward_pre_hook(check) for child in layer.children()]
+    layer(torch.randn(5, D))
+    for hook in hooks:
+        hook.remove()
+    assert seen and not any(seen[0]), "the last forward's aux losses were still alive"
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -101,7 +101,7 @@ class GatedMixture(SparseFFN):
         return routing.weights.to(x.dtype), self.experts(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        self._start_forward(x)
         gates, outputs = self.gates_and_outputs(x.reshape(-1, self.d_model))
         y = torch.einsum("te,teo->to", gates, outputs)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -132,7 +132,7 @@ class MixtureOfExperts(GatedMixture):
         self.task = task
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        self._start_forward(x)
         gates, outputs = self.gates_and_outputs(x.reshape(-1, self.d_model))
         if self.task == "classification":   # log Σ_i g_i softmax(o_i)
             log_gates = gates.clamp_min(1e-30).log().unsqueeze(-1)
@@ -147,7 +147,7 @@ class MixtureOfExperts(GatedMixture):
         if self.task == "classification":
             log_probs = self(x).reshape(-1, self.out_features)
             return F.nll_loss(log_probs, target.reshape(-1))
-        self._check_input(x)
+        self._start_forward(x)
         gates, means = self.gates_and_outputs(x.reshape(-1, self.d_model))
         target = target.reshape(-1, 1, self.out_features)
         log_likelihood = gates.clamp_min(1e-30).log() - 0.5 * (target - means).square().sum(-1)
