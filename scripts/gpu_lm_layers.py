@@ -13,6 +13,9 @@ together. Here each layer is timed alone, in three versions where they apply:
   instead of being padded with zero units to 256 (``ops/expert_mlp.py``, ``HIDDEN_MULTIPLE``);
 - ``bf16 gates`` (the same): the backward's products take the gates in bf16, not widened to
   float32 (``ops/cvmm.py``, ``backward_gate_rows``);
+- ``unsplit`` (the same): each expert's weight gradient summed by one program a tile, not
+  split over several where the tiles are too few (``ops/triton_cvmm.py``,
+  ``WEIGHT_GRAD_SPLITS``; at these shapes, 5 ranges of an expert's rows on an H100);
 - ``two kernels`` (PKM, PEER): ``gather_sum``'s table and weight gradients from
   ``scatter_rows`` and ``gather_dot`` instead of one pass (``kernels.scatter_rows_dot``);
 - ``torch sinkhorn`` (S-BASE): the training assignment's Sinkhorn iterations and top-k as
@@ -100,6 +103,7 @@ def _bf16_gates():
 SWITCHES = {
     "unpadded": (MOE_PRESETS, lambda: _set(expert_mlp, "HIDDEN_MULTIPLE", 1)),
     "bf16 gates": (MOE_PRESETS, _bf16_gates),
+    "unsplit": (MOE_PRESETS, lambda: _set(triton_cvmm, "WEIGHT_GRAD_SPLITS", 1)),
     "two kernels": (ROW_PRESETS,
                     lambda: _set(kernels, "scatter_rows_dot", kernels.scatter_rows_and_gather_dot)),
     "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),

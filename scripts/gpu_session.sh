@@ -160,7 +160,7 @@ for what in "${stages[@]}"; do
     train-more) stage train-more 540 $PY scripts/gpu_train_check.py --presets switch,fff,peer \
                   --json "$OUT/train-more.json" ;;
     lm-sync) stage lm-sync 240 $PY scripts/gpu_lm_sync.py ;;
-    cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py ;;
+    cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py --lm ;;
     rows) stage rows 300 $PY scripts/gpu_rows_calls.py ;;
     lm-layers) stage lm-layers 480 $PY scripts/gpu_lm_layers.py ;;
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
