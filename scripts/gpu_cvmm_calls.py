@@ -2,15 +2,15 @@
 and GEMM references that bound them.
 
     python scripts/gpu_cvmm_calls.py [--d-model 512 1024 2048] [--tokens 32768] [--rounds 10]
-                                     [--lm]
+                                     [--lm-shapes]
 
 At the Fig. 2 shapes of Csordás et al. 2023 (arXiv:2310.10837: expert size 128, k = 4,
 d_ff = 4·d_model, experts = d_ff / 128; random top-k routing) in bf16, for each call:
 milliseconds per call (median over rounds of a loop of calls), TF/s, and, for the two calls
 whose inner size is the expert size, the row-tile kernel against the tile kernel in the same
 rounds (``auto/tile``), and for the two weight gradients, the split-K the heuristic picks
-against one range per expert (``auto/unsplit``). ``--lm`` adds the shapes of ``bench lm``'s
-σ-MoE (d_model 256, 8 experts of 256, k = 2, 64 × 256 tokens). The calls
+against one range per expert (``auto/unsplit``). ``--lm-shapes`` adds the shapes of
+``bench lm``'s σ-MoE (d_model 256, 8 experts of 256, k = 2, 64 × 256 tokens). The calls
 (``ops/expert_mlp.py``):
 
 - ``up``    hidden = relu(x[token] W1ᵀ)              m = d_model, n = expert size
@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=10, help="calls per timed loop")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--lm", action="store_true",
+    parser.add_argument("--lm-shapes", action="store_true",
                         help="also the six calls at bench lm's σ-MoE shapes (LM_SHAPE)")
     args = parser.parse_args()
     device, where = kernel_script_device(parser, args.device)
@@ -202,7 +202,7 @@ def main() -> None:
           f"expert size {EXPERT_SIZE}, k={K}", flush=True)
     for d_model in args.d_model:
         bench_width(d_model, args.tokens, args.rounds, args.calls, device, dtype)
-    if args.lm:
+    if args.lm_shapes:
         d_model, experts, expert_size, k, tokens = LM_SHAPE
         if device.type != "cuda":     # the interpreter: a check that it runs, at a small size
             tokens = args.tokens

@@ -8,20 +8,21 @@
 # whole configs, depths, cases and layers.
 #
 #   bash scripts/gpu_session.sh first              # THE FIRST CALL of a session, under 9.5 min:
-#                                                   #   lm-first (the LM target), train-quick
-#                                                   #   (does `sparseffn train --device cuda`
-#                                                   #   train at all: it never ran on a GPU),
+#                                                   #   lm-layers-first (σ-MoE's, PKM's and PEER's
+#                                                   #   layers from CUDA graphs, each untimed
+#                                                   #   switch in turn: the split weight gradient,
+#                                                   #   PKM's dense products; its captures failed
+#                                                   #   on the H200 before the aux-loss fix),
+#                                                   #   cvmm-first (the split weight gradient
+#                                                   #   against unsplit, kernel by kernel),
 #                                                   #   tests-new (kernels never run on a GPU),
-#                                                   #   fig2-eager (Fig. 2's ratios and peak
-#                                                   #   memory); a session has 15 minutes of
-#                                                   #   device time, a start takes 1-2 of them
+#                                                   #   lm-first (the LM target); a session has 15
+#                                                   #   minutes of device time, a start takes 1-2
 #   bash scripts/gpu_session.sh second             # a second call, at once while the machine
 #                                                   #   is warm, if 3 minutes are left (~2.8 min
-#                                                   #   at most): lm-layers-first, the layers of
-#                                                   #   σ-MoE, PKM and PEER with each switch not
-#                                                   #   yet timed (padding, bf16 gates, one pass,
-#                                                   #   no Triton, dense products): which default
-#                                                   #   to change
+#                                                   #   at most): fig2-eager (Fig. 2's ratios and
+#                                                   #   peak memory) and train-quick (does
+#                                                   #   `sparseffn train --device cuda` train)
 #   bash scripts/gpu_session.sh profile-first      # the LM step of dense, σ-MoE and PKM, kernel
 #                                                   #   by kernel (~2.5 min at most)
 #   bash scripts/gpu_session.sh tests check        # ~4-5 + ~7 min
@@ -88,8 +89,8 @@ stage() {   # name, time limit in seconds, command...
 stages=()
 for what in "$@"; do
   case $what in
-    first) stages+=(lm-first train-quick tests-new fig2-eager) ;;
-    second) stages+=(lm-layers-first) ;;
+    first) stages+=(lm-layers-first cvmm-first tests-new lm-first) ;;
+    second) stages+=(fig2-eager train-quick) ;;
     *) stages+=("$what") ;;
   esac
 done
@@ -98,7 +99,7 @@ for what in "${stages[@]}"; do
   case $what in
     # the LM target's presets (GLaM and soft FFF left out: no target of their own, 2 fewer
     # compilations), stopped at 240 s with what compiled by then timed
-    lm-first) stage lm-first 240 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
+    lm-first) stage lm-first 200 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
                 --presets sigma_moe switch sbase fff_sparse pkm peer --json "$OUT/lm-first.json" ;;
     # the trainer on CUDA: fp32 against the CPU, bf16 without a host sync, resume to the bit
     train-quick) SPARSEFFN_TRITON_AUTOTUNE=0 stage train-quick 75 $PY scripts/gpu_train_check.py \
@@ -113,6 +114,9 @@ for what in "${stages[@]}"; do
     # "second": each untimed switch of these layers, from CUDA graphs, beside the layer as it is
     lm-layers-first) stage lm-layers-first 150 $PY scripts/gpu_lm_layers.py \
                        --presets sigma_moe,pkm,peer ;;
+    # the split weight gradient against unsplit at Fig. 2's d_model 512 and the LM's shapes
+    cvmm-first) stage cvmm-first 80 $PY scripts/gpu_cvmm_calls.py --d-model 512 --lm-shapes \
+                  --rounds 5 ;;
     profile-first) stage profile-first 140 $PY scripts/gpu_profile.py --top 12 \
                      --lm dense,sigma_moe,pkm ;;
     tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 420 $PY -m pytest -q -p no:cacheprovider \
@@ -160,13 +164,13 @@ for what in "${stages[@]}"; do
     train-more) stage train-more 540 $PY scripts/gpu_train_check.py --presets switch,fff,peer \
                   --json "$OUT/train-more.json" ;;
     lm-sync) stage lm-sync 240 $PY scripts/gpu_lm_sync.py ;;
-    cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py --lm ;;
+    cvmm) stage cvmm 300 $PY scripts/gpu_cvmm_calls.py --lm-shapes ;;
     rows) stage rows 300 $PY scripts/gpu_rows_calls.py ;;
     lm-layers) stage lm-layers 480 $PY scripts/gpu_lm_layers.py ;;
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (first second lm-first train-quick tests-new fig2-eager" \
-            "lm-layers-first profile-first" \
+            "lm-layers-first cvmm-first profile-first" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile" \
