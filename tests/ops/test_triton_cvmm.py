@@ -174,6 +174,25 @@ def test_weight_gradient_split_keeps_nan_in_its_expert_and_empty_experts_zero(
     assert empty.shape == (4, 24, 33) and bool((empty == 0).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 7, 300), (1, 2049), (5, 0), (0, 4, 3)])
+def test_partial_sums_add_in_order_and_round_once(dtype, shape):
+    """``sum_partials`` (the split weight gradient's, the dots', the table gradient's): the
+    float32 sum over the first index in that order, rounded to the dtype once, NaN kept where
+    it is; zeros when there are no parts, nothing when there are no elements."""
+    gen = torch.Generator().manual_seed(0)
+    parts = (torch.randn(*shape, generator=gen) * 100).to(DEVICE)
+    if parts.numel():
+        parts.view(-1)[5] = float("nan")
+    got = triton_cvmm.sum_partials(parts, dtype)
+    want = torch.zeros(shape[1:], dtype=torch.float32, device=DEVICE)
+    for part in parts:         # in order, in float32
+        want = want + part
+    assert got.dtype == dtype and got.shape == shape[1:]
+    assert torch.equal(got.isnan(), want.to(dtype).isnan())
+    torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0, equal_nan=True)
+
+
 def test_weight_gradient_splits_only_where_the_tiles_are_too_few(monkeypatch):
     """The split-K heuristic: on 132 multiprocessors, the LM's 8 experts of [256, 256] over
     32,768 rows get several ranges; Fig. 2's 64 experts of [2048, 128] (4,096 tiles) none;

@@ -386,6 +386,19 @@ if triton is not None:
                  + cols_a[:, None].to(tl.int64) * stride_om + cols_b[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=a_ok[:, None] & b_ok[None, :])
 
+    @triton.jit
+    def _sum_partials_kernel(parts_ptr, out_ptr, numel, num_parts, BLOCK: tl.constexpr):
+        """``out[i] = Σ_s parts[s, i]`` over float32 partial sums, added in the order of s,
+        rounded to ``out``'s dtype once."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        ptrs = parts_ptr + offs      # 64-bit: S · numel may pass 2^31
+        for _ in range(num_parts):
+            acc += tl.load(ptrs, mask=ok, other=0.0)
+            ptrs += numel
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
 
 def _precision(dtype: torch.dtype) -> str:
     """fp32 products in full precision unless PyTorch's own matmuls may use TF32."""
@@ -396,6 +409,24 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _block_e(num_experts: int) -> int:
     return max(16, next_power_of_2(max(1, num_experts)))
+
+
+_SUM_BLOCK = 1024
+
+
+def sum_partials(parts: Tensor, dtype: torch.dtype) -> Tensor:
+    """``parts.sum(0).to(dtype)`` in one launch instead of two: float32 partial sums
+    ``parts`` [S, ...] (the split weight gradient's, the dots of several column tiles, the
+    table gradient's parts) added in the order of their first index, the same result on
+    every run, and rounded to ``dtype`` once; zeros for S = 0."""
+    out = parts.new_empty(parts.shape[1:], dtype=dtype)
+    numel = out.numel()
+    if parts.shape[0] == 0:
+        return out.zero_()
+    if numel:
+        _sum_partials_kernel[(cdiv(numel, _SUM_BLOCK),)](
+            parts.contiguous(), out, numel, parts.shape[0], BLOCK=_SUM_BLOCK)
+    return out
 
 
 def _rowwise(t: Tensor) -> Tensor:
@@ -468,7 +499,7 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
             _cvmm_kernel[grid](*args, **flags)
     elif rows:
         out.zero_()
-    dots = src.new_empty(0) if dot_with is None else dots.sum(0).to(dtype)
+    dots = src.new_empty(0) if dot_with is None else sum_partials(dots, dtype)
     if out_idx is not None and group > 1:    # each token's slots, summed in slot order
         out = out.view(out_rows, group, n).sum(1)
     elif out_idx is not None and rows == 0:
@@ -526,4 +557,4 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
         out.stride(2), HAS_A_IDX=a_idx is not None, HAS_B_IDX=b_idx is not None,
         HAS_SCALE=scale is not None, PRECISION=_precision(dtype),
         BLOCK_E=_block_e(num_experts))
-    return out[0] if splits == 1 else out.sum(0).to(dtype)
+    return out[0] if splits == 1 else sum_partials(out, dtype)

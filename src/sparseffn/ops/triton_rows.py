@@ -542,7 +542,7 @@ def _scatter(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
         table.stride(0) if with_dots else 0, d if split > 1 else out.stride(0), SPLIT=split,
         BLOCK_P=block_p, BLOCK_D=block_d, DOTS=with_dots,
         num_warps=8 if block_d >= 2048 else 4)
-    return out if split == 1 else out.sum(0).to(src.dtype)
+    return out if split == 1 else triton_cvmm.sum_partials(out, src.dtype)
 
 
 def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
