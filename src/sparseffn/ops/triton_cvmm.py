@@ -546,15 +546,19 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
         return a_src.new_empty(num_experts, ma, nb)
     rows = (a_idx if a_idx is not None else b_idx if b_idx is not None else a_src).shape[0]
     splits = weight_grad_splits(rows, num_experts, ma, nb, a_src.device)
-    # one split writes the gradient; several write float32 partials [splits, E, ma, nb]
-    out = (a_src.new_empty(1, num_experts, ma, nb) if splits == 1 else
-           a_src.new_empty(splits, num_experts, ma, nb, dtype=torch.float32))
+    # one split writes the gradient [E, ma, nb]; several write float32 partials [splits, E,
+    # ma, nb], summed after
+    if splits == 1:
+        out = a_src.new_empty(num_experts, ma, nb)
+        strides = (0, out.stride(0), out.stride(1))
+    else:
+        out = a_src.new_empty(splits, num_experts, ma, nb, dtype=torch.float32)
+        strides = out.stride()[:3]
     grid = lambda meta: (cdiv(ma, meta["BLOCK_M"]) * cdiv(nb, meta["BLOCK_N"]),  # noqa: E731
                          num_experts, splits)
     _weight_grad_kernel[grid](
         a_src, a_src.stride(0), a_idx, b_src, b_src.stride(0), b_idx, scale,
-        counts.contiguous(), num_experts, ma, nb, splits, out, out.stride(0), out.stride(1),
-        out.stride(2), HAS_A_IDX=a_idx is not None, HAS_B_IDX=b_idx is not None,
-        HAS_SCALE=scale is not None, PRECISION=_precision(dtype),
-        BLOCK_E=_block_e(num_experts))
-    return out[0] if splits == 1 else sum_partials(out, dtype)
+        counts.contiguous(), num_experts, ma, nb, splits, out, *strides,
+        HAS_A_IDX=a_idx is not None, HAS_B_IDX=b_idx is not None, HAS_SCALE=scale is not None,
+        PRECISION=_precision(dtype), BLOCK_E=_block_e(num_experts))
+    return out if splits == 1 else sum_partials(out, dtype)
