@@ -104,12 +104,12 @@ for what in "${stages[@]}"; do
     # the trainer on CUDA: fp32 against the CPU, bf16 without a host sync, resume to the bit
     train-quick) SPARSEFFN_TRITON_AUTOTUNE=0 stage train-quick 75 $PY scripts/gpu_train_check.py \
                    --quick --presets sigma_moe --steps 12 --json "$OUT/train-quick.json" ;;
-    # the kernel tests no GPU has run, bf16 included: the split weight gradient, the
-    # dense-products tests fixed after the H200 (they gave the kernels CPU tensors), the tree
-    # kernels, then the row kernels and Sinkhorn (on the H200 test_triton_cvmm.py's first 107
-    # and these two files passed, but for the dense-products tests)
+    # the kernel tests no GPU has run, bf16 included: the split weight gradient and its sum,
+    # the dense-products tests fixed after the H200 (they gave the kernels CPU tensors), the
+    # tree kernels, then the row kernels and Sinkhorn again (on the H200 the first 107 tests of
+    # test_triton_cvmm.py and the row and Sinkhorn files passed)
     tests-new) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests-new 100 $PY -m pytest -q \
-                 -p no:cacheprovider -k "weight_gradient or not test_triton_cvmm" \
+                 -p no:cacheprovider -k "weight_gradient or partial_sums or not test_triton_cvmm" \
                  tests/ops/test_triton_cvmm.py tests/ops/test_dense_products.py \
                  tests/ops/test_triton_tree.py tests/ops/test_triton_rows.py \
                  tests/ops/test_triton_sinkhorn.py ;;
