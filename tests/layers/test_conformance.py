@@ -475,8 +475,6 @@ def test_a_forward_lets_go_of_the_last_forwards_graph_before_building_its_own(na
     layer = _build(EXAMPLES[name]).train()
     x = torch.randn(7, D)
     (layer(x).sum() + sparseffn.aux_loss(layer)).backward()
-    if not isinstance(layer, sparseffn.SparseFFN):
-        return
     kept = [t for t in (*layer.aux_losses.values(), *layer.routing_stats.values())
             if t.grad_fn is not None]
     assert kept or not any(t.requires_grad for t in layer.aux_losses.values())
@@ -484,13 +482,16 @@ def test_a_forward_lets_go_of_the_last_forwards_graph_before_building_its_own(na
     del kept
     seen = []
 
-    def check(module, args):
-        seen.append([ref() is not None for ref in alive])
+    def check(module, args):   # what the last forward left, when this one's first child runs
+        seen.append((layer.aux_losses, layer.routing_stats,
+                     [ref() is not None for ref in alive]))
     hooks = [child.register_forward_pre_hook(check) for child in layer.children()]
     layer(torch.randn(5, D))
     for hook in hooks:
         hook.remove()
-    assert seen and not any(seen[0]), "the last forward's aux losses were still alive"
+    aux_losses, routing_stats, still_alive = seen[0]
+    assert aux_losses == {} and routing_stats == {}, "the last forward's were still held"
+    assert not any(still_alive), "the last forward's aux losses were still alive"
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
