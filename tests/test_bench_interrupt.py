@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from sparseffn import cli
-from sparseffn.bench import (compiled, distributed, fig2, generation, layers, lm_step, product_keys,
+from sparseffn.bench import (compiled, distributed, fig2, generation, layers, lm_step, measure,
+                             product_keys,
                              tokenizers, tree_routers)
 from sparseffn.bench.measure import (InterruptibleLoop, RoundsInterrupted, first_call_or_eager,
                                      interleaved_times, keeping_swallowed_interrupts,
@@ -144,6 +145,64 @@ def test_an_interruptible_loop_ends_at_an_interrupt_after_its_first_item():
     assert (done, loop.left) == (["a", "b", "c"], ["d"])
     loop, done = run_loop("abcd", interrupt_at(None))
     assert (done, loop.left, loop.finished) == (list("abcd"), [], 4)
+
+
+class FakeClock:
+    """``time`` for :mod:`sparseffn.bench.measure` whose ``monotonic()`` moves only when a
+    loop's body says how long its item took."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self):
+        return self.now
+
+
+def test_an_interruptible_loop_stops_before_an_item_likely_to_end_past_its_time_limit(
+        monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(measure, "time", clock)
+    seconds = {"a": 3.0, "b": 5.0, "c": 1.0, "d": 1.0, "e": 1.0}
+
+    def run(limit):
+        done = []
+        with InterruptibleLoop(seconds, time_limit=limit) as loop:
+            for item in loop:
+                clock.now += seconds[item]
+                done.append(item)
+        return loop, done
+    # c starts at 8 s; the longest item so far took 5: 13 > 12, so it is not begun
+    loop, done = run(12.0)
+    assert (done, loop.left, loop.out_of_time) == (["a", "b"], ["c", "d", "e"], True)
+    assert loop.cause == "time limit of 12 s"
+    loop, done = run(13.0)              # 13 is not past 13: c runs; d at 9 + 5 = 14 does not
+    assert (done, loop.left) == (["a", "b", "c"], ["d", "e"])
+    loop, done = run(0.5)               # the first item always runs
+    assert (done, loop.left) == (["a"], ["b", "c", "d", "e"])
+    loop, done = run(100.0)
+    assert (done, loop.left, loop.out_of_time) == (list("abcde"), [], False)
+    loop, done = run(None)
+    assert (done, loop.left, loop.out_of_time) == (list("abcde"), [], False)
+    assert run_loop("abc", interrupt_at("b"))[0].cause == "interrupted"
+
+
+def test_bench_lm_and_fig2_stop_at_their_time_limit_and_report_what_they_measured(
+        tmp_path, capsys):
+    path = tmp_path / "lm.json"
+    assert cli.main(["bench", "lm", "--presets", "sigma_moe", "pkm", *LM_SIZES,
+                     "--repeats", "2", "--time-limit", "1e-6", "--json", str(path)]) == 0
+    (record,) = json.loads(path.read_text())
+    assert record["preset"] == "dense" and record["rounds"] == 2
+    out = capsys.readouterr().out
+    assert ("bench lm: time limit of 1e-06 s before preparing sigma_moe: not timed: "
+            "sigma_moe, pkm\n") in out
+    path = tmp_path / "fig2.json"
+    assert cli.main(["bench", "fig2", "--d-models", "128,256", *FIG2_SIZES,
+                     "--time-limit", "1e-6", "--json", str(path)]) == 0
+    (record,) = json.loads(path.read_text())
+    assert record["d_model"] == 128 and record["rounds"] == 3 and "interrupted" not in record
+    assert "bench fig2: time limit of 1e-06 s before d_model 256: not timed: 256" in \
+        capsys.readouterr().out
 
 
 def test_an_interruptible_loop_lets_through_what_it_cannot_keep():

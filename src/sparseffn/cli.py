@@ -40,6 +40,17 @@ _depths = _int_list("depths", 1, 20, "1-13 or 2,4,8")
 _exponents = _int_list("exponents", 2, 24, "10-20 or 10,14,20")
 
 
+def _seconds(text: str) -> float:
+    """An argparse type for a positive number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return seconds
+
+
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available()
@@ -55,7 +66,7 @@ def _bench_fig2(args: argparse.Namespace) -> int:
     fig2.run(args.d_models, tokens=args.tokens, repeats=args.repeats, device=args.device,
              dtype=args.dtype, peers=args.peers, peers_dir=args.peers_dir, json_path=args.json,
              compile=args.compile, router_precision=args.router_precision,
-             deterministic=args.deterministic)
+             deterministic=args.deterministic, time_limit=args.time_limit)
     return 0
 
 
@@ -66,7 +77,7 @@ def _bench_lm(args: argparse.Namespace) -> int:
                     n_heads=args.n_heads, context=args.context, batch=args.batch, d_ff=args.d_ff,
                     repeats=args.repeats, device=args.device, dtype=args.dtype,
                     json_path=args.json, compile=args.compile,
-                    deterministic=args.deterministic)
+                    deterministic=args.deterministic, time_limit=args.time_limit)
     except ValueError as error:   # a preset that does not fit these sizes, an unknown name
         print(f"sparseffn bench lm: {error}", file=sys.stderr)
         return 2
@@ -235,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     fig2.add_argument("--deterministic", action="store_true",
                       help="under torch.use_deterministic_algorithms(True), as sparseffn train "
                            "runs by default")
+    fig2.add_argument("--time-limit", type=_seconds, metavar="SECONDS",
+                      help="stop between two widths before one that would likely end past "
+                           "SECONDS from the first (the longest width so far as the estimate); "
+                           "the widths done are reported")
     fig2.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     fig2.set_defaults(func=_bench_fig2)
 
@@ -255,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--deterministic", action="store_true",
                     help="under torch.use_deterministic_algorithms(True), as sparseffn train "
                          "runs by default")
+    lm.add_argument("--time-limit", type=_seconds, metavar="SECONDS",
+                    help="stop preparing models (build, compile, warm up) before one that "
+                         "would likely be ready past SECONDS from the first; those ready are "
+                         "timed")
     lm.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     lm.set_defaults(func=_bench_lm)
 

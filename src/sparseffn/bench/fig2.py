@@ -398,7 +398,8 @@ def format_table(records: list[dict]) -> str:
 def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str = "cuda",
         dtype: str = "bfloat16", peers: bool = False, peers_dir: str | None = None,
         json_path: str | None = None, compile: str = "none",
-        router_precision: str = "autocast", deterministic: bool = False) -> list[dict]:
+        router_precision: str = "autocast", deterministic: bool = False,
+        time_limit: float | None = None) -> list[dict]:
     """Time each width's contenders (see the module's docstring), print the table and return
     one record per width. ``deterministic`` times them under
     ``torch.use_deterministic_algorithms(True)``, as ``sparseffn train`` runs by default.
@@ -406,7 +407,9 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
     Ctrl-C (or ``timeout -s INT``) stops the run and reports what was measured: the widths
     done, and the cut-short one's contenders that were ready (once σ-MoE and the
     parameter-equal dense MLP are) over its whole rounds; that record's ``interrupted``
-    says what was cut short, and ``rounds`` counts the rounds of every record."""
+    says what was cut short, and ``rounds`` counts the rounds of every record.
+    ``time_limit`` (seconds) stops the run between two widths, before one that would likely
+    end past it (:class:`InterruptibleLoop`: the longest width so far as its estimate)."""
     check_compile_mode(compile)
     dev = torch.device(device)
     autocast_dtype = autocast_dtype_of(dtype)
@@ -427,7 +430,7 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
     records = []
     with deterministic_algorithms(deterministic, dev), compiling_many(), \
             keeping_swallowed_interrupts():
-        with InterruptibleLoop(d_models) as loop:
+        with InterruptibleLoop(d_models, time_limit) as loop:
             for d_model in loop:
                 print(f"d_model {d_model} ...", flush=True)
                 records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype,
@@ -437,7 +440,8 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
                     break
     not_timed = d_models[len(records):]     # (after an interrupt, loop.left)
     if not_timed:
-        cut = f" interrupted at d_model {loop.left[0]}:" if loop.left else ""
+        where = "before" if loop.out_of_time else "at"
+        cut = f" {loop.cause} {where} d_model {loop.left[0]}:" if loop.left else ""
         print(f"bench fig2:{cut} not timed: {', '.join(map(str, not_timed))}", flush=True)
     print(format_table(records))
     if json_path:

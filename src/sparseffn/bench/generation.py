@@ -111,7 +111,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
                           flush=True)
                 fns.update(warmed)
         if loop.left:
-            stopped = preparing_stopped(loop.left)
+            stopped = preparing_stopped(loop)
         times, stopped = times_kept_on_interrupt(fns, repeats, 0, dev, stopped)
     if stopped:
         print(f"bench generate: {stopped}", flush=True)

@@ -128,7 +128,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
         n_heads: int = 4, context: int | None = None, batch: int | None = None,
         d_ff: int = 2048, repeats: int = 10, device: str = "cpu", dtype: str = "float32",
         json_path: str | None = None, compile: str = "none",
-        deterministic: bool = False) -> list[dict]:
+        deterministic: bool = False, time_limit: float | None = None) -> list[dict]:
     """Time one training step of the LM with each preset (``dense`` always included); print a
     table and return one record per preset. ``compile``: ``"none"``, ``"default"`` or
     ``"reduce-overhead"`` (CUDA graphs) for every model; one that does not compile is timed
@@ -139,7 +139,10 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     others are timed; ``dense``, the baseline, failing stops the benchmark). Ctrl-C (or
     ``timeout -s INT``) while the models compile times those already ready, and during the
     timed rounds keeps the whole rounds: the table and JSON hold what was measured, and a
-    line under the table says what was cut short (a record's ``rounds`` counts its rounds)."""
+    line under the table says what was cut short (a record's ``rounds`` counts its rounds).
+    ``time_limit`` (seconds) stops preparing models, as an interrupt would but between two of
+    them, before one that would likely be ready past it (:class:`InterruptibleLoop`); the
+    timed rounds of those ready come after."""
     check_compile_mode(compile)
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
@@ -155,7 +158,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
     with deterministic_algorithms(deterministic, dev), compiling_many(), \
             keeping_swallowed_interrupts():
         steps, costs, is_compiled, failed, stopped = {}, {}, {}, {}, ""
-        with InterruptibleLoop(names) as loop:      # dense first: the baseline
+        with InterruptibleLoop(names, time_limit) as loop:      # dense first: the baseline
             for name in loop:
                 model = lm_model(name, d_model, n_layers, n_heads, context, d_ff, dev)
                 costs[name] = model.config.cost()
@@ -169,7 +172,7 @@ def run(presets: list[str] | None = None, d_model: int = 256, n_layers: int = 6,
                     failed[name] = error_summary(error)
                     print(f"  {name}: failed ({failed[name]}); not timed", flush=True)
         if loop.left:
-            stopped = preparing_stopped(loop.left)
+            stopped = preparing_stopped(loop)
             print(f"  {stopped}; timing the {len(steps)} ready", flush=True)
         times, stopped = times_kept_on_interrupt(steps, repeats, 2, dev, stopped)
         records = []

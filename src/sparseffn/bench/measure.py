@@ -84,18 +84,43 @@ class InterruptibleLoop(Generic[Item]):
             for config in loop:
                 records += measure(config)
         if loop.left:
-            print(f"interrupted: not timed: {', '.join(map(str, loop.left))}")
+            print(f"{loop.cause}: not timed: {', '.join(map(str, loop.left))}")
+
+    ``time_limit`` (seconds from the loop's first item) ends it the same way, without a
+    signal, before an item that would likely end past the limit: one whose start is later
+    than the limit less the longest item so far. The first item always runs. A stop between
+    items cannot land inside a compiler or a CUDA-graph recording, which a SIGINT can (on an
+    H200, ``bench lm`` stopped while it prepared one model under CUDA graphs failed on the
+    next model's first timed step, in PyTorch's CUDA-graph trees: "assert
+    len(node.tensor_weakrefs) == len(node.stack_traces)").
     """
 
-    def __init__(self, items: Iterable[Item]) -> None:
+    def __init__(self, items: Iterable[Item], time_limit: float | None = None) -> None:
         self.items = list(items)
         self.finished = 0           # how many items the loop's body has finished
         self.left: list[Item] = []
+        self.time_limit = time_limit
+        self.out_of_time = False    # ended by time_limit, not by an interrupt
+        self._begun: float | None = None
+        self._longest = 0.0         # seconds of the longest item finished
+
+    @property
+    def cause(self) -> str:
+        """Why the loop ended early: "interrupted" or "time limit of S s"."""
+        return f"time limit of {self.time_limit:g} s" if self.out_of_time else "interrupted"
 
     def __iter__(self) -> Iterator[Item]:
+        if self._begun is None:
+            self._begun = time.monotonic()
         for item in self.items[self.finished:]:
             raise_swallowed_interrupt()
+            started = time.monotonic()
+            if (self.finished and self.time_limit is not None
+                    and started - self._begun + self._longest > self.time_limit):
+                self.out_of_time, self.left = True, self.items[self.finished:]
+                return
             yield item
+            self._longest = max(self._longest, time.monotonic() - started)
             self.finished += 1      # resumed: the body finished the item
 
     def __enter__(self) -> "InterruptibleLoop[Item]":
@@ -123,10 +148,13 @@ def clear_leaked_python_dispatcher() -> None:
         torch._C._dispatch_tls_set_dispatch_key_included(key, False)
 
 
-def preparing_stopped(left: list[str]) -> str:
-    """The note of a benchmark interrupted while it prepared (built, compiled, warmed up) the
-    first of ``left``, the models it will not time (:attr:`InterruptibleLoop.left`)."""
-    return f"interrupted while preparing {left[0]}: not timed: {', '.join(left)}"
+def preparing_stopped(loop: InterruptibleLoop[str]) -> str:
+    """The note of a benchmark whose ``loop`` over the models to prepare (build, compile,
+    warm up) ended early: interrupted while it prepared the first of ``loop.left``, or at its
+    time limit before it; those models are not timed."""
+    where = "while" if not loop.out_of_time else "before"
+    return (f"{loop.cause} {where} preparing {loop.left[0]}: not timed: "
+            f"{', '.join(loop.left)}")
 
 
 class RoundsInterrupted(Exception):
