@@ -2,7 +2,7 @@
 and GEMM references that bound them.
 
     python scripts/gpu_cvmm_calls.py [--d-model 512 1024 2048] [--tokens 32768] [--rounds 10]
-                                     [--lm-shapes]
+                                     [--lm-shapes] [--graphs]
 
 At the Fig. 2 shapes of Csordás et al. 2023 (arXiv:2310.10837: expert size 128, k = 4,
 d_ff = 4·d_model, experts = d_ff / 128; random top-k routing) in bf16, for each call:
@@ -10,7 +10,10 @@ milliseconds per call (median over rounds of a loop of calls), TF/s, and, for th
 whose inner size is the expert size, the row-tile kernel against the tile kernel in the same
 rounds (``auto/tile``), and for the two weight gradients, the split-K the heuristic picks
 against one range per expert (``auto/unsplit``). ``--lm-shapes`` adds the shapes of
-``bench lm``'s σ-MoE (d_model 256, 8 experts of 256, k = 2, 64 × 256 tokens). The calls
+``bench lm``'s σ-MoE (d_model 256, 8 experts of 256, k = 2, 64 × 256 tokens). Each loop of
+calls is launched from Python (the host's launch cost included: on an H200 every call at the
+LM's shapes took 0.11-0.18 ms, the host's time, not the kernels'), or with ``--graphs``
+replayed from one CUDA graph (``measure.graph_call_times``: the device's time). The calls
 (``ops/expert_mlp.py``):
 
 - ``up``    hidden = relu(x[token] W1ᵀ)              m = d_model, n = expert size
@@ -41,7 +44,7 @@ import statistics
 
 import torch
 
-from sparseffn.bench.measure import kernel_script_device, per_call_times
+from sparseffn.bench.measure import graph_call_times, kernel_script_device, per_call_times
 from sparseffn.ops import triton_cvmm
 from sparseffn.ops.assignment import count_keys, positions_in_expert
 from sparseffn.ops.cvmm import DispatchPlan
@@ -50,6 +53,21 @@ from sparseffn.routing import expert_usage
 EXPERT_SIZE, K = 128, 4
 # bench lm's σ-MoE (models/presets.py, d_ff 2048): d_model, experts, expert size, k, tokens
 LM_SHAPE = (256, 8, 256, 2, 64 * 256)
+
+
+def call_times(fns, rounds: int, calls: int, device: torch.device) -> dict[str, list[float]]:
+    """Per-round ms per call of each function: ``per_call_times``, or (``--graphs``) the
+    calls replayed from a CUDA graph, a function that cannot be captured reported and left
+    out."""
+    if not GRAPHS:
+        return per_call_times(fns, rounds, calls, device)
+    times, failures = graph_call_times(fns, rounds, {name: calls for name in fns}, device)
+    for name, why in failures.items():
+        print(f"  {name}: not captured ({why})", flush=True)
+    return times
+
+
+GRAPHS = False   # set by --graphs
 
 
 def _with(name: str, value, fn):
@@ -106,7 +124,9 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
             contenders["tile"] = _with("ROW_TILE_MAX_K", 0, fn)
         if name in ("dw2", "dw1"):
             contenders["unsplit"] = _with("WEIGHT_GRAD_SPLITS", 1, fn)
-        times = per_call_times(contenders, rounds, calls, device)
+        times = call_times(contenders, rounds, calls, device)
+        if "auto" not in times:
+            continue
         ms = statistics.median(times["auto"])
         total += ms
         line = f"  {name:5s} {ms:8.3f} ms  {flop / ms / 1e9:6.0f} TF/s"
@@ -135,7 +155,7 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
         references["_grouped_mm down"] = lambda: torch._grouped_mm(hidden, w2, offs=offsets)
     for name, fn in references.items():
         try:
-            ms = statistics.median(per_call_times({name: fn}, rounds, calls, device)[name])
+            ms = statistics.median(call_times({name: fn}, rounds, calls, device)[name])
             print(f"  reference: {name}: {ms:.3f} ms", flush=True)
         except Exception as error:   # e.g. _grouped_mm not built for this GPU
             print(f"  reference: {name}: failed ({type(error).__name__})", flush=True)
@@ -177,7 +197,9 @@ def bench_bookkeeping(d_model: int, tokens: int, rounds: int, calls: int,
     }
     print(f"routing bookkeeping: {num_experts} experts, {tokens} tokens, k {K}", flush=True)
     for name, (now, before) in pairs.items():
-        times = per_call_times({"now": now, "before": before}, rounds, calls, device)
+        times = call_times({"now": now, "before": before}, rounds, calls, device)
+        if len(times) < 2:
+            continue
         t_now, t_before = (statistics.median(times[key]) for key in ("now", "before"))
         print(f"  {name:10s} {t_now:8.3f} ms   before {t_before:8.3f} ms   "
               f"now/before {t_now / t_before:.2f}", flush=True)
@@ -192,14 +214,22 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--lm-shapes", action="store_true",
                         help="also the six calls at bench lm's σ-MoE shapes (LM_SHAPE)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time the calls replayed from CUDA graphs: the device's time, "
+                             "not the host's (CUDA only)")
     args = parser.parse_args()
     device, where = kernel_script_device(parser, args.device)
+    if args.graphs and device.type != "cuda":
+        parser.error("--graphs needs a CUDA device")
+    global GRAPHS
+    GRAPHS = args.graphs
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # interpreter: no bf16
     if min(args.d_model) < EXPERT_SIZE:
         parser.error(f"--d-model must be at least {EXPERT_SIZE} (4·d_model / {EXPERT_SIZE} "
                      f"experts, at least k = {K})")
     print(f"CVMM calls of a σ-MoE step: {where}, {dtype}, {args.tokens} tokens, "
-          f"expert size {EXPERT_SIZE}, k={K}", flush=True)
+          f"expert size {EXPERT_SIZE}, k={K}"
+          + (", replayed from CUDA graphs" if GRAPHS else ""), flush=True)
     for d_model in args.d_model:
         bench_width(d_model, args.tokens, args.rounds, args.calls, device, dtype)
     if args.lm_shapes:

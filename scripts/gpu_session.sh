@@ -8,21 +8,20 @@
 # whole configs, depths, cases and layers.
 #
 #   bash scripts/gpu_session.sh first              # THE FIRST CALL of a session, under 9.5 min:
-#                                                   #   lm-layers-first (σ-MoE's, PKM's and PEER's
-#                                                   #   layers from CUDA graphs, each untimed
-#                                                   #   switch in turn: the split weight gradient,
-#                                                   #   PKM's dense products; its captures failed
-#                                                   #   on the H200 before the aux-loss fix),
-#                                                   #   cvmm-first (the split weight gradient
-#                                                   #   against unsplit, kernel by kernel),
-#                                                   #   tests-new (kernels never run on a GPU),
-#                                                   #   lm-first (the LM target); a session has 15
-#                                                   #   minutes of device time, a start takes 1-2
+#                                                   #   lm-first (the LM target, every preset
+#                                                   #   the issue names, with a time limit) and
+#                                                   #   profile-first (the LM step of dense,
+#                                                   #   σ-MoE and PKM, kernel by kernel); a
+#                                                   #   session has 15 minutes of device time, a
+#                                                   #   start takes 1-2
 #   bash scripts/gpu_session.sh second             # a second call, at once while the machine
-#                                                   #   is warm, if 3 minutes are left (~2.8 min
-#                                                   #   at most): fig2-eager (Fig. 2's ratios and
-#                                                   #   peak memory) and train-quick (does
-#                                                   #   `sparseffn train --device cuda` train)
+#                                                   #   is warm, if 3.5 minutes are left (~3 min
+#                                                   #   at most): cvmm-graphs (the six CVMM calls
+#                                                   #   replayed from CUDA graphs: the device's
+#                                                   #   time at the LM's shapes, which eager
+#                                                   #   timing hid under the host's) and
+#                                                   #   fig2-eager (Fig. 2's ratios and peak
+#                                                   #   memory)
 #   bash scripts/gpu_session.sh profile-first      # the LM step of dense, σ-MoE and PKM, kernel
 #                                                   #   by kernel (~2.5 min at most)
 #   bash scripts/gpu_session.sh tests check        # ~4-5 + ~7 min
@@ -89,8 +88,8 @@ stage() {   # name, time limit in seconds, command...
 stages=()
 for what in "$@"; do
   case $what in
-    first) stages+=(lm-layers-first cvmm-first tests-new lm-first) ;;
-    second) stages+=(fig2-eager train-quick) ;;
+    first) stages+=(lm-first profile-first) ;;
+    second) stages+=(cvmm-graphs fig2-eager) ;;
     *) stages+=("$what") ;;
   esac
 done
@@ -98,29 +97,37 @@ done
 for what in "${stages[@]}"; do
   case $what in
     # the LM target's presets (GLaM and soft FFF left out: no target of their own, 2 fewer
-    # compilations), stopped at 190 s with what compiled by then timed
-    lm-first) stage lm-first 190 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
-                --presets sigma_moe switch sbase fff_sparse pkm peer --json "$OUT/lm-first.json" ;;
+    # compilations). On a cold H200 they compiled in 21 (dense), 52, 26, 20 and 40 s, and the
+    # SIGINT at 190 s, landing while pkm was prepared, broke the timing of the five ready:
+    # --time-limit stops between two models instead, the SIGINT is only a backstop
+    lm-first) stage lm-first 360 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
+                --presets sigma_moe switch sbase fff_sparse pkm peer --time-limit 310 \
+                --json "$OUT/lm-first.json" ;;
     # the trainer on CUDA: fp32 against the CPU, bf16 without a host sync, resume to the bit
     train-quick) SPARSEFFN_TRITON_AUTOTUNE=0 stage train-quick 75 $PY scripts/gpu_train_check.py \
                    --quick --presets sigma_moe --steps 12 --json "$OUT/train-quick.json" ;;
-    # the kernel tests no GPU has run, bf16 included: the split weight gradient and its sum,
-    # the dense-products tests fixed after the H200 (they gave the kernels CPU tensors), the
-    # tree kernels, then the row kernels and Sinkhorn again (on the H200 the first 107 tests of
-    # test_triton_cvmm.py and the row and Sinkhorn files passed)
+    # the Triton kernel tests of the fifty-first session's changes, bf16 included: the split
+    # weight gradient and its sum, the dense-products tests, the tree, row and Sinkhorn kernels
+    # (all 379 passed on an H200, in 159 s with warm caches)
     tests-new) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests-new 100 $PY -m pytest -q \
                  -p no:cacheprovider -k "weight_gradient or partial_sums or not test_triton_cvmm" \
                  tests/ops/test_triton_cvmm.py tests/ops/test_dense_products.py \
                  tests/ops/test_triton_tree.py tests/ops/test_triton_rows.py \
                  tests/ops/test_triton_sinkhorn.py ;;
     # eager: the allocator's peak (CUDA graphs hide it) and the ratios without graphs
-    fig2-eager) stage fig2-eager 75 $PY -m sparseffn bench fig2 --json "$OUT/fig2-eager.json" ;;
-    # "second": each untimed switch of these layers, from CUDA graphs, beside the layer as it is
+    # (killed at 75 + 20 s on a cold H200 in d_model 2048, with nothing printed: the SIGINT did
+    # not end it in 20 s)
+    fig2-eager) stage fig2-eager 90 $PY -m sparseffn bench fig2 --time-limit 60 \
+                  --json "$OUT/fig2-eager.json" ;;
+    # each switch of these layers, from CUDA graphs, beside the layer as it is
     lm-layers-first) stage lm-layers-first 140 $PY scripts/gpu_lm_layers.py \
                        --presets sigma_moe,pkm,peer ;;
     # the split weight gradient against unsplit at Fig. 2's d_model 512 and the LM's shapes
     cvmm-first) stage cvmm-first 70 $PY scripts/gpu_cvmm_calls.py --d-model 512 --lm-shapes \
                   --rounds 5 ;;
+    # the same replayed from CUDA graphs: at the LM's shapes eager calls took the host's time
+    cvmm-graphs) stage cvmm-graphs 70 $PY scripts/gpu_cvmm_calls.py --d-model 512 --lm-shapes \
+                   --rounds 5 --graphs ;;
     profile-first) stage profile-first 140 $PY scripts/gpu_profile.py --top 12 \
                      --lm dense,sigma_moe,pkm ;;
     tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 420 $PY -m pytest -q -p no:cacheprovider \
@@ -132,16 +139,17 @@ for what in "${stages[@]}"; do
              tests/layers/test_dynamic_shapes.py::test_on_cuda_inductor_compiles_one_graph_for_every_batch_size ;;
     check) stage check 540 $PY scripts/gpu_check.py --json "$OUT/check.json" ;;
     fig2) stage fig2 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
-            --json "$OUT/fig2.json" ;;
+            --json "$OUT/fig2.json" --time-limit 480 ;;
     fig2-graphs) stage fig2-graphs 540 $PY -m sparseffn bench fig2 --peers --peers-dir "$PEERS_DIR" \
-                   --compile reduce-overhead --json "$OUT/fig2-graphs.json" ;;
-    lm) stage lm 540 $PY -m sparseffn bench lm --device cuda --json "$OUT/lm.json" ;;
+                   --compile reduce-overhead --time-limit 480 --json "$OUT/fig2-graphs.json" ;;
+    lm) stage lm 540 $PY -m sparseffn bench lm --device cuda --time-limit 480 \
+          --json "$OUT/lm.json" ;;
     # the presets the issue's LM target names, FFF trained soft and sparse (softmax_moe,
     # σ-MoE's experts behind softmax gates, is left out to keep the stage's compile time
     # under its limit; ~4 min for 7, before fff_sparse made 8: not yet run)
     lm-graphs) stage lm-graphs 540 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
                  --presets sigma_moe sbase switch glam fff fff_sparse pkm peer \
-                 --json "$OUT/lm-graphs.json" ;;
+                 --time-limit 480 --json "$OUT/lm-graphs.json" ;;
     layers) stage layers 400 $PY -m sparseffn bench layers --device cuda --dtype bfloat16 \
               --tokens 32768 --json "$OUT/layers.json" ;;
     decode) stage decode 300 $PY -m sparseffn bench layers --device cuda --tokens 1 --configs a b \
@@ -174,7 +182,7 @@ for what in "${stages[@]}"; do
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (first second lm-first train-quick tests-new fig2-eager" \
-            "lm-layers-first cvmm-first profile-first" \
+            "lm-layers-first cvmm-first cvmm-graphs profile-first" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile" \

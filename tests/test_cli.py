@@ -674,7 +674,7 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
 
 def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_limit(
         tmp_path):
-    """``first`` (a session's one call) expands to its four stages in order, ``second`` to
+    """``first`` (a session's one call) expands to its two stages in order, ``second`` to
     its two, each run under ``timeout -s INT`` so that a benchmark stopped at its limit still
     reports; an unknown stage is refused. The stages' Python is stood in for by a script
     that logs its arguments."""
@@ -689,18 +689,19 @@ def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert re.findall(r"^== ([\w-]+): exit 0$", done.stdout, re.M) == [
-        "lm-layers-first", "cvmm-first", "tests-new", "lm-first"]
+        "lm-first", "profile-first"]
     lm_log = (tmp_path / "out" / "lm-first.log").read_text()
     assert "ran: -m sparseffn bench lm --device cuda --compile reduce-overhead" in lm_log
-    assert "tests/ops/test_triton_rows.py" in (tmp_path / "out" / "tests-new.log").read_text()
-    assert "ran: scripts/gpu_lm_layers.py --presets sigma_moe,pkm,peer" in \
-        (tmp_path / "out" / "lm-layers-first.log").read_text()
-    assert "--lm-shapes" in (tmp_path / "out" / "cvmm-first.log").read_text()
+    assert "--time-limit 310" in lm_log
+    assert "ran: scripts/gpu_profile.py --top 12 --lm dense,sigma_moe,pkm" in \
+        (tmp_path / "out" / "profile-first.log").read_text()
     assert "timeout -s INT -k 20" in script.read_text()
     done = subprocess.run(["bash", str(script), "second"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert re.findall(r"^== ([\w-]+): exit 0$", done.stdout, re.M) == [
-        "fig2-eager", "train-quick"]
+        "cvmm-graphs", "fig2-eager"]
+    assert "--lm-shapes --rounds 5 --graphs" in \
+        (tmp_path / "out" / "cvmm-graphs.log").read_text()
     refused = subprocess.run(["bash", str(script), "nope"], env=env, capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "unknown stage nope (first " in refused.stdout
