@@ -186,6 +186,31 @@ def test_an_interruptible_loop_stops_before_an_item_likely_to_end_past_its_time_
     assert run_loop("abc", interrupt_at("b"))[0].cause == "interrupted"
 
 
+def test_an_interruptible_loop_estimates_an_item_by_its_cost_when_given_one(monkeypatch):
+    """Widths that take time in proportion: after 512 (2 s) and 1024 (4 s), 2048 is
+    estimated at 8 s, the slowest rate so far (4 ms a unit) times its cost."""
+    clock = FakeClock()
+    monkeypatch.setattr(measure, "time", clock)
+
+    def run(limit, seconds):
+        done = []
+        with InterruptibleLoop(seconds, time_limit=limit, cost=float) as loop:
+            for width in loop:
+                clock.now += seconds[width]
+                done.append(width)
+        return done
+    widths = {512: 2.0, 1024: 4.0, 2048: 8.0}
+    assert run(13.0, widths) == [512, 1024]          # 2048 would start at 6 s and end at 14
+    assert run(14.0, widths) == [512, 1024, 2048]
+    # without a cost, the estimate is the longest item (4 s): 2048 would have been begun
+    with InterruptibleLoop(widths, time_limit=13.0) as loop:
+        for width in loop:
+            clock.now += widths[width]
+    assert loop.left == []
+    # the slowest rate counts: 512 at 3 s (5.9 ms a unit) makes 1024 an estimated 6 s
+    assert run(8.0, {512: 3.0, 1024: 1.0}) == [512]
+
+
 def test_bench_lm_and_fig2_stop_at_their_time_limit_and_report_what_they_measured(
         tmp_path, capsys):
     path = tmp_path / "lm.json"

@@ -248,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "runs by default")
     fig2.add_argument("--time-limit", type=_seconds, metavar="SECONDS",
                       help="stop between two widths before one that would likely end past "
-                           "SECONDS from the first (the longest width so far as the estimate); "
-                           "the widths done are reported")
+                           "SECONDS from the first (its time estimated as proportional to the "
+                           "width); the widths done are reported")
     fig2.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
     fig2.set_defaults(func=_bench_fig2)
 

@@ -409,7 +409,8 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
     parameter-equal dense MLP are) over its whole rounds; that record's ``interrupted``
     says what was cut short, and ``rounds`` counts the rounds of every record.
     ``time_limit`` (seconds) stops the run between two widths, before one that would likely
-    end past it (:class:`InterruptibleLoop`: the longest width so far as its estimate)."""
+    end past it (:class:`InterruptibleLoop`: a width's time estimated as proportional to
+    it, at the slowest rate of the widths done)."""
     check_compile_mode(compile)
     dev = torch.device(device)
     autocast_dtype = autocast_dtype_of(dtype)
@@ -430,7 +431,9 @@ def run(d_models: list[int], tokens: int = 32768, repeats: int = 20, device: str
     records = []
     with deterministic_algorithms(deterministic, dev), compiling_many(), \
             keeping_swallowed_interrupts():
-        with InterruptibleLoop(d_models, time_limit) as loop:
+        # a width's time taken as proportional to it: σ-MoE's FLOPs are (expert size and k
+        # fixed), the dense MLP's grow faster, compiling and tuning do not grow
+        with InterruptibleLoop(d_models, time_limit, cost=float) as loop:
             for d_model in loop:
                 print(f"d_model {d_model} ...", flush=True)
                 records.append(bench_width(d_model, tokens, repeats, dev, autocast_dtype,

@@ -88,21 +88,25 @@ class InterruptibleLoop(Generic[Item]):
 
     ``time_limit`` (seconds from the loop's first item) ends it the same way, without a
     signal, before an item that would likely end past the limit: one whose start is later
-    than the limit less the longest item so far. The first item always runs. A stop between
+    than the limit less its estimated time, the longest item's so far, or with ``cost`` (an
+    item's relative cost, such as a width), the most seconds per unit of cost so far times
+    the item's cost. The first item always runs. A stop between
     items cannot land inside a compiler or a CUDA-graph recording, which a SIGINT can (on an
     H200, ``bench lm`` stopped while it prepared one model under CUDA graphs failed on the
     next model's first timed step, in PyTorch's CUDA-graph trees: "assert
     len(node.tensor_weakrefs) == len(node.stack_traces)").
     """
 
-    def __init__(self, items: Iterable[Item], time_limit: float | None = None) -> None:
+    def __init__(self, items: Iterable[Item], time_limit: float | None = None,
+                 cost: Callable[[Item], float] | None = None) -> None:
         self.items = list(items)
         self.finished = 0           # how many items the loop's body has finished
         self.left: list[Item] = []
         self.time_limit = time_limit
         self.out_of_time = False    # ended by time_limit, not by an interrupt
+        self._cost = cost or (lambda item: 1.0)
         self._begun: float | None = None
-        self._longest = 0.0         # seconds of the longest item finished
+        self._rate = 0.0            # the most seconds per unit of cost of an item finished
 
     @property
     def cause(self) -> str:
@@ -115,12 +119,12 @@ class InterruptibleLoop(Generic[Item]):
         for item in self.items[self.finished:]:
             raise_swallowed_interrupt()
             started = time.monotonic()
-            if (self.finished and self.time_limit is not None
-                    and started - self._begun + self._longest > self.time_limit):
+            if (self.finished and self.time_limit is not None and started - self._begun
+                    + self._rate * self._cost(item) > self.time_limit):
                 self.out_of_time, self.left = True, self.items[self.finished:]
                 return
             yield item
-            self._longest = max(self._longest, time.monotonic() - started)
+            self._rate = max(self._rate, (time.monotonic() - started) / self._cost(item))
             self.finished += 1      # resumed: the body finished the item
 
     def __enter__(self) -> "InterruptibleLoop[Item]":
