@@ -157,3 +157,68 @@ def test_a_nan_token_in_gated_experts_stays_in_its_own_rows(matmul_path):
     clean = torch.arange(11) != 4
     assert torch.isnan(y[4]).all()
     torch.testing.assert_close(y[clean], want[clean], atol=1e-4, rtol=1e-4)
+
+
+def _bias_case(S_per_expert=(5, 0, 7, 3), G=6, dropped=4):
+    """Expert-sorted rows [S, G] of 4 experts (expert 1 empty) and ``dropped`` rows past
+    them (pairs dropped at capacity), each with its expert id; a bias [4, G]."""
+    counts = torch.tensor(S_per_expert)
+    expert_of_row = torch.cat([torch.repeat_interleave(torch.arange(4), counts),
+                               torch.randint(0, 4, (dropped,))])
+    hidden = torch.randn(expert_of_row.shape[0], G, requires_grad=True)
+    bias = torch.randn(4, G, requires_grad=True)
+    return hidden, bias, expert_of_row, counts
+
+
+def test_an_expert_bias_gradient_is_each_experts_sum_of_its_rows(matmul_path):
+    """``add_expert_bias`` against ``index_select``: the same output and hidden gradient; the
+    bias's gradient sums each expert's rows (the dropped rows past them add nothing, an
+    empty expert gets an exact zero, a NaN row stays in its expert's gradient); no
+    ``index_add_`` (atomics on CUDA) in the backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from sparseffn.ops.expert_mlp import add_expert_bias
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    hidden, bias, expert_of_row, counts = _bias_case()
+    y = add_expert_bias(hidden, bias, expert_of_row, counts)
+    torch.testing.assert_close(y, hidden + bias[expert_of_row])
+    grad = torch.randn_like(y)
+    grad[3, 2] = float("nan")                                   # a row of expert 0
+    ops = Ops()
+    with ops:
+        grad_hidden, grad_bias = torch.autograd.grad(y, [hidden, bias], grad)
+    assert "index_add_" not in ops.names and "index_add" not in ops.names
+    assert torch.equal(grad_hidden.isnan(), grad.isnan())
+    torch.testing.assert_close(grad_hidden.nan_to_num(), grad.nan_to_num())
+    live = int(counts.sum())
+    want = torch.zeros_like(bias).index_add_(0, expert_of_row[:live], grad[:live])
+    assert bool(grad_bias[0, 2].isnan()) and int(grad_bias.isnan().sum()) == 1
+    torch.testing.assert_close(grad_bias.nan_to_num(), want.nan_to_num(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(grad_bias[1], torch.zeros(6))            # expert 1 has no rows
+    # no rows at all
+    hidden, bias, expert_of_row, counts = _bias_case((0, 0, 0, 0), dropped=0)
+    y = add_expert_bias(hidden, bias, expert_of_row, counts)
+    assert y.shape == (0, 6)
+    assert torch.equal(torch.autograd.grad(y.sum(), bias)[0], torch.zeros(4, 6))
+
+
+def test_biased_experts_sum_the_bias_gradient_under_bf16_autocast():
+    """Under autocast the hidden rows are bf16 and the float32 bias gets a float32 gradient,
+    each expert's sum rounded once (to bf16, as a dense layer's bias gradient is there)."""
+    from sparseffn.ops.expert_mlp import add_expert_bias
+    hidden, bias, expert_of_row, counts = _bias_case((40, 0, 70, 30), G=16, dropped=0)
+    hidden16 = hidden.detach().to(torch.bfloat16).requires_grad_()
+    y = add_expert_bias(hidden16, bias, expert_of_row, counts)
+    assert y.dtype == torch.bfloat16
+    grad = torch.randn_like(y)
+    (grad_bias,) = torch.autograd.grad(y, [bias], grad)
+    assert grad_bias.dtype == torch.float32
+    want = torch.zeros_like(bias).index_add_(0, expert_of_row, grad.float())
+    torch.testing.assert_close(grad_bias, want, atol=0, rtol=2 ** -8)

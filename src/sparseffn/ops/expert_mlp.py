@@ -114,8 +114,8 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
                                     plan.token_of_row, plan.counts, plan.k)[0]
     hidden = cvmm(x, plan, w1.transpose(1, 2), sorted_output=True)                  # [S, G]
     if b1 is not None:   # each sorted row's expert: the plan's order over the flat indices
-        hidden = hidden + b1.index_select(0, indices.reshape(-1).index_select(0, plan.order)
-                                          ).to(hidden.dtype)
+        hidden = add_expert_bias(hidden, b1, indices.reshape(-1).index_select(0, plan.order),
+                                 plan.counts)
     if w_gate is None:
         hidden = activation_fn(activation)(hidden)
     else:   # the GLU: the activated gate rows times the linear rows, in the same sorted order
@@ -128,6 +128,57 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
         y = y + gather_sum(indices.reshape(-1, plan.k), gates.reshape(-1, plan.k),
                            b2).to(y.dtype)
     return y
+
+
+_ONES_COLUMNS = 8
+
+
+def add_expert_bias(hidden: torch.Tensor, bias: torch.Tensor, expert_of_row: torch.Tensor,
+                    counts: torch.Tensor) -> torch.Tensor:
+    """``hidden[r] + bias[expert_of_row[r]]`` for expert-sorted rows (in ``hidden``'s dtype).
+
+    hidden: [S, G]; bias: [E, G]; expert_of_row: int [S]; counts: [E], the rows of each
+    expert, in order (rows past ``Σ counts``, pairs dropped at capacity, give ``bias`` no
+    gradient). Where a gradient is wanted, ``bias``'s is each expert's sum of its rows'
+    gradients by ``sparseffn::expert_weight_grad`` (:class:`_ExpertBiasRows`)."""
+    if not grad_wanted(bias):
+        return hidden + bias.index_select(0, expert_of_row).to(hidden.dtype)
+    return _ExpertBiasRows.apply(hidden, bias, expert_of_row, counts)
+
+
+class _ExpertBiasRows(torch.autograd.Function):
+    """:func:`add_expert_bias` with a gradient for the bias summed in a fixed order.
+
+    ``index_select``'s own backward is an ``index_add_``: on CUDA every row of an expert adds
+    atomically into the same G elements (4,096 rows into each of 8 experts' at the byte LM's
+    sparse FFF), in an order that changes from run to run, and under deterministic
+    algorithms PyTorch walks each expert's rows one after another. Here the rows are already
+    sorted by expert, so the sum is ``Σ_r 1 · grad_r`` over each expert's rows: the expert
+    weight gradient with a column of ones, a grouped product with float32 accumulation and
+    no atomics (the split-K Triton kernel on CUDA), rounded once to the gradient's dtype."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(hidden, bias, expert_of_row, counts):
+        return hidden + bias.index_select(0, expert_of_row).to(hidden.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[3])
+        ctx.bias_dtype = inputs[1].dtype
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        counts, = ctx.saved_tensors
+        grad_bias = None
+        if ctx.needs_input_grad[1]:   # [E, 8, G]: Σ_r 1ᵀ grad_r per expert, 8 times over
+            # (8 columns of ones: torch._grouped_mm, the PyTorch path on CUDA, takes rows of
+            # whole 16-byte vectors only)
+            ones = grad.new_ones(grad.shape[0], _ONES_COLUMNS)
+            grad_bias = kernels.expert_weight_grad(ones, grad.contiguous(), counts, None, None,
+                                                   None)[:, 0].to(ctx.bias_dtype)
+        return (grad if ctx.needs_input_grad[0] else None), grad_bias, None, None
 
 
 class _ReluExpertMLP(torch.autograd.Function):
