@@ -25,6 +25,9 @@ together. Here each layer is timed alone, in three versions where they apply:
   the experts' products as ``torch._grouped_mm`` (``triton_cvmm.set_triton_enabled(False)``).
   ``bench fig2`` found that path 0.89 of the Triton one's time at d_model 512 and slower at
   1024 and 2048; this says which one wins at the LM's d_model of 256;
+- ``index_add b1`` (sparse FFF, whose leaves have biases): the first bias's gradient by
+  ``index_select``'s backward, an ``index_add_`` (atomics), as before
+  ``expert_mlp.add_expert_bias`` summed each expert's rows by the weight-gradient kernel;
 - ``dense products`` (PKM, PEER): switched *on*, as it is off by default: the gathered-row
   products of their tables as dense bf16 GEMMs (``ops/dense_products.py``), which cost 2·N·d
   FLOPs a token against m·d elements read; at these tables (3,844 and 1,444 rows, 128 and 32
@@ -100,6 +103,12 @@ def _bf16_gates():
         yield
 
 
+def _bias_rows_by_index_select(hidden, bias, expert_of_row, counts):
+    """The experts' first bias added as before the fifty-second session: its gradient from
+    ``index_select``'s backward, an ``index_add_`` (atomics into each expert's row)."""
+    return hidden + bias.index_select(0, expert_of_row).to(hidden.dtype)
+
+
 SWITCHES = {
     "unpadded": (MOE_PRESETS, lambda: _set(expert_mlp, "HIDDEN_MULTIPLE", 1)),
     "bf16 gates": (MOE_PRESETS, _bf16_gates),
@@ -109,6 +118,8 @@ SWITCHES = {
     "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),
     "no triton": (MOE_PRESETS, lambda: _set(triton_cvmm, "_enabled", False)),
     "dense products": (ROW_PRESETS, lambda: _set(dense_products, "_enabled", True)),
+    "index_add b1": (("fff_sparse",), lambda: _set(expert_mlp, "add_expert_bias",
+                                                   _bias_rows_by_index_select)),
 }
 
 

@@ -15,11 +15,13 @@
 #                                                   #   session has 15 minutes of device time, a
 #                                                   #   start takes 1-2
 #   bash scripts/gpu_session.sh second             # a second call, at once while the machine
-#                                                   #   is warm, if 3.5 minutes are left (~3 min
+#                                                   #   is warm, if 5 minutes are left (~4.2 min
 #                                                   #   at most): cvmm-graphs (the six CVMM calls
 #                                                   #   replayed from CUDA graphs: the device's
 #                                                   #   time at the LM's shapes, which eager
-#                                                   #   timing hid under the host's) and
+#                                                   #   timing hid under the host's),
+#                                                   #   lm-layers-fff (sparse FFF's bias gradient
+#                                                   #   without atomics against with) and
 #                                                   #   fig2-eager (Fig. 2's ratios and peak
 #                                                   #   memory)
 #   bash scripts/gpu_session.sh profile-first      # the LM step of dense, σ-MoE and PKM, kernel
@@ -89,7 +91,7 @@ stages=()
 for what in "$@"; do
   case $what in
     first) stages+=(lm-first profile-first) ;;
-    second) stages+=(cvmm-graphs fig2-eager) ;;
+    second) stages+=(cvmm-graphs lm-layers-fff fig2-eager) ;;
     *) stages+=("$what") ;;
   esac
 done
@@ -119,6 +121,9 @@ for what in "${stages[@]}"; do
     # not end it in 20 s)
     fig2-eager) stage fig2-eager 90 $PY -m sparseffn bench fig2 --time-limit 60 \
                   --json "$OUT/fig2-eager.json" ;;
+    # sparse FFF's layer from CUDA graphs, its first bias's gradient summed by the weight
+    # gradient kernel (now) and by index_add_'s atomics (before)
+    lm-layers-fff) stage lm-layers-fff 90 $PY scripts/gpu_lm_layers.py --presets fff_sparse ;;
     # each switch of these layers, from CUDA graphs, beside the layer as it is
     lm-layers-first) stage lm-layers-first 140 $PY scripts/gpu_lm_layers.py \
                        --presets sigma_moe,pkm,peer ;;
@@ -182,7 +187,7 @@ for what in "${stages[@]}"; do
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (first second lm-first train-quick tests-new fig2-eager" \
-            "lm-layers-first cvmm-first cvmm-graphs profile-first" \
+            "lm-layers-first lm-layers-fff cvmm-first cvmm-graphs profile-first" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile" \

@@ -675,7 +675,7 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
 def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_limit(
         tmp_path):
     """``first`` (a session's one call) expands to its two stages in order, ``second`` to
-    its two, each run under ``timeout -s INT`` so that a benchmark stopped at its limit still
+    its three, each run under ``timeout -s INT`` so that a benchmark stopped at its limit still
     reports; an unknown stage is refused. The stages' Python is stood in for by a script
     that logs its arguments."""
     import subprocess
@@ -699,7 +699,7 @@ def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_
     done = subprocess.run(["bash", str(script), "second"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert re.findall(r"^== ([\w-]+): exit 0$", done.stdout, re.M) == [
-        "cvmm-graphs", "fig2-eager"]
+        "cvmm-graphs", "lm-layers-fff", "fig2-eager"]
     assert "--lm-shapes --rounds 5 --graphs" in \
         (tmp_path / "out" / "cvmm-graphs.log").read_text()
     refused = subprocess.run(["bash", str(script), "nope"], env=env, capture_output=True,
