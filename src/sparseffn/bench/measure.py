@@ -90,11 +90,11 @@ class InterruptibleLoop(Generic[Item]):
     signal, before an item that would likely end past the limit: one whose start is later
     than the limit less its estimated time, the longest item's so far, or with ``cost`` (an
     item's relative cost, such as a width), the most seconds per unit of cost so far times
-    the item's cost. The first item always runs. A stop between
-    items cannot land inside a compiler or a CUDA-graph recording, which a SIGINT can (on an
-    H200, ``bench lm`` stopped while it prepared one model under CUDA graphs failed on the
-    next model's first timed step, in PyTorch's CUDA-graph trees: "assert
-    len(node.tensor_weakrefs) == len(node.stack_traces)").
+    the item's cost. The first item always runs. A stop between items cannot land inside a
+    compiler or a CUDA-graph recording, which a SIGINT can (on an H200, ``bench lm`` stopped
+    while it prepared one model under CUDA graphs failed on the next model's first timed
+    step, in PyTorch's CUDA-graph trees: "assert len(node.tensor_weakrefs) ==
+    len(node.stack_traces)").
     """
 
     def __init__(self, items: Iterable[Item], time_limit: float | None = None,

@@ -151,8 +151,8 @@ class _ExpertBiasRows(torch.autograd.Function):
 
     ``index_select``'s own backward is an ``index_add_``: on CUDA every row of an expert adds
     atomically into the same G elements (4,096 rows into each of 8 experts' at the byte LM's
-    sparse FFF), in an order that changes from run to run, and under deterministic
-    algorithms PyTorch walks each expert's rows one after another. Here the rows are already
+    sparse FFF), in an order that changes from run to run; under deterministic algorithms
+    PyTorch sorts the indices and adds each expert's rows in turn. Here the rows are already
     sorted by expert, so the sum is ``Σ_r 1 · grad_r`` over each expert's rows: the expert
     weight gradient with a column of ones, a grouped product with float32 accumulation and
     no atomics (the split-K Triton kernel on CUDA), rounded once to the gradient's dtype."""
