@@ -11,9 +11,10 @@
 #                                                   #   lm-first (the LM target, every preset
 #                                                   #   the issue names, with a time limit) and
 #                                                   #   profile-first (the LM step of dense,
-#                                                   #   σ-MoE and PKM, kernel by kernel); a
-#                                                   #   session has 15 minutes of device time, a
-#                                                   #   start takes 1-2
+#                                                   #   σ-MoE, PKM and sparse FFF, kernel by
+#                                                   #   kernel); 530 s of stage limits; a session
+#                                                   #   has 15 minutes of device time, a start
+#                                                   #   takes 1-2
 #   bash scripts/gpu_session.sh second             # a second call, at once while the machine
 #                                                   #   is warm, if 5 minutes are left (~4.2 min
 #                                                   #   at most): cvmm-graphs (the six CVMM calls
@@ -133,8 +134,9 @@ for what in "${stages[@]}"; do
     # the same replayed from CUDA graphs: at the LM's shapes eager calls took the host's time
     cvmm-graphs) stage cvmm-graphs 70 $PY scripts/gpu_cvmm_calls.py --d-model 512 --lm-shapes \
                    --rounds 5 --graphs ;;
-    profile-first) stage profile-first 140 $PY scripts/gpu_profile.py --top 12 \
-                     --lm dense,sigma_moe,pkm ;;
+    # each preset printed as it is done; sparse FFF last (its bias gradient changed since)
+    profile-first) stage profile-first 170 $PY scripts/gpu_profile.py --top 12 \
+                     --lm dense,sigma_moe,pkm,fff_sparse ;;
     tests) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests 420 $PY -m pytest -q -p no:cacheprovider \
              tests/ops/test_triton_cvmm.py tests/ops/test_triton_rows.py tests/ops/test_triton_tree.py \
              tests/ops/test_triton_sinkhorn.py \

@@ -693,7 +693,7 @@ def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_
     lm_log = (tmp_path / "out" / "lm-first.log").read_text()
     assert "ran: -m sparseffn bench lm --device cuda --compile reduce-overhead" in lm_log
     assert "--time-limit 310" in lm_log
-    assert "ran: scripts/gpu_profile.py --top 12 --lm dense,sigma_moe,pkm" in \
+    assert "ran: scripts/gpu_profile.py --top 12 --lm dense,sigma_moe,pkm,fff_sparse" in \
         (tmp_path / "out" / "profile-first.log").read_text()
     assert "timeout -s INT -k 20" in script.read_text()
     done = subprocess.run(["bash", str(script), "second"], env=env, capture_output=True,
