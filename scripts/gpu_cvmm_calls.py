@@ -9,13 +9,12 @@ d_ff = 4·d_model, experts = d_ff / 128; random top-k routing) in bf16, for each
 milliseconds per call (median over rounds of a loop of calls), TF/s, and, for the two calls
 whose inner size is the expert size, the row-tile kernel against the tile kernel in the same
 rounds (``auto/tile``), and for the two weight gradients, the split-K the heuristic picks
-against one range per expert (``auto/unsplit``; on a GPU the heuristic splits only launches
-captured into a CUDA graph, so without ``--graphs`` the two are the same). ``--lm-shapes``
-adds the shapes of ``bench lm``'s σ-MoE (d_model 256, 8 experts of 256, k = 2, 64 × 256
-tokens). Each loop of calls is launched from Python (the host's launch cost included: on an
-H200 every call at the LM's shapes took 0.11-0.18 ms, the host's time, not the kernels'), or
-with ``--graphs`` replayed from one CUDA graph (``measure.graph_call_times``: the device's
-time). The calls (``ops/expert_mlp.py``):
+against one range per expert (``auto/unsplit``). ``--lm-shapes`` adds the shapes of
+``bench lm``'s σ-MoE (d_model 256, 8 experts of 256, k = 2, 64 × 256 tokens). Each loop of
+calls is launched from Python (the host's launch cost included: on an H200 every call at the
+LM's shapes took 0.11-0.18 ms, the host's time, not the kernels'), or with ``--graphs``
+replayed from one CUDA graph (``measure.graph_call_times``: the device's time). The calls
+(``ops/expert_mlp.py``):
 
 - ``up``    hidden = relu(x[token] W1ᵀ)              m = d_model, n = expert size
 - ``down``  y = Σ_slots g · hidden W2                m = expert size, n = d_model (+ k-slot sum)
@@ -135,8 +134,7 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
             ratio = statistics.median(a / b for a, b in zip(times["auto"], times["tile"]))
             line += f"   tile kernel {statistics.median(times['tile']):.3f} ms, auto/tile {ratio:.3f}"
         if "unsplit" in times:
-            splits = triton_cvmm.weight_grad_splits(rows, experts, d_model, expert_size, device,
-                                                    captured=GRAPHS)
+            splits = triton_cvmm.weight_grad_splits(rows, experts, d_model, expert_size, device)
             ratio = statistics.median(a / b for a, b in zip(times["auto"], times["unsplit"]))
             line += (f"   {splits} splits; unsplit {statistics.median(times['unsplit']):.3f} ms, "
                      f"auto/unsplit {ratio:.3f}")

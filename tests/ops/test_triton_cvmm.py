@@ -198,7 +198,6 @@ def test_weight_gradient_splits_only_where_the_tiles_are_too_few(monkeypatch):
     32,768 rows get several ranges; Fig. 2's 64 experts of [2048, 128] (4,096 tiles) none;
     and no range is cut below the minimum rows of a mean expert."""
     monkeypatch.setattr(triton_cvmm, "_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(triton_cvmm, "_captured", lambda device: True)
     splits = lambda *shape: triton_cvmm.weight_grad_splits(*shape, torch.device(DEVICE))  # noqa
     assert splits(32768, 8, 256, 256) == 5          # 128 tiles: cdiv(4·132, 128)
     assert splits(131072, 16, 512, 128) == 3        # Fig. 2, d_model 512: 256 tiles
@@ -208,25 +207,6 @@ def test_weight_gradient_splits_only_where_the_tiles_are_too_few(monkeypatch):
     assert splits(10 ** 8, 1, 64, 64) == triton_cvmm._WEIGHT_GRAD_MAX_SPLITS
     monkeypatch.setattr(triton_cvmm, "WEIGHT_GRAD_SPLITS", 7)
     assert splits(0, 64, 2048, 128) == 7
-
-
-def test_the_weight_gradient_is_split_on_a_gpu_only_inside_a_cuda_graph(monkeypatch):
-    """Launched eagerly on a GPU the split's extra launch costs more host time than it saves
-    device time (H200, the LM's shapes): one range. Captured into a CUDA graph, or in the
-    interpreter, the heuristic's ranges; ``WEIGHT_GRAD_SPLITS`` fixes them everywhere."""
-    monkeypatch.setattr(triton_cvmm, "_multiprocessors", lambda device: 132)
-    lm = (32768, 8, 256, 256)
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.setattr(triton_cvmm, "_captured", lambda device: False)
-    assert triton_cvmm.weight_grad_splits(*lm, cuda) == 1
-    assert triton_cvmm.weight_grad_splits(*lm, cuda, captured=True) == 5
-    assert triton_cvmm.weight_grad_splits(*lm, cpu) == 5
-    monkeypatch.setattr(triton_cvmm, "_captured", lambda device: device.type == "cuda")
-    assert triton_cvmm.weight_grad_splits(*lm, cuda) == 5
-    assert triton_cvmm.weight_grad_splits(*lm, cuda, captured=False) == 1
-    monkeypatch.setattr(triton_cvmm, "WEIGHT_GRAD_SPLITS", 3)
-    assert triton_cvmm.weight_grad_splits(*lm, cuda, captured=False) == 3
-    assert not triton_cvmm._captured(cpu)
 
 
 def test_empty_batch_and_nan_rows(cvmm_kernel):

@@ -516,34 +516,19 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
 # about ``_WEIGHT_GRAD_PROGRAMS_PER_SM`` programs a multiprocessor, each range at least
 # ``_WEIGHT_GRAD_MIN_SPLIT_ROWS`` rows (of the mean expert) and at most ``_WEIGHT_GRAD_MAX_SPLITS``
 # ranges. ``WEIGHT_GRAD_SPLITS`` set to a number fixes the splits (benchmarks, tests).
-#
-# Only in launches captured into a CUDA graph: there the split made σ-MoE's layer at the LM's
-# shapes 1.17× faster (forward+backward replayed from a graph, H200). Launched one by one from
-# Python, the same calls took the host's time, and the split's second launch (the sum) made
-# each weight gradient 1.6× slower (0.130 against 0.085 ms a call at the LM's shapes, same
-# H200); so eager calls and ``torch.compile`` without CUDA graphs sum each expert in one range.
 WEIGHT_GRAD_SPLITS: Optional[int] = None
 _WEIGHT_GRAD_PROGRAMS_PER_SM = 4
 _WEIGHT_GRAD_MIN_SPLIT_ROWS = 512
 _WEIGHT_GRAD_MAX_SPLITS = 16
 
 
-def _captured(device: torch.device) -> bool:
-    """True when a launch on ``device`` is recorded into a CUDA graph (not run at once)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def weight_grad_splits(rows: int, num_experts: int, ma: int, nb: int, device: torch.device,
-                       captured: Optional[bool] = None) -> int:
+def weight_grad_splits(rows: int, num_experts: int, ma: int, nb: int,
+                       device: torch.device) -> int:
     """How many ranges :func:`expert_weight_grad` cuts each expert's rows into (1: none), from
     what the host knows: the ``rows`` of all experts, the experts and the gradient's shape
-    [ma, nb] (tiles counted at 64×64, the smallest tuned tile). On a GPU only when the launch
-    is ``captured`` into a CUDA graph (None: whether the current stream is capturing), see
-    above; in Triton's interpreter (the tests) whenever the heuristic says so."""
+    [ma, nb] (tiles counted at 64×64, the smallest tuned tile)."""
     if WEIGHT_GRAD_SPLITS is not None:
         return max(1, int(WEIGHT_GRAD_SPLITS))
-    if device.type == "cuda" and not (_captured(device) if captured is None else captured):
-        return 1
     tiles = cdiv(ma, 64) * cdiv(nb, 64) * num_experts
     wanted = cdiv(_WEIGHT_GRAD_PROGRAMS_PER_SM * _multiprocessors(device), max(tiles, 1))
     longest = rows // (max(num_experts, 1) * _WEIGHT_GRAD_MIN_SPLIT_ROWS)
