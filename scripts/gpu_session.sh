@@ -25,8 +25,8 @@
 #                                                   #   without atomics against with) and
 #                                                   #   fig2-eager (Fig. 2's ratios and peak
 #                                                   #   memory)
-#   bash scripts/gpu_session.sh profile-first      # the LM step of dense, σ-MoE and PKM, kernel
-#                                                   #   by kernel (~2.5 min at most)
+#   bash scripts/gpu_session.sh profile-first      # the LM step of dense, σ-MoE, PKM and sparse
+#                                                   #   FFF, kernel by kernel (~3 min at most)
 #   bash scripts/gpu_session.sh tests check        # ~4-5 + ~7 min
 #   bash scripts/gpu_session.sh fig2 lm            # ~5-6 + ~2 min (fig2 with both peers)
 #   bash scripts/gpu_session.sh fig2-graphs lm-graphs   # ~5 + ~4 min (torch.compile + CUDA graphs;
