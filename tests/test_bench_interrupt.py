@@ -157,58 +157,52 @@ class FakeClock:
     def monotonic(self):
         return self.now
 
-
-def test_an_interruptible_loop_stops_before_an_item_likely_to_end_past_its_time_limit(
-        monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(measure, "time", clock)
-    seconds = {"a": 3.0, "b": 5.0, "c": 1.0, "d": 1.0, "e": 1.0}
-
-    def run(limit):
+    def run(self, seconds, limit, cost=None):
+        """An :class:`InterruptibleLoop` over ``seconds`` (item -> the seconds its body takes)
+        with ``time_limit=limit`` and ``cost``; returns the loop and the items done."""
         done = []
-        with InterruptibleLoop(seconds, time_limit=limit) as loop:
+        with InterruptibleLoop(seconds, time_limit=limit, cost=cost) as loop:
             for item in loop:
-                clock.now += seconds[item]
+                self.now += seconds[item]
                 done.append(item)
         return loop, done
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(measure, "time", clock)
+    return clock
+
+
+def test_an_interruptible_loop_stops_before_an_item_likely_to_end_past_its_time_limit(clock):
+    seconds = {"a": 3.0, "b": 5.0, "c": 1.0, "d": 1.0, "e": 1.0}
     # c starts at 8 s; the longest item so far took 5: 13 > 12, so it is not begun
-    loop, done = run(12.0)
+    loop, done = clock.run(seconds, 12.0)
     assert (done, loop.left, loop.out_of_time) == (["a", "b"], ["c", "d", "e"], True)
     assert loop.cause == "time limit of 12 s"
-    loop, done = run(13.0)              # 13 is not past 13: c runs; d at 9 + 5 = 14 does not
+    loop, done = clock.run(seconds, 13.0)   # 13 is not past 13: c runs; d at 9 + 5 = 14 does not
     assert (done, loop.left) == (["a", "b", "c"], ["d", "e"])
-    loop, done = run(0.5)               # the first item always runs
+    loop, done = clock.run(seconds, 0.5)    # the first item always runs
     assert (done, loop.left) == (["a"], ["b", "c", "d", "e"])
-    loop, done = run(100.0)
+    loop, done = clock.run(seconds, 100.0)
     assert (done, loop.left, loop.out_of_time) == (list("abcde"), [], False)
-    loop, done = run(None)
+    loop, done = clock.run(seconds, None)
     assert (done, loop.left, loop.out_of_time) == (list("abcde"), [], False)
     assert run_loop("abc", interrupt_at("b"))[0].cause == "interrupted"
 
 
-def test_an_interruptible_loop_estimates_an_item_by_its_cost_when_given_one(monkeypatch):
+def test_an_interruptible_loop_estimates_an_item_by_its_cost_when_given_one(clock):
     """Widths that take time in proportion: after 512 (2 s) and 1024 (4 s), 2048 is
     estimated at 8 s, the slowest rate so far (4 ms a unit) times its cost."""
-    clock = FakeClock()
-    monkeypatch.setattr(measure, "time", clock)
-
-    def run(limit, seconds):
-        done = []
-        with InterruptibleLoop(seconds, time_limit=limit, cost=float) as loop:
-            for width in loop:
-                clock.now += seconds[width]
-                done.append(width)
-        return done
     widths = {512: 2.0, 1024: 4.0, 2048: 8.0}
-    assert run(13.0, widths) == [512, 1024]          # 2048 would start at 6 s and end at 14
-    assert run(14.0, widths) == [512, 1024, 2048]
+    # 2048 would start at 6 s and end at 14
+    assert clock.run(widths, 13.0, cost=float)[1] == [512, 1024]
+    assert clock.run(widths, 14.0, cost=float)[1] == [512, 1024, 2048]
     # without a cost, the estimate is the longest item (4 s): 2048 would have been begun
-    with InterruptibleLoop(widths, time_limit=13.0) as loop:
-        for width in loop:
-            clock.now += widths[width]
-    assert loop.left == []
+    assert clock.run(widths, 13.0)[0].left == []
     # the slowest rate counts: 512 at 3 s (5.9 ms a unit) makes 1024 an estimated 6 s
-    assert run(8.0, {512: 3.0, 1024: 1.0}) == [512]
+    assert clock.run({512: 3.0, 1024: 1.0}, 8.0, cost=float)[1] == [512]
 
 
 def test_bench_lm_and_fig2_stop_at_their_time_limit_and_report_what_they_measured(
