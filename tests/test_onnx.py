@@ -12,7 +12,8 @@ ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 import sparseffn                                              # noqa: E402
-from sparseffn.ops import kernels, portable                   # noqa: E402
+from sparseffn import onnx_export                             # noqa: E402
+from sparseffn.ops import kernels, portable, sizes            # noqa: E402
 from sparseffn.requirements import torch_release              # noqa: E402
 from tests.layers.test_conformance import D, EXAMPLES, _build  # noqa: E402
 
@@ -40,6 +41,16 @@ def _check_token_counts(session, module: torch.nn.Module, counts: tuple[int, ...
         got, = _run(session, x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+
+
+def _check_outputs(session, module: torch.nn.Module, counts: tuple[int, ...]) -> None:
+    """The session gives ``module``'s eager outputs at each of ``counts`` tokens."""
+    for n in counts:
+        x = torch.randn(n, D)
+        with torch.no_grad():
+            want = module(x)
+        got, = _run(session, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
@@ -224,13 +235,73 @@ def test_a_strict_export_serves_every_token_count():
     tokens = torch.export.Dim("tokens", min=2)
     program = sparseffn.to_onnx(model, (torch.randn(37, D),), dynamic_shapes=({0: tokens},),
                                 strict=True)
-    assert "If" in {node.op_type for node in program.model_proto.graph.node}
-    session = _session(program)
-    for x in (torch.randn(1, D), torch.randn(300, D), torch.randn(0, D)):
-        with torch.no_grad():
-            want = model(x)
-        got, = _run(session, x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    has_if = "If" in {node.op_type for node in program.model_proto.graph.node}
+    assert has_if != onnx_export.dynamo_forgets_writes_after_cond()
+    _check_outputs(_session(program), model, (1, 300, 0))
+
+
+class _Active:
+    """A global that code writes and reads around each call, as the ``kernels`` package
+    (transformers 5.25's attention) does with its context variable."""
+    token = None
+
+
+_ACTIVE = _Active()
+
+
+class _Block(torch.nn.Module):
+    """A σ-MoE layer whose call sets ``_ACTIVE.token`` and checks, after the layer, that it
+    still reads what it set (a stale read raises, as ``ContextVar.reset`` did)."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+        self.layer = _build(EXAMPLES["layer:sigma_moe"])
+
+    def forward(self, x):
+        _ACTIVE.token = self.index
+        y = self.layer(x)
+        if _ACTIVE.token != self.index:
+            raise RuntimeError(f"block {self.index} read the token of block {_ACTIVE.token}")
+        _ACTIVE.token = None
+        return x + y
+
+
+# the check itself (the test below replaces what it answers to_onnx)
+_dynamo_forgets = onnx_export.dynamo_forgets_writes_after_cond
+
+
+@pytest.mark.skipif(torch_release(torch.__version__) < (2, 11),
+                    reason="strict export on PyTorch 2.8 and 2.9 refuses the layers' writes of "
+                           "their statistics")
+@pytest.mark.parametrize("forgets", [True, False])
+def test_a_strict_export_puts_no_cond_where_dynamo_forgets_writes_after_one(forgets,
+                                                                            monkeypatch):
+    """Dynamo (PyTorch 2.13) reads an attribute written after a ``torch.cond`` as it was
+    before the cond: a model that writes and reads a global around each block failed a
+    strict export at the block after the first σ-MoE layer's ``If``. Where
+    ``dynamo_forgets_writes_after_cond`` says so, ``to_onnx(strict=True)`` puts no cond in the
+    program (the dispatch plan at every count); elsewhere it keeps the ``If``. Checked both
+    ways by setting the check's answer: with the cond kept the export succeeds only on a
+    PyTorch that reads the writes."""
+    monkeypatch.setattr(onnx_export, "dynamo_forgets_writes_after_cond", lambda: forgets)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(1), _Block(2)).eval()
+    tokens = torch.export.Dim("tokens", min=2)
+
+    def export():
+        return sparseffn.to_onnx(model, (torch.randn(37, D),), dynamic_shapes=({0: tokens},),
+                                 strict=True)
+    if not forgets and _dynamo_forgets():
+        with pytest.raises(Exception, match="block 2 read the token of block 1"):
+            export()
+        return
+    program = export()
+    assert sizes.cond_allowed()          # the switch is off again after the export
+    has_if = "If" in {node.op_type for node in program.model_proto.graph.node}
+    assert has_if == (not forgets)
+    _check_outputs(_session(program), model, (1, 300, 0))
+
 
 
 @pytest.mark.unpoisoned   # (filled fresh memory had made the strict capture fail too)

@@ -28,13 +28,14 @@ sparseffn[onnx]``). TorchScript tracing (``dynamo=False``) is refused by the lay
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from typing import Any, Iterator, Optional
 
 import torch
 
-from .ops import portable
+from .ops import portable, sizes
 from .routing import SparseFFN
 
 
@@ -90,7 +91,11 @@ def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
       args, kwargs: example inputs, as ``torch.export.export`` takes them.
       dynamic_shapes: as ``torch.export.export`` takes it (a ``Dim`` for the token count
         lets the program serve every batch size).
-      strict: ``torch.export``'s strict mode.
+      strict: ``torch.export``'s strict mode. Where this PyTorch's Dynamo forgets
+        attribute writes made after a ``torch.cond`` (:func:`dynamo_forgets_writes_after_cond`),
+        the program then has no ``torch.cond``: the expert MLPs take their dispatch plan at
+        every token count (decoding a token in ONNX Runtime runs every expert's block of
+        small ops, where the pairs path reads its k experts alone).
       onnx_options: passed to ``torch.onnx.export`` (``opset_version``,
         ``input_names``, ``output_names``, ``optimize``, ...).
     """
@@ -101,12 +106,56 @@ def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
         raise ValueError(f"to_onnx exports inference: call model.eval() first (sparse layers "
                          f"in training mode: {', '.join(n or '<model>' for n in training[:3])}"
                          f"{', ...' if len(training) > 3 else ''})")
+    no_cond = (sizes.without_cond() if strict and dynamo_forgets_writes_after_cond()
+               else contextlib.nullcontext())
     with torch.no_grad(), _without_exporter_noise():
-        with portable.tracing_forms():
+        with portable.tracing_forms(), no_cond:
             program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                           strict=strict)
         onnx_options.setdefault("verbose", False)   # no progress lines on stdout
         return torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, **onnx_options)
+
+
+class _Written:
+    """What :func:`dynamo_forgets_writes_after_cond`'s program writes and reads."""
+    value = 0
+
+
+_WRITTEN = _Written()
+
+
+class _WriteAroundCond(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _WRITTEN.value = 1
+        x = torch.cond(x.shape[0] <= 4, lambda t: t + 1, lambda t: t - 1, (x,))
+        _WRITTEN.value = 2
+        return x * _WRITTEN.value
+
+
+@functools.cache
+def dynamo_forgets_writes_after_cond() -> bool:
+    """Whether this PyTorch's Dynamo, tracing a strict ``torch.export``, reads an attribute
+    written after a ``torch.cond`` as it was before the cond, when it was written before the
+    cond too (checked once a process, by exporting such a program; PyTorch 2.13 does: its
+    program multiplied by 1 where the code multiplies by the 2 written after the cond).
+
+    Code that writes and reads a global object's attribute around each call then goes wrong
+    after the first ``torch.cond`` of a program: transformers 5.25's kernelized attention
+    (the ``kernels`` package's ``CompileableContextVar``) fails a strict export of a Llama
+    at the second block ("Dynamo does not know how to trace method `reset` of class
+    `ContextVar`") once σ-MoE's first layer has put its ``torch.cond`` in the program, and
+    a read that raises nothing gives a program that computes with the stale value.
+    :func:`to_onnx` therefore puts no ``torch.cond`` in a strict export on such a PyTorch.
+    False when the check itself cannot be exported."""
+    x = torch.full((6, 1), 2.0)
+    try:
+        with warnings.catch_warnings():   # Dynamo's note on the writes: this check's own
+            warnings.simplefilter("ignore")
+            program = torch.export.export(_WriteAroundCond(), (x,), strict=True,
+                                          dynamic_shapes=({0: torch.export.Dim("n", min=2)},))
+        return bool(program.module()(x)[0, 0] != 2.0)    # (2 - 1) · 2 when the write is read
+    except Exception:        # noqa: BLE001 (no strict export of a cond here: nothing to avoid)
+        return False
 
 
 # Loggers that print at every export something that concerns no model: PyTorch 2.13's ONNX

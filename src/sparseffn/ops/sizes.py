@@ -12,6 +12,9 @@ assignment (one group when the batch fits one).
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 
@@ -35,3 +38,29 @@ def exported_for_any_size(size) -> bool:
     if not exporting():
         return False
     return isinstance(size, torch.SymInt) or torch.compiler.is_dynamo_compiling()
+
+
+# Whether an exported program may choose between two paths by its token count with
+# ``torch.cond`` (an ONNX ``If``): the expert MLPs' pairs or plan. Read where the program is
+# traced (a plain module flag, which Dynamo reads as it is).
+_cond_allowed = True
+
+
+@contextlib.contextmanager
+def without_cond() -> Iterator[None]:
+    """While a program is traced inside this context, no layer puts a ``torch.cond`` in it:
+    each takes the path that serves every size (the expert MLPs' dispatch plan).
+    :func:`sparseffn.to_onnx` traces a strict export in it on a PyTorch whose Dynamo
+    forgets attribute writes made after a ``torch.cond``
+    (:func:`~sparseffn.onnx_export.dynamo_forgets_writes_after_cond`)."""
+    global _cond_allowed
+    outer, _cond_allowed = _cond_allowed, False
+    try:
+        yield
+    finally:
+        _cond_allowed = outer
+
+
+def cond_allowed() -> bool:
+    """False inside :func:`without_cond`."""
+    return _cond_allowed

@@ -14,7 +14,7 @@ from ..init import dense_init_std
 from ..ops.cvmm import DispatchPlan
 from ..ops.expert_mlp import expert_mlp, expert_mlp_few, expert_mlp_few_ok, few_pairs_tokens
 from ..ops.grad_mode import grad_wanted
-from ..ops.sizes import exported_for_any_size
+from ..ops.sizes import cond_allowed, exported_for_any_size
 from ..ops.precision import autocast_dtype
 from ..routing import Routing
 from .base import ExpertStore
@@ -153,8 +153,10 @@ class MLPExperts(ExpertStore):
         """Whether torch.export traces an inference forward for any token count given as an
         input's size. Not for a count the program computes (the real tokens of a model that
         skips padding): inside ``torch.cond``'s branches each operand's data-dependent size
-        is a new symbol, and the plan's shape checks could not relate them."""
-        if not exported_for_any_size(x.shape[0]) or routing.indices.dim() != 2:
+        is a new symbol, and the plan's shape checks could not relate them. Nor inside
+        :func:`~sparseffn.ops.sizes.without_cond`, where the plan serves every count."""
+        if not exported_for_any_size(x.shape[0]) or routing.indices.dim() != 2 \
+                or not cond_allowed():
             return False
         # (Dynamo, tracing a strict export, cannot call free_unbacked_symbols; its sizes
         # come from the inputs there unless skip_padding counts them)
