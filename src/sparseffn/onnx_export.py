@@ -137,7 +137,8 @@ def dynamo_forgets_writes_after_cond() -> bool:
     """Whether this PyTorch's Dynamo, tracing a strict ``torch.export``, reads an attribute
     written after a ``torch.cond`` as it was before the cond, when it was written before the
     cond too (checked once a process, by exporting such a program; PyTorch 2.13 does: its
-    program multiplied by 1 where the code multiplies by the 2 written after the cond).
+    program multiplied by 1 where the code multiplies by the 2 written after the cond; 2.11
+    does not).
 
     Code that writes and reads a global object's attribute around each call then goes wrong
     after the first ``torch.cond`` of a program: transformers 5.25's kernelized attention
