@@ -23,14 +23,19 @@ experts of 128, k 4) beside the dense MLP of equal parameters, compiled as ``--c
 For each profiled step: its total device time, how many launches it made on the device
 (kernels, and the copies and memsets the profiler lists beside them; at the LM's small sizes
 a launch, even inside a CUDA graph, costs a few microseconds whatever it computes), and
-the ``--top`` kernels by self device time, with their share and launches. On a CPU the same
-lists the operators by self CPU time. A tool for finding what to speed up, not a benchmark
-(``sparseffn bench`` does the timing).
+the ``--top`` kernels by self device time, with their share and launches. On a GPU it also
+says how long the host took to issue the step against the step's wall time (without the
+profiler; an issue time near the wall time means the device waited on the host, as the
+eager σ-MoE step of Fig. 2 seemed to on the H200: 4.4 ms at every d_model), and lists the
+``--top`` operators by self CPU time, where each ``sparseffn::`` operator's row holds its
+Triton launches. On a CPU it lists the operators by self CPU time. A tool for finding what
+to speed up, not a benchmark (``sparseffn bench`` does the timing).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Callable
 
 import torch
@@ -70,6 +75,38 @@ def profile_step(name: str, step: Callable[[], object], device: torch.device, to
     for e in events[:top]:
         share = getattr(e, attr) / total
         print(f"   {share:6.1%} {getattr(e, attr) / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:90]}")
+    if device.type == "cuda":
+        issue, wall = issue_and_wall_ms(step, device)
+        print(f"  host: {issue:.2f} ms to issue the step, {wall:.2f} ms to its end on the "
+              f"device ({issue / wall:.0%}; near 100%: the device waits on the host)")
+        host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0
+                and e.device_type == torch.autograd.DeviceType.CPU]
+        host.sort(key=lambda e: -e.self_cpu_time_total)
+        host_total = sum(e.self_cpu_time_total for e in host) or 1.0
+        print(f"  host operators (profiled, so slower): {host_total / 1e3:.2f} ms self CPU time")
+        for e in host[:top]:
+            print(f"   {e.self_cpu_time_total / host_total:6.1%} "
+                  f"{e.self_cpu_time_total / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:90]}")
+
+
+def issue_and_wall_ms(step: Callable[[], object], device: torch.device,
+                      rounds: int = 5) -> tuple[float, float]:
+    """Mean ms from a step's start until ``step`` returns on the host (it has issued its
+    work) and until the device has finished it, over ``rounds`` calls, each after a
+    synchronize (on a CPU the two are the same)."""
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    issue = wall = 0.0
+    for _ in range(rounds):
+        synchronize()
+        start = time.perf_counter()
+        step()
+        issued = time.perf_counter()
+        synchronize()
+        issue += issued - start
+        wall += time.perf_counter() - start
+    return issue / rounds * 1e3, wall / rounds * 1e3
 
 
 def layer_step(config, tokens: int, device: torch.device, dtype: torch.dtype | None):

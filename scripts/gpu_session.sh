@@ -40,6 +40,11 @@
 #                                                   #   top kernels (why one is slower than dense)
 #   bash scripts/gpu_session.sh profile-fig2        # the same for bench fig2's σ-MoE and dense
 #                                                   #   steps at d_model 512 and 2048
+#   bash scripts/gpu_session.sh profile-fig2-eager  # ~2 min: the same steps eager, with the
+#                                                   #   host's time to issue each against its
+#                                                   #   wall time and the top host operators
+#                                                   #   (why eager σ-MoE took 4.4 ms at every
+#                                                   #   d_model on the H200)
 #   bash scripts/gpu_session.sh cvmm                # ~1-2 min (the six CVMM calls, one by one,
 #                                                   #   and the routing's bookkeeping, now/before)
 #   bash scripts/gpu_session.sh compile             # every layer compiled vs eager, bf16: graph
@@ -177,6 +182,8 @@ for what in "${stages[@]}"; do
     profile-lm) stage profile-lm 540 $PY scripts/gpu_profile.py --top 15 \
                   --lm dense,sigma_moe,sbase,switch,glam,fff,fff_sparse,pkm,peer ;;
     profile-fig2) stage profile-fig2 400 $PY scripts/gpu_profile.py --top 15 --fig2 512,2048 ;;
+    profile-fig2-eager) stage profile-fig2-eager 150 $PY scripts/gpu_profile.py --top 12 \
+                          --compile none --fig2 512,2048 ;;
     # three presets a stage: each trains 9 runs, 3 of them compiled (one with CUDA graphs)
     train) stage train 540 $PY scripts/gpu_train_check.py --presets dense,sigma_moe,pkm \
              --json "$OUT/train.json" ;;
@@ -192,7 +199,8 @@ for what in "${stages[@]}"; do
             "lm-layers-first lm-layers-fff cvmm-first cvmm-graphs profile-first" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
-            "productkeys profile profile-lm profile-fig2 cvmm rows lm-layers compile" \
+            "productkeys profile profile-lm profile-fig2 profile-fig2-eager cvmm rows" \
+            "lm-layers compile" \
             "train train-more decode generate generate-graphs lm-sync)"; exit 2 ;;
   esac
 done

@@ -659,7 +659,7 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
     stages = _gpu_session_commands()
     assert {"tests", "lm-graphs", "fig2-graphs", "profile-lm", "routers-graphs", "lm-first",
             "train-quick", "tests-new", "fig2-eager", "lm-layers-first",
-            "profile-first"} <= set(stages)
+            "profile-first", "profile-fig2-eager"} <= set(stages)
     parsed = 0
     for name, line in stages.items():
         words = shlex.split(line.replace("$", "_"))
@@ -705,6 +705,29 @@ def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_
     refused = subprocess.run(["bash", str(script), "nope"], env=env, capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "unknown stage nope (first " in refused.stdout
+
+
+def test_gpu_profile_runs_the_eager_fig2_stage_on_the_cpu():
+    """``profile-fig2-eager``'s flags (``--compile none --fig2``) parse and profile bench
+    fig2's σ-MoE and dense steps (``--device cpu`` checks the script itself); the host's
+    issue time of a step is at most its wall time."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "scripts" / "gpu_profile.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--top", "3",
+                           "--compile", "none", "--fig2", "512", "--tokens", "64"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^sigma_moe d_model 512: [\d.]+ ms CPU time", done.stdout, re.M)
+    assert re.search(r"^dense_param d_model 512: [\d.]+ ms CPU time", done.stdout, re.M)
+    spec = importlib.util.spec_from_file_location("gpu_profile", script)
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    issue, wall = gpu_profile.issue_and_wall_ms(lambda: a @ b, torch.device("cpu"), rounds=3)
+    assert 0 < issue <= wall
 
 
 def test_gpu_train_check_quick_runs_its_checks_on_the_cpu(tmp_path):
