@@ -27,9 +27,10 @@ the ``--top`` kernels by self device time, with their share and launches. On a G
 says how long the host took to issue the step against the step's wall time (without the
 profiler; an issue time near the wall time means the device waited on the host, as the
 eager σ-MoE step of Fig. 2 seemed to on the H200: 4.4 ms at every d_model), and lists the
-``--top`` operators by self CPU time, where each ``sparseffn::`` operator's row holds its
-Triton launches. On a CPU it lists the operators by self CPU time. A tool for finding what
-to speed up, not a benchmark (``sparseffn bench`` does the timing).
+``--top`` operators by self CPU time, where each ``sparseffn::`` operator's row holds the
+Python of its Triton launches (the driver's launch calls are rows of their own). On a CPU it
+lists the operators by self CPU time. A tool for finding what to speed up, not a benchmark
+(``sparseffn bench`` does the timing).
 """
 
 from __future__ import annotations

@@ -303,7 +303,6 @@ def test_a_strict_export_puts_no_cond_where_dynamo_forgets_writes_after_one(forg
     _check_outputs(_session(program), model, (1, 300, 0))
 
 
-
 @pytest.mark.unpoisoned   # (filled fresh memory had made the strict capture fail too)
 def test_torch_onnx_export_refuses_a_layer_in_training_mode():
     """Refused by the exporter's non-strict capture and by its strict one after it, where
