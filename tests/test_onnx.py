@@ -16,6 +16,7 @@ from sparseffn import onnx_export                             # noqa: E402
 from sparseffn.ops import kernels, portable, sizes            # noqa: E402
 from sparseffn.requirements import torch_release              # noqa: E402
 from tests.layers.test_conformance import D, EXAMPLES, _build  # noqa: E402
+from tests.onnx_release import NEEDS_2_8, example              # noqa: E402
 
 
 def _session(program) -> "ort.InferenceSession":
@@ -53,7 +54,7 @@ def _check_outputs(session, module: torch.nn.Module, counts: tuple[int, ...]) ->
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("name", [example(name) for name in EXAMPLES])
 def test_every_layer_runs_in_onnx_runtime_at_any_token_count(name):
     """Traced at 37 tokens with the count dynamic; run at 0, 1 and 300 tokens and at 9 with a
     NaN in token 3, which stays in its row. The layer's eager outputs, one output."""
@@ -66,7 +67,8 @@ def test_every_layer_runs_in_onnx_runtime_at_any_token_count(name):
     _check_token_counts(session, layer, (0, 1, 300))
 
 
-@pytest.mark.parametrize("name", ["layer:sigma_moe", "layer:pkm", "layer:fff"])
+@pytest.mark.parametrize("name", [example(n) for n in ("layer:sigma_moe", "layer:pkm",
+                                                         "layer:fff")])
 def test_a_float16_layer_runs_in_onnx_runtime(name):
     """A layer in float16 (``.half()``): a float16 graph, the layer's outputs to float16's
     rounding."""
@@ -100,6 +102,7 @@ def test_the_classic_mixtures_run_in_onnx_runtime(mixture):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@NEEDS_2_8
 def test_a_tree_with_hard_inference_runs_in_onnx_runtime():
     """FFF's greedy descent at inference (``eval_mode="hard"``, Belcak & Wattenhofer): the
     one operator no conformance layer calls in evaluation."""
@@ -116,6 +119,7 @@ def test_a_tree_with_hard_inference_runs_in_onnx_runtime():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@NEEDS_2_8
 @pytest.mark.parametrize("router", ["switch", "gshard", "gshard_groups"])
 def test_capacity_at_inference_exports_for_any_token_count(router):
     """Switch and GShard with an ``eval_capacity_factor`` (Fedus et al. 2022; Lepikhin et al.
@@ -145,6 +149,7 @@ def test_capacity_at_inference_exports_for_any_token_count(router):
         assert not torch.allclose(want, dropless(x))
 
 
+@NEEDS_2_8
 def test_many_experts_export_as_blocks_and_run_in_onnx_runtime():
     """Above ``PER_EXPERT_PRODUCTS_UP_TO`` experts the expert products are exported as one
     batched product over blocks of each expert's rows: a Switch layer of 40 experts with a
@@ -196,6 +201,7 @@ def test_training_mode_is_refused_by_name():
         sparseffn.to_onnx(layer, (torch.randn(5, D),))
 
 
+@NEEDS_2_8
 def test_torch_onnx_export_alone_exports_the_sparse_layers():
     """``torch.onnx.export(model, args, dynamo=True)``, nothing of sparseffn's in the call and
     gradients enabled: its capture traces each operator as its portable form and each layer
@@ -303,6 +309,7 @@ def test_a_strict_export_puts_no_cond_where_dynamo_forgets_writes_after_one(forg
     _check_outputs(_session(program), model, (1, 300, 0))
 
 
+@NEEDS_2_8
 @pytest.mark.unpoisoned   # (filled fresh memory had made the strict capture fail too)
 def test_torch_onnx_export_refuses_a_layer_in_training_mode():
     """Refused by the exporter's non-strict capture and by its strict one after it, where
@@ -325,6 +332,7 @@ def test_torchscript_tracing_is_refused_by_name():
             torch.onnx.export(layer, (torch.randn(5, D),), f"{folder}/m.onnx", dynamo=False)
 
 
+@NEEDS_2_8
 def test_torch_export_keeps_the_operators():
     """The forms are traced for ONNX alone: ``torch.export`` (whose fake tensors would prefer
     a registered decomposition to the operators' shape functions) keeps the operators,
@@ -344,6 +352,7 @@ def test_torch_export_keeps_the_operators():
         torch.testing.assert_close(aten.module()(x), layer(x), rtol=1e-5, atol=1e-6)
 
 
+@NEEDS_2_8
 @pytest.mark.parametrize("name", ["layer:sigma_moe", "variant:moe_gated_converted"])
 def test_expert_mlps_choose_the_pairs_or_the_plan_by_the_token_count(name, monkeypatch):
     """Exported for any token count at inference, an expert MLP is an ``If``: the pairs read
@@ -367,7 +376,7 @@ def test_expert_mlps_choose_the_pairs_or_the_plan_by_the_token_count(name, monke
     _check_token_counts(_session(program), layer, (1, 4, 5, 300))
 
 
-@pytest.mark.parametrize("preset", ["sigma_moe", "pkm"])
+@pytest.mark.parametrize("preset", [pytest.param("sigma_moe", marks=NEEDS_2_8), "pkm"])
 def test_a_language_model_runs_in_onnx_runtime(preset):
     """A whole LM (attention, positions, a preset's FFNs) with batch and length dynamic."""
     from tests.models.test_generate import tiny_lm
@@ -383,6 +392,7 @@ def test_a_language_model_runs_in_onnx_runtime(preset):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@NEEDS_2_8
 def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
     """A Llama with σ-MoE FFNs (``hf.sparsify``), exported by ``torch.onnx.export`` as
     docs/huggingface.md shows, with gradients enabled as a script has them: logits at other
@@ -413,7 +423,8 @@ def test_a_sparsified_hugging_face_model_runs_in_onnx_runtime():
 
 
 @pytest.mark.parametrize("layer,strict", [
-    *((name, False) for name in ("switch_capacity", "sigma_moe", "gshard", "peer")),
+    *(pytest.param(name, False, marks=NEEDS_2_8)
+      for name in ("switch_capacity", "sigma_moe", "gshard", "peer")),
     pytest.param("sigma_moe", True, id="sigma_moe-strict", marks=pytest.mark.skipif(
         torch_release(torch.__version__) < (2, 11), reason="2.8 and 2.9 refuse a strict "
         "export of the layers' aux_losses writes"))])
@@ -472,6 +483,26 @@ def test_without_the_onnx_packages_the_error_says_what_to_install(monkeypatch):
         sparseffn.to_onnx(_build(EXAMPLES["layer:dense"]).eval(), (torch.randn(3, D),))
 
 
+@pytest.mark.parametrize("release", [(2, 7), (2, 8)])
+def test_a_failed_export_on_pytorch_2_7_says_what_it_cannot_export(release, monkeypatch):
+    """On 2.7 (whose torch.export cannot trace the expert MLPs' data-dependent sizes) a
+    failed export keeps its error and gets a note naming the layers and the release that
+    exports them; from 2.8 the error is as it was. The export's failure is stood in for."""
+    def fails(*args, **kwargs):
+        raise RuntimeError("Cond doesn't work unless it is captured completely")
+    monkeypatch.setattr(onnx_export, "torch_release", lambda version: release)
+    monkeypatch.setattr(torch.export, "export", fails)
+    with pytest.raises(RuntimeError, match="Cond doesn't work") as raised:
+        sparseffn.to_onnx(_build(EXAMPLES["layer:sigma_moe"]).eval(), (torch.randn(3, D),))
+    notes = getattr(raised.value, "__notes__", [])
+    if release < (2, 8):
+        assert len(notes) == 1 and "PyTorch >= 2.8 exports them" in notes[0]
+        assert "σ-MoE" in notes[0] and "FFF trees" in notes[0]
+    else:
+        assert notes == []
+
+
+@NEEDS_2_8
 def test_bench_onnx_reports_both_runtimes_and_their_agreement(tmp_path, capsys):
     """``sparseffn bench onnx``: a row and a record per layer, the ratios positive and the
     two runtimes' outputs within float32 rounding of each other."""

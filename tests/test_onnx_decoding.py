@@ -14,6 +14,7 @@ pytest.importorskip("onnxscript")
 import sparseffn                                              # noqa: E402
 from tests.models.test_generate import tiny_lm                # noqa: E402
 from tests.models.test_kv_cache import capacity_lm            # noqa: E402
+from tests.onnx_release import NEEDS_2_8                      # noqa: E402
 
 
 def exported(model, folder) -> str:
@@ -54,6 +55,7 @@ def check_decoding(model, path):
     assert torch.equal(*drawn)
 
 
+@NEEDS_2_8
 def test_a_sigma_moe_lm_decodes_in_onnx_runtime_reading_its_past(tmp_path):
     """A tiny σ-MoE LM (context 12, vocabulary 20, 2 blocks of 2 heads of 8). In its program
     the past keys and values meet only the attention's products (a Transpose of the keys,

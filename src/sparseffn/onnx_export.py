@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .ops import portable, sizes
+from .requirements import torch_release
 from .routing import SparseFFN
 
 
@@ -109,11 +110,36 @@ def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
     no_cond = (sizes.without_cond() if strict and dynamo_forgets_writes_after_cond()
                else contextlib.nullcontext())
     with torch.no_grad(), _without_exporter_noise():
-        with portable.tracing_forms(), no_cond:
+        with portable.tracing_forms(), no_cond, _explaining_old_releases():
             program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                           strict=strict)
         onnx_options.setdefault("verbose", False)   # no progress lines on stdout
         return torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, **onnx_options)
+
+
+# The oldest release whose torch.export traces every layer for a dynamic token count.
+_EXPORTS_EVERY_LAYER = (2, 8)
+
+
+@contextlib.contextmanager
+def _explaining_old_releases() -> Iterator[None]:
+    """On a PyTorch older than :data:`_EXPORTS_EVERY_LAYER`, a failed export gets a note
+    saying which layers it cannot export and what to install. 2.7's ``torch.export`` cannot
+    trace the data-dependent sizes of the expert MLPs' dispatch plan and of the trees for a
+    dynamic token count (``nonzero`` inside ``torch.cond``: "Cond doesn't work unless it is
+    captured completely with torch.compile"); the dense MLP, PKM, PEER, the top-k MLP and the
+    classic mixtures export there."""
+    try:
+        yield
+    except Exception as error:
+        if torch_release(torch.__version__) < _EXPORTS_EVERY_LAYER:
+            need = ".".join(map(str, _EXPORTS_EVERY_LAYER))
+            error.add_note(
+                f"sparseffn: PyTorch {torch.__version__} cannot export the expert MLPs "
+                f"(σ-MoE, every MoE router, S-BASE) or the FFF trees for a dynamic token "
+                f"count; PyTorch >= {need} exports them (the dense MLP, PKM, PEER, the top-k "
+                f"MLP and the classic mixtures export on this one)")
+        raise
 
 
 class _Written:

@@ -14,6 +14,8 @@ from sparseffn.train.config import (ConfigError, DataSpec, ModelSpec, RunConfig,
                                     apply_overrides, dense_baseline, run_config_from_dict)
 from sparseffn.train.schedule import lr_factor
 from sparseffn.train.trainer import Trainer
+from tests.onnx_release import NEEDS_2_8
+
 
 def lm_run(corpus, ffn="sigma_moe", steps=6, **train):
     return RunConfig(name=f"tiny-{ffn}" if isinstance(ffn, str) else "tiny",
@@ -501,6 +503,7 @@ def test_export_safetensors_holds_the_weights_and_config(corpus, tmp_path, capsy
     model.load_state_dict(weights)     # the network that config builds takes these weights
 
 
+@NEEDS_2_8
 @pytest.mark.parametrize("kind", ["lm", "classifier"])
 def test_export_onnx_writes_the_trained_network(kind, corpus, tmp_path, capsys):
     """``export --onnx``: ONNX Runtime computes the trained network's logits for other batch
@@ -533,6 +536,7 @@ def test_export_onnx_writes_the_trained_network(kind, corpus, tmp_path, capsys):
     assert (out / "model.onnx").read_bytes() == before
 
 
+@NEEDS_2_8
 def test_export_onnx_kv_cache_writes_the_decoding_program(corpus, tmp_path, capsys):
     """``export --onnx --kv-cache``: OnnxDecoder generates from the file what the trained LM
     generates; the command reports its check. A classifier has no cache to export, a model
