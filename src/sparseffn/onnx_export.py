@@ -101,8 +101,9 @@ def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
         ``input_names``, ``output_names``, ``optimize``, ...).
     """
     require_onnx_packages()
-    training = [name for name, module in model.named_modules()
-                if isinstance(module, SparseFFN) and module.training]
+    sparse = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, SparseFFN)]
+    training = [name for name, module in sparse if module.training]
     if training:
         raise ValueError(f"to_onnx exports inference: call model.eval() first (sparse layers "
                          f"in training mode: {', '.join(n or '<model>' for n in training[:3])}"
@@ -110,7 +111,7 @@ def to_onnx(model: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
     no_cond = (sizes.without_cond() if strict and dynamo_forgets_writes_after_cond()
                else contextlib.nullcontext())
     with torch.no_grad(), _without_exporter_noise():
-        with portable.tracing_forms(), no_cond, _explaining_old_releases():
+        with portable.tracing_forms(), no_cond, _explaining_old_releases(bool(sparse)):
             program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                           strict=strict)
         onnx_options.setdefault("verbose", False)   # no progress lines on stdout
@@ -122,9 +123,10 @@ _EXPORTS_EVERY_LAYER = (2, 8)
 
 
 @contextlib.contextmanager
-def _explaining_old_releases() -> Iterator[None]:
-    """On a PyTorch older than :data:`_EXPORTS_EVERY_LAYER`, a failed export gets a note
-    saying which layers it cannot export and what to install. 2.7's ``torch.export`` cannot
+def _explaining_old_releases(sparse: bool) -> Iterator[None]:
+    """On a PyTorch older than :data:`_EXPORTS_EVERY_LAYER`, a failed export of a model that
+    holds sparse layers (``sparse``) gets a note saying which layers that release cannot
+    export and which release does. 2.7's ``torch.export`` cannot
     trace the data-dependent sizes of the expert MLPs' dispatch plan and of the trees for a
     dynamic token count (``nonzero`` inside ``torch.cond``: "Cond doesn't work unless it is
     captured completely with torch.compile"); the dense MLP, PKM, PEER, the top-k MLP and the
@@ -132,7 +134,7 @@ def _explaining_old_releases() -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        if torch_release(torch.__version__) < _EXPORTS_EVERY_LAYER:
+        if sparse and torch_release(torch.__version__) < _EXPORTS_EVERY_LAYER:
             need = ".".join(map(str, _EXPORTS_EVERY_LAYER))
             error.add_note(
                 f"sparseffn: PyTorch {torch.__version__} cannot export the expert MLPs "
