@@ -31,19 +31,6 @@ def _run(session, *inputs: torch.Tensor) -> list[torch.Tensor]:
     return [torch.from_numpy(out) for out in session.run(None, feeds)]
 
 
-def _check_token_counts(session, module: torch.nn.Module, counts: tuple[int, ...]) -> None:
-    """The session gives ``module``'s eager outputs at each of ``counts`` tokens, and at 9
-    tokens with a NaN in token 3, which stays in its row."""
-    nan_token = torch.randn(9, D)
-    nan_token[3, 2] = float("nan")
-    for x in [torch.randn(n, D) for n in counts] + [nan_token]:
-        with torch.no_grad():
-            want = module(x)
-        got, = _run(session, x)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
-
-
 def _check_outputs(session, module: torch.nn.Module, counts: tuple[int, ...]) -> None:
     """The session gives ``module``'s eager outputs at each of ``counts`` tokens."""
     for n in counts:
@@ -52,6 +39,26 @@ def _check_outputs(session, module: torch.nn.Module, counts: tuple[int, ...]) ->
             want = module(x)
         got, = _run(session, x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _check_token_counts(session, module: torch.nn.Module, counts: tuple[int, ...]) -> None:
+    """:func:`_check_outputs` at each of ``counts`` tokens, and the same at 9 tokens with a
+    NaN in token 3, which stays in its row."""
+    _check_outputs(session, module, counts)
+    x = torch.randn(9, D)
+    x[3, 2] = float("nan")
+    with torch.no_grad():
+        want = module(x)
+    got, = _run(session, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(got).any(1).nonzero().flatten().tolist() == [3]
+
+
+def _op_types(graph) -> set[str]:
+    """The op types of an ONNX graph's nodes and of its subgraphs' (an ``If``'s branches)."""
+    return {node.op_type for node in graph.node} | {
+        op for node in graph.node for a in node.attribute if a.g.node
+        for op in _op_types(a.g)}
 
 
 @pytest.mark.parametrize("name", [example(name) for name in EXAMPLES])
@@ -164,12 +171,7 @@ def test_many_experts_export_as_blocks_and_run_in_onnx_runtime():
     ).eval()
     program = sparseffn.to_onnx(layer, (torch.randn(37, D),),
                                 dynamic_shapes=({0: torch.export.Dim("tokens", min=2)},))
-
-    def op_types(graph) -> set[str]:
-        return {node.op_type for node in graph.node} | {
-            op for node in graph.node for a in node.attribute if a.g.node
-            for op in op_types(a.g)}
-    assert "NonZero" not in op_types(program.model_proto.graph)
+    assert "NonZero" not in _op_types(program.model_proto.graph)
     _check_token_counts(_session(program), layer, (0, 1, 300))
     with torch.no_grad():    # at 300 tokens the capacity drops pairs
         x = torch.randn(300, D)
@@ -218,7 +220,7 @@ def test_torch_onnx_export_alone_exports_the_sparse_layers():
     if torch_release(torch.__version__) >= (2, 9):
         # (2.8's torch.export reads grad mode as on inside the layer's no_grad block: the
         # program has the plan alone, which gives the same outputs)
-        assert "If" in {node.op_type for node in program.model_proto.graph.node}
+        assert "If" in _op_types(program.model_proto.graph)
     _check_token_counts(_session(program), model, (1, 300, 0))
     # the forms stay with the export: torch.export alone still keeps the operators
     program = torch.export.export(model, (torch.randn(37, D),))
@@ -241,7 +243,7 @@ def test_a_strict_export_serves_every_token_count():
     tokens = torch.export.Dim("tokens", min=2)
     program = sparseffn.to_onnx(model, (torch.randn(37, D),), dynamic_shapes=({0: tokens},),
                                 strict=True)
-    has_if = "If" in {node.op_type for node in program.model_proto.graph.node}
+    has_if = "If" in _op_types(program.model_proto.graph)
     assert has_if != onnx_export.dynamo_forgets_writes_after_cond()
     _check_outputs(_session(program), model, (1, 300, 0))
 
@@ -273,10 +275,6 @@ class _Block(torch.nn.Module):
         return x + y
 
 
-# the check itself (the test below replaces what it answers to_onnx)
-_dynamo_forgets = onnx_export.dynamo_forgets_writes_after_cond
-
-
 @pytest.mark.skipif(torch_release(torch.__version__) < (2, 11),
                     reason="strict export on PyTorch 2.8 and 2.9 refuses the layers' writes of "
                            "their statistics")
@@ -290,6 +288,7 @@ def test_a_strict_export_puts_no_cond_where_dynamo_forgets_writes_after_one(forg
     program (the dispatch plan at every count); elsewhere it keeps the ``If``. Checked both
     ways by setting the check's answer: with the cond kept the export succeeds only on a
     PyTorch that reads the writes."""
+    forgets_here = onnx_export.dynamo_forgets_writes_after_cond()
     monkeypatch.setattr(onnx_export, "dynamo_forgets_writes_after_cond", lambda: forgets)
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Block(1), _Block(2)).eval()
@@ -298,13 +297,13 @@ def test_a_strict_export_puts_no_cond_where_dynamo_forgets_writes_after_one(forg
     def export():
         return sparseffn.to_onnx(model, (torch.randn(37, D),), dynamic_shapes=({0: tokens},),
                                  strict=True)
-    if not forgets and _dynamo_forgets():
+    if not forgets and forgets_here:
         with pytest.raises(Exception, match="block 2 read the token of block 1"):
             export()
         return
     program = export()
     assert sizes.cond_allowed()          # the switch is off again after the export
-    has_if = "If" in {node.op_type for node in program.model_proto.graph.node}
+    has_if = "If" in _op_types(program.model_proto.graph)
     assert has_if == (not forgets)
     _check_outputs(_session(program), model, (1, 300, 0))
 
