@@ -62,32 +62,42 @@ def profile_step(name: str, step: Callable[[], object], device: torch.device, to
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
-    if device.type == "cuda":   # kernels only (no CPU-side operator rows)
-        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(getattr(e, attr) for e in events) or 1.0
+    cuda = device.type == "cuda"
+    averages = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    # on a GPU, kernels only (no CPU-side operator rows)
+    events, total = _longest_first(averages, attr,
+                                   torch.autograd.DeviceType.CUDA if cuda else None)
     launches = sum(e.count for e in events)
-    events.sort(key=lambda e: -getattr(e, attr))
-    what = ("device launches (kernels, copies, memsets)" if device.type == "cuda"
+    what = ("device launches (kernels, copies, memsets)" if cuda
             else "operator calls (nested ones included)")
-    print(f"{name}: {total / 1e3:.2f} ms {'device' if device.type == 'cuda' else 'CPU'} time, "
+    print(f"{name}: {total / 1e3:.2f} ms {'device' if cuda else 'CPU'} time, "
           f"{launches} {what} of {len(events)} kinds")
-    for e in events[:top]:
-        share = getattr(e, attr) / total
-        print(f"   {share:6.1%} {getattr(e, attr) / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:90]}")
-    if device.type == "cuda":
+    _print_top(events, attr, total, top)
+    if cuda:
         issue, wall = issue_and_wall_ms(step, device)
         print(f"  host: {issue:.2f} ms to issue the step, {wall:.2f} ms to its end on the "
               f"device ({issue / wall:.0%}; near 100%: the device waits on the host)")
-        host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0
-                and e.device_type == torch.autograd.DeviceType.CPU]
-        host.sort(key=lambda e: -e.self_cpu_time_total)
-        host_total = sum(e.self_cpu_time_total for e in host) or 1.0
+        host, host_total = _longest_first(averages, "self_cpu_time_total",
+                                          torch.autograd.DeviceType.CPU)
         print(f"  host operators (profiled, so slower): {host_total / 1e3:.2f} ms self CPU time")
-        for e in host[:top]:
-            print(f"   {e.self_cpu_time_total / host_total:6.1%} "
-                  f"{e.self_cpu_time_total / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:90]}")
+        _print_top(host, "self_cpu_time_total", host_total, top)
+
+
+def _longest_first(averages, attr: str, device_type=None) -> tuple[list, float]:
+    """The profiler's rows with some ``attr`` time (of ``device_type`` when given), longest
+    first, and their total time (1 when there are none)."""
+    rows = [e for e in averages if getattr(e, attr, 0) > 0
+            and (device_type is None or e.device_type == device_type)]
+    rows.sort(key=lambda e: -getattr(e, attr))
+    return rows, sum(getattr(e, attr) for e in rows) or 1.0
+
+
+def _print_top(rows: list, attr: str, total: float, top: int) -> None:
+    """The first ``top`` rows: share of ``total``, ms, calls, name."""
+    for e in rows[:top]:
+        print(f"   {getattr(e, attr) / total:6.1%} {getattr(e, attr) / 1e3:8.3f} ms  "
+              f"x{e.count:<4d} {e.key[:90]}")
 
 
 def issue_and_wall_ms(step: Callable[[], object], device: torch.device,
