@@ -193,6 +193,138 @@ def test_partial_sums_add_in_order_and_round_once(dtype, shape):
     torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0, equal_nan=True)
 
 
+if triton_cvmm.available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _parts_in_a_shuffled_order(parts_ptr, part_of_program_ptr, numel, num_parts,
+                                   arrivals_ptr, out_ptr, BLOCK: tl.constexpr):
+        """Program (block, i) stores part ``part_of_program[i]`` of its block, so the program
+        that arrives last (the last one run) does not hold the last part."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offsets < numel
+        part = tl.load(part_of_program_ptr + tl.program_id(1))
+        value = (part + 1).to(tl.float32) * tl.load(out_ptr + offsets, mask=ok, other=0.0)
+        tl.store(parts_ptr + part * numel + offsets, value, mask=ok)
+        triton_cvmm.add_parts_if_last(parts_ptr, numel, offsets, ok, ok, num_parts,
+                                       arrivals_ptr + tl.program_id(0), out_ptr)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_last_program_to_finish_adds_the_parts_in_their_order(dtype):
+    """``add_parts_if_last``, the in-kernel sum of split parts: whichever program is last, the
+    parts are added in the order of their index in float32 and rounded once (bit for bit
+    ``sum_partials``, so the result does not depend on the order the programs finish in),
+    NaN is kept, and the arrival counts are back at zero for the next launch, which gives the
+    same result."""
+    numel, block, num_parts = 37, 16, 5
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.randn(numel, generator=gen) * 1e4).to(dtype).to(DEVICE)
+    base[3] = float("nan")
+    order = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEVICE)
+    blocks = triton_cvmm.cdiv(numel, block)
+    parts = torch.empty(num_parts, numel, device=DEVICE)
+    arrivals = torch.zeros(blocks, dtype=torch.int32, device=DEVICE)
+    results = []
+    for _ in range(2):
+        out = base.clone()      # read as each program's scale before the last writes the sum
+        _parts_in_a_shuffled_order[(blocks, num_parts)](parts, order, numel, num_parts, arrivals,
+                                                        out, BLOCK=block)
+        assert bool((arrivals == 0).all()), "every block's count back at zero"
+        results.append(out)
+    want_parts = torch.stack([(p + 1) * base.float() for p in range(num_parts)])
+    assert torch.equal(parts.isnan(), want_parts.isnan())
+    want = triton_cvmm.sum_partials(want_parts, dtype)
+    for got in results:
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture
+def kept_arrival_counts(monkeypatch):
+    """The arrival counts each call allocates, kept to be read after it."""
+    kept = []
+    allocate = triton_cvmm.arrival_counts
+
+    def keeping(blocks, device):
+        kept.append(allocate(blocks, device))
+        return kept[-1]
+    monkeypatch.setattr(triton_cvmm, "arrival_counts", keeping)
+    return kept
+
+
+def _with_parts_added(where, monkeypatch, call):
+    monkeypatch.setattr(triton_cvmm, "ADD_PARTS_IN_KERNEL", where == "kernel")
+    return call()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_weight_gradient_added_in_the_kernel_is_the_second_launchs_sum(
+        dtype, monkeypatch, kept_arrival_counts):
+    """Three ranges an expert (of 32, 32 and 16 rows in the first, where the order of the
+    sum shows): the gradient the kernel adds itself is bit for bit the one ``sum_partials``
+    adds in a second launch (NaN and an expert without rows included), and its tiles'
+    arrival counts are back at zero."""
+    monkeypatch.setattr(triton_cvmm, "WEIGHT_GRAD_SPLITS", 3)
+    src, _, counts, in_idx, scale, rows = _problem([80, 0, 37, 3], 24, 1, dropped=2,
+                                                   dtype=dtype)
+    b = torch.randn(rows, 33, device=DEVICE).to(dtype)
+    src[in_idx[45]] = float("nan")
+    results = {where: _with_parts_added(where, monkeypatch, lambda: kernels.expert_weight_grad(
+        src, b, counts, in_idx, None, scale)) for where in ("kernel", "second launch")}
+    assert len(kept_arrival_counts) == 1 and bool((kept_arrival_counts[0] == 0).all())
+    assert bool(results["kernel"].isnan().any()) and bool((results["kernel"][1] == 0).all())
+    torch.testing.assert_close(results["kernel"], results["second launch"], rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_dots_added_in_the_kernel_are_the_second_launchs_sum(
+        dtype, cvmm_kernel, monkeypatch, kept_arrival_counts):
+    """The gate gradient's dots over several column tiles (or splits): added by each row
+    tile's last program, bit for bit ``sum_partials``' sum; zeros for dropped pairs; NaN
+    only in the rows that read it; the arrival counts back at zero."""
+    src, weight, counts, in_idx, scale, rows = _problem([7, 0, 19, 1, 33], 37, 53, dropped=5,
+                                                       dtype=dtype)
+    dot = torch.randn(rows, 53, device=DEVICE).to(dtype)
+    dot[11, 4] = float("nan")
+    results = {where: _with_parts_added(where, monkeypatch, lambda: kernels.cvmm_rows(
+        src, weight, counts, in_idx, None, scale, rows, 1, False, None, dot)[1])
+        for where in ("kernel", "second launch")}
+    assert len(kept_arrival_counts) == 1 and bool((kept_arrival_counts[0] == 0).all())
+    dots = results["kernel"]
+    assert dots.isnan().nonzero().flatten().tolist() == [11]
+    assert bool((dots[rows - 5:] == 0).all()), "dropped pairs' dots are exact zeros"
+    torch.testing.assert_close(dots, results["second launch"], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a race between programs needs a GPU: the "
+                    "interpreter runs them one after another")
+def test_parts_added_in_the_kernel_race_nothing_on_a_gpu(monkeypatch):
+    """At the LM's shapes (8 experts of [256, 256], 32,768 rows) with five ranges an expert,
+    and at the dots of 16 column tiles, 30 calls in a row: each the same bits as the sum in
+    a second launch. A part read before the program that wrote it made it visible (a missing
+    barrier or fence) or two programs both taking the last arrival would show here."""
+    monkeypatch.setattr(triton_cvmm, "WEIGHT_GRAD_SPLITS", 5)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    counts = torch.full((8,), 4096, device=DEVICE)
+    a = torch.randn(32768, 256, device=DEVICE, generator=gen).to(torch.bfloat16)
+    b = torch.randn(32768, 256, device=DEVICE, generator=gen).to(torch.bfloat16)
+    w = torch.randn(8, 256, 1024, device=DEVICE, generator=gen).to(torch.bfloat16)
+    dot = torch.randn(32768, 1024, device=DEVICE, generator=gen).to(torch.bfloat16)
+    calls = {
+        "weight gradient": lambda: kernels.expert_weight_grad(a, b, counts, None, None, None),
+        "dots": lambda: kernels.cvmm_rows(a, w, counts, None, None, None, 32768, 1, False, None,
+                                          dot)[1],
+    }
+    for name, call in calls.items():
+        want = _with_parts_added("second launch", monkeypatch, call)
+        monkeypatch.setattr(triton_cvmm, "ADD_PARTS_IN_KERNEL", True)
+        for attempt in range(30):
+            assert torch.equal(call(), want), f"{name}, call {attempt}"
+
+
 def test_weight_gradient_splits_only_where_the_tiles_are_too_few(monkeypatch):
     """The split-K heuristic: on 132 multiprocessors, the LM's 8 experts of [256, 256] over
     32,768 rows get several ranges; Fig. 2's 64 experts of [2048, 128] (4,096 tiles) none;

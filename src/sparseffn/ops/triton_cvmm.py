@@ -18,8 +18,9 @@ dataflow of ScatterMoE (Tan et al. 2024, arXiv:2403.08245) and SonicMoE (arXiv:2
 - ``expert_weight_grad``: one program computes a [BLOCK_M, BLOCK_N] tile of one expert's
   weight gradient ``Σ_r a_rᵀ b_r`` over that expert's rows (or over one of ``splits``
   ranges of them, when the tiles alone are too few to fill the GPU: split-K, the partial
-  sums added after), gathering both sides as they load, in a fixed order: no atomics, the
-  same result on every run.
+  sums added in range order by the last of a tile's programs to finish, which an atomic
+  count of arrivals names), gathering both sides as they load, in a fixed order: no atomic
+  sums, the same result on every run.
 
 Which tile of which expert a program computes is read off the per-expert counts inside the
 kernel (a cumulative sum over at most ``MAX_EXPERTS`` experts), so nothing is read on the
@@ -217,6 +218,30 @@ if triton is not None:
         return tl.sum(acc * other.to(tl.float32), 1)
 
     @triton.jit
+    def add_parts_if_last(parts_ptr, stride_parts, offsets, load_ok, store_ok, num_parts,
+                           arrivals_ptr, out_ptr):
+        """Run by each of the ``num_parts`` programs that store one float32 part of the same
+        output block at ``parts_ptr + part · stride_parts + offsets``, after its store. The
+        last one to arrive adds the parts in the order of their index, whichever program that
+        is (so the same result on every run, and ``sum_partials``' result), rounds the sum
+        once to ``out_ptr``'s dtype and stores it at ``out_ptr + offsets`` (zeros where only
+        ``store_ok``); it then sets the block's arrival count back to zero, for the next
+        launch (autotuning's reruns, CUDA graph replays). The pattern of a serial split-K's
+        semaphore: the barrier orders every thread's part before the count's release, and the
+        count's acquire orders the other parts before their loads, which bypass the
+        multiprocessor's cache (``.cg``)."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_parts - 1:
+            total = tl.zeros(offsets.shape, dtype=tl.float32)
+            part_ptrs = parts_ptr + offsets
+            for _ in range(num_parts):
+                total += tl.load(part_ptrs, mask=load_ok, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_parts
+            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=store_ok)
+            tl.store(arrivals_ptr, 0)
+
+    @triton.jit
     def _epilogue_store(acc, rows, rows64, live, computed, dest, cols, n, scale_ptr,
                         mask_ptr, stride_mask, out_ptr, stride_out, HAS_SCALE: tl.constexpr,
                         RELU: tl.constexpr, HAS_MASK: tl.constexpr):
@@ -237,7 +262,10 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
     # Every config writes its own column tiles' partial dots: zeroed between tuning runs.
-    @triton.autotune(configs=_tile_configs(CVMM_UNTUNED, _CVMM_TILES),
+    _CVMM_CONFIGS = _tile_configs(CVMM_UNTUNED, _CVMM_TILES)
+    _WEIGHT_GRAD_CONFIGS = _tile_configs(WEIGHT_GRAD_UNTUNED, _WEIGHT_GRAD_TILES)
+
+    @triton.autotune(configs=_CVMM_CONFIGS,
                      reset_to_zero=["dots_ptr"],
                      key=["m", "n", "HAS_IN_IDX", "HAS_OUT_IDX", "HAS_DOT", "HAS_MASK"])
     @triton.jit
@@ -245,12 +273,16 @@ if triton is not None:
                      w_ptr, stride_we, stride_wk, stride_wn,
                      counts_ptr, num_experts, num_rows, m, n,
                      out_ptr, stride_out, out_idx_ptr, scale_ptr,
-                     mask_ptr, stride_mask, dot_ptr, stride_dot, dots_ptr,
+                     mask_ptr, stride_mask, dot_ptr, stride_dot, dots_ptr, arrivals_ptr,
+                     dots_sum_ptr,
                      HAS_IN_IDX: tl.constexpr, HAS_OUT_IDX: tl.constexpr,
                      HAS_SCALE: tl.constexpr, RELU: tl.constexpr, HAS_MASK: tl.constexpr,
-                     HAS_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One [BLOCK_M, BLOCK_N] tile of one row tile's products, over K in BLOCK_K steps."""
+                     HAS_DOT: tl.constexpr, ADD_PARTS: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """One [BLOCK_M, BLOCK_N] tile of one row tile's products, over K in BLOCK_K steps;
+        with ``ADD_PARTS``, the last of a row tile's column tiles to finish adds their dots
+        into ``dots_sum``."""
         pid_n = tl.program_id(1)
         expert, past, rows, rows64, live, computed, src_rows, dest = _row_tile(
             counts_ptr, num_experts, num_rows, in_idx_ptr, out_idx_ptr, tl.program_id(0),
@@ -269,10 +301,14 @@ if triton is not None:
                         + cols[None, :].to(tl.int64) * stride_wn,
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        if HAS_DOT:   # this column tile's part of the dots; the tiles are summed outside
+        if HAS_DOT:   # this column tile's part of the dots, added below or outside
             partial = _dot_partial(acc, dot_ptr, stride_dot, rows64, cols,
                                    computed[:, None] & col_ok[None, :])
             tl.store(dots_ptr + pid_n * num_rows + rows64, partial, mask=computed)
+            if ADD_PARTS:
+                add_parts_if_last(dots_ptr, num_rows, rows64, computed, live,
+                                   tl.num_programs(1), arrivals_ptr + tl.program_id(0),
+                                   dots_sum_ptr)
         _epilogue_store(acc, rows, rows64, live, computed, dest, cols, n, scale_ptr, mask_ptr,
                         stride_mask, out_ptr, stride_out, HAS_SCALE, RELU, HAS_MASK)
 
@@ -287,7 +323,9 @@ if triton is not None:
 
     # A config's column splits depend on its BLOCK_N, and each split writes its own row of
     # partial dots: zeroed between tuning runs, as for _cvmm_kernel.
-    @triton.autotune(configs=_row_tile_configs(), reset_to_zero=["dots_ptr"],
+    _ROW_TILE_CONFIGS = _row_tile_configs()
+
+    @triton.autotune(configs=_ROW_TILE_CONFIGS, reset_to_zero=["dots_ptr"],
                      key=["m", "n", "HAS_IN_IDX", "HAS_OUT_IDX", "HAS_DOT", "HAS_MASK"])
     @triton.jit
     def _cvmm_row_tile_kernel(src_ptr, stride_src, in_idx_ptr,
@@ -295,16 +333,19 @@ if triton is not None:
                               counts_ptr, num_experts, num_rows, m, n,
                               out_ptr, stride_out, out_idx_ptr, scale_ptr,
                               mask_ptr, stride_mask, dot_ptr, stride_dot, dots_ptr,
+                              arrivals_ptr, dots_sum_ptr,
                               HAS_IN_IDX: tl.constexpr, HAS_OUT_IDX: tl.constexpr,
                               HAS_SCALE: tl.constexpr, RELU: tl.constexpr,
                               HAS_MASK: tl.constexpr, HAS_DOT: tl.constexpr,
-                              PRECISION: tl.constexpr, BLOCK_E: tl.constexpr,
+                              ADD_PARTS: tl.constexpr, PRECISION: tl.constexpr,
+                              BLOCK_E: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr):
         """The rows of one row tile (all m <= BLOCK_K inner columns, loaded once) times every
         column tile ``split, split + splits, ...`` (``splits`` = the grid's second size, > 1
         only when there are few row tiles); the gate-gradient dots are summed over this
-        program's column tiles and stored once, as the partial sum of ``split``."""
+        program's column tiles and stored once, as the partial sum of ``split`` (with
+        ``ADD_PARTS``, added into ``dots_sum`` by the row tile's last split to finish)."""
         split = tl.program_id(1)
         splits = tl.num_programs(1)
         expert, past, rows, rows64, live, computed, src_rows, dest = _row_tile(
@@ -331,21 +372,26 @@ if triton is not None:
                             HAS_MASK)
         if HAS_DOT:
             tl.store(dots_ptr + split * num_rows + rows64, dot_sum, mask=computed)
+            if ADD_PARTS:
+                add_parts_if_last(dots_ptr, num_rows, rows64, computed, live, splits,
+                                   arrivals_ptr + tl.program_id(0), dots_sum_ptr)
 
-    @triton.autotune(configs=_tile_configs(WEIGHT_GRAD_UNTUNED, _WEIGHT_GRAD_TILES),
+    @triton.autotune(configs=_WEIGHT_GRAD_CONFIGS,
                      key=["ma", "nb", "splits", "HAS_A_IDX", "HAS_B_IDX", "HAS_SCALE"])
     @triton.jit
     def _weight_grad_kernel(a_ptr, stride_a, a_idx_ptr, b_ptr, stride_b, b_idx_ptr, scale_ptr,
                             counts_ptr, num_experts, ma, nb, splits,
-                            out_ptr, stride_os, stride_oe, stride_om,
+                            out_ptr, stride_os, stride_oe, stride_om, arrivals_ptr, sum_ptr,
                             HAS_A_IDX: tl.constexpr, HAS_B_IDX: tl.constexpr,
-                            HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, ADD_PARTS: tl.constexpr,
+                            PRECISION: tl.constexpr,
                             BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Tile (program 0) of expert (program 1)'s ``Σ_r a_rᵀ b_r`` over split (program 2)
         of its rows: the rows ``[start, end)`` cut into ``splits`` ranges of whole
         ``BLOCK_K`` steps (a range past the end sums nothing), stored at
-        ``out[split, expert]``."""
+        ``out[split, expert]``; with ``ADD_PARTS``, the last of a tile's ``splits`` programs
+        to finish adds them into ``sum[expert]``."""
         expert = tl.program_id(1)
         split = tl.program_id(2)
         tiles_n = tl.cdiv(nb, BLOCK_N)
@@ -382,9 +428,15 @@ if triton is not None:
             b = tl.load(b_ptr + b_rows[:, None] * stride_b + cols_b[None, :],
                         mask=r_ok[:, None] & b_ok[None, :], other=0.0)          # [BK, BN]
             acc = tl.dot(a_t, b, acc, input_precision=PRECISION)
-        tl.store(out_ptr + split.to(tl.int64) * stride_os + expert.to(tl.int64) * stride_oe
-                 + cols_a[:, None].to(tl.int64) * stride_om + cols_b[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=a_ok[:, None] & b_ok[None, :])
+        offsets = (expert.to(tl.int64) * stride_oe + cols_a[:, None].to(tl.int64) * stride_om
+                   + cols_b[None, :])
+        tile_ok = a_ok[:, None] & b_ok[None, :]
+        tl.store(out_ptr + split.to(tl.int64) * stride_os + offsets,
+                 acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
+        if ADD_PARTS:
+            add_parts_if_last(out_ptr, stride_os, offsets, tile_ok, tile_ok, splits,
+                               arrivals_ptr + expert * tl.num_programs(0) + tl.program_id(0),
+                               sum_ptr)
 
     @triton.jit
     def _sum_partials_kernel(parts_ptr, out_ptr, numel, num_parts, BLOCK: tl.constexpr):
@@ -407,6 +459,18 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def _smallest(configs: list, block: str) -> int:
+    """The smallest ``block`` size (``"BLOCK_M"`` ...) of a kernel's candidate tiles: what
+    sizes a buffer indexed by the tile the autotuner picks."""
+    return min(config.kwargs[block] for config in configs)
+
+
+def arrival_counts(blocks: int, device: torch.device) -> Tensor:
+    """Zeroed int32 counts, one per output block whose parts a kernel adds itself (see
+    ``add_parts_if_last``); the kernel leaves them at zero again."""
+    return torch.zeros(blocks, dtype=torch.int32, device=device)
+
+
 def _block_e(num_experts: int) -> int:
     return max(16, next_power_of_2(max(1, num_experts)))
 
@@ -416,9 +480,10 @@ _SUM_BLOCK = 1024
 
 def sum_partials(parts: Tensor, dtype: torch.dtype) -> Tensor:
     """``parts.sum(0).to(dtype)`` in one launch instead of two: float32 partial sums
-    ``parts`` [S, ...] (the split weight gradient's, the dots of several column tiles, the
-    table gradient's parts) added in the order of their first index, the same result on
-    every run, and rounded to ``dtype`` once; zeros for S = 0."""
+    ``parts`` [S, ...] added in the order of their first index, the same result on every
+    run, and rounded to ``dtype`` once; zeros for S = 0. The split parts of the kernels here
+    are added inside them (``add_parts_if_last``, the same result) unless
+    ``ADD_PARTS_IN_KERNEL`` is off."""
     out = parts.new_empty(parts.shape[1:], dtype=dtype)
     numel = out.numel()
     if parts.shape[0] == 0:
@@ -471,11 +536,20 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
     num_experts, m, n = weight.shape
     rows = (in_idx if in_idx is not None else out_idx if out_idx is not None else src).shape[0]
     out = src.new_empty(rows, n)
-    num_tiles_n = cdiv(n, 16) if n else 0
-    # Partial dots per column tile or column split (at most one per 16 columns), summed
-    # below; a 0-size buffer when there are none.
-    dots = torch.zeros(num_tiles_n if dot_with is not None else 0, rows, device=src.device,
-                       dtype=torch.float32)
+    has_dot = dot_with is not None
+    add_parts = has_dot and ADD_PARTS_IN_KERNEL
+    row_tile = m <= ROW_TILE_MAX_K
+    # Partial dots per column tile or column split (at most one per 16 columns), added by
+    # the kernel into ``dots`` (one arrival count per row tile) or below; a 0-size buffer
+    # when there are none.
+    parts = (cdiv(n, 16) if n else 0) if has_dot else 0
+    partial_dots = (src.new_empty if add_parts else src.new_zeros)(parts, rows,
+                                                                   dtype=torch.float32)
+    dots = src.new_empty(rows if has_dot else 0)
+    arrivals = None
+    if add_parts:
+        smallest = _smallest(_ROW_TILE_CONFIGS if row_tile else _CVMM_CONFIGS, "BLOCK_M")
+        arrivals = arrival_counts(cdiv(rows, smallest) + num_experts + 1, src.device)
     if rows and n:
         mask_with = None if mask_with is None else _rowwise(mask_with)
         dot_with = None if dot_with is None else _rowwise(dot_with)
@@ -485,21 +559,24 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
                 counts, num_experts, rows, m, n,
                 out, out.stride(0), out_idx, scale,
                 mask_with, 0 if mask_with is None else mask_with.stride(0),
-                dot_with, 0 if dot_with is None else dot_with.stride(0), dots)
+                dot_with, 0 if dot_with is None else dot_with.stride(0), partial_dots,
+                arrivals, dots)
         flags = dict(HAS_IN_IDX=in_idx is not None, HAS_OUT_IDX=out_idx is not None,
                      HAS_SCALE=scale is not None, RELU=bool(relu),
-                     HAS_MASK=mask_with is not None, HAS_DOT=dot_with is not None,
+                     HAS_MASK=mask_with is not None, HAS_DOT=has_dot, ADD_PARTS=add_parts,
                      PRECISION=_precision(dtype), BLOCK_E=_block_e(num_experts))
-        if m <= ROW_TILE_MAX_K:
+        if row_tile:
             _cvmm_row_tile_kernel[_row_tile_grid(rows, n, num_experts, src.device)](
                 *args, BLOCK_K=max(16, next_power_of_2(m)), **flags)
         else:
             grid = lambda meta: (cdiv(rows, meta["BLOCK_M"]) + num_experts + 1,  # noqa: E731
                                  cdiv(n, meta["BLOCK_N"]))
             _cvmm_kernel[grid](*args, **flags)
-    elif rows:
+    else:
         out.zero_()
-    dots = src.new_empty(0) if dot_with is None else sum_partials(dots, dtype)
+        dots.zero_()
+    if has_dot and not add_parts:
+        dots = sum_partials(partial_dots, dtype)
     if out_idx is not None and group > 1:    # each token's slots, summed in slot order
         out = out.view(out_rows, group, n).sum(1)
     elif out_idx is not None and rows == 0:
@@ -512,11 +589,18 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
 # (8 experts of [256, 256]: 128 tiles of 64×64 for an H100's 132 multiprocessors), each
 # multiprocessor runs one long loop and waits on its loads. The rows are then cut into
 # ``splits`` ranges, computed by separate programs into float32 partial gradients that are
-# summed in a fixed order after (no atomics: the same result on every run). Enough splits for
+# summed in a fixed order by the last of a tile's programs to finish (no atomic sums: the same
+# result on every run). Enough splits for
 # about ``_WEIGHT_GRAD_PROGRAMS_PER_SM`` programs a multiprocessor, each range at least
 # ``_WEIGHT_GRAD_MIN_SPLIT_ROWS`` rows (of the mean expert) and at most ``_WEIGHT_GRAD_MAX_SPLITS``
 # ranges. ``WEIGHT_GRAD_SPLITS`` set to a number fixes the splits (benchmarks, tests).
 WEIGHT_GRAD_SPLITS: Optional[int] = None
+# Split parts (the weight gradient's ranges, the gate gradient's column tiles, the row
+# scatter's pieces) are added by the last program of each output block to finish, in the
+# order of their index: the result of ``sum_partials``, without its launch, at the cost of a
+# memset of one int32 count a block. False adds them in a second launch (``sum_partials``),
+# as before: for benchmarks that time the difference, and a way back should a GPU show a race.
+ADD_PARTS_IN_KERNEL = True
 _WEIGHT_GRAD_PROGRAMS_PER_SM = 4
 _WEIGHT_GRAD_MIN_SPLIT_ROWS = 512
 _WEIGHT_GRAD_MAX_SPLITS = 16
@@ -547,18 +631,27 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
     rows = (a_idx if a_idx is not None else b_idx if b_idx is not None else a_src).shape[0]
     splits = weight_grad_splits(rows, num_experts, ma, nb, a_src.device)
     # one split writes the gradient [E, ma, nb]; several write float32 partials [splits, E,
-    # ma, nb], summed after
+    # ma, nb], added into ``total`` by the kernel (one arrival count per output tile) or after
+    add_parts = splits > 1 and ADD_PARTS_IN_KERNEL
+    total = arrivals = None
     if splits == 1:
         out = a_src.new_empty(num_experts, ma, nb)
         strides = (0, out.stride(0), out.stride(1))
     else:
         out = a_src.new_empty(splits, num_experts, ma, nb, dtype=torch.float32)
         strides = out.stride()[:3]
+    if add_parts:
+        total = a_src.new_empty(num_experts, ma, nb)
+        tiles = (cdiv(ma, _smallest(_WEIGHT_GRAD_CONFIGS, "BLOCK_M"))
+                 * cdiv(nb, _smallest(_WEIGHT_GRAD_CONFIGS, "BLOCK_N")))
+        arrivals = arrival_counts(num_experts * tiles, a_src.device)
     grid = lambda meta: (cdiv(ma, meta["BLOCK_M"]) * cdiv(nb, meta["BLOCK_N"]),  # noqa: E731
                          num_experts, splits)
     _weight_grad_kernel[grid](
         a_src, a_src.stride(0), a_idx, b_src, b_src.stride(0), b_idx, scale,
-        counts.contiguous(), num_experts, ma, nb, splits, out, *strides,
+        counts.contiguous(), num_experts, ma, nb, splits, out, *strides, arrivals, total,
         HAS_A_IDX=a_idx is not None, HAS_B_IDX=b_idx is not None, HAS_SCALE=scale is not None,
-        PRECISION=_precision(dtype), BLOCK_E=_block_e(num_experts))
-    return out if splits == 1 else sum_partials(out, dtype)
+        ADD_PARTS=add_parts, PRECISION=_precision(dtype), BLOCK_E=_block_e(num_experts))
+    if splits == 1:
+        return out
+    return total if add_parts else sum_partials(out, dtype)
