@@ -12,7 +12,7 @@ from tests.ops.triton_cases import skip_without_usable_triton
 skip_without_usable_triton()
 
 import sparseffn   # noqa: E402
-from sparseffn.ops import kernels, product_keys, rows, triton_rows   # noqa: E402
+from sparseffn.ops import kernels, product_keys, rows, triton_cvmm, triton_rows   # noqa: E402
 from tests.ops.triton_cases import DEVICE, DTYPES, close, torch_path as _torch_path   # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_on_cpu")
@@ -66,13 +66,23 @@ def test_gradients_match_plain_indexing(dtype):
         close(leaf.grad, r.grad, dtype)
 
 
-def test_scatter_rows_splits_the_long_segments_of_a_small_table():
+def test_scatter_rows_splits_the_long_segments_of_a_small_table(monkeypatch):
     """Few rows with many pairs each (product sub-keys): each row's segment is summed in
-    pieces by several programs; the result is still the PyTorch one, and deterministic."""
+    pieces by several programs, added by the last of them to finish; the result is still the
+    PyTorch one, deterministic, bit for bit the pieces added in a second launch, and the
+    arrival counts are back at zero."""
     idx, w, _, x = _pairs(tokens=900, m=4, num_rows=5, d=21)
+    kept = []
+    allocate = triton_cvmm.arrival_counts
+    monkeypatch.setattr(triton_cvmm, "arrival_counts",
+                        lambda *args: kept.append(allocate(*args)) or kept[-1])
     got = kernels.scatter_rows(idx, w, x, 5)
+    assert len(kept) == 1 and kept[0].numel() == 5 and bool((kept[0] == 0).all())
     close(got, _torch_path(kernels.scatter_rows, idx, w, x, 5), torch.float32)
     assert torch.equal(got, kernels.scatter_rows(idx, w, x, 5))
+    monkeypatch.setattr(triton_cvmm, "ADD_PARTS_IN_KERNEL", False)
+    assert torch.equal(got, kernels.scatter_rows(idx, w, x, 5))
+    assert len(kept) == 2, "pieces added in a second launch count no arrivals"
 
 
 def test_scatter_rows_is_deterministic_and_the_reverse_index_is_exact():

@@ -131,10 +131,11 @@ if triton is not None:
     @triton.jit
     def _scatter_rows_kernel(order_ptr, offsets_ptr, w_ptr, src_ptr, table_ptr, out_ptr,
                              dots_ptr, m, d, num_rows, stride_src, stride_table, stride_out,
-                             SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                             DOTS: tl.constexpr):
+                             arrivals_ptr, sum_ptr, SPLIT: tl.constexpr, ADD_PARTS: tl.constexpr,
+                             BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, DOTS: tl.constexpr):
         """Program (row, column block, part): the sum over part ``part`` of the SPLIT equal
-        pieces of the row's segment of sorted pairs; with SPLIT > 1 into out[part]. With
+        pieces of the row's segment of sorted pairs; with SPLIT > 1 into out[part] (float32),
+        and with ``ADD_PARTS`` added into ``sum`` by the last of the SPLIT to finish. With
         DOTS (one column block: BLOCK_D ≥ d), also ``dots[p] = <src[t], table[row]>`` for each
         pair p = t·m + j it visits, from the src row already loaded for the sum and the table
         row loaded once per program (``table_ptr`` and ``dots_ptr`` are unused without)."""
@@ -165,6 +166,10 @@ if triton is not None:
                          tl.sum(s * v[None, :], 1).to(dots_ptr.dtype.element_ty), mask=p_ok)
         dest = out_ptr + (part.to(tl.int64) * num_rows + row) * stride_out + ds
         tl.store(dest, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=d_ok)
+        if ADD_PARTS:
+            triton_cvmm.add_parts_if_last(
+                out_ptr, num_rows * stride_out, row.to(tl.int64) * stride_out + ds, d_ok, d_ok,
+                SPLIT, arrivals_ptr + row * tl.num_programs(1) + tl.program_id(1), sum_ptr)
 
     @triton.jit
     def _dense_rows_kernel(idx_ptr, w_ptr, out_ptr, T, m, n, stride_idx, stride_w, stride_out,
@@ -536,13 +541,19 @@ def _scatter(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
     split = max(1, min(64, _SCATTER_PROGRAMS // tiles, per_row // 256))
     out = src.new_empty(num_rows, d) if split == 1 else \
         torch.empty(split, num_rows, d, device=src.device, dtype=torch.float32)
+    # the pieces added by the kernel (one arrival count per row and column block) or after
+    add_parts = split > 1 and triton_cvmm.ADD_PARTS_IN_KERNEL
+    total = src.new_empty(num_rows, d) if add_parts else None
+    arrivals = triton_cvmm.arrival_counts(tiles, src.device) if add_parts else None
     _scatter_rows_kernel[(num_rows, cdiv(d, block_d), split)](
         order, offsets, weights, src, table if with_dots else src, out,
         dots if with_dots else out, max(1, idx.shape[1]), d, num_rows, src.stride(0),
-        table.stride(0) if with_dots else 0, d if split > 1 else out.stride(0), SPLIT=split,
-        BLOCK_P=block_p, BLOCK_D=block_d, DOTS=with_dots,
-        num_warps=8 if block_d >= 2048 else 4)
-    return out if split == 1 else triton_cvmm.sum_partials(out, src.dtype)
+        table.stride(0) if with_dots else 0, d if split > 1 else out.stride(0), arrivals,
+        total, SPLIT=split, ADD_PARTS=add_parts, BLOCK_P=block_p, BLOCK_D=block_d,
+        DOTS=with_dots, num_warps=8 if block_d >= 2048 else 4)
+    if split == 1:
+        return out
+    return total if add_parts else triton_cvmm.sum_partials(out, src.dtype)
 
 
 def product_key_topk(scores_a: Tensor, scores_b: Tensor, k: int) -> tuple[Tensor, Tensor]:
