@@ -73,7 +73,9 @@ GRAPHS = False   # set by --graphs
 def _with(name: str, value, fn):
     """``fn`` with ``triton_cvmm.<name>`` set to ``value`` for its calls: ``ROW_TILE_MAX_K``
     0 runs every call on the tile kernel (no row-tile kernel); ``WEIGHT_GRAD_SPLITS`` 1 sums
-    each expert's weight gradient in one range (no split-K)."""
+    each expert's weight gradient in one range (no split-K); ``ADD_PARTS_IN_KERNEL`` False
+    adds split parts (the weight gradient's ranges, the dots' column tiles) in a second
+    launch."""
     def run():
         saved = getattr(triton_cvmm, name)
         setattr(triton_cvmm, name, value)
@@ -124,6 +126,8 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
             contenders["tile"] = _with("ROW_TILE_MAX_K", 0, fn)
         if name in ("dw2", "dw1"):
             contenders["unsplit"] = _with("WEIGHT_GRAD_SPLITS", 1, fn)
+        if name in ("gpre", "dw2", "dw1"):   # the calls with parts to add
+            contenders["2nd launch"] = _with("ADD_PARTS_IN_KERNEL", False, fn)
         times = call_times(contenders, rounds, calls, device)
         if "auto" not in times:
             continue
@@ -138,6 +142,9 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
             ratio = statistics.median(a / b for a, b in zip(times["auto"], times["unsplit"]))
             line += (f"   {splits} splits; unsplit {statistics.median(times['unsplit']):.3f} ms, "
                      f"auto/unsplit {ratio:.3f}")
+        if "2nd launch" in times:
+            ratio = statistics.median(a / b for a, b in zip(times["auto"], times["2nd launch"]))
+            line += f"   parts in a 2nd launch: auto/that {ratio:.3f}"
         print(line, flush=True)
     print(f"  the six calls: {total:.3f} ms", flush=True)
     gathered = x.index_select(0, token_of)

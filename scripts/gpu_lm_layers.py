@@ -16,6 +16,10 @@ together. Here each layer is timed alone, in three versions where they apply:
 - ``unsplit`` (the same): each expert's weight gradient summed by one program a tile, not
   split over several where the tiles are too few (``ops/triton_cvmm.py``,
   ``WEIGHT_GRAD_SPLITS``; at these shapes, 5 ranges of an expert's rows on an H100);
+- ``parts 2nd launch`` (the same): the split weight gradient's ranges and the gate
+  gradient's column tiles added by ``sum_partials`` in a launch of their own, as before the
+  fifty-fourth session, not by the last program of each block to finish
+  (``ADD_PARTS_IN_KERNEL``);
 - ``two kernels`` (PKM, PEER): ``gather_sum``'s table and weight gradients from
   ``scatter_rows`` and ``gather_dot`` instead of one pass (``kernels.scatter_rows_dot``);
 - ``torch sinkhorn`` (S-BASE): the training assignment's Sinkhorn iterations and top-k as
@@ -113,6 +117,7 @@ SWITCHES = {
     "unpadded": (MOE_PRESETS, lambda: _set(expert_mlp, "HIDDEN_MULTIPLE", 1)),
     "bf16 gates": (MOE_PRESETS, _bf16_gates),
     "unsplit": (MOE_PRESETS, lambda: _set(triton_cvmm, "WEIGHT_GRAD_SPLITS", 1)),
+    "parts 2nd launch": (MOE_PRESETS, lambda: _set(triton_cvmm, "ADD_PARTS_IN_KERNEL", False)),
     "two kernels": (ROW_PRESETS,
                     lambda: _set(kernels, "scatter_rows_dot", kernels.scatter_rows_and_gather_dot)),
     "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),

@@ -16,15 +16,18 @@
 #                                                   #   has 15 minutes of device time, a start
 #                                                   #   takes 1-2
 #   bash scripts/gpu_session.sh second             # a second call, at once while the machine
-#                                                   #   is warm, if 5 minutes are left (~4.2 min
-#                                                   #   at most): cvmm-graphs (the six CVMM calls
+#                                                   #   is warm, if 5 minutes are left (~3.7 min
+#                                                   #   at most): tests-parts (split parts added
+#                                                   #   in the kernel: the same bits as a second
+#                                                   #   launch, call after call, bf16 included),
+#                                                   #   cvmm-graphs (the six CVMM calls
 #                                                   #   replayed from CUDA graphs: the device's
 #                                                   #   time at the LM's shapes, which eager
-#                                                   #   timing hid under the host's),
-#                                                   #   lm-layers-fff (sparse FFF's bias gradient
-#                                                   #   without atomics against with) and
+#                                                   #   timing hid under the host's) and
 #                                                   #   fig2-eager (Fig. 2's ratios and peak
 #                                                   #   memory)
+#   bash scripts/gpu_session.sh lm-layers-fff      # sparse FFF's bias gradient without atomics
+#                                                   #   against with, from CUDA graphs
 #   bash scripts/gpu_session.sh profile-first      # the LM step of dense, σ-MoE, PKM and sparse
 #                                                   #   FFF, kernel by kernel (~3 min at most)
 #   bash scripts/gpu_session.sh tests check        # ~4-5 + ~7 min
@@ -97,7 +100,7 @@ stages=()
 for what in "$@"; do
   case $what in
     first) stages+=(lm-first profile-first) ;;
-    second) stages+=(cvmm-graphs lm-layers-fff fig2-eager) ;;
+    second) stages+=(tests-parts cvmm-graphs fig2-eager) ;;
     *) stages+=("$what") ;;
   esac
 done
@@ -122,6 +125,12 @@ for what in "${stages[@]}"; do
                  tests/ops/test_triton_cvmm.py tests/ops/test_dense_products.py \
                  tests/ops/test_triton_tree.py tests/ops/test_triton_rows.py \
                  tests/ops/test_triton_sinkhorn.py ;;
+    # the fifty-fourth session's split parts added by each block's last program to finish:
+    # their order, the arrival counts left at zero, and 30 calls at the LM's shapes that must
+    # give the bits of the sum in a second launch (the race the interpreter cannot show)
+    tests-parts) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests-parts 60 $PY -m pytest -q \
+                   -p no:cacheprovider -k "parts or added_in_the_kernel" \
+                   tests/ops/test_triton_cvmm.py ;;
     # eager: the allocator's peak (CUDA graphs hide it) and the ratios without graphs
     # (killed at 75 + 20 s on a cold H200 in d_model 2048, with nothing printed: the SIGINT did
     # not end it in 20 s)
@@ -195,8 +204,8 @@ for what in "${stages[@]}"; do
     lm-layers) stage lm-layers 480 $PY scripts/gpu_lm_layers.py ;;
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
-    *) echo "unknown stage $what (first second lm-first train-quick tests-new fig2-eager" \
-            "lm-layers-first lm-layers-fff cvmm-first cvmm-graphs profile-first" \
+    *) echo "unknown stage $what (first second lm-first train-quick tests-new tests-parts" \
+            "fig2-eager lm-layers-first lm-layers-fff cvmm-first cvmm-graphs profile-first" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 profile-fig2-eager cvmm rows" \

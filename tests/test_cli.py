@@ -659,7 +659,7 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
     stages = _gpu_session_commands()
     assert {"tests", "lm-graphs", "fig2-graphs", "profile-lm", "routers-graphs", "lm-first",
             "train-quick", "tests-new", "fig2-eager", "lm-layers-first",
-            "profile-first", "profile-fig2-eager"} <= set(stages)
+            "profile-first", "profile-fig2-eager", "tests-parts", "lm-layers-fff"} <= set(stages)
     parsed = 0
     for name, line in stages.items():
         words = shlex.split(line.replace("$", "_"))
@@ -699,7 +699,7 @@ def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_
     done = subprocess.run(["bash", str(script), "second"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert re.findall(r"^== ([\w-]+): exit 0$", done.stdout, re.M) == [
-        "cvmm-graphs", "lm-layers-fff", "fig2-eager"]
+        "tests-parts", "cvmm-graphs", "fig2-eager"]
     assert "--lm-shapes --rounds 5 --graphs" in \
         (tmp_path / "out" / "cvmm-graphs.log").read_text()
     refused = subprocess.run(["bash", str(script), "nope"], env=env, capture_output=True,
