@@ -198,17 +198,18 @@ if triton_cvmm.available():
     import triton.language as tl
 
     @triton.jit
-    def _parts_in_a_shuffled_order(parts_ptr, part_of_program_ptr, numel, num_parts,
-                                   arrivals_ptr, out_ptr, BLOCK: tl.constexpr):
-        """Program (block, i) stores part ``part_of_program[i]`` of its block, so the program
-        that arrives last (the last one run) does not hold the last part."""
+    def _parts_in_a_shuffled_order(base_ptr, parts_ptr, part_of_program_ptr, numel,
+                                   num_parts, arrivals_ptr, out_ptr, BLOCK: tl.constexpr):
+        """Program (block, i) stores part ``p = part_of_program[i]`` of its block, ``(p + 1) ·
+        base``, so the program that arrives last in the interpreter (the last one run) does
+        not hold the last part."""
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offsets < numel
         part = tl.load(part_of_program_ptr + tl.program_id(1))
-        value = (part + 1).to(tl.float32) * tl.load(out_ptr + offsets, mask=ok, other=0.0)
+        value = (part + 1).to(tl.float32) * tl.load(base_ptr + offsets, mask=ok, other=0.0)
         tl.store(parts_ptr + part * numel + offsets, value, mask=ok)
         triton_cvmm.add_parts_if_last(parts_ptr, numel, offsets, ok, ok, num_parts,
-                                       arrivals_ptr + tl.program_id(0), out_ptr)
+                                      arrivals_ptr + tl.program_id(0), out_ptr)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -228,9 +229,9 @@ def test_the_last_program_to_finish_adds_the_parts_in_their_order(dtype):
     arrivals = torch.zeros(blocks, dtype=torch.int32, device=DEVICE)
     results = []
     for _ in range(2):
-        out = base.clone()      # read as each program's scale before the last writes the sum
-        _parts_in_a_shuffled_order[(blocks, num_parts)](parts, order, numel, num_parts, arrivals,
-                                                        out, BLOCK=block)
+        out = torch.empty_like(base)
+        _parts_in_a_shuffled_order[(blocks, num_parts)](base, parts, order, numel, num_parts,
+                                                        arrivals, out, BLOCK=block)
         assert bool((arrivals == 0).all()), "every block's count back at zero"
         results.append(out)
     want_parts = torch.stack([(p + 1) * base.float() for p in range(num_parts)])

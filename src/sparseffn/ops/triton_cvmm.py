@@ -219,7 +219,7 @@ if triton is not None:
 
     @triton.jit
     def add_parts_if_last(parts_ptr, stride_parts, offsets, load_ok, store_ok, num_parts,
-                           arrivals_ptr, out_ptr):
+                          arrivals_ptr, out_ptr):
         """Run by each of the ``num_parts`` programs that store one float32 part of the same
         output block at ``parts_ptr + part · stride_parts + offsets``, after its store. The
         last one to arrive adds the parts in the order of their index, whichever program that
@@ -261,10 +261,11 @@ if triton is not None:
         tl.store(out_ptr + dest[:, None] * stride_out + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
 
-    # Every config writes its own column tiles' partial dots: zeroed between tuning runs.
     _CVMM_CONFIGS = _tile_configs(CVMM_UNTUNED, _CVMM_TILES)
     _WEIGHT_GRAD_CONFIGS = _tile_configs(WEIGHT_GRAD_UNTUNED, _WEIGHT_GRAD_TILES)
 
+    # Every config writes its own column tiles' partial dots: zeroed between tuning runs (for
+    # the sum in a second launch, which reads every row of them).
     @triton.autotune(configs=_CVMM_CONFIGS,
                      reset_to_zero=["dots_ptr"],
                      key=["m", "n", "HAS_IN_IDX", "HAS_OUT_IDX", "HAS_DOT", "HAS_MASK"])
@@ -307,8 +308,8 @@ if triton is not None:
             tl.store(dots_ptr + pid_n * num_rows + rows64, partial, mask=computed)
             if ADD_PARTS:
                 add_parts_if_last(dots_ptr, num_rows, rows64, computed, live,
-                                   tl.num_programs(1), arrivals_ptr + tl.program_id(0),
-                                   dots_sum_ptr)
+                                  tl.num_programs(1), arrivals_ptr + tl.program_id(0),
+                                  dots_sum_ptr)
         _epilogue_store(acc, rows, rows64, live, computed, dest, cols, n, scale_ptr, mask_ptr,
                         stride_mask, out_ptr, stride_out, HAS_SCALE, RELU, HAS_MASK)
 
@@ -374,7 +375,7 @@ if triton is not None:
             tl.store(dots_ptr + split * num_rows + rows64, dot_sum, mask=computed)
             if ADD_PARTS:
                 add_parts_if_last(dots_ptr, num_rows, rows64, computed, live, splits,
-                                   arrivals_ptr + tl.program_id(0), dots_sum_ptr)
+                                  arrivals_ptr + tl.program_id(0), dots_sum_ptr)
 
     @triton.autotune(configs=_WEIGHT_GRAD_CONFIGS,
                      key=["ma", "nb", "splits", "HAS_A_IDX", "HAS_B_IDX", "HAS_SCALE"])
@@ -435,8 +436,8 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
         if ADD_PARTS:
             add_parts_if_last(out_ptr, stride_os, offsets, tile_ok, tile_ok, splits,
-                               arrivals_ptr + expert * tl.num_programs(0) + tl.program_id(0),
-                               sum_ptr)
+                              arrivals_ptr + expert * tl.num_programs(0) + tl.program_id(0),
+                              sum_ptr)
 
     @triton.jit
     def _sum_partials_kernel(parts_ptr, out_ptr, numel, num_parts, BLOCK: tl.constexpr):
@@ -589,11 +590,11 @@ def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tens
 # (8 experts of [256, 256]: 128 tiles of 64×64 for an H100's 132 multiprocessors), each
 # multiprocessor runs one long loop and waits on its loads. The rows are then cut into
 # ``splits`` ranges, computed by separate programs into float32 partial gradients that are
-# summed in a fixed order by the last of a tile's programs to finish (no atomic sums: the same
-# result on every run). Enough splits for
-# about ``_WEIGHT_GRAD_PROGRAMS_PER_SM`` programs a multiprocessor, each range at least
-# ``_WEIGHT_GRAD_MIN_SPLIT_ROWS`` rows (of the mean expert) and at most ``_WEIGHT_GRAD_MAX_SPLITS``
-# ranges. ``WEIGHT_GRAD_SPLITS`` set to a number fixes the splits (benchmarks, tests).
+# summed in a fixed order by the last of a tile's programs to finish (no atomic sums: the
+# same result on every run). Enough splits for about ``_WEIGHT_GRAD_PROGRAMS_PER_SM``
+# programs a multiprocessor, each range at least ``_WEIGHT_GRAD_MIN_SPLIT_ROWS`` rows (of the
+# mean expert) and at most ``_WEIGHT_GRAD_MAX_SPLITS`` ranges. ``WEIGHT_GRAD_SPLITS`` set to a
+# number fixes the splits (benchmarks, tests).
 WEIGHT_GRAD_SPLITS: Optional[int] = None
 # Split parts (the weight gradient's ranges, the gate gradient's column tiles, the row
 # scatter's pieces) are added by the last program of each output block to finish, in the
