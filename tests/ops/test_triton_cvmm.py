@@ -304,9 +304,10 @@ def test_gate_dots_added_in_the_kernel_are_the_second_launchs_sum(
                     "interpreter runs them one after another")
 def test_parts_added_in_the_kernel_race_nothing_on_a_gpu(monkeypatch):
     """At the LM's shapes (8 experts of [256, 256], 32,768 rows) with five ranges an expert,
-    and at the dots of 16 column tiles, 30 calls in a row: each the same bits as the sum in
-    a second launch. A part read before the program that wrote it made it visible (a missing
-    barrier or fence) or two programs both taking the last arrival would show here."""
+    the dots over 8 to 16 column tiles, and a product-key table gradient of 62 rows cut in
+    16 pieces each, 30 calls in a row: each the same bits as the sum in a second launch. A
+    part read before the program that wrote it made it visible (a missing barrier or fence)
+    or two programs both taking the last arrival would show here."""
     monkeypatch.setattr(triton_cvmm, "WEIGHT_GRAD_SPLITS", 5)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     counts = torch.full((8,), 4096, device=DEVICE)
@@ -314,10 +315,13 @@ def test_parts_added_in_the_kernel_race_nothing_on_a_gpu(monkeypatch):
     b = torch.randn(32768, 256, device=DEVICE, generator=gen).to(torch.bfloat16)
     w = torch.randn(8, 256, 1024, device=DEVICE, generator=gen).to(torch.bfloat16)
     dot = torch.randn(32768, 1024, device=DEVICE, generator=gen).to(torch.bfloat16)
+    sub_keys = torch.randint(0, 62, (16384, 32), device=DEVICE, generator=gen)
+    scores = torch.rand(16384, 32, device=DEVICE, generator=gen).to(torch.bfloat16)
     calls = {
         "weight gradient": lambda: kernels.expert_weight_grad(a, b, counts, None, None, None),
         "dots": lambda: kernels.cvmm_rows(a, w, counts, None, None, None, 32768, 1, False, None,
                                           dot)[1],
+        "table gradient": lambda: kernels.scatter_rows(sub_keys, scores, a[:16384, :128], 62),
     }
     for name, call in calls.items():
         want = _with_parts_added("second launch", monkeypatch, call)
