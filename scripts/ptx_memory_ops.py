@@ -25,6 +25,7 @@ take. The launches are compiled with each autotuned kernel's untuned tile
     python scripts/ptx_memory_ops.py --lm '' --fig2 512             # bench fig2's σ-MoE
     python scripts/ptx_memory_ops.py --lm sigma_moe --all-tiles     # every autotuned tile
     python scripts/ptx_memory_ops.py --lm sbase,pkm --bf16          # compiled in bf16
+    python scripts/ptx_memory_ops.py --lm sigma_moe --bf16 --weight-grad-splits 5   # split-K
 
 Needs Triton (``pip install -e '.[gpu]'``). The step is recorded in fp16 (the interpreter has
 no bf16; both are 2 bytes); ``--bf16`` compiles every launch with bf16 where it recorded fp16,
@@ -326,6 +327,11 @@ def main(argv=None) -> int:
                              "the untuned tile")
     parser.add_argument("--bf16", action="store_true",
                         help="compile with bf16 where the step (recorded in fp16) had fp16")
+    parser.add_argument("--weight-grad-splits", type=int, default=None,
+                        help="cut each expert's weight gradient into this many ranges while "
+                             "recording (the CPU's heuristic picks 1; an H100 picks 5 at the "
+                             "LM's shapes), so the split variant, which adds its parts in the "
+                             "kernel, is compiled")
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compile:
@@ -333,6 +339,7 @@ def main(argv=None) -> int:
     if importlib.util.find_spec("triton") is None:
         parser.error("needs Triton: pip install -e '.[gpu]'")
     triton_cvmm.set_interpreter_for_cpu(True)
+    triton_cvmm.WEIGHT_GRAD_SPLITS = args.weight_grad_splits
     from sparseffn.bench.fig2 import fig2_sigma_moe
     layers = [(p, lambda p=p: sparseffn.build_layer(lm_ffn(p))) for p in args.lm.split(",") if p]
     layers += [(f"fig2 σ-MoE, d_model {d}", lambda d=int(d): fig2_sigma_moe(d))
