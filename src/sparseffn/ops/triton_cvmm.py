@@ -41,6 +41,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .written import written_in_full
+
 try:
     import triton
     import triton.language as tl
@@ -479,6 +481,7 @@ def _block_e(num_experts: int) -> int:
 _SUM_BLOCK = 1024
 
 
+@written_in_full()
 def sum_partials(parts: Tensor, dtype: torch.dtype) -> Tensor:
     """``parts.sum(0).to(dtype)`` in one launch instead of two: float32 partial sums
     ``parts`` [S, ...] added in the order of their first index, the same result on every
@@ -527,6 +530,7 @@ def _row_tile_grid(rows: int, n: int, num_experts: int, device: torch.device):
     return grid
 
 
+@written_in_full()
 def cvmm_rows(src: Tensor, weight: Tensor, counts: Tensor, in_idx: Optional[Tensor],
               out_idx: Optional[Tensor], scale: Optional[Tensor], out_rows: int, group: int,
               relu: bool, mask_with: Optional[Tensor], dot_with: Optional[Tensor]
@@ -620,6 +624,7 @@ def weight_grad_splits(rows: int, num_experts: int, ma: int, nb: int,
     return max(1, min(wanted, longest, _WEIGHT_GRAD_MAX_SPLITS))
 
 
+@written_in_full()
 def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Optional[Tensor],
                        b_idx: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
     """``sparseffn::expert_weight_grad`` in Triton (same arguments and result)."""

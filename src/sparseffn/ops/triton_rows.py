@@ -53,6 +53,7 @@ from torch import Tensor
 from . import triton_cvmm
 from .ids import id_dtype
 from .triton_cvmm import _rowwise, cdiv, next_power_of_2, tl, triton
+from .written import written_in_full
 
 # The product-key top-k keeps each half's scores (next power of two of n) and the k_a·k_b
 # candidates of BLOCK_R rows in registers: beyond these sizes the PyTorch implementation runs.
@@ -397,6 +398,7 @@ def _block(n: int, cap: int) -> int:
     return max(16, min(cap, next_power_of_2(max(1, n))))
 
 
+@written_in_full()
 def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     """``sparseffn::gather_sum`` in Triton: [T, d] in the table's dtype."""
     idx, weights, table = _rowwise(idx), _rowwise(weights), _rowwise(table)
@@ -412,6 +414,7 @@ def gather_sum(idx: Tensor, weights: Tensor, table: Tensor) -> Tensor:
     return out
 
 
+@written_in_full()
 def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     """``sparseffn::gather_dot`` in Triton: [T, m] in the promoted dtype."""
     x, table, idx = _rowwise(x), _rowwise(table), _rowwise(idx)
@@ -426,6 +429,7 @@ def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     return out
 
 
+@written_in_full()
 def dense_rows(idx: Tensor, weights: Tensor, num_rows: int) -> Tensor:
     """``sparseffn::dense_rows`` in Triton: [T, num_rows] in the weights' dtype."""
     idx, weights = _rowwise(idx), _rowwise(weights)
@@ -524,6 +528,7 @@ def scatter_rows_dot(idx: Tensor, weights: Tensor, src: Tensor, table: Tensor,
     return out, dots
 
 
+@written_in_full()
 def _scatter(idx: Tensor, weights: Tensor, src: Tensor, num_rows: int,
              row_index: Optional[tuple[Tensor, Tensor]], table: Optional[Tensor] = None,
              dots: Optional[Tensor] = None) -> Tensor:
@@ -572,6 +577,7 @@ def product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> tupl
     return idx, from_cells
 
 
+@written_in_full()
 def _product_key_topk_launch(scores_a: Tensor, scores_b: Tensor, k: int
                              ) -> tuple[Tensor, Tensor, Tensor]:
     scores_a, scores_b = _rowwise(scores_a), _rowwise(scores_b)

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import triton_cvmm
 from .triton_cvmm import _rowwise, cdiv, next_power_of_2, tl, triton
+from .written import written_in_full
 
 # Elements of a [BLOCK_T, BLOCK_E] block of logits in registers; more experts than this take
 # the PyTorch path.
@@ -176,6 +177,7 @@ def _blocks(num_experts: int) -> tuple[int, int]:
     return block_e, max(1, min(256, _BLOCK_ELEMENTS // block_e))
 
 
+@written_in_full()
 def sinkhorn_topk(logits: Tensor, iterations: int, k: int,
                   max_programs: int = MAX_PROGRAMS) -> Tensor:
     """``sparseffn::sinkhorn_topk`` in Triton: each token's k best experts of the Sinkhorn

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from . import triton_cvmm
 from .triton_cvmm import _rowwise, cdiv, next_power_of_2, tl, triton
+from .written import written_in_full
 
 # A row of 2^MAX_DEPTH leaf values (64 KiB in fp32) is the most one program keeps in registers.
 MAX_DEPTH = 14
@@ -157,6 +158,7 @@ def _num_warps(depth: int, block_t: int) -> int:
     return max(1, min(8, (block_t << depth) // 256))
 
 
+@written_in_full()
 def expand(node_values: Tensor, depth: int, mode: int, node_logits: Optional[Tensor]) -> Tensor:
     """``sparseffn::fff_expand`` in Triton: leaf values [T, 2^depth] in the node values' dtype
     from node values [T, 2^depth - 1] (and, in mode 1, the node logits)."""
@@ -172,6 +174,7 @@ def expand(node_values: Tensor, depth: int, mode: int, node_logits: Optional[Ten
     return out
 
 
+@written_in_full()
 def expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Optional[Tensor],
                     depth: int, mode: int) -> Tensor:
     """``sparseffn::fff_expand_backward`` in Triton: the gradient [T, 2^depth - 1] in the
@@ -189,6 +192,7 @@ def expand_backward(grad_leaf: Tensor, leaf: Optional[Tensor], node_data: Option
     return out
 
 
+@written_in_full()
 def descend(x: Tensor, weight: Tensor, bias: Optional[Tensor], depth: int,
             block_t: Optional[int] = None, block_d: Optional[int] = None) -> Tensor:
     """``sparseffn::fff_descend`` in Triton: int64 [T] leaves. Node logits are accumulated in

@@ -23,8 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.utils.deterministic
 
+
+from ..written import written_in_full
 from .abi import call
 from .build import (_load, available, bf16_available, native_enabled, set_native_enabled,
                     unavailable_reason)
@@ -92,17 +93,9 @@ def cvmm_usable(*tensors: torch.Tensor | None, scale: torch.Tensor | None = None
 
 def _written(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A CPU tensor for a C kernel to overwrite in full (every kernel writes every element of
-    what it returns, tested). Under deterministic algorithms PyTorch fills each new tensor with
-    NaN (``torch.utils.deterministic.fill_uninitialized_memory``), a whole pass over memory the
-    kernel then writes again; these outputs skip it."""
-    settings = torch.utils.deterministic
-    if not (torch.are_deterministic_algorithms_enabled() and settings.fill_uninitialized_memory):
+    what it returns, tested), without deterministic mode's NaN fill (:mod:`..written`)."""
+    with written_in_full():
         return torch.empty(*shape, dtype=dtype)
-    settings.fill_uninitialized_memory = False
-    try:
-        return torch.empty(*shape, dtype=dtype)
-    finally:
-        settings.fill_uninitialized_memory = True
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
