@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-
 from ..written import written_in_full
 from .abi import call
 from .build import (_load, available, bf16_available, native_enabled, set_native_enabled,
