@@ -59,6 +59,9 @@
 #                                                   #   backward, row kernels or dense products
 #   bash scripts/gpu_session.sh train train-more    # sparseffn train --device cuda: vs CPU, bf16,
 #                                                   #   compiled, CUDA graphs, fp16, memory, resume
+#   bash scripts/gpu_session.sh lm-deterministic    # ~4 min: bench lm's σ-MoE and PKM under
+#                                                   #   deterministic algorithms (sparseffn
+#                                                   #   train's default)
 #   bash scripts/gpu_session.sh lm-sync             # ~1 min: each preset's whole LM step (fused
 #                                                   #   Adam included) under sync debug "error"
 #   bash scripts/gpu_session.sh decode              # host-bound sizes: bench layers at 1 token,
@@ -171,6 +174,12 @@ for what in "${stages[@]}"; do
     lm-graphs) stage lm-graphs 540 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
                  --presets sigma_moe sbase switch glam fff fff_sparse pkm peer \
                  --time-limit 480 --json "$OUT/lm-graphs.json" ;;
+    # as sparseffn train runs by default: deterministic algorithms, whose NaN fill of new
+    # tensors the Triton wrappers skip since the fifty-fourth session; read each preset's ratio
+    # to dense here against lm-first's
+    lm-deterministic) stage lm-deterministic 300 $PY -m sparseffn bench lm --device cuda \
+                        --compile reduce-overhead --presets sigma_moe pkm --deterministic \
+                        --time-limit 240 --json "$OUT/lm-deterministic.json" ;;
     layers) stage layers 400 $PY -m sparseffn bench layers --device cuda --dtype bfloat16 \
               --tokens 32768 --json "$OUT/layers.json" ;;
     decode) stage decode 300 $PY -m sparseffn bench layers --device cuda --tokens 1 --configs a b \
@@ -206,6 +215,7 @@ for what in "${stages[@]}"; do
                --json "$OUT/compile.json" ;;
     *) echo "unknown stage $what (first second lm-first train-quick tests-new tests-parts" \
             "fig2-eager lm-layers-first lm-layers-fff cvmm-first cvmm-graphs profile-first" \
+            "lm-deterministic" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \
             "routers-graphs" \
             "productkeys profile profile-lm profile-fig2 profile-fig2-eager cvmm rows" \

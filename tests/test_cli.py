@@ -659,7 +659,8 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
     stages = _gpu_session_commands()
     assert {"tests", "lm-graphs", "fig2-graphs", "profile-lm", "routers-graphs", "lm-first",
             "train-quick", "tests-new", "fig2-eager", "lm-layers-first",
-            "profile-first", "profile-fig2-eager", "tests-parts", "lm-layers-fff"} <= set(stages)
+            "profile-first", "profile-fig2-eager", "tests-parts", "lm-layers-fff",
+            "lm-deterministic"} <= set(stages)
     parsed = 0
     for name, line in stages.items():
         words = shlex.split(line.replace("$", "_"))
