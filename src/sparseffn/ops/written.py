@@ -24,7 +24,8 @@ def written_in_full() -> Iterator[None]:
     """Within it, new tensors are not NaN-filled under deterministic algorithms (the setting
     is put back on exit); it does nothing when the fill is off. Also a decorator. For the
     allocations of a kernel's wrapper only: every tensor allocated inside must be written in
-    full, or read only where written, before it is read."""
+    full, or read only where written, before it is read. The setting is the process's: a
+    tensor another thread allocates meanwhile is not filled either."""
     settings = torch.utils.deterministic
     if not (torch.are_deterministic_algorithms_enabled() and settings.fill_uninitialized_memory):
         yield
