@@ -17,3 +17,17 @@ def triton_on_cpu():
     yield
     if on_cpu:
         triton_cvmm.set_interpreter_for_cpu(False)
+
+
+@pytest.fixture
+def kept_arrival_counts(monkeypatch):
+    """The arrival counts each call of a kernel that adds its split parts itself allocates
+    (``triton_cvmm.arrival_counts``), kept to be read after it."""
+    kept = []
+    allocate = triton_cvmm.arrival_counts
+
+    def keeping(blocks, device):
+        kept.append(allocate(blocks, device))
+        return kept[-1]
+    monkeypatch.setattr(triton_cvmm, "arrival_counts", keeping)
+    return kept

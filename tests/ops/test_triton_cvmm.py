@@ -242,19 +242,6 @@ def test_the_last_program_to_finish_adds_the_parts_in_their_order(dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.fixture
-def kept_arrival_counts(monkeypatch):
-    """The arrival counts each call allocates, kept to be read after it."""
-    kept = []
-    allocate = triton_cvmm.arrival_counts
-
-    def keeping(blocks, device):
-        kept.append(allocate(blocks, device))
-        return kept[-1]
-    monkeypatch.setattr(triton_cvmm, "arrival_counts", keeping)
-    return kept
-
-
 def _with_parts_added(where, monkeypatch, call):
     monkeypatch.setattr(triton_cvmm, "ADD_PARTS_IN_KERNEL", where == "kernel")
     return call()

@@ -66,16 +66,14 @@ def test_gradients_match_plain_indexing(dtype):
         close(leaf.grad, r.grad, dtype)
 
 
-def test_scatter_rows_splits_the_long_segments_of_a_small_table(monkeypatch):
+def test_scatter_rows_splits_the_long_segments_of_a_small_table(monkeypatch,
+                                                                kept_arrival_counts):
     """Few rows with many pairs each (product sub-keys): each row's segment is summed in
     pieces by several programs, added by the last of them to finish; the result is still the
     PyTorch one, deterministic, bit for bit the pieces added in a second launch, and the
     arrival counts are back at zero."""
     idx, w, _, x = _pairs(tokens=900, m=4, num_rows=5, d=21)
-    kept = []
-    allocate = triton_cvmm.arrival_counts
-    monkeypatch.setattr(triton_cvmm, "arrival_counts",
-                        lambda *args: kept.append(allocate(*args)) or kept[-1])
+    kept = kept_arrival_counts
     got = kernels.scatter_rows(idx, w, x, 5)
     assert len(kept) == 1 and kept[0].numel() == 5 and bool((kept[0] == 0).all())
     close(got, _torch_path(kernels.scatter_rows, idx, w, x, 5), torch.float32)
