@@ -43,7 +43,8 @@ def test_the_fill_is_off_inside_and_as_it_was_after():
         assert _fill()
 
 
-_TRITON_FILES = ("triton_cvmm.py", "triton_rows.py", "triton_tree.py", "triton_sinkhorn.py")
+_TRITON_FILES = ("triton_cvmm.py", "triton_rows.py", "triton_tree.py", "triton_sinkhorn.py",
+                 "triton_plan.py")
 _ALLOCATORS = ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty"))
 
 
@@ -71,9 +72,9 @@ def test_triton_wrappers_allocate_without_the_nan_fill(example, monkeypatch,
                                                        allocations_by_the_triton_wrappers):
     """A training step of each kind of layer on the Triton kernels (the expert products, the
     split weight gradient with its parts, the row kernels, the product-key top-k, the tree
-    kernels, the Sinkhorn kernels), under deterministic algorithms: every output the
-    wrappers allocate is allocated with the NaN fill off, and the step's result is the one
-    without deterministic algorithms."""
+    kernels, the Sinkhorn kernels, the plan's counting sort), under deterministic
+    algorithms: every output the wrappers allocate is allocated with the NaN fill off, and
+    the step's result is the one without deterministic algorithms."""
     monkeypatch.setattr(triton_cvmm, "WEIGHT_GRAD_SPLITS", 3)
     torch.manual_seed(0)
     layer = sparseffn.build_layer(EXAMPLES[example])
@@ -86,6 +87,7 @@ def test_triton_wrappers_allocate_without_the_nan_fill(example, monkeypatch,
         got = step()
         assert _fill(), "on again after the step"
     files = {name for name, _ in allocations_by_the_triton_wrappers}
+    assert example != "layer:sigma_moe" or "triton_plan.py" in files
     assert files, "the step allocated nothing through the Triton wrappers"
     filled = [name for name, fill in allocations_by_the_triton_wrappers if fill]
     assert not filled, f"allocated with the NaN fill on in {sorted(set(filled))}"

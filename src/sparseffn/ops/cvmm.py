@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import kernels
+from . import kernels, triton_plan
 from .debug import indices_outside
 from .ids import id_dtype
 from .precision import autocast_dtype
@@ -96,7 +96,8 @@ class DispatchPlan:
 
         Out-of-range indices raise a ValueError on CPU tensors (a host read is free there) and,
         on other devices, when :func:`sparseffn.ops.debug.set_checks` is on; never while
-        ``torch.compile`` traces.
+        ``torch.compile`` traces. Unchecked, the counting sort (CUDA with Triton,
+        :func:`expert_order`) treats them as dropped pairs.
         """
         if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise TypeError(f"expert indices must be an integer tensor, got {indices.dtype}")
@@ -112,17 +113,49 @@ class DispatchPlan:
                                  f"{tuple(dispatched.shape)}")
             # Dropped pairs get the key num_experts: they sort after every expert.
             keys = flat.masked_fill(~dispatched.reshape(-1), num_experts)
-        # A stable sort keeps each expert's pairs in token order (deterministic results).
-        sorted_keys, order = stable_sort_ids(keys, num_experts + 1)
-        counts = _expert_counts(sorted_keys, num_experts)
         k = indices.shape[-1]
+        # A stable sort keeps each expert's pairs in token order (deterministic results).
+        if not exporting() and triton_plan.usable(keys, num_experts):
+            order, token_of_row, counts = expert_order(keys, num_experts, k)
+        else:
+            order, token_of_row, counts = _expert_order_torch(keys, num_experts, k)
         return DispatchPlan(
             index_shape=tuple(indices.shape),
             num_experts=num_experts,
             order=order,
-            token_of_row=order // k if k else order,
+            token_of_row=token_of_row,
             counts=counts,
         )
+
+
+def _expert_order_torch(keys: torch.Tensor, num_experts: int,
+                        k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`expert_order` in PyTorch ops: a stable sort, the experts' block boundaries, and
+    each row's token."""
+    sorted_keys, order = stable_sort_ids(keys, num_experts + 1)
+    return order, order // max(k, 1), _expert_counts(sorted_keys, num_experts)
+
+
+@kernels.operator("expert_order")
+def expert_order(keys: torch.Tensor, num_experts: int,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs ``token · k + slot`` sorted stably by expert. keys: integer [S], each pair's
+    expert in ``[0, num_experts)`` or ``num_experts`` (dropped at capacity: sorted last).
+
+    Returns ``(order, token_of_row, counts)``, int64 [S], [S] (``order // k``) and [E] (the
+    dispatched pairs of each expert). On CUDA with Triton, a counting sort in two launches
+    (:mod:`~sparseffn.ops.triton_plan`); elsewhere a stable ``torch.sort`` and a
+    ``searchsorted`` of the experts' boundaries. The same result either way."""
+    if triton_plan.usable(keys, num_experts):
+        return triton_plan.expert_order(keys, num_experts, k)
+    return _expert_order_torch(keys, num_experts, k)
+
+
+@expert_order.register_fake
+def _(keys, num_experts, k):
+    pairs = keys.shape[0]
+    return (keys.new_empty(pairs, dtype=torch.int64), keys.new_empty(pairs, dtype=torch.int64),
+            keys.new_empty(num_experts, dtype=torch.int64))
 
 
 def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:

@@ -144,6 +144,12 @@ def usable(num_experts: int, *tensors: Optional[Tensor]) -> bool:
     return True
 
 
+def on_kernel_device(t: Tensor) -> bool:
+    """True when Triton is present and enabled and ``t`` is where the kernels run: a CUDA
+    tensor, or a CPU tensor under :func:`set_interpreter_for_cpu` (any dtype)."""
+    return triton_enabled() and (t.is_cuda or (_on_cpu and t.is_cpu))
+
+
 if triton is not None:
 
     @triton.jit

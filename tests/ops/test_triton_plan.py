@@ -1,0 +1,156 @@
+"""The counting sort of ops/triton_plan against the stable ``torch.sort`` it replaces in a
+:class:`~sparseffn.ops.DispatchPlan`: on the GPU when there is one, else in Triton's CPU
+interpreter. Every allocation is poisoned (tests/poison.py), so an output element the kernels
+did not write fails the comparisons."""
+
+import importlib
+
+import pytest
+import torch
+
+from tests.ops.triton_cases import skip_without_usable_triton
+
+skip_without_usable_triton()
+
+from sparseffn.ops import DispatchPlan, triton_plan   # noqa: E402
+from tests.ops.triton_cases import DEVICE   # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("triton_on_cpu")
+# the module (``sparseffn.ops.cvmm`` is also the name of its function)
+cvmm_module = importlib.import_module("sparseffn.ops.cvmm")
+
+
+def _stable_sort(keys, num_experts, k):
+    """The reference: a stable sort of the keys, rows' tokens, and each expert's pairs."""
+    order = torch.sort(keys.cpu(), stable=True).indices
+    counts = torch.stack([(keys.cpu() == e).sum() for e in range(num_experts)]) \
+        if num_experts else torch.zeros(0, dtype=torch.int64)
+    return order, order // max(k, 1), counts
+
+
+def _keys(pairs, num_experts, dropped=0.0, seed=0):
+    """Random experts of ``pairs`` pairs, a fraction ``dropped`` of them num_experts."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, num_experts, (pairs,), generator=gen)
+    keys[torch.rand(pairs, generator=gen) < dropped] = num_experts
+    return keys.to(DEVICE)
+
+
+def _equal(got, want):
+    for g, w, name in zip(got, want, ("order", "token_of_row", "counts")):
+        assert g.dtype == torch.int64, name
+        assert torch.equal(g.cpu(), w), name
+
+
+@pytest.mark.parametrize("pairs, num_experts, k, chunk", [
+    (1, 1, 1, None),            # one pair, one expert
+    (7, 3, 1, None),            # fewer pairs than a block
+    (3001, 8, 4, None),         # several default chunks, the last one partial
+    (1999, 63, 2, 48),          # 64 bins; chunks not a multiple of the block (rounded up)
+    (777, triton_plan.MAX_EXPERTS, 3, 16),  # the most experts: 256 bins, 49 chunks
+    (500, 16, 5, 16),           # 17 bins (padded to 32); chunks of one block
+])
+def test_counting_sort_is_the_stable_sort(pairs, num_experts, k, chunk):
+    """Order, rows' tokens and counts equal the stable sort's, element for element, with
+    pairs dropped at capacity sorted last and not counted."""
+    keys = _keys(pairs, num_experts, dropped=0.2)
+    got = triton_plan.expert_order(keys, num_experts, k, chunk=chunk)
+    _equal(got, _stable_sort(keys, num_experts, k))
+
+
+def test_experts_without_pairs_and_all_pairs_in_one_expert():
+    keys = torch.full((300,), 5, device=DEVICE)
+    keys[::7] = 9                                    # the dropped bin (9 experts)
+    got = triton_plan.expert_order(keys, 9, 2, chunk=32)
+    _equal(got, _stable_sort(keys, 9, 2))
+    assert got[2].tolist() == [0] * 5 + [300 - 43] + [0] * 3
+
+
+def test_an_empty_batch_gives_empty_orders_and_zero_counts():
+    order, token_of_row, counts = triton_plan.expert_order(
+        torch.zeros(0, dtype=torch.int64, device=DEVICE), 6, 4)
+    assert order.shape == token_of_row.shape == (0,)
+    assert counts.tolist() == [0] * 6
+
+
+def test_keys_outside_the_experts_sort_with_the_dropped_pairs():
+    """An invalid expert index (unchecked on a GPU unless checks are on) is never computed:
+    the order stays a permutation and the pair sorts as if dropped."""
+    keys = _keys(400, 6, seed=1)
+    bad = keys.clone()
+    bad[3], bad[50], bad[399] = -1, 7, 1 << 40
+    got = triton_plan.expert_order(bad, 6, 2, chunk=64)
+    dropped = bad.clone()
+    dropped[(bad < 0) | (bad > 6)] = 6
+    _equal(got, _stable_sort(dropped, 6, 2))
+
+
+def test_narrow_key_dtypes_sort_the_same():
+    keys = _keys(600, 12, dropped=0.1, seed=2)
+    want = triton_plan.expert_order(keys, 12, 3, chunk=64)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        _equal(triton_plan.expert_order(keys.to(dtype), 12, 3, chunk=64),
+               [w.cpu() for w in want])
+
+
+def test_chunks_grow_to_keep_at_most_max_chunks(monkeypatch):
+    """Every program of the second launch reads all chunks' counts, so a large batch gets
+    larger chunks, not more of them; the sort is the same."""
+    bins, block, chunk, chunks = triton_plan._sizes(10 ** 7, 64, None)
+    assert bins == 128 and chunks <= 256 and chunk % block == 0
+    assert (chunks - 1) * chunk < 10 ** 7 <= chunks * chunk
+    assert triton_plan._sizes(5000, 8, None)[2:] == (1024, 5)
+    monkeypatch.setattr(triton_plan, "MAX_CHUNKS", 3)
+    monkeypatch.setattr(triton_plan, "CHUNK", 16)
+    keys = _keys(1000, 10, dropped=0.1, seed=3)
+    assert triton_plan._sizes(1000, 10, None)[2:] == (512, 2)
+    _equal(triton_plan.expert_order(keys, 10, 4), _stable_sort(keys, 10, 4))
+
+
+@pytest.mark.parametrize("dropping", [False, True])
+def test_plans_are_built_by_the_counting_sort_and_equal_the_torch_plan(monkeypatch, dropping):
+    """``DispatchPlan.build`` sorts through the counting sort where it applies, and builds
+    the plan of the PyTorch sort; above ``MAX_EXPERTS`` experts it takes the PyTorch sort."""
+    calls = []
+    sort = triton_plan.expert_order
+    monkeypatch.setattr(triton_plan, "expert_order",
+                        lambda *a, **kw: calls.append(a[1]) or sort(*a, **kw))
+    gen = torch.Generator().manual_seed(4)
+    for experts in (5, triton_plan.MAX_EXPERTS + 1):
+        indices = torch.randint(0, experts, (3, 41, 2), generator=gen).to(DEVICE)
+        dispatched = (torch.rand(3, 41, 2, generator=gen) < 0.8).to(DEVICE) if dropping \
+            else None
+        plan = DispatchPlan.build(indices, experts, dispatched)
+        keys = indices.reshape(-1)
+        if dropping:
+            keys = keys.masked_fill(~dispatched.reshape(-1), experts)
+        want = cvmm_module._expert_order_torch(keys.cpu(), experts, 2)
+        _equal((plan.order, plan.token_of_row, plan.counts), want)
+    assert calls == [5]
+
+
+def test_the_operator_traces_and_matches_its_fake():
+    keys = _keys(300, 7, dropped=0.1, seed=5)
+    torch.library.opcheck(torch.ops.sparseffn.expert_order.default, (keys, 7, 3))
+
+
+def test_a_compiled_plan_is_one_graph_through_the_operator():
+    """Under ``torch.compile`` the counting sort is one opaque node of the plan's graph (no
+    graph break, nothing read on the host), and gives the eager plan."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    def build(indices):
+        plan = DispatchPlan.build(indices, 6)
+        return plan.order, plan.token_of_row, plan.counts
+
+    indices = torch.randint(0, 6, (37, 2), generator=torch.Generator().manual_seed(6))
+    indices = indices.to(DEVICE)
+    torch._dynamo.reset()
+    got = torch.compile(build, fullgraph=True, backend=backend)(indices)
+    assert "sparseffn.expert_order.default" in targets
+    assert not any("sort" in t and "expert_order" not in t for t in targets)
+    _equal(got, [w.cpu() for w in build(indices)])
