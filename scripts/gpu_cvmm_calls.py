@@ -27,10 +27,12 @@ References: gathering x's rows (``index_select``), the k-slot sum alone, a plain
 ``torch._grouped_mm`` on pre-gathered rows.
 
 Then the routing's bookkeeping at each width's number of experts, each against what it
-replaced, in the same rounds: the dispatch plan (an int32 sort and a binary search for the
-expert blocks, against an int64 sort and a scatter-add count), Switch's capacity positions (the
-same, against a sort, a scatter-add count and a cumsum), and the usage statistics (one float
-scatter-add with the counts from the plan, against two).
+replaced, in the same rounds: the dispatch plan (the counting sort's two launches,
+``ops/triton_plan.py``, against the stable sort and binary search for the expert blocks that
+it replaced), Switch's capacity positions (an int32 sort and a binary search, against a sort,
+a scatter-add count and a cumsum), and the usage statistics (one float scatter-add with the
+counts from the plan, against two). With ``--lm-shapes`` the bookkeeping also runs at the
+LM's 8 experts, k = 2.
 A tool for finding what to speed up; ``sparseffn bench fig2`` times the whole layer.
 
 With ``--device cpu`` (and ``TRITON_INTERPRET=1``) it runs the kernels in Triton's
@@ -47,7 +49,7 @@ import torch
 from sparseffn.bench.measure import graph_call_times, kernel_script_device, per_call_times
 from sparseffn.ops import triton_cvmm
 from sparseffn.ops.assignment import count_keys, positions_in_expert
-from sparseffn.ops.cvmm import DispatchPlan
+from sparseffn.ops.cvmm import DispatchPlan, _expert_order_torch
 from sparseffn.routing import expert_usage
 
 EXPERT_SIZE, K = 128, 4
@@ -169,11 +171,9 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
 
 
 def _plan_before(indices: torch.Tensor, num_experts: int):
-    """The dispatch plan's sort and counts as built before: int64 keys, a scatter-add count."""
-    keys = indices.reshape(-1)
-    order = torch.sort(keys, stable=True).indices
-    counts = count_keys(keys, num_experts)
-    return order, order // indices.shape[-1], counts, counts.cumsum(0).to(torch.int32)
+    """The dispatch plan's sort and counts as built before the counting sort: a stable sort
+    of narrow keys, a binary search of the experts' boundaries, each row's token."""
+    return _expert_order_torch(indices.reshape(-1), num_experts, indices.shape[-1])
 
 
 def _positions_before(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -186,12 +186,11 @@ def _positions_before(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.empty_like(rank).scatter_(0, order, rank)
 
 
-def bench_bookkeeping(d_model: int, tokens: int, rounds: int, calls: int,
+def bench_bookkeeping(num_experts: int, k: int, tokens: int, rounds: int, calls: int,
                       device: torch.device) -> None:
-    num_experts = 4 * d_model // EXPERT_SIZE
     gen = torch.Generator(device=device).manual_seed(0)
-    indices = torch.rand(tokens, num_experts, device=device, generator=gen).topk(K).indices
-    weights = torch.rand(tokens, K, device=device, generator=gen)
+    indices = torch.rand(tokens, num_experts, device=device, generator=gen).topk(k).indices
+    weights = torch.rand(tokens, k, device=device, generator=gen)
     top1 = indices[:, 0].contiguous()
     plan = DispatchPlan.build(indices, num_experts)
     pairs = {
@@ -202,7 +201,7 @@ def bench_bookkeeping(d_model: int, tokens: int, rounds: int, calls: int,
         "usage": (lambda: expert_usage(indices, weights, num_experts, counts=plan.counts),
                   lambda: expert_usage(indices, weights, num_experts)),
     }
-    print(f"routing bookkeeping: {num_experts} experts, {tokens} tokens, k {K}", flush=True)
+    print(f"routing bookkeeping: {num_experts} experts, {tokens} tokens, k {k}", flush=True)
     for name, (now, before) in pairs.items():
         times = call_times({"now": now, "before": before}, rounds, calls, device)
         if len(times) < 2:
@@ -246,7 +245,12 @@ def main() -> None:
         bench_width(d_model, tokens, args.rounds, args.calls, device, dtype, experts,
                     expert_size, k)
     for d_model in args.d_model:
-        bench_bookkeeping(d_model, args.tokens, args.rounds, args.calls, device)
+        bench_bookkeeping(4 * d_model // EXPERT_SIZE, K, args.tokens, args.rounds, args.calls,
+                          device)
+    if args.lm_shapes:
+        _, experts, _, k, tokens = LM_SHAPE
+        bench_bookkeeping(experts, k, tokens if device.type == "cuda" else args.tokens,
+                          args.rounds, args.calls, device)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ together. Here each layer is timed alone, in three versions where they apply:
   gradient's column tiles added by ``sum_partials`` in a launch of their own, as before the
   fifty-fourth session, not by the last program of each block to finish
   (``ADD_PARTS_IN_KERNEL``);
+- ``torch.sort plan`` (the same): the dispatch plan by a stable ``torch.sort`` and a
+  ``searchsorted`` of the experts' boundaries (about eight launches), as before the
+  fifty-fifth session, not by the two launches of the counting sort (``ops/triton_plan.py``);
 - ``two kernels`` (PKM, PEER): ``gather_sum``'s table and weight gradients from
   ``scatter_rows`` and ``gather_dot`` instead of one pass (``kernels.scatter_rows_dot``);
 - ``torch sinkhorn`` (S-BASE): the training assignment's Sinkhorn iterations and top-k as
@@ -72,7 +75,7 @@ from sparseffn.auxiliary import aux_loss
 from sparseffn.bench.lm_step import lm_ffn
 from sparseffn.bench.measure import (forward_backward_fn, graph_call_times, kernel_script_device,
                                      paired_ratio)
-from sparseffn.ops import dense_products, kernels, triton_cvmm, triton_sinkhorn
+from sparseffn.ops import dense_products, kernels, triton_cvmm, triton_plan, triton_sinkhorn
 
 # the modules, not the functions of the same names that sparseffn.ops exports
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
@@ -118,6 +121,7 @@ SWITCHES = {
     "bf16 gates": (MOE_PRESETS, _bf16_gates),
     "unsplit": (MOE_PRESETS, lambda: _set(triton_cvmm, "WEIGHT_GRAD_SPLITS", 1)),
     "parts 2nd launch": (MOE_PRESETS, lambda: _set(triton_cvmm, "ADD_PARTS_IN_KERNEL", False)),
+    "torch.sort plan": (MOE_PRESETS, lambda: _set(triton_plan, "usable", lambda keys, n: False)),
     "two kernels": (ROW_PRESETS,
                     lambda: _set(kernels, "scatter_rows_dot", kernels.scatter_rows_and_gather_dot)),
     "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),

@@ -57,7 +57,8 @@ import torch  # noqa: E402
 import sparseffn  # noqa: E402
 from sparseffn.bench.measure import forward_backward_fn  # noqa: E402
 from sparseffn.bench.lm_step import lm_ffn  # noqa: E402
-from sparseffn.ops import triton_cvmm, triton_rows, triton_sinkhorn, triton_tree  # noqa: E402
+from sparseffn.ops import (triton_cvmm, triton_plan, triton_rows, triton_sinkhorn,  # noqa: E402
+                           triton_tree)
 
 _ACCESS = re.compile(r"^(?:@!?%p\d+\s+)?(ld\.global|st\.global|cp\.async\.c[ag]\.shared\.global)"
                      r"([.\w:]*)\s+(.*);")
@@ -88,7 +89,7 @@ def _kernels() -> dict[str, object]:
     from triton.runtime.interpreter import InterpretedFunction   # what @triton.jit makes there
     kinds = (triton.runtime.JITFunction, triton.runtime.Autotuner, InterpretedFunction)
     found = {}
-    for module in (triton_cvmm, triton_rows, triton_sinkhorn, triton_tree):
+    for module in (triton_cvmm, triton_plan, triton_rows, triton_sinkhorn, triton_tree):
         for name, value in vars(module).items():
             if isinstance(value, kinds) and name.endswith("_kernel"):
                 found[name] = (module, value)
