@@ -29,8 +29,8 @@ References: gathering x's rows (``index_select``), the k-slot sum alone, a plain
 Then the routing's bookkeeping at each width's number of experts, each against what it
 replaced, in the same rounds: the dispatch plan (the counting sort's two launches,
 ``ops/triton_plan.py``, against the stable sort and binary search for the expert blocks that
-it replaced), Switch's capacity positions (an int32 sort and a binary search, against a sort,
-a scatter-add count and a cumsum), and the usage statistics (one float scatter-add with the
+it replaced), Switch's capacity positions (the same two launches, against the sort and
+binary search), and the usage statistics (one float scatter-add with the
 counts from the plan, against two). With ``--lm-shapes`` the bookkeeping also runs at the
 LM's 8 experts, k = 2.
 A tool for finding what to speed up; ``sparseffn bench fig2`` times the whole layer.
@@ -48,7 +48,7 @@ import torch
 
 from sparseffn.bench.measure import graph_call_times, kernel_script_device, per_call_times
 from sparseffn.ops import triton_cvmm
-from sparseffn.ops.assignment import count_keys, positions_in_expert
+from sparseffn.ops.assignment import positions_in_expert
 from sparseffn.ops.cvmm import DispatchPlan, _expert_order_torch
 from sparseffn.routing import expert_usage
 
@@ -177,13 +177,9 @@ def _plan_before(indices: torch.Tensor, num_experts: int):
 
 
 def _positions_before(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Capacity positions as computed before: an int64 sort, a scatter-add count, a cumsum."""
-    order = torch.sort(experts, stable=True).indices
-    sorted_key = experts[order]
-    counts = count_keys(experts, num_experts)
-    first = (counts.cumsum(0) - counts)[sorted_key]
-    rank = torch.arange(experts.numel(), device=experts.device) - first
-    return torch.empty_like(rank).scatter_(0, order, rank)
+    """Capacity positions as computed before the counting sort: a stable sort of narrow keys
+    and a binary search (the path of grouped positions, here with one group)."""
+    return positions_in_expert(experts, num_experts, torch.zeros_like(experts), 1)
 
 
 def bench_bookkeeping(num_experts: int, k: int, tokens: int, rounds: int, calls: int,

@@ -20,8 +20,8 @@ together. Here each layer is timed alone, in three versions where they apply:
   gradient's column tiles added by ``sum_partials`` in a launch of their own, as before the
   fifty-fourth session, not by the last program of each block to finish
   (``ADD_PARTS_IN_KERNEL``);
-- ``torch.sort plan`` (the same): the dispatch plan by a stable ``torch.sort`` and a
-  ``searchsorted`` of the experts' boundaries (about eight launches), as before the
+- ``torch.sort plan`` (the same): the dispatch plan (and Switch's capacity positions) by a
+  stable ``torch.sort`` and a ``searchsorted`` (about eight launches each), as before the
   fifty-fifth session, not by the two launches of the counting sort (``ops/triton_plan.py``);
 - ``two kernels`` (PKM, PEER): ``gather_sum``'s table and weight gradients from
   ``scatter_rows`` and ``gather_dot`` instead of one pass (``kernels.scatter_rows_dot``);

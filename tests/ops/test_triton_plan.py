@@ -154,3 +154,50 @@ def test_a_compiled_plan_is_one_graph_through_the_operator():
     assert "sparseffn.expert_order.default" in targets
     assert not any("sort" in t and "expert_order" not in t for t in targets)
     _equal(got, [w.cpu() for w in build(indices)])
+
+
+def _positions_by_counting(experts, num_experts):
+    """The reference: each pair's count of earlier pairs of its expert, in a loop."""
+    seen = [0] * (num_experts + 1)
+    out = []
+    for e in experts.tolist():
+        out.append(seen[e])
+        seen[e] += 1
+    return out
+
+
+@pytest.mark.parametrize("pairs, num_experts, chunk", [
+    (1, 1, None), (9, 4, None), (3001, 8, None), (1000, 63, 32),
+    (600, triton_plan.MAX_EXPERTS, 16),
+])
+def test_capacity_positions_count_the_earlier_pairs_of_each_expert(pairs, num_experts, chunk):
+    """Switch's buffer positions from the counting sort: each pair's rank among its expert's
+    pairs, in pair order, across chunks."""
+    experts = _keys(pairs, num_experts, seed=7)
+    got = triton_plan.positions_in_expert(experts, num_experts, chunk=chunk)
+    assert got.dtype == torch.int64
+    assert got.cpu().tolist() == _positions_by_counting(experts.cpu(), num_experts)
+    assert triton_plan.positions_in_expert(experts[:0], num_experts).shape == (0,)
+
+
+def test_positions_go_through_the_operator_for_one_group_only(monkeypatch):
+    """``positions_in_expert`` takes the counting sort for one group (Switch), the sort for
+    groups (GShard) and above MAX_EXPERTS experts; the same positions each way, and the
+    operator traces."""
+    assignment = importlib.import_module("sparseffn.ops.assignment")
+    calls = []
+    counting = triton_plan.positions_in_expert
+    monkeypatch.setattr(triton_plan, "positions_in_expert",
+                        lambda *a, **kw: calls.append(a[1]) or counting(*a, **kw))
+    gen = torch.Generator().manual_seed(8)
+    for experts in (6, triton_plan.MAX_EXPERTS + 1):
+        top1 = torch.randint(0, experts, (500,), generator=gen)
+        got = assignment.positions_in_expert(top1.to(DEVICE), experts)
+        assert got.cpu().tolist() == _positions_by_counting(top1, experts)
+    groups = torch.randint(0, 3, (500,), generator=gen)
+    grouped = assignment.positions_in_expert(top1.to(DEVICE) % 6, 6, groups.to(DEVICE), 3)
+    assert grouped.cpu().tolist() == \
+        _positions_by_counting(groups * 6 + top1 % 6, 18)
+    assert calls == [6]
+    torch.library.opcheck(torch.ops.sparseffn.expert_positions.default,
+                          (top1[:300].to(DEVICE) % 6, 6))

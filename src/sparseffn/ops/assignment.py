@@ -20,7 +20,7 @@ import math
 import numpy as np
 import torch
 
-from . import kernels, triton_sinkhorn
+from . import kernels, triton_plan, triton_sinkhorn
 from .sizes import exporting
 from .cvmm import search_sorted, stable_sort_ids
 
@@ -42,8 +42,12 @@ def positions_in_expert(experts: torch.Tensor, num_experts: int,
     experts: int64 [P]; groups: optional int64 [P] group ids in [0, num_groups) (None: one
     group; num_groups None: at most P groups). Returns int64 [P]. One stable sort and a binary
     search (O(P log P)), no [P, E] one-hot, no scatter-add (no atomics on a GPU), nothing read
-    on the host.
+    on the host. One group on CUDA with Triton (at most ``triton_plan.MAX_EXPERTS``
+    experts): the operator ``sparseffn::expert_positions``, the counting sort's two launches
+    (:mod:`~sparseffn.ops.triton_plan`), the same positions.
     """
+    if groups is None and not exporting() and triton_plan.usable(experts, num_experts):
+        return expert_positions(experts, num_experts)
     if groups is None:
         key, bound = experts, num_experts
     else:
@@ -60,6 +64,21 @@ def positions_in_expert(experts: torch.Tensor, num_experts: int,
         first = search_sorted(sorted_key, sorted_key)
     rank = torch.arange(key.numel(), device=key.device) - first
     return torch.empty_like(rank).scatter_(0, order, rank)
+
+
+@kernels.operator("expert_positions")
+def expert_positions(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The operator behind :func:`positions_in_expert` for one group: the counting sort where
+    it takes the experts, else the sort and binary search (for a direct
+    ``torch.ops.sparseffn.expert_positions`` call)."""
+    if triton_plan.usable(experts, num_experts):
+        return triton_plan.positions_in_expert(experts, num_experts)
+    return positions_in_expert(experts, num_experts)     # (takes the sort: no recursion)
+
+
+@expert_positions.register_fake
+def _(experts, num_experts):
+    return experts.new_empty(experts.shape[0], dtype=torch.int64)
 
 
 def sinkhorn_log_plan(logits: torch.Tensor, iterations: int) -> torch.Tensor:

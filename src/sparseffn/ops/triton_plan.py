@@ -19,7 +19,11 @@ A counting sort does it in two launches, with no atomics and no host read:
    per-expert counts.
 
 The result is the stable sort's, element for element, so every product downstream is the
-same bits. A key outside ``[0, E]`` (an invalid expert index, checked on the host only where
+same bits. The same two launches give Switch's capacity positions
+(:func:`~sparseffn.ops.assignment.positions_in_expert`, ``sparseffn::expert_positions``): a
+pair's rank among its expert's pairs, its sorted row less the expert's first row.
+
+A key outside ``[0, E]`` (an invalid expert index, checked on the host only where
 :func:`sparseffn.ops.debug.set_checks` asks) is sorted with the dropped pairs: the order is
 always a permutation and such a pair is never computed.
 
@@ -81,11 +85,14 @@ if triton is not None:
         tl.store(counts_ptr + pid * BINS + bins, total)
 
     @triton.jit
-    def _place_pairs_kernel(keys_ptr, chunk_counts_ptr, order_ptr, token_ptr, counts_ptr, n,
-                            chunk, num_chunks, num_experts, k, BINS: tl.constexpr,
-                            BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Sorted row of each pair of chunk ``program_id``: ``order[row] = pair``,
-        ``token[row] = pair // k``; program 0 also writes the per-expert counts [E]."""
+    def _place_pairs_kernel(keys_ptr, chunk_counts_ptr, order_ptr, token_ptr, counts_ptr,
+                            position_ptr, n, chunk, num_chunks, num_experts, k,
+                            BINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+                            ORDER: tl.constexpr):
+        """Sorted row of each pair of chunk ``program_id``. With ORDER: ``order[row] = pair``,
+        ``token[row] = pair // k``, and program 0 writes the per-expert counts [E]; without:
+        ``position[pair]``, the pair's rank among its expert's pairs (row less the expert's
+        first row)."""
         pid = tl.program_id(0)
         bins = tl.arange(0, BINS)
         total = tl.zeros((BINS,), tl.int32)
@@ -96,17 +103,23 @@ if triton is not None:
                              mask=(cs < num_chunks)[:, None], other=0)
             total += tl.sum(counts, 0)
             earlier_chunks += tl.sum(tl.where((cs < pid)[:, None], counts, 0), 0)
-        experts_here = tl.where(pid == 0, num_experts, 0)     # program 0 writes the counts
-        tl.store(counts_ptr + bins, total.to(tl.int64), mask=bins < experts_here)
-        # the next free row of each bin: its block's start, after the earlier chunks' pairs
-        cursor = tl.cumsum(total, 0) - total + earlier_chunks
+        if ORDER:
+            experts_here = tl.where(pid == 0, num_experts, 0)   # program 0 writes the counts
+            tl.store(counts_ptr + bins, total.to(tl.int64), mask=bins < experts_here)
+            # the next free row of each bin: its block's start, after earlier chunks' pairs
+            cursor = tl.cumsum(total, 0) - total + earlier_chunks
+        else:     # ranks within each bin: its block starts at 0
+            cursor = earlier_chunks
         for offset in range(0, chunk, BLOCK):
             i = pid * chunk + offset + tl.arange(0, BLOCK)
             hit = (_bin_of(keys_ptr, i, n, num_experts)[:, None] == bins[None, :]).to(tl.int32)
             # each pair after its bin's cursor and the block's earlier pairs of that bin
             row = tl.sum(hit * (tl.cumsum(hit, 0) - hit + cursor[None, :]), 1)
-            tl.store(order_ptr + row, i.to(tl.int64), mask=i < n)
-            tl.store(token_ptr + row, (i // k).to(tl.int64), mask=i < n)
+            if ORDER:
+                tl.store(order_ptr + row, i.to(tl.int64), mask=i < n)
+                tl.store(token_ptr + row, (i // k).to(tl.int64), mask=i < n)
+            else:
+                tl.store(position_ptr + i, row.to(tl.int64), mask=i < n)
             cursor += tl.sum(hit, 0)
 
 
@@ -119,6 +132,24 @@ def _sizes(num_pairs: int, num_experts: int, chunk: Optional[int]) -> tuple[int,
         chunk = max(CHUNK, next_power_of_2(cdiv(num_pairs, MAX_CHUNKS)))
     chunk = cdiv(chunk, block) * block
     return bins, block, chunk, cdiv(num_pairs, chunk)
+
+
+def _count_and_place(keys: Tensor, num_experts: int, chunk: Optional[int],
+                     outputs: tuple[Tensor, ...], k: int = 1) -> None:
+    """The two launches over non-empty ``keys``: ``outputs`` (order, token_of_row, counts)
+    written, or (positions,)."""
+    num_pairs = keys.shape[0]
+    bins, block, chunk, chunks = _sizes(num_pairs, num_experts, chunk)
+    chunk_counts = torch.empty(chunks, bins, dtype=torch.int32, device=keys.device)
+    keys = keys.contiguous()
+    _chunk_counts_kernel[(chunks,)](keys, chunk_counts, num_pairs, chunk, num_experts,
+                                    BINS=bins, BLOCK=block)
+    block_c = max(1, min(next_power_of_2(chunks), _BLOCK_ELEMENTS // bins))
+    order = len(outputs) == 3
+    order_out, token_out, counts_out = outputs if order else (chunk_counts,) * 3
+    _place_pairs_kernel[(chunks,)](keys, chunk_counts, order_out, token_out, counts_out,
+                                   outputs[-1], num_pairs, chunk, chunks, num_experts, k,
+                                   BINS=bins, BLOCK=block, BLOCK_C=block_c, ORDER=order)
 
 
 @written_in_full()
@@ -138,13 +169,18 @@ def expert_order(keys: Tensor, num_experts: int, k: int,
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
     if num_pairs == 0:
         return order, token_of_row, counts.zero_()
-    bins, block, chunk, chunks = _sizes(num_pairs, num_experts, chunk)
-    chunk_counts = torch.empty(chunks, bins, dtype=torch.int32, device=device)
-    keys = keys.contiguous()
-    _chunk_counts_kernel[(chunks,)](keys, chunk_counts, num_pairs, chunk, num_experts,
-                                    BINS=bins, BLOCK=block)
-    block_c = max(1, min(next_power_of_2(chunks), _BLOCK_ELEMENTS // bins))
-    _place_pairs_kernel[(chunks,)](keys, chunk_counts, order, token_of_row, counts, num_pairs,
-                                   chunk, chunks, num_experts, max(k, 1), BINS=bins,
-                                   BLOCK=block, BLOCK_C=block_c)
+    _count_and_place(keys, num_experts, chunk, (order, token_of_row, counts), max(k, 1))
     return order, token_of_row, counts
+
+
+@written_in_full()
+def positions_in_expert(experts: Tensor, num_experts: int,
+                        chunk: Optional[int] = None) -> Tensor:
+    """The buffer position of each pair at its expert (how many earlier pairs chose the same
+    expert), from the same two launches. experts: integer [P] in ``[0, num_experts)``;
+    returns int64 [P]. A key outside that range is ranked among them all (as the dropped
+    pairs of :func:`expert_order`)."""
+    positions = torch.empty(experts.shape[0], dtype=torch.int64, device=experts.device)
+    if experts.shape[0]:
+        _count_and_place(experts, num_experts, chunk, (positions,))
+    return positions
