@@ -107,14 +107,20 @@ def test_chunks_grow_to_keep_at_most_max_chunks(monkeypatch):
     _equal(triton_plan.expert_order(keys, 10, 4), _stable_sort(keys, 10, 4))
 
 
+def _calls_of(monkeypatch, name):
+    """The number of experts of each call of ``triton_plan.<name>`` while the test runs."""
+    calls = []
+    counting_sort = getattr(triton_plan, name)
+    monkeypatch.setattr(triton_plan, name,
+                        lambda *a, **kw: calls.append(a[1]) or counting_sort(*a, **kw))
+    return calls
+
+
 @pytest.mark.parametrize("dropping", [False, True])
 def test_plans_are_built_by_the_counting_sort_and_equal_the_torch_plan(monkeypatch, dropping):
     """``DispatchPlan.build`` sorts through the counting sort where it applies, and builds
     the plan of the PyTorch sort; above ``MAX_EXPERTS`` experts it takes the PyTorch sort."""
-    calls = []
-    sort = triton_plan.expert_order
-    monkeypatch.setattr(triton_plan, "expert_order",
-                        lambda *a, **kw: calls.append(a[1]) or sort(*a, **kw))
+    calls = _calls_of(monkeypatch, "expert_order")
     gen = torch.Generator().manual_seed(4)
     for experts in (5, triton_plan.MAX_EXPERTS + 1):
         indices = torch.randint(0, experts, (3, 41, 2), generator=gen).to(DEVICE)
@@ -185,10 +191,7 @@ def test_positions_go_through_the_operator_for_one_group_only(monkeypatch):
     groups (GShard) and above MAX_EXPERTS experts; the same positions each way, and the
     operator traces."""
     assignment = importlib.import_module("sparseffn.ops.assignment")
-    calls = []
-    counting = triton_plan.positions_in_expert
-    monkeypatch.setattr(triton_plan, "positions_in_expert",
-                        lambda *a, **kw: calls.append(a[1]) or counting(*a, **kw))
+    calls = _calls_of(monkeypatch, "positions_in_expert")
     gen = torch.Generator().manual_seed(8)
     for experts in (6, triton_plan.MAX_EXPERTS + 1):
         top1 = torch.randint(0, experts, (500,), generator=gen)
