@@ -53,9 +53,11 @@ class Routing:
 
     def plan(self, num_experts: int) -> DispatchPlan:
         """The :class:`~sparseffn.ops.DispatchPlan` of these indices and ``dispatched`` over
-        ``num_experts`` experts, built on the first call and kept."""
+        ``num_experts`` experts, built on the first call and kept (with the weights' mass per
+        expert where its sort sums it on the way, for the usage statistics)."""
         if self._plan is None or self._plan.num_experts != num_experts:
-            self._plan = DispatchPlan.build(self.indices, num_experts, dispatched=self.dispatched)
+            self._plan = DispatchPlan.build(self.indices, num_experts, dispatched=self.dispatched,
+                                            weights=self.weights)
         return self._plan
 
     def built_plan(self, num_experts: int) -> DispatchPlan | None:
@@ -316,9 +318,11 @@ class SparseFFN(nn.Module):
             self.aux_losses = dict(routing.aux_losses)
         if self.counts_usage:
             plan = routing.built_plan(num_experts)
+            counts, mass = None, routing.mass
+            if plan is not None:
+                counts, mass = plan.counts, plan.mass if mass is None else mass
             counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
-                                        routing.dispatched, None if plan is None else plan.counts,
-                                        routing.mass)
+                                        routing.dispatched, counts, mass)
             self._record_usage(counts, mass, routing.stats)
         else:
             self.routing_stats = dict(routing.stats)

@@ -67,10 +67,11 @@ def test_experts_without_pairs_and_all_pairs_in_one_expert():
 
 
 def test_an_empty_batch_gives_empty_orders_and_zero_counts():
-    order, token_of_row, counts = triton_plan.expert_order(
-        torch.zeros(0, dtype=torch.int64, device=DEVICE), 6, 4)
+    order, token_of_row, counts, mass = triton_plan.expert_order(
+        torch.zeros(0, dtype=torch.int64, device=DEVICE), 6, 4,
+        torch.zeros(0, device=DEVICE))
     assert order.shape == token_of_row.shape == (0,)
-    assert counts.tolist() == [0] * 6
+    assert counts.tolist() == [0] * 6 and mass.tolist() == [0.0] * 6
 
 
 def test_keys_outside_the_experts_sort_with_the_dropped_pairs():
@@ -138,6 +139,8 @@ def test_plans_are_built_by_the_counting_sort_and_equal_the_torch_plan(monkeypat
 def test_the_operator_traces_and_matches_its_fake():
     keys = _keys(300, 7, dropped=0.1, seed=5)
     torch.library.opcheck(torch.ops.sparseffn.expert_order.default, (keys, 7, 3))
+    weights = torch.rand(300, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    torch.library.opcheck(torch.ops.sparseffn.expert_order.default, (keys, 7, 3, weights))
 
 
 def test_a_compiled_plan_is_one_graph_through_the_operator():
@@ -204,3 +207,67 @@ def test_positions_go_through_the_operator_for_one_group_only(monkeypatch):
     assert calls == [6]
     torch.library.opcheck(torch.ops.sparseffn.expert_positions.default,
                           (top1[:300].to(DEVICE) % 6, 6))
+
+
+def _mass_by_summing(keys, weights, num_experts):
+    """The reference: each expert's weights summed in float64."""
+    keys, weights = keys.cpu(), weights.cpu().double()
+    return torch.stack([weights[keys == e].sum() for e in range(num_experts)])
+
+
+@pytest.mark.parametrize("pairs, num_experts, chunk, dtype", [
+    (1, 1, None, torch.float32), (3001, 8, None, torch.float32),
+    (1000, 63, 32, torch.float16), (600, triton_plan.MAX_EXPERTS, 16, torch.float32),
+])
+def test_the_mass_is_each_experts_weights_summed_the_same_on_every_run(
+        pairs, num_experts, chunk, dtype):
+    """With weights, the sort also sums them per expert (the usage statistics' mass) in
+    float32, dropped pairs left out, in a fixed order (the same bits twice), and still
+    gives the stable sort's order."""
+    keys = _keys(pairs, num_experts, dropped=0.2, seed=9)
+    weights = torch.rand(pairs, generator=torch.Generator().manual_seed(9)).to(dtype)
+    weights = weights.to(DEVICE)
+    got = triton_plan.expert_order(keys, num_experts, 2, weights, chunk=chunk)
+    _equal(got[:3], _stable_sort(keys, num_experts, 2))
+    mass = got[3]
+    assert mass.dtype == torch.float32 and mass.shape == (num_experts,)
+    torch.testing.assert_close(mass.cpu().double(), _mass_by_summing(keys, weights, num_experts),
+                               rtol=1e-6, atol=1e-6)
+    again = triton_plan.expert_order(keys, num_experts, 2, weights, chunk=chunk)[3]
+    assert torch.equal(mass, again)
+
+
+def test_a_nan_weight_makes_only_its_experts_mass_nan():
+    keys = torch.tensor([0, 1, 2, 1, 3, 0], device=DEVICE)
+    weights = torch.tensor([0.5, float("nan"), 0.25, 1.0, float("nan"), 2.0], device=DEVICE)
+    mass = triton_plan.expert_order(keys, 3, 1, weights)[3].cpu()   # key 3: dropped
+    assert mass[1].isnan() and mass[[0, 2]].tolist() == [2.5, 0.25]
+
+
+def test_a_layer_takes_its_usage_mass_from_the_plan(monkeypatch):
+    """A σ-MoE training step's usage statistics: counts and mass from the plan's counting
+    sort, with no scatter of their own; the torch path's numbers."""
+    import copy
+
+    import sparseffn
+    from sparseffn.ops import triton_cvmm
+    from tests.layers.test_conformance import EXAMPLES
+    routing = importlib.import_module("sparseffn.routing")
+    torch.manual_seed(0)
+    layer = sparseffn.build_layer(EXAMPLES["layer:sigma_moe"]).to(DEVICE).train()
+    twin = copy.deepcopy(layer)
+    x = torch.randn(37, layer.config.d_model, device=DEVICE)
+    scatters = []
+    per_expert = routing._per_expert
+    monkeypatch.setattr(routing, "_per_expert",
+                        lambda *a: scatters.append(1) or per_expert(*a))
+    layer(x)
+    assert not scatters
+    triton_cvmm.set_triton_enabled(False)
+    try:
+        twin(x)
+    finally:
+        triton_cvmm.set_triton_enabled(True)
+    assert scatters, "the torch path sums the mass itself"
+    for name in ("counts", "mass"):
+        torch.testing.assert_close(layer.routing_stats[name], twin.routing_stats[name])

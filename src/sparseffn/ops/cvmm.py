@@ -50,6 +50,9 @@ class DispatchPlan:
         output is zero and their gate gets zero gradient.
       token_of_row: int64 [S]; ``order // k``, the token each sorted row reads.
       counts: int64 [E], dispatched pairs per expert (``Σ counts = D``).
+      mass: float32 [E] or None: the routing weights of each expert's dispatched pairs summed
+        (the usage statistics' mass), where :meth:`build` got the weights and its counting
+        sort summed them on the way; None elsewhere.
     """
 
     index_shape: tuple[int, ...]
@@ -57,6 +60,7 @@ class DispatchPlan:
     order: torch.Tensor
     token_of_row: torch.Tensor
     counts: torch.Tensor
+    mass: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -87,12 +91,16 @@ class DispatchPlan:
         return self.counts.sum()
 
     @staticmethod
-    def build(indices: torch.Tensor, num_experts: int,
-              dispatched: torch.Tensor | None = None) -> "DispatchPlan":
+    def build(indices: torch.Tensor, num_experts: int, dispatched: torch.Tensor | None = None,
+              weights: torch.Tensor | None = None) -> "DispatchPlan":
         """indices: integer tensor [..., k] of experts in ``[0, num_experts)``.
 
         dispatched: optional bool [..., k]; pairs where it is False (tokens dropped at an
         expert's capacity, Fedus et al. 2022) sort after every expert and are never computed.
+
+        weights: optional float [..., k], the routing weights (not differentiated): where the
+        counting sort builds the plan, it also sums them per expert (``mass``) at no extra
+        launch, for the usage statistics.
 
         Out-of-range indices raise a ValueError on CPU tensors (a host read is free there) and,
         on other devices, when :func:`sparseffn.ops.debug.set_checks` is on; never while
@@ -114,9 +122,13 @@ class DispatchPlan:
             # Dropped pairs get the key num_experts: they sort after every expert.
             keys = flat.masked_fill(~dispatched.reshape(-1), num_experts)
         k = indices.shape[-1]
+        mass = None
         # A stable sort keeps each expert's pairs in token order (deterministic results).
         if not exporting() and triton_plan.usable(keys, num_experts):
-            order, token_of_row, counts = expert_order(keys, num_experts, k)
+            if weights is not None:
+                weights = weights.detach().reshape(-1)
+            order, token_of_row, counts, mass = expert_order(keys, num_experts, k, weights)
+            mass = mass if weights is not None else None
         else:
             order, token_of_row, counts = _expert_order_torch(keys, num_experts, k)
         return DispatchPlan(
@@ -125,6 +137,7 @@ class DispatchPlan:
             order=order,
             token_of_row=token_of_row,
             counts=counts,
+            mass=mass,
         )
 
 
@@ -137,25 +150,35 @@ def _expert_order_torch(keys: torch.Tensor, num_experts: int,
 
 
 @kernels.operator("expert_order")
-def expert_order(keys: torch.Tensor, num_experts: int,
-                 k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_order(keys: torch.Tensor, num_experts: int, k: int,
+                 weights: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pairs ``token · k + slot`` sorted stably by expert. keys: integer [S], each pair's
-    expert in ``[0, num_experts)`` or ``num_experts`` (dropped at capacity: sorted last).
+    expert in ``[0, num_experts)`` or ``num_experts`` (dropped at capacity: sorted last);
+    weights: optional float [S].
 
-    Returns ``(order, token_of_row, counts)``, int64 [S], [S] (``order // k``) and [E] (the
-    dispatched pairs of each expert). On CUDA with Triton, a counting sort in two launches
+    Returns ``(order, token_of_row, counts, mass)``, int64 [S], [S] (``order // k``), [E]
+    (the dispatched pairs of each expert) and float32 [E] (their weights summed; empty
+    without weights). On CUDA with Triton, a counting sort in two launches
     (:mod:`~sparseffn.ops.triton_plan`); elsewhere a stable ``torch.sort`` and a
-    ``searchsorted`` of the experts' boundaries. The same result either way."""
+    ``searchsorted`` of the experts' boundaries. The same order and counts either way; the
+    mass to float32 rounding (summed in another order)."""
     if triton_plan.usable(keys, num_experts):
-        return triton_plan.expert_order(keys, num_experts, k)
-    return _expert_order_torch(keys, num_experts, k)
+        return triton_plan.expert_order(keys, num_experts, k, weights)
+    order, token_of_row, counts = _expert_order_torch(keys, num_experts, k)
+    if weights is None:
+        return order, token_of_row, counts, keys.new_empty(0, dtype=torch.float32)
+    kept = torch.where(keys < num_experts, weights.float(), 0.0)
+    mass = kept.new_zeros(num_experts + 1).index_add_(0, keys.clamp(0, num_experts), kept)
+    return order, token_of_row, counts, mass[:num_experts]
 
 
 @expert_order.register_fake
-def _(keys, num_experts, k):
+def _(keys, num_experts, k, weights=None):
     pairs = keys.shape[0]
     return (keys.new_empty(pairs, dtype=torch.int64), keys.new_empty(pairs, dtype=torch.int64),
-            keys.new_empty(num_experts, dtype=torch.int64))
+            keys.new_empty(num_experts, dtype=torch.int64),
+            keys.new_empty(num_experts if weights is not None else 0, dtype=torch.float32))
 
 
 def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:

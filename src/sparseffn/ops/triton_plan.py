@@ -71,26 +71,46 @@ if triton is not None:
         return tl.where(i < n, tl.where(inside, key, num_experts), -1).to(tl.int32)
 
     @triton.jit
-    def _chunk_counts_kernel(keys_ptr, counts_ptr, n, chunk, num_experts,
-                             BINS: tl.constexpr, BLOCK: tl.constexpr):
+    def _chunk_counts_kernel(keys_ptr, weights_ptr, counts_ptr, mass_ptr, n, chunk,
+                             num_experts, BINS: tl.constexpr, BLOCK: tl.constexpr,
+                             HAS_WEIGHTS: tl.constexpr):
         """Row ``program_id`` of counts [chunks, BINS]: the pairs of chunk ``program_id`` in
-        each bin."""
+        each bin; with HAS_WEIGHTS, of mass [chunks, BINS] too: their weights' float32 sum."""
         pid = tl.program_id(0)
         bins = tl.arange(0, BINS)
         total = tl.zeros((BINS,), tl.int32)
+        mass = tl.zeros((BINS,), tl.float32)
         for offset in range(0, chunk, BLOCK):
             i = pid * chunk + offset + tl.arange(0, BLOCK)
-            b = _bin_of(keys_ptr, i, n, num_experts)
-            total += tl.sum((b[:, None] == bins[None, :]).to(tl.int32), 0)
+            hit = _bin_of(keys_ptr, i, n, num_experts)[:, None] == bins[None, :]
+            total += tl.sum(hit.to(tl.int32), 0)
+            if HAS_WEIGHTS:
+                w = tl.load(weights_ptr + i, mask=i < n, other=0.0).to(tl.float32)
+                mass += tl.sum(tl.where(hit, w[:, None], 0.0), 0)
         tl.store(counts_ptr + pid * BINS + bins, total)
+        if HAS_WEIGHTS:
+            tl.store(mass_ptr + pid * BINS + bins, mass)
+
+    @triton.jit
+    def _sum_chunks(chunk_mass_ptr, num_chunks, BINS: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The chunks' masses [num_chunks, BINS] summed per bin, in chunk order: [BINS]."""
+        bins = tl.arange(0, BINS)
+        mass = tl.zeros((BINS,), tl.float32)
+        for c in range(0, num_chunks, BLOCK_C):
+            cs = c + tl.arange(0, BLOCK_C)
+            mass += tl.sum(tl.load(chunk_mass_ptr + cs[:, None] * BINS + bins[None, :],
+                                   mask=(cs < num_chunks)[:, None], other=0.0), 0)
+        return mass
 
     @triton.jit
     def _place_pairs_kernel(keys_ptr, chunk_counts_ptr, order_ptr, token_ptr, counts_ptr,
-                            position_ptr, n, chunk, num_chunks, num_experts, k,
-                            BINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-                            ORDER: tl.constexpr):
+                            position_ptr, chunk_mass_ptr, mass_ptr, n, chunk, num_chunks,
+                            num_experts, k, BINS: tl.constexpr, BLOCK: tl.constexpr,
+                            BLOCK_C: tl.constexpr, ORDER: tl.constexpr,
+                            HAS_WEIGHTS: tl.constexpr):
         """Sorted row of each pair of chunk ``program_id``. With ORDER: ``order[row] = pair``,
-        ``token[row] = pair // k``, and program 0 writes the per-expert counts [E]; without:
+        ``token[row] = pair // k``, and program 0 writes the per-expert counts [E] (and with
+        HAS_WEIGHTS the per-expert mass [E], the chunks' masses summed); without ORDER:
         ``position[pair]``, the pair's rank among its expert's pairs (row less the expert's
         first row)."""
         pid = tl.program_id(0)
@@ -106,6 +126,10 @@ if triton is not None:
         if ORDER:
             experts_here = tl.where(pid == 0, num_experts, 0)   # program 0 writes the counts
             tl.store(counts_ptr + bins, total.to(tl.int64), mask=bins < experts_here)
+            if HAS_WEIGHTS:
+                if pid == 0:
+                    tl.store(mass_ptr + bins, _sum_chunks(chunk_mass_ptr, num_chunks, BINS,
+                                                          BLOCK_C), mask=bins < num_experts)
             # the next free row of each bin: its block's start, after earlier chunks' pairs
             cursor = tl.cumsum(total, 0) - total + earlier_chunks
         else:     # ranks within each bin: its block starts at 0
@@ -135,42 +159,55 @@ def _sizes(num_pairs: int, num_experts: int, chunk: Optional[int]) -> tuple[int,
 
 
 def _count_and_place(keys: Tensor, num_experts: int, chunk: Optional[int],
-                     outputs: tuple[Tensor, ...], k: int = 1) -> None:
-    """The two launches over non-empty ``keys``: ``outputs`` (order, token_of_row, counts)
-    written, or (positions,)."""
+                     outputs: tuple[Tensor, ...], k: int = 1,
+                     weights: Optional[Tensor] = None) -> None:
+    """The two launches over non-empty ``keys``: ``outputs`` (order, token_of_row, counts,
+    mass) written (mass where ``weights`` are given), or (positions,)."""
     num_pairs = keys.shape[0]
     bins, block, chunk, chunks = _sizes(num_pairs, num_experts, chunk)
     chunk_counts = torch.empty(chunks, bins, dtype=torch.int32, device=keys.device)
+    has_weights = weights is not None
+    chunk_mass = torch.empty(chunks if has_weights else 0, bins, dtype=torch.float32,
+                             device=keys.device)
     keys = keys.contiguous()
-    _chunk_counts_kernel[(chunks,)](keys, chunk_counts, num_pairs, chunk, num_experts,
-                                    BINS=bins, BLOCK=block)
+    weights = weights.contiguous() if has_weights else chunk_mass
+    _chunk_counts_kernel[(chunks,)](keys, weights, chunk_counts, chunk_mass, num_pairs, chunk,
+                                    num_experts, BINS=bins, BLOCK=block,
+                                    HAS_WEIGHTS=has_weights)
     block_c = max(1, min(next_power_of_2(chunks), _BLOCK_ELEMENTS // bins))
-    order = len(outputs) == 3
-    order_out, token_out, counts_out = outputs if order else (chunk_counts,) * 3
+    order = len(outputs) == 4
+    order_out, token_out, counts_out, mass_out = outputs if order else (chunk_counts,) * 4
     _place_pairs_kernel[(chunks,)](keys, chunk_counts, order_out, token_out, counts_out,
-                                   outputs[-1], num_pairs, chunk, chunks, num_experts, k,
-                                   BINS=bins, BLOCK=block, BLOCK_C=block_c, ORDER=order)
+                                   outputs[-1], chunk_mass, mass_out, num_pairs, chunk, chunks,
+                                   num_experts, k, BINS=bins, BLOCK=block, BLOCK_C=block_c,
+                                   ORDER=order, HAS_WEIGHTS=has_weights and order)
 
 
 @written_in_full()
-def expert_order(keys: Tensor, num_experts: int, k: int,
-                 chunk: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+def expert_order(keys: Tensor, num_experts: int, k: int, weights: Optional[Tensor] = None,
+                 chunk: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The stable sort of the pairs by expert. keys: integer [S], the expert of each pair
-    ``token · k + slot``, or ``num_experts`` for a pair dropped at capacity.
+    ``token · k + slot``, or ``num_experts`` for a pair dropped at capacity; weights:
+    optional float [S], each pair's routing weight.
 
-    Returns ``(order, token_of_row, counts)``: int64 [S] (``order[r]``, the pair of sorted
-    row r), int64 [S] (``order // k``; ``order`` for k = 0) and int64 [E] (pairs per expert,
-    dropped ones not counted). ``chunk`` sets the pairs a program sorts (the tests lower it
-    to give the sort many chunks)."""
+    Returns ``(order, token_of_row, counts, mass)``: int64 [S] (``order[r]``, the pair of
+    sorted row r), int64 [S] (``order // k``; ``order`` for k = 0), int64 [E] (pairs per
+    expert, dropped ones not counted) and float32 [E] (the weights of each expert's pairs
+    summed, per chunk in pair order and then in chunk order: the same sum on every run), or
+    an empty tensor without ``weights``. ``chunk`` sets the pairs a program sorts (the tests
+    lower it to give the sort many chunks)."""
     num_pairs = keys.shape[0]
     device = keys.device
     order = torch.empty(num_pairs, dtype=torch.int64, device=device)
     token_of_row = torch.empty(num_pairs, dtype=torch.int64, device=device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
+    mass = torch.empty(num_experts if weights is not None else 0, dtype=torch.float32,
+                       device=device)
     if num_pairs == 0:
-        return order, token_of_row, counts.zero_()
-    _count_and_place(keys, num_experts, chunk, (order, token_of_row, counts), max(k, 1))
-    return order, token_of_row, counts
+        return order, token_of_row, counts.zero_(), mass.zero_()
+    _count_and_place(keys, num_experts, chunk, (order, token_of_row, counts, mass), max(k, 1),
+                     weights)
+    return order, token_of_row, counts, mass
 
 
 @written_in_full()
