@@ -8,11 +8,13 @@
 # whole configs, depths, cases and layers.
 #
 #   bash scripts/gpu_session.sh first              # THE FIRST CALL of a session, under 9.5 min:
-#                                                   #   lm-first (the LM target, every preset
-#                                                   #   the issue names, with a time limit) and
-#                                                   #   profile-first (the LM step of dense,
-#                                                   #   σ-MoE, PKM and sparse FFF, kernel by
-#                                                   #   kernel); 530 s of stage limits; a session
+#                                                   #   plan-check (the plan's counting sort
+#                                                   #   against torch.sort; if it fails, off for
+#                                                   #   the rest), lm-first (the LM target, every
+#                                                   #   preset the issue names, with a time
+#                                                   #   limit) and profile-first (the LM step of
+#                                                   #   dense, σ-MoE, PKM and sparse FFF, kernel
+#                                                   #   by kernel); 565 s of stage limits; a session
 #                                                   #   has 15 minutes of device time, a start
 #                                                   #   takes 1-2
 #   bash scripts/gpu_session.sh second             # a second call, at once while the machine
@@ -96,6 +98,7 @@ stage() {   # name, time limit in seconds, command...
   local rc=$?
   echo "== $name: exit $rc"
   grep -v -i -e warn -e "^ *warnings\." -e "^$" "$OUT/$name.log" | tail -n 40 | cut -c1-240
+  return $rc
 }
 
 # "first" and "second": the stages of a session's first (often only) call, most wanted first,
@@ -103,7 +106,7 @@ stage() {   # name, time limit in seconds, command...
 stages=()
 for what in "$@"; do
   case $what in
-    first) stages+=(lm-first profile-first) ;;
+    first) stages+=(plan-check lm-first profile-first) ;;
     second) stages+=(tests-parts cvmm-graphs fig2-eager) ;;
     *) stages+=("$what") ;;
   esac
@@ -118,6 +121,14 @@ for what in "${stages[@]}"; do
     lm-first) stage lm-first 360 $PY -m sparseffn bench lm --device cuda --compile reduce-overhead \
                 --presets sigma_moe switch sbase fff_sparse pkm peer --time-limit 310 \
                 --json "$OUT/lm-first.json" ;;
+    # the fifty-fifth session's counting sort of the dispatch plan, never run on a GPU, against
+    # torch.sort before the stages that rely on it: if it fails here, they sort with PyTorch
+    plan-check) if ! SPARSEFFN_TRITON_AUTOTUNE=0 stage plan-check 35 $PY -m pytest -q -x \
+                  -p no:cacheprovider -k "stable_sort or capacity_positions or mass_is" \
+                  tests/ops/test_triton_plan.py; then
+                  export SPARSEFFN_COUNTING_SORT=0
+                  echo "== the counting sort failed: SPARSEFFN_COUNTING_SORT=0 from here on"
+                fi ;;
     # the trainer on CUDA: fp32 against the CPU, bf16 without a host sync, resume to the bit
     train-quick) SPARSEFFN_TRITON_AUTOTUNE=0 stage train-quick 75 $PY scripts/gpu_train_check.py \
                    --quick --presets sigma_moe --steps 12 --json "$OUT/train-quick.json" ;;
@@ -215,7 +226,8 @@ for what in "${stages[@]}"; do
     lm-layers) stage lm-layers 480 $PY scripts/gpu_lm_layers.py ;;
     compile) stage compile 540 $PY -m sparseffn bench compile --device cuda --bf16 \
                --json "$OUT/compile.json" ;;
-    *) echo "unknown stage $what (first second lm-first train-quick tests-new tests-parts" \
+    *) echo "unknown stage $what (first second plan-check lm-first train-quick tests-new" \
+            "tests-parts" \
             "fig2-eager lm-layers-first lm-layers-fff cvmm-first cvmm-graphs profile-first" \
             "lm-deterministic" \
             "tests check fig2 fig2-graphs lm lm-graphs layers routers" \

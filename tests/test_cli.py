@@ -675,7 +675,7 @@ def test_every_gpu_session_stage_names_flags_and_presets_this_version_has():
 
 def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_limit(
         tmp_path):
-    """``first`` (a session's one call) expands to its two stages in order, ``second`` to
+    """``first`` (a session's one call) expands to its three stages in order, ``second`` to
     its three, each run under ``timeout -s INT`` so that a benchmark stopped at its limit still
     reports; an unknown stage is refused. The stages' Python is stood in for by a script
     that logs its arguments."""
@@ -690,7 +690,8 @@ def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert re.findall(r"^== ([\w-]+): exit 0$", done.stdout, re.M) == [
-        "lm-first", "profile-first"]
+        "plan-check", "lm-first", "profile-first"]
+    assert "SPARSEFFN_COUNTING_SORT=0" not in done.stdout
     lm_log = (tmp_path / "out" / "lm-first.log").read_text()
     assert "ran: -m sparseffn bench lm --device cuda --compile reduce-overhead" in lm_log
     assert "--time-limit 310" in lm_log
@@ -706,6 +707,27 @@ def test_gpu_session_first_and_second_run_their_stages_each_under_sigint_at_its_
     refused = subprocess.run(["bash", str(script), "nope"], env=env, capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "unknown stage nope (first " in refused.stdout
+
+
+def test_a_failed_plan_check_turns_the_counting_sort_off_for_the_later_stages(tmp_path):
+    """``first`` begins with the counting sort's tests; where they fail, the stages after it
+    run with ``SPARSEFFN_COUNTING_SORT=0`` (the PyTorch sort) instead of on a broken kernel."""
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "scripts" / "gpu_session.sh"
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\ncase "$*" in *test_triton_plan*) exit 1 ;; esac\n'
+                    'echo "ran: $* sort=${SPARSEFFN_COUNTING_SORT:-on}"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "OUT": str(tmp_path / "out"), "WHEELS": "/nowhere"}
+    env.pop("SPARSEFFN_COUNTING_SORT", None)
+    done = subprocess.run(["bash", str(script), "first"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "== plan-check: exit 1" in done.stdout
+    assert "SPARSEFFN_COUNTING_SORT=0 from here on" in done.stdout
+    for stage in ("lm-first", "profile-first"):
+        assert "sort=0" in (tmp_path / "out" / f"{stage}.log").read_text()
 
 
 def test_gpu_profile_runs_the_eager_fig2_stage_on_the_cpu():

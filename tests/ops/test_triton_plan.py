@@ -271,3 +271,20 @@ def test_a_layer_takes_its_usage_mass_from_the_plan(monkeypatch):
     assert scatters, "the torch path sums the mass itself"
     for name in ("counts", "mass"):
         torch.testing.assert_close(layer.routing_stats[name], twin.routing_stats[name])
+
+
+def test_the_counting_sort_can_be_turned_off(monkeypatch):
+    """``set_counting_sort_enabled(False)`` (``SPARSEFFN_COUNTING_SORT=0``) sorts plans and
+    positions with PyTorch on the kernels' devices too."""
+    sorts = _calls_of(monkeypatch, "expert_order")
+    positions = _calls_of(monkeypatch, "positions_in_expert")
+    assignment = importlib.import_module("sparseffn.ops.assignment")
+    indices = torch.randint(0, 4, (20, 2), generator=torch.Generator().manual_seed(10))
+    triton_plan.set_counting_sort_enabled(False)
+    try:
+        plan = DispatchPlan.build(indices.to(DEVICE), 4)
+        assignment.positions_in_expert(indices[:, 0].to(DEVICE), 4)
+    finally:
+        triton_plan.set_counting_sort_enabled(True)
+    assert plan.mass is None and not sorts and not positions
+    assert triton_plan.usable(indices.to(DEVICE), 4)

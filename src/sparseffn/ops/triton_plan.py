@@ -27,12 +27,14 @@ A key outside ``[0, E]`` (an invalid expert index, checked on the host only wher
 :func:`sparseffn.ops.debug.set_checks` asks) is sorted with the dropped pairs: the order is
 always a permutation and such a pair is never computed.
 
-Without a GPU the kernels run on CPU tensors in Triton's interpreter (see
-:mod:`~sparseffn.ops.triton_cvmm`).
+``SPARSEFFN_COUNTING_SORT=0`` in the environment (or :func:`set_counting_sort_enabled`) keeps
+the PyTorch sort on GPUs too. Without a GPU the kernels run on CPU tensors in Triton's
+interpreter (see :mod:`~sparseffn.ops.triton_cvmm`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -54,10 +56,20 @@ MAX_CHUNKS = 256
 _BLOCK_ELEMENTS = 4096
 
 
+_enabled = os.environ.get("SPARSEFFN_COUNTING_SORT", "1") != "0"
+
+
+def set_counting_sort_enabled(enabled: bool) -> None:
+    """Sort plans and positions by these kernels where they apply (``True``, the default
+    unless the environment sets ``SPARSEFFN_COUNTING_SORT=0``) or by the PyTorch sort."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
 def usable(keys: Tensor, num_experts: int) -> bool:
-    """True when the counting sort takes these keys: Triton present and enabled, a CUDA
-    tensor (or a CPU tensor under the interpreter), at most ``MAX_EXPERTS`` experts."""
-    return num_experts <= MAX_EXPERTS and triton_cvmm.on_kernel_device(keys)
+    """True when the counting sort takes these keys: enabled, Triton present and enabled, a
+    CUDA tensor (or a CPU tensor under the interpreter), at most ``MAX_EXPERTS`` experts."""
+    return _enabled and num_experts <= MAX_EXPERTS and triton_cvmm.on_kernel_device(keys)
 
 
 if triton is not None:
