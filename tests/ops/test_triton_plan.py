@@ -288,3 +288,9 @@ def test_the_counting_sort_can_be_turned_off(monkeypatch):
         triton_plan.set_counting_sort_enabled(True)
     assert plan.mass is None and not sorts and not positions
     assert triton_plan.usable(indices.to(DEVICE), 4)
+
+
+def test_weights_of_another_shape_than_the_indices_are_refused():
+    indices = torch.zeros(5, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weights must have the indices' shape \(5, 2\)"):
+        DispatchPlan.build(indices, 3, weights=torch.ones(10, device=DEVICE))

@@ -124,6 +124,9 @@ class DispatchPlan:
         k = indices.shape[-1]
         mass = None
         # A stable sort keeps each expert's pairs in token order (deterministic results).
+        if weights is not None and weights.shape != indices.shape:
+            raise ValueError(f"weights must have the indices' shape {tuple(indices.shape)}, "
+                             f"got {tuple(weights.shape)}")
         if not exporting() and triton_plan.usable(keys, num_experts):
             if weights is not None:
                 weights = weights.detach().reshape(-1)
