@@ -188,9 +188,11 @@ def _count_and_place(keys: Tensor, num_experts: int, chunk: Optional[int],
                                     HAS_WEIGHTS=has_weights)
     block_c = max(1, min(next_power_of_2(chunks), _BLOCK_ELEMENTS // bins))
     order = len(outputs) == 4
-    order_out, token_out, counts_out, mass_out = outputs if order else (chunk_counts,) * 4
+    # (the pointers of the other mode are never read: None)
+    order_out, token_out, counts_out, mass_out = outputs if order else (None,) * 4
+    positions = None if order else outputs[0]
     _place_pairs_kernel[(chunks,)](keys, chunk_counts, order_out, token_out, counts_out,
-                                   outputs[-1], chunk_mass, mass_out, num_pairs, chunk, chunks,
+                                   positions, chunk_mass, mass_out, num_pairs, chunk, chunks,
                                    num_experts, k, BINS=bins, BLOCK=block, BLOCK_C=block_c,
                                    ORDER=order, HAS_WEIGHTS=has_weights and order)
 
