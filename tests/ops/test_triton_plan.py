@@ -294,3 +294,23 @@ def test_weights_of_another_shape_than_the_indices_are_refused():
     indices = torch.zeros(5, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=r"weights must have the indices' shape \(5, 2\)"):
         DispatchPlan.build(indices, 3, weights=torch.ones(10, device=DEVICE))
+
+
+def test_the_operators_pytorch_path_gives_the_kernels_results():
+    """``sparseffn::expert_order`` with the counting sort off (a direct call where the kernels
+    do not run): the same order, tokens and counts, and the same mass to rounding, invalid
+    keys counted with the dropped pairs as the kernels count them."""
+    keys = _keys(700, 9, dropped=0.1, seed=11)
+    keys[[5, 77, 300]] = torch.tensor([-2, 12, 9], device=DEVICE)
+    weights = torch.rand(700, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    want = torch.ops.sparseffn.expert_order(keys, 9, 3, weights)
+    triton_plan.set_counting_sort_enabled(False)
+    try:
+        got = torch.ops.sparseffn.expert_order(torch.where((keys < 0) | (keys > 9), 9, keys),
+                                               9, 3, weights)
+        got_invalid = torch.ops.sparseffn.expert_order(keys, 9, 3, weights)
+    finally:
+        triton_plan.set_counting_sort_enabled(True)
+    _equal(got[:3], [w.cpu() for w in want[:3]])
+    torch.testing.assert_close(got[3], want[3])
+    torch.testing.assert_close(got_invalid[3], want[3])

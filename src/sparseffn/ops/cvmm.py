@@ -121,12 +121,12 @@ class DispatchPlan:
                                  f"{tuple(dispatched.shape)}")
             # Dropped pairs get the key num_experts: they sort after every expert.
             keys = flat.masked_fill(~dispatched.reshape(-1), num_experts)
-        k = indices.shape[-1]
-        mass = None
-        # A stable sort keeps each expert's pairs in token order (deterministic results).
         if weights is not None and weights.shape != indices.shape:
             raise ValueError(f"weights must have the indices' shape {tuple(indices.shape)}, "
                              f"got {tuple(weights.shape)}")
+        k = indices.shape[-1]
+        mass = None
+        # A stable sort keeps each expert's pairs in token order (deterministic results).
         if not exporting() and triton_plan.usable(keys, num_experts):
             if weights is not None:
                 weights = weights.detach().reshape(-1)
@@ -171,8 +171,11 @@ def expert_order(keys: torch.Tensor, num_experts: int, k: int,
     order, token_of_row, counts = _expert_order_torch(keys, num_experts, k)
     if weights is None:
         return order, token_of_row, counts, keys.new_empty(0, dtype=torch.float32)
-    kept = torch.where(keys < num_experts, weights.float(), 0.0)
-    mass = kept.new_zeros(num_experts + 1).index_add_(0, keys.clamp(0, num_experts), kept)
+    # (as the kernels: a key outside the experts counts with the dropped pairs)
+    valid = (keys >= 0) & (keys < num_experts)
+    kept = torch.where(valid, weights.float(), 0.0)
+    mass = kept.new_zeros(num_experts + 1).index_add_(0, torch.where(valid, keys, num_experts),
+                                                      kept)
     return order, token_of_row, counts, mass[:num_experts]
 
 
