@@ -170,27 +170,26 @@ def _sizes(num_pairs: int, num_experts: int, chunk: Optional[int]) -> tuple[int,
     return bins, block, chunk, cdiv(num_pairs, chunk)
 
 
-def _count_and_place(keys: Tensor, num_experts: int, chunk: Optional[int],
-                     outputs: tuple[Tensor, ...], k: int = 1,
+def _count_and_place(keys: Tensor, num_experts: int, chunk: Optional[int], *,
+                     sorted_out: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None,
+                     positions: Optional[Tensor] = None, k: int = 1,
                      weights: Optional[Tensor] = None) -> None:
-    """The two launches over non-empty ``keys``: ``outputs`` (order, token_of_row, counts,
-    mass) written (mass where ``weights`` are given), or (positions,)."""
+    """The two launches over non-empty ``keys``, writing either ``sorted_out`` (order,
+    token_of_row, counts, mass; the mass where ``weights`` are given) or ``positions``. The
+    pointers of the other mode are never read: None."""
     num_pairs = keys.shape[0]
     bins, block, chunk, chunks = _sizes(num_pairs, num_experts, chunk)
     chunk_counts = torch.empty(chunks, bins, dtype=torch.int32, device=keys.device)
     has_weights = weights is not None
-    chunk_mass = torch.empty(chunks if has_weights else 0, bins, dtype=torch.float32,
-                             device=keys.device)
+    chunk_mass = torch.empty(chunks, bins, dtype=torch.float32,
+                             device=keys.device) if has_weights else None
     keys = keys.contiguous()
-    weights = weights.contiguous() if has_weights else chunk_mass
-    _chunk_counts_kernel[(chunks,)](keys, weights, chunk_counts, chunk_mass, num_pairs, chunk,
-                                    num_experts, BINS=bins, BLOCK=block,
-                                    HAS_WEIGHTS=has_weights)
+    _chunk_counts_kernel[(chunks,)](keys, weights.contiguous() if has_weights else None,
+                                    chunk_counts, chunk_mass, num_pairs, chunk, num_experts,
+                                    BINS=bins, BLOCK=block, HAS_WEIGHTS=has_weights)
     block_c = max(1, min(next_power_of_2(chunks), _BLOCK_ELEMENTS // bins))
-    order = len(outputs) == 4
-    # (the pointers of the other mode are never read: None)
-    order_out, token_out, counts_out, mass_out = outputs if order else (None,) * 4
-    positions = None if order else outputs[0]
+    order = sorted_out is not None
+    order_out, token_out, counts_out, mass_out = sorted_out if order else (None,) * 4
     _place_pairs_kernel[(chunks,)](keys, chunk_counts, order_out, token_out, counts_out,
                                    positions, chunk_mass, mass_out, num_pairs, chunk, chunks,
                                    num_experts, k, BINS=bins, BLOCK=block, BLOCK_C=block_c,
@@ -219,8 +218,8 @@ def expert_order(keys: Tensor, num_experts: int, k: int, weights: Optional[Tenso
                        device=device)
     if num_pairs == 0:
         return order, token_of_row, counts.zero_(), mass.zero_()
-    _count_and_place(keys, num_experts, chunk, (order, token_of_row, counts, mass), max(k, 1),
-                     weights)
+    _count_and_place(keys, num_experts, chunk, sorted_out=(order, token_of_row, counts, mass),
+                     k=max(k, 1), weights=weights)
     return order, token_of_row, counts, mass
 
 
@@ -233,5 +232,5 @@ def positions_in_expert(experts: Tensor, num_experts: int,
     pairs of :func:`expert_order`)."""
     positions = torch.empty(experts.shape[0], dtype=torch.int64, device=experts.device)
     if experts.shape[0]:
-        _count_and_place(experts, num_experts, chunk, (positions,))
+        _count_and_place(experts, num_experts, chunk, positions=positions)
     return positions
