@@ -3,6 +3,7 @@
 interpreter. Every allocation is poisoned (tests/poison.py), so an output element the kernels
 did not write fails the comparisons."""
 
+import copy
 import importlib
 
 import pytest
@@ -12,7 +13,9 @@ from tests.ops.triton_cases import skip_without_usable_triton
 
 skip_without_usable_triton()
 
-from sparseffn.ops import DispatchPlan, triton_plan   # noqa: E402
+import sparseffn   # noqa: E402
+from sparseffn.ops import DispatchPlan, triton_cvmm, triton_plan   # noqa: E402
+from tests.layers.test_conformance import EXAMPLES   # noqa: E402
 from tests.ops.triton_cases import DEVICE   # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_on_cpu")
@@ -247,11 +250,6 @@ def test_a_nan_weight_makes_only_its_experts_mass_nan():
 def test_a_layer_takes_its_usage_mass_from_the_plan(monkeypatch):
     """A σ-MoE training step's usage statistics: counts and mass from the plan's counting
     sort, with no scatter of their own; the torch path's numbers."""
-    import copy
-
-    import sparseffn
-    from sparseffn.ops import triton_cvmm
-    from tests.layers.test_conformance import EXAMPLES
     routing = importlib.import_module("sparseffn.routing")
     torch.manual_seed(0)
     layer = sparseffn.build_layer(EXAMPLES["layer:sigma_moe"]).to(DEVICE).train()
