@@ -29,10 +29,11 @@ References: gathering x's rows (``index_select``), the k-slot sum alone, a plain
 Then the routing's bookkeeping at each width's number of experts, each against what it
 replaced, in the same rounds: the dispatch plan (the counting sort's two launches,
 ``ops/triton_plan.py``, against the stable sort and binary search for the expert blocks that
-it replaced), Switch's capacity positions (the same two launches, against the sort and
-binary search), and the usage statistics (one float scatter-add with the
-counts from the plan, against two). With ``--lm-shapes`` the bookkeeping also runs at the
-LM's 8 experts, k = 2.
+it replaced; built with the routing weights, as ``Routing.plan`` builds it, so the counting
+sort also sums their mass), Switch's capacity positions (the same two launches, against the
+sort and binary search), and the usage statistics (counts and mass from the plan, against the
+mass summed by a float scatter-add of its own). With ``--lm-shapes`` the bookkeeping also runs
+at the LM's 8 experts, k = 2.
 A tool for finding what to speed up; ``sparseffn bench fig2`` times the whole layer.
 
 With ``--device cpu`` (and ``TRITON_INTERPRET=1``) it runs the kernels in Triton's
@@ -188,14 +189,16 @@ def bench_bookkeeping(num_experts: int, k: int, tokens: int, rounds: int, calls:
     indices = torch.rand(tokens, num_experts, device=device, generator=gen).topk(k).indices
     weights = torch.rand(tokens, k, device=device, generator=gen)
     top1 = indices[:, 0].contiguous()
-    plan = DispatchPlan.build(indices, num_experts)
+    # as Routing.plan builds it: with the weights, whose per-expert mass the counting sort sums
+    plan = DispatchPlan.build(indices, num_experts, weights=weights)
     pairs = {
-        "plan": (lambda: DispatchPlan.build(indices, num_experts),
+        "plan": (lambda: DispatchPlan.build(indices, num_experts, weights=weights),
                  lambda: _plan_before(indices, num_experts)),
         "positions": (lambda: positions_in_expert(top1, num_experts),
                       lambda: _positions_before(top1, num_experts)),
-        "usage": (lambda: expert_usage(indices, weights, num_experts, counts=plan.counts),
-                  lambda: expert_usage(indices, weights, num_experts)),
+        "usage": (lambda: expert_usage(indices, weights, num_experts, counts=plan.counts,
+                                       mass=plan.mass),
+                  lambda: expert_usage(indices, weights, num_experts, counts=plan.counts)),
     }
     print(f"routing bookkeeping: {num_experts} experts, {tokens} tokens, k {k}", flush=True)
     for name, (now, before) in pairs.items():
