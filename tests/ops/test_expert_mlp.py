@@ -1,11 +1,15 @@
 """expert_mlp (both layers of a mixture of MLP experts) against the per-token Eq. 25 loop."""
 
+import importlib
+
 import pytest
 import torch
 from torch.nn import functional as F
 
 from tests.ops.reference import expert_mlp_reference
 from sparseffn.ops import DispatchPlan, expert_mlp, native
+
+expert_mlp_module = importlib.import_module("sparseffn.ops.expert_mlp")
 
 
 def _problem(T=23, k=3, E=5, d=12, G=7, d_out=10):
@@ -222,3 +226,66 @@ def test_biased_experts_sum_the_bias_gradient_under_bf16_autocast():
     assert grad_bias.dtype == torch.float32
     want = torch.zeros_like(bias).index_add_(0, expert_of_row, grad.float())
     torch.testing.assert_close(grad_bias, want, atol=0, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("T", [23, 0])
+@pytest.mark.parametrize("biases", ["b1 and b2", "b1", "b2"])
+def test_biased_relu_experts_run_fused_and_match_the_loop(matmul_path, monkeypatch, biases, T):
+    """ReLU experts with biases (FFF leaves) take the fused path, their biases as weights of
+    a constant input: outputs and every gradient are the loop's, at odd sizes, with pairs
+    dropped at capacity, an expert that gets no token and an empty batch; the unfused
+    path's bias rows and ``b2``'s gather are not used."""
+    fused = []
+    original_apply = expert_mlp_module._ReluExpertMLP.apply
+    monkeypatch.setattr(expert_mlp_module._ReluExpertMLP, "apply",
+                        lambda *a: fused.append(a[1].shape) or original_apply(*a))
+    monkeypatch.setattr(expert_mlp_module, "gather_sum", lambda *a, **kw: 1 / 0)
+    monkeypatch.setattr(expert_mlp_module, "add_expert_bias", lambda *a, **kw: 1 / 0)
+    indices, (x, w1, w2, gates) = _problem(T=T, E=6)          # expert 5 never chosen
+    indices = indices.clamp(max=4)
+    b1 = torch.randn(6, 7, requires_grad=True) if "b1" in biases else None
+    b2 = torch.randn(6, 10, requires_grad=True) if "b2" in biases else None
+    dispatched = torch.rand(indices.shape) < 0.7
+    plan = DispatchPlan.build(indices, 6, dispatched=dispatched)
+    y = expert_mlp(x, plan, w1, w2, gates * dispatched, b1=b1, b2=b2,   # as Routing gives them
+                   indices=indices)
+    assert fused == [(6, 7 + (b2 is not None), 12 + 1)]   # one more unit for b2, a ones column
+    want = expert_mlp_reference(x, indices, gates * dispatched, w1.transpose(1, 2), w2, F.relu,
+                                b1=b1, b2=b2)
+    assert y.shape == (T, 10)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    inputs = [t for t in (x, w1, w2, gates, b1, b2) if t is not None]
+    grad = torch.randn_like(y)
+    got_grads = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+    if T == 0:
+        assert all(g is None or (g.shape == p.shape and torch.all(g == 0))
+                   for g, p in zip(got_grads, inputs))
+        return
+    want_grads = torch.autograd.grad(want, inputs, grad)
+    for got, want_grad in zip(got_grads, want_grads):
+        assert got.shape == want_grad.shape
+        torch.testing.assert_close(got, want_grad, atol=1e-3, rtol=1e-3)
+    for bias_grad in got_grads[4:]:           # the expert no token chose: zero bias gradient
+        assert torch.all(bias_grad[5] == 0)
+    assert torch.all(got_grads[3][~dispatched] == 0)
+
+
+def test_a_nan_token_of_biased_relu_experts_stays_in_its_own_rows(matmul_path):
+    """The constant input and the b2 unit multiply a token's NaN by zero weights: that token's
+    output is NaN, every other token's is the loop's, and so are the other tokens' input and
+    gate gradients."""
+    indices, (x, w1, w2, gates) = _problem(T=13)
+    b1, b2 = torch.randn(5, 7, requires_grad=True), torch.randn(5, 10, requires_grad=True)
+    with torch.no_grad():
+        x[6, 2] = float("nan")
+    y = expert_mlp(x, DispatchPlan.build(indices, 5), w1, w2, gates, b1=b1, b2=b2,
+                   indices=indices)
+    want = expert_mlp_reference(x, indices, gates, w1.transpose(1, 2), w2, F.relu, b1=b1, b2=b2)
+    clean = torch.arange(13) != 6
+    assert torch.isnan(y[6]).all()
+    torch.testing.assert_close(y[clean], want[clean], atol=1e-4, rtol=1e-4)
+    grad = torch.randn_like(y)
+    grad_x, grad_g = torch.autograd.grad(y[clean], [x, gates], grad[clean])
+    want_x, want_g = torch.autograd.grad(want[clean], [x, gates], grad[clean])
+    torch.testing.assert_close(grad_x, want_x, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(grad_g[clean], want_g[clean], atol=1e-3, rtol=1e-3)

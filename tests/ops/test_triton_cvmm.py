@@ -441,6 +441,55 @@ def test_odd_expert_sizes_are_padded_to_whole_vectors_and_match_the_reference(
         close(got.grad, ref.grad, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G, unit", [(13, True), (16, False)])
+@pytest.mark.parametrize("biases", ["b1 and b2", "b1", "b2"])
+def test_biased_relu_experts_run_fused_on_whole_vectors_and_match_the_reference(
+        G, unit, biases, dtype, monkeypatch):
+    """Biased ReLU experts on the kernels: x gets 16 columns (ones into the bias column, so
+    its rows stay whole vectors), and b2 rides the first padding unit where the width leaves
+    one (13 -> 16) and ``gather_sum`` where it does not (16); the output and every gradient
+    are the reference's, also with dropped pairs and an expert that gets no token."""
+    products = _record_products(monkeypatch)
+    gathered = []
+    original_gather = expert_mlp_module.gather_sum
+    monkeypatch.setattr(expert_mlp_module, "gather_sum",
+                        lambda *a: gathered.append(1) or original_gather(*a))
+    torch.manual_seed(G)
+    T, k, E, d = 19, 2, 5, 24
+    indices = torch.randint(0, E - 1, (T, k), device=DEVICE)          # expert E-1 gets nothing
+    dispatched = torch.rand(T, k, device=DEVICE) < 0.8
+    leaves = {"x": torch.randn(T, d, device=DEVICE),
+              "w1": torch.randn(E, G, d, device=DEVICE) / d ** 0.5,
+              "w2": torch.randn(E, G, d, device=DEVICE) / G ** 0.5,
+              "gates": torch.rand(T, k, device=DEVICE)}
+    if "b1" in biases:
+        leaves["b1"] = torch.randn(E, G, device=DEVICE)
+    if "b2" in biases:
+        leaves["b2"] = torch.randn(E, d, device=DEVICE)
+    ref = {name: t.clone().requires_grad_() for name, t in leaves.items()}
+    got = {name: t.to(dtype).requires_grad_() for name, t in leaves.items()}
+    plan = DispatchPlan.build(indices, E, dispatched=dispatched)
+    y = expert_mlp(got["x"], plan, got["w1"], got["w2"], got["gates"] * dispatched,
+                   b1=got.get("b1"), b2=got.get("b2"), indices=indices)   # as Routing gives them
+    width = G + (-G % 16)
+    assert products == [(d + 16, width), (width, d)]
+    assert gathered == ([1] if "b2" in biases and not unit else [])
+    want = expert_mlp_reference(ref["x"], indices, ref["gates"] * dispatched,
+                                ref["w1"].transpose(1, 2),
+                                ref["w2"], torch.relu, b1=ref.get("b1"), b2=ref.get("b2"))
+    close(y, want, dtype)
+    grad = torch.randn_like(want)
+    y.backward(grad.to(dtype))
+    want.backward(grad)
+    for name in leaves:
+        assert got[name].grad.shape == ref[name].grad.shape, name
+        close(got[name].grad, ref[name].grad, dtype)
+    for name in ("b1", "b2"):
+        if name in leaves:
+            assert torch.all(got[name].grad[E - 1] == 0)
+
+
 def test_the_cpu_paths_keep_odd_expert_sizes_as_they_are():
     triton_cvmm.set_interpreter_for_cpu(False)
     try:

@@ -5,10 +5,11 @@ units kept in the plan's expert-sorted order between the two CVMMs. Gated (GLU) 
 ``(act(x_t Wg[e]ᵀ) ⊙ x_t W1[e]ᵀ) W2[e]`` (Shazeer 2020, arXiv:2002.05202; Llama's and
 Mixtral's SwiGLU experts), add a third CVMM into the same sorted rows.
 
-With ReLU experts (and no dropout or biases; under autocast in the autocast dtype), one
-autograd function runs both layers on the ``sparseffn::cvmm_rows`` operator, with the ReLU and
-its derivative, the gate scaling and the gate gradient folded into the kernel's epilogues (no separate passes over the
-``[pairs, expert_size]`` hidden units). Otherwise it is two :func:`cvmm` calls and the
+With ReLU experts (and no dropout; under autocast in the autocast dtype), one autograd
+function runs both layers on the ``sparseffn::cvmm_rows`` operator, with the ReLU and its
+derivative, the gate scaling and the gate gradient folded into the kernel's epilogues (no
+separate passes over the ``[pairs, expert_size]`` hidden units); expert biases (FFF leaves)
+go in as weights of a constant input. Otherwise it is two :func:`cvmm` calls and the
 activation, which compute the same thing.
 """
 
@@ -42,6 +43,16 @@ FEW_PAIRS_MACS = 1 << 21
 HIDDEN_MULTIPLE = 16
 
 
+def hidden_multiple(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> int:
+    """The multiple, in elements, that the kernels which will run want of a row's length:
+    ``HIDDEN_MULTIPLE`` on the GPU paths (the Triton kernels, also in the interpreter, and
+    CUDA's ``torch._grouped_mm``), 1 on the CPU's C and PyTorch paths. See
+    :func:`hidden_padding`."""
+    if x.is_cpu and not triton_cvmm.usable(w1.shape[0], x, w1, w2):
+        return 1
+    return HIDDEN_MULTIPLE
+
+
 def hidden_padding(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> int:
     """How many hidden units of zero weight :func:`expert_mlp` adds to each expert: enough to
     make ``expert_size`` a multiple of ``HIDDEN_MULTIPLE`` where the kernels that will run
@@ -58,16 +69,13 @@ def hidden_padding(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> int:
     out-weights, so it adds exactly zero to the output and gets no gradient that is kept
     (``act(0) · 0``; NaN only where the token's input is not finite). On the CPU's C and
     PyTorch paths nothing is padded (unaligned vectors cost them nothing)."""
-    pad = -w1.shape[1] % HIDDEN_MULTIPLE
-    if pad and x.is_cpu and not triton_cvmm.usable(w1.shape[0], x, w1, w2):
-        return 0
-    return pad
+    return -w1.shape[1] % hidden_multiple(x, w1, w2)
 
 
 def _pad_units(weight: torch.Tensor, pad: int) -> torch.Tensor:
     """[E, G, ·] -> [E, G + pad, ·] with zero rows after each expert's G (differentiable:
     the gradient of the padded rows is dropped)."""
-    return torch.nn.functional.pad(weight, (0, 0, 0, pad))
+    return torch.nn.functional.pad(weight, (0, 0, 0, pad)) if pad else weight
 
 
 def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.Tensor,
@@ -83,13 +91,15 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
       plan: :meth:`DispatchPlan.build` of the [T, k] expert indices.
       w1: [E, G, d_in], the keys (rows) of each expert's first layer.
       w2: [E, G, d_out], the values (rows) of each expert's second layer.
-      gates: [T, k] weights of the selected experts.
+      gates: [T, k] weights of the selected experts (zero for the pairs ``plan`` drops, as
+        :class:`~sparseffn.routing.Routing` gives them).
       activation: a name of ``sparseffn.activations.ACTIVATIONS`` ("relu" runs fused).
       hidden_dropout: applied to the hidden units [T·k, G] when given (a training-time
         ``nn.Dropout``); it takes the unfused path.
       b1, b2: optional expert biases [E, G] and [E, d_out] (FFF leaves have them):
-        ``act(x W1ᵀ + b1) W2 + b2``, weighted by the gate; they take the unfused path and need
-        ``indices`` [T, k], the expert ids ``plan`` was built from.
+        ``act(x W1ᵀ + b1) W2 + b2``, weighted by the gate; they need ``indices`` [T, k], the
+        expert ids ``plan`` was built from. ReLU experts take them on the fused path
+        (:func:`_biased_relu_experts`).
       w_gate: optional [E, G, d_in], the gate rows of gated experts:
         ``(act(x Wgᵀ) ⊙ (x W1ᵀ + b1)) W2 + b2`` (unfused path).
 
@@ -102,14 +112,16 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
     if dtype is not None:   # both CVMMs in the autocast dtype
         x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
         w_gate = None if w_gate is None else w_gate.to(dtype)
+    fused = activation in _FUSED_ACTIVATIONS and hidden_dropout is None and w_gate is None \
+        and x.dim() == 2 and x.dtype == w1.dtype == w2.dtype
+    if fused and biased:
+        return _biased_relu_experts(x, plan, w1, w2, gates, b1, b2, indices)
     pad = hidden_padding(x, w1, w2)
     if pad:   # zero hidden units, so the GPU kernels move the hidden rows in vectors
         w1, w2 = _pad_units(w1, pad), _pad_units(w2, pad)
         w_gate = None if w_gate is None else _pad_units(w_gate, pad)
         b1 = None if b1 is None else torch.nn.functional.pad(b1, (0, pad))
-    if activation in _FUSED_ACTIVATIONS and hidden_dropout is None and not biased \
-            and w_gate is None \
-            and x.dim() == 2 and x.dtype == w1.dtype == w2.dtype:
+    if fused:
         return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
                                     plan.token_of_row, plan.counts, plan.k)[0]
     hidden = cvmm(x, plan, w1.transpose(1, 2), sorted_output=True)                  # [S, G]
@@ -125,6 +137,56 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
         hidden = hidden_dropout(hidden)
     y = cvmm(hidden, plan, w2, gates=gates, sorted_input=True)
     if b2 is not None:   # Σ_j g_j b2[e_j]; a dropped pair's gate is 0
+        y = y + gather_sum(indices.reshape(-1, plan.k), gates.reshape(-1, plan.k),
+                           b2).to(y.dtype)
+    return y
+
+
+def _biased_relu_experts(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor,
+                         w2: torch.Tensor, gates: torch.Tensor, b1: torch.Tensor | None,
+                         b2: torch.Tensor | None, indices: torch.Tensor) -> torch.Tensor:
+    """:func:`expert_mlp` of biased ReLU experts, ``Σ_j g_j (relu(x W1ᵀ + b1) W2 + b2)``, on
+    the fused path of unbiased ones: each bias is a weight of a constant input of 1.
+
+    - ``b1``: x gets columns of ones (one on the CPU paths; ``HIDDEN_MULTIPLE`` on the GPU
+      paths, so that its rows stay 16-byte aligned), and ``W1`` the bias as the first of
+      them and zeros in the rest: ``[x, 1] [W1, b1]ᵀ = x W1ᵀ + b1``.
+    - ``b2``: one more hidden unit whose pre-activation is its bias 1 (zero weights in W1), so
+      ``relu(1) = 1``, and whose row of W2 is ``b2``: ``h W2 + 1 · b2``. On the GPU paths it
+      takes the first of the zero units that pad the hidden width anyway; where the width is
+      already a multiple of ``HIDDEN_MULTIPLE`` (no free unit), ``b2`` is added by
+      :func:`~sparseffn.ops.rows.gather_sum` instead. Further padding units also get bias 1
+      and a zero row of W2: they add exactly zero.
+
+    The gradients come out of the same kernels: ``b1``'s is each expert's column sum of the
+    pre-activation gradient (the dW1 product's ones column), ``b2``'s each expert's
+    gate-weighted sum of the output gradient (the unit's row of dW2), and each gate's
+    gradient includes ``<dy, b2[e]>`` (the unit's share of the dots). Against the unfused
+    path (an add and a ReLU pass over the [pairs, G] hidden units, a separate activation
+    gradient, ``b2`` through its own gather and scatter) this costs a copy of x with the
+    extra columns, the concatenated weights and (on the CPU paths) one more hidden unit. As
+    for ``nn.Linear`` under autocast, the biases enter the products rounded to the autocast
+    dtype; each row's sum is accumulated in float32 and rounded once."""
+    num_experts, width, d_in = w1.shape
+    multiple = hidden_multiple(x, w1, w2)
+    pad = -width % multiple
+    unit = b2 is not None and (multiple == 1 or pad > 0)   # where b2 rides its unit
+    added = pad if multiple > 1 else int(unit)                # hidden units appended
+    if b1 is None:
+        b1 = w1.new_zeros(num_experts, width)
+    unit_bias = 1.0 if unit else 0.0
+    bias_in = torch.nn.functional.pad(b1.to(w1.dtype), (0, added), value=unit_bias)
+    w1 = torch.cat([_pad_units(w1, added), bias_in.unsqueeze(2)], 2)      # [E, G', d_in + 1]
+    if multiple > 1:
+        w1 = torch.nn.functional.pad(w1, (0, multiple - 1))               # [E, G', d_in + c]
+    x = torch.nn.functional.pad(x, (0, multiple), value=1.0)              # [T, d_in + c]
+    if unit:   # the unit's row of W2 is b2; the padding units' rows are zero
+        w2 = _pad_units(torch.cat([w2, b2.to(w2.dtype).unsqueeze(1)], 1), added - 1)
+    else:
+        w2 = _pad_units(w2, added)
+    y = _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
+                             plan.token_of_row, plan.counts, plan.k)[0]
+    if b2 is not None and not unit:   # Σ_j g_j b2[e_j]; a dropped pair's gate is 0
         y = y + gather_sum(indices.reshape(-1, plan.k), gates.reshape(-1, plan.k),
                            b2).to(y.dtype)
     return y
