@@ -32,7 +32,11 @@ together. Here each layer is timed alone, in three versions where they apply:
   the experts' products as ``torch._grouped_mm`` (``triton_cvmm.set_triton_enabled(False)``).
   ``bench fig2`` found that path 0.89 of the Triton one's time at d_model 512 and slower at
   1024 and 2048; this says which one wins at the LM's d_model of 256;
-- ``index_add b1`` (sparse FFF, whose leaves have biases): the first bias's gradient by
+- ``unfused biases`` (sparse FFF, whose leaves have biases): the experts as before the
+  fifty-sixth session: two CVMM calls with the first bias added to the hidden rows, a ReLU
+  pass between them, its gradient apart, and ``b2`` gathered, not the fused path with the
+  biases as weights of a constant input (``expert_mlp._biased_relu_experts``);
+- ``index_add b1`` (the same): that unfused path with the first bias's gradient by
   ``index_select``'s backward, an ``index_add_`` (atomics), as before
   ``expert_mlp.add_expert_bias`` summed each expert's rows by the weight-gradient kernel;
 - ``dense products`` (PKM, PEER): switched *on*, as it is off by default: the gathered-row
@@ -116,6 +120,20 @@ def _bias_rows_by_index_select(hidden, bias, expert_of_row, counts):
     return hidden + bias.index_select(0, expert_of_row).to(hidden.dtype)
 
 
+def _unfused_biases(x, plan, w1, w2, gates, b1, b2, indices):
+    """Biased ReLU experts on the unfused path, as before the fifty-sixth session (an
+    identity hidden dropout keeps them off the fused one)."""
+    return expert_mlp.expert_mlp(x, plan, w1, w2, gates, b1=b1, b2=b2, indices=indices,
+                                 hidden_dropout=lambda hidden: hidden)
+
+
+@contextlib.contextmanager
+def _index_add_b1():
+    with _set(expert_mlp, "_biased_relu_experts", _unfused_biases), \
+            _set(expert_mlp, "add_expert_bias", _bias_rows_by_index_select):
+        yield
+
+
 SWITCHES = {
     "unpadded": (MOE_PRESETS, lambda: _set(expert_mlp, "HIDDEN_MULTIPLE", 1)),
     "bf16 gates": (MOE_PRESETS, _bf16_gates),
@@ -127,8 +145,9 @@ SWITCHES = {
     "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),
     "no triton": (MOE_PRESETS, lambda: _set(triton_cvmm, "_enabled", False)),
     "dense products": (ROW_PRESETS, lambda: _set(dense_products, "_enabled", True)),
-    "index_add b1": (("fff_sparse",), lambda: _set(expert_mlp, "add_expert_bias",
-                                                   _bias_rows_by_index_select)),
+    "unfused biases": (("fff_sparse",),
+                       lambda: _set(expert_mlp, "_biased_relu_experts", _unfused_biases)),
+    "index_add b1": (("fff_sparse",), _index_add_b1),
 }
 
 

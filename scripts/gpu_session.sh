@@ -29,8 +29,9 @@
 #                                                   #   timing hid under the host's) and
 #                                                   #   fig2-eager (Fig. 2's ratios and peak
 #                                                   #   memory)
-#   bash scripts/gpu_session.sh lm-layers-fff      # sparse FFF's bias gradient without atomics
-#                                                   #   against with, from CUDA graphs
+#   bash scripts/gpu_session.sh lm-layers-fff      # sparse FFF's biased experts fused against
+#                                                   #   unfused (and against atomics in the
+#                                                   #   bias gradient), from CUDA graphs
 #   bash scripts/gpu_session.sh profile-first      # the LM step of dense, σ-MoE, PKM and sparse
 #                                                   #   FFF, kernel by kernel (~3 min at most)
 #   bash scripts/gpu_session.sh tests check        # ~4-5 + ~7 min
@@ -152,8 +153,8 @@ for what in "${stages[@]}"; do
     # not end it in 20 s)
     fig2-eager) stage fig2-eager 90 $PY -m sparseffn bench fig2 --time-limit 60 \
                   --json "$OUT/fig2-eager.json" ;;
-    # sparse FFF's layer from CUDA graphs, its first bias's gradient summed by the weight
-    # gradient kernel (now) and by index_add_'s atomics (before)
+    # sparse FFF's layer from CUDA graphs: its biased experts fused (now), unfused (the
+    # fifty-second session's) and unfused with index_add_'s atomics in b1's gradient (before)
     lm-layers-fff) stage lm-layers-fff 90 $PY scripts/gpu_lm_layers.py --presets fff_sparse ;;
     # each switch of these layers, from CUDA graphs, beside the layer as it is
     lm-layers-first) stage lm-layers-first 140 $PY scripts/gpu_lm_layers.py \
