@@ -289,3 +289,24 @@ def test_a_nan_token_of_biased_relu_experts_stays_in_its_own_rows(matmul_path):
     want_x, want_g = torch.autograd.grad(want[clean], [x, gates], grad[clean])
     torch.testing.assert_close(grad_x, want_x, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(grad_g[clean], want_g[clean], atol=1e-3, rtol=1e-3)
+
+
+def test_biased_relu_experts_under_bf16_autocast_round_their_biases_once(matmul_path):
+    """Under CPU bf16 autocast the fused path's biases enter the products in bf16 (as
+    ``nn.Linear``'s bias does) with float32 sums: the output is bf16 and within bf16 rounding
+    of the float32 loop, and the float32 biases get float32 gradients within it too."""
+    indices, (x, w1, w2, gates) = _problem(T=31)
+    b1, b2 = torch.randn(5, 7, requires_grad=True), torch.randn(5, 10, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = expert_mlp(x, DispatchPlan.build(indices, 5), w1, w2, gates, b1=b1, b2=b2,
+                       indices=indices)
+    assert y.dtype == torch.bfloat16
+    want = expert_mlp_reference(x, indices, gates, w1.transpose(1, 2), w2, F.relu, b1=b1, b2=b2)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(y.float(), want, atol=3e-2 * scale, rtol=3e-2)
+    grad = torch.randn_like(want)
+    got = torch.autograd.grad(y.float(), [b1, b2], grad)
+    ref = torch.autograd.grad(want, [b1, b2], grad)
+    for g, r in zip(got, ref):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, atol=3e-2 * float(r.abs().max()), rtol=3e-2)
