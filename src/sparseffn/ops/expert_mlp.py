@@ -156,7 +156,8 @@ def _biased_relu_experts(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor,
       takes the first of the zero units that pad the hidden width anyway; where the width is
       already a multiple of ``HIDDEN_MULTIPLE`` (no free unit), ``b2`` is added by
       :func:`~sparseffn.ops.rows.gather_sum` instead. Further padding units also get bias 1
-      and a zero row of W2: they add exactly zero.
+      and a zero row of W2: they add exactly zero (NaN only where the token's input is not
+      finite, whose output is NaN anyway).
 
     The gradients come out of the same kernels: ``b1``'s is each expert's column sum of the
     pre-activation gradient (the dW1 product's ones column), ``b2``'s each expert's
