@@ -476,8 +476,8 @@ def test_biased_relu_experts_run_fused_on_whole_vectors_and_match_the_reference(
     assert products == [(d + 16, width), (width, d)]
     assert gathered == ([1] if "b2" in biases and not unit else [])
     want = expert_mlp_reference(ref["x"], indices, ref["gates"] * dispatched,
-                                ref["w1"].transpose(1, 2),
-                                ref["w2"], torch.relu, b1=ref.get("b1"), b2=ref.get("b2"))
+                                ref["w1"].transpose(1, 2), ref["w2"], torch.relu,
+                                b1=ref.get("b1"), b2=ref.get("b2"))
     close(y, want, dtype)
     grad = torch.randn_like(want)
     y.backward(grad.to(dtype))
@@ -488,6 +488,34 @@ def test_biased_relu_experts_run_fused_on_whole_vectors_and_match_the_reference(
     for name in ("b1", "b2"):
         if name in leaves:
             assert torch.all(got[name].grad[E - 1] == 0)
+
+
+@pytest.mark.parametrize("G", [13, 16])
+def test_biased_relu_experts_on_the_kernels_keep_a_nan_token_alone_and_take_empty_batches(G):
+    """On the kernels too, the constant input and the b2 unit spread no token's NaN to
+    another's output, and an empty batch gives an empty output and zero gradients."""
+    T, k, E, d = 9, 2, 4, 24
+    indices = torch.randint(0, E, (T, k), device=DEVICE)
+    w1 = torch.randn(E, G, d, device=DEVICE, requires_grad=True)
+    w2 = torch.randn(E, G, d, device=DEVICE, requires_grad=True)
+    b1 = torch.randn(E, G, device=DEVICE, requires_grad=True)
+    b2 = torch.randn(E, d, device=DEVICE, requires_grad=True)
+    x = torch.randn(T, d, device=DEVICE)
+    x[5, 7] = float("nan")
+    gates = torch.rand(T, k, device=DEVICE)
+    y = expert_mlp(x, DispatchPlan.build(indices, E), w1, w2, gates, b1=b1, b2=b2,
+                   indices=indices)
+    others = torch.arange(T, device=DEVICE) != 5
+    assert bool(y[5].isnan().all()) and bool(y[others].isfinite().all())
+    want = expert_mlp_reference(x[others], indices[others], gates[others], w1.transpose(1, 2),
+                                w2, torch.relu, b1=b1, b2=b2)
+    close(y[others], want, torch.float32)
+    empty = expert_mlp(x[:0], DispatchPlan.build(indices[:0], E), w1, w2, gates[:0], b1=b1,
+                       b2=b2, indices=indices[:0])
+    assert empty.shape == (0, d)
+    grads = torch.autograd.grad(empty.sum(), [w1, w2, b1, b2], allow_unused=True)
+    assert all(g is None or torch.equal(g, torch.zeros_like(p))
+               for g, p in zip(grads, [w1, w2, b1, b2]))
 
 
 def test_the_cpu_paths_keep_odd_expert_sizes_as_they_are():
