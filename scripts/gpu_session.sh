@@ -18,11 +18,12 @@
 #                                                   #   has 15 minutes of device time, a start
 #                                                   #   takes 1-2
 #   bash scripts/gpu_session.sh second             # a second call, at once while the machine
-#                                                   #   is warm, if 5 minutes are left (~4 min
-#                                                   #   at most): tests-parts (split parts added
-#                                                   #   in the kernel: the same bits as a second
-#                                                   #   launch, call after call, bf16 included;
-#                                                   #   the plan's counting sort),
+#                                                   #   is warm, if 5 minutes are left (250 s
+#                                                   #   of stage limits): tests-parts (split
+#                                                   #   parts added in the kernel: the same bits
+#                                                   #   as a second launch, call after call,
+#                                                   #   bf16 included; the plan's counting sort;
+#                                                   #   biased ReLU experts, fused),
 #                                                   #   cvmm-graphs (the six CVMM calls
 #                                                   #   replayed from CUDA graphs: the device's
 #                                                   #   time at the LM's shapes, which eager
@@ -143,10 +144,12 @@ for what in "${stages[@]}"; do
                  tests/ops/test_triton_sinkhorn.py ;;
     # the fifty-fourth session's split parts added by each block's last program to finish:
     # their order, the arrival counts left at zero, and 30 calls at the LM's shapes that must
-    # give the bits of the sum in a second launch (the race the interpreter cannot show); and
-    # the fifty-fifth's counting sort of the dispatch plan against torch.sort
-    tests-parts) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests-parts 75 $PY -m pytest -q \
-                   -p no:cacheprovider -k "parts or added_in_the_kernel or triton_plan" \
+    # give the bits of the sum in a second launch (the race the interpreter cannot show); the
+    # fifty-fifth's counting sort of the dispatch plan against torch.sort; and the
+    # fifty-sixth's biased ReLU experts on the fused path (bf16 included)
+    tests-parts) SPARSEFFN_TRITON_AUTOTUNE=0 stage tests-parts 90 $PY -m pytest -q \
+                   -p no:cacheprovider \
+                   -k "parts or added_in_the_kernel or triton_plan or biased_relu" \
                    tests/ops/test_triton_cvmm.py tests/ops/test_triton_plan.py ;;
     # eager: the allocator's peak (CUDA graphs hide it) and the ratios without graphs
     # (killed at 75 + 20 s on a cold H200 in d_model 2048, with nothing printed: the SIGINT did
