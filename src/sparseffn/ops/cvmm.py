@@ -149,7 +149,9 @@ def _expert_order_torch(keys: torch.Tensor, num_experts: int,
     """:func:`expert_order` in PyTorch ops: a stable sort, the experts' block boundaries, and
     each row's token."""
     sorted_keys, order = stable_sort_ids(keys, num_experts + 1)
-    return order, order // max(k, 1), _expert_counts(sorted_keys, num_experts)
+    # (no builtin max: PyTorch 2.8-2.9's non-strict export replaces it by a function that
+    # Dynamo refuses to trace inside torch.cond's branches, as in stable_sort_ids)
+    return order, order // k if k else order, _expert_counts(sorted_keys, num_experts)
 
 
 @kernels.operator("expert_order")
