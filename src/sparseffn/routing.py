@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .ops.cvmm import DispatchPlan
+from .ops.cvmm import DispatchPlan, sum_per_expert
 from .ops.portable import exporting_to_onnx, tracing_forms
 from .ops.precision import cast_for_two
 from .ops.sizes import exporting
@@ -96,22 +96,13 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
         ones = torch.ones(flat.shape, device=flat.device, dtype=torch.float32) if keep is None \
             else keep.float()
         if mass_each is None:
-            counts = _per_expert(flat, ones, num_experts)
+            counts = sum_per_expert(flat, ones, num_experts)
         else:   # both: one scatter of the (1, weight) columns
-            both = _per_expert(flat, torch.stack((ones, mass_each)), num_experts)
+            both = sum_per_expert(flat, torch.stack((ones, mass_each)), num_experts)
             return both[0], both[1]
     if mass is None:
-        mass = _per_expert(flat, mass_each, num_experts)
+        mass = sum_per_expert(flat, mass_each, num_experts)
     return counts.float(), mass
-
-
-def _per_expert(flat: torch.Tensor, values: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``values`` [..., S] summed by the expert ids ``flat`` [S]: float32 [..., E]. One expert
-    takes a sum: Inductor (PyTorch 2.11, 2.13) failed to generate a scatter into one element,
-    so a compiled layer with one expert did not compile."""
-    if num_experts == 1:
-        return values.sum(-1, keepdim=True)
-    return values.new_zeros((*values.shape[:-1], num_experts)).index_add_(-1, flat, values)
 
 
 def _inside_func_transform() -> bool:

@@ -256,8 +256,8 @@ def test_a_layer_takes_its_usage_mass_from_the_plan(monkeypatch):
     twin = copy.deepcopy(layer)
     x = torch.randn(37, layer.config.d_model, device=DEVICE)
     scatters = []
-    per_expert = routing._per_expert
-    monkeypatch.setattr(routing, "_per_expert",
+    per_expert = routing.sum_per_expert
+    monkeypatch.setattr(routing, "sum_per_expert",
                         lambda *a: scatters.append(1) or per_expert(*a))
     layer(x)
     assert not scatters

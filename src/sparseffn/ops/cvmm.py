@@ -175,9 +175,8 @@ def expert_order(keys: torch.Tensor, num_experts: int, k: int,
         return order, token_of_row, counts, keys.new_empty(0, dtype=torch.float32)
     # (as the kernels: a key outside the experts counts with the dropped pairs)
     valid = (keys >= 0) & (keys < num_experts)
-    kept = torch.where(valid, weights.float(), 0.0)
-    mass = kept.new_zeros(num_experts + 1).index_add_(0, torch.where(valid, keys, num_experts),
-                                                      kept)
+    mass = sum_per_expert(torch.where(valid, keys, num_experts),
+                          torch.where(valid, weights.float(), 0.0), num_experts + 1)
     return order, token_of_row, counts, mass[:num_experts]
 
 
@@ -187,6 +186,15 @@ def _(keys, num_experts, k, weights=None):
     return (keys.new_empty(pairs, dtype=torch.int64), keys.new_empty(pairs, dtype=torch.int64),
             keys.new_empty(num_experts, dtype=torch.int64),
             keys.new_empty(num_experts if weights is not None else 0, dtype=torch.float32))
+
+
+def sum_per_expert(flat: torch.Tensor, values: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``values`` [..., S] summed by the expert ids ``flat`` [S]: float32 [..., E]. One expert
+    takes a sum: Inductor (PyTorch 2.11, 2.13) failed to generate a scatter into one element,
+    so a compiled layer with one expert did not compile."""
+    if num_experts == 1:
+        return values.sum(-1, keepdim=True)
+    return values.new_zeros((*values.shape[:-1], num_experts)).index_add_(-1, flat, values)
 
 
 def check_expert_indices(indices: torch.Tensor, num_experts: int) -> None:
