@@ -24,7 +24,10 @@ replayed from one CUDA graph (``measure.graph_call_times``: the device's time). 
 
 References: gathering x's rows (``index_select``), the k-slot sum alone, a plain matmul
 (cuBLAS on a GPU) of all rows by one expert's matrix (no gather, no groups), and
-``torch._grouped_mm`` on pre-gathered rows.
+``torch._grouped_mm`` on pre-gathered rows: the two forward products, and the two weight
+gradients as grouped products over each expert's rows (alone, then with the gather of their
+token rows and the gate scaling that they need, in the same call), to say whether the
+weight gradients should take ``torch._grouped_mm`` where it runs (Hopper).
 
 Then the routing's bookkeeping at each width's number of experts, each against what it
 replaced, in the same rounds: the dispatch plan (the counting sort's two launches,
@@ -158,11 +161,23 @@ def bench_width(d_model: int, tokens: int, rounds: int, calls: int, device: torc
         f"matmul [{rows}, {d_model}] x [{d_model}, {expert_size}]": lambda: gathered @ w1[0].t(),
         f"matmul [{rows}, {expert_size}] x [{expert_size}, {d_model}]": lambda: hidden @ w2[0],
     }
-    if hasattr(torch, "_grouped_mm") and device.type == "cuda":
+    if hasattr(torch, "_grouped_mm"):   # (on a CPU: a check that the calls run)
         offsets = plan.offsets.to(torch.int32)
         references["_grouped_mm up (pre-gathered)"] = lambda: torch._grouped_mm(
             gathered, w1.transpose(1, 2), offs=offsets)
         references["_grouped_mm down"] = lambda: torch._grouped_mm(hidden, w2, offs=offsets)
+        # the weight gradients as grouped products over K (each expert's rows), on rows
+        # gathered (and gate-scaled) beforehand, and with those copies in the same call
+        grad_y_rows = grad_y.index_select(0, token_of)
+        scaled = hidden * gates.unsqueeze(1)
+        references["_grouped_mm dw2 (pre-gathered)"] = lambda: torch._grouped_mm(
+            scaled.t(), grad_y_rows, offs=offsets)
+        references["_grouped_mm dw1 (pre-gathered)"] = lambda: torch._grouped_mm(
+            grad_pre.t(), gathered, offs=offsets)
+        references["_grouped_mm dw2 with its gather and scaling"] = lambda: torch._grouped_mm(
+            (hidden * gates.unsqueeze(1)).t(), grad_y.index_select(0, token_of), offs=offsets)
+        references["_grouped_mm dw1 with its gather"] = lambda: torch._grouped_mm(
+            grad_pre.t(), x.index_select(0, token_of), offs=offsets)
     for name, fn in references.items():
         try:
             ms = statistics.median(call_times({name: fn}, rounds, calls, device)[name])
