@@ -39,6 +39,14 @@ together. Here each layer is timed alone, in three versions where they apply:
 - ``index_add b1`` (the same): that unfused path with the first bias's gradient by
   ``index_select``'s backward, an ``index_add_`` (atomics), as before
   ``expert_mlp.add_expert_bias`` summed each expert's rows by the weight-gradient kernel;
+- ``dense_rows by slot`` (PKM, PEER): the product-key backward's ``dense_rows`` kernel
+  loading its pairs one slot at a time (two dependent loads a slot, 32 slots at these
+  shapes), as before the fifty-seventh session, not a tile of 32 slots at once
+  (``triton_rows.DENSE_ROWS_SLOTS``; the same sums);
+- ``grouped weight grads`` (the MoE presets): both expert weight gradients as
+  ``torch._grouped_mm`` (cuBLAS's grouped GEMM on Hopper) on rows gathered and gate-scaled
+  beforehand, the rest of the layer on the Triton kernels: whether the weight gradients,
+  23% of σ-MoE's compiled LM step on an H200, should take it where it runs;
 - ``dense products`` (PKM, PEER): switched *on*, as it is off by default: the gathered-row
   products of their tables as dense bf16 GEMMs (``ops/dense_products.py``), which cost 2·N·d
   FLOPs a token against m·d elements read; at these tables (3,844 and 1,444 rows, 128 and 32
@@ -79,7 +87,8 @@ from sparseffn.auxiliary import aux_loss
 from sparseffn.bench.lm_step import lm_ffn
 from sparseffn.bench.measure import (forward_backward_fn, graph_call_times, kernel_script_device,
                                      paired_ratio)
-from sparseffn.ops import dense_products, kernels, triton_cvmm, triton_plan, triton_sinkhorn
+from sparseffn.ops import (dense_products, grouped_mm, kernels, triton_cvmm, triton_plan,
+                           triton_rows, triton_sinkhorn)
 
 # the modules, not the functions of the same names that sparseffn.ops exports
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
@@ -134,6 +143,17 @@ def _index_add_b1():
         yield
 
 
+def _grouped_weight_grad(a_src, b_src, counts, a_idx, b_idx, scale):
+    """``kernels.expert_weight_grad`` as ``torch._grouped_mm`` over gathered, scaled rows (the
+    operator's PyTorch path, without the Triton kernel)."""
+    dtype = torch.promote_types(a_src.dtype, b_src.dtype)
+    a = (a_src if a_idx is None else a_src.index_select(0, a_idx)).to(dtype)
+    b = (b_src if b_idx is None else b_src.index_select(0, b_idx)).to(dtype)
+    if scale is not None:
+        a = a * scale.to(dtype).unsqueeze(1)
+    return grouped_mm.grouped_weight_grad_rows(a, b, counts)
+
+
 SWITCHES = {
     "unpadded": (MOE_PRESETS, lambda: _set(expert_mlp, "HIDDEN_MULTIPLE", 1)),
     "bf16 gates": (MOE_PRESETS, _bf16_gates),
@@ -144,6 +164,9 @@ SWITCHES = {
                     lambda: _set(kernels, "scatter_rows_dot", kernels.scatter_rows_and_gather_dot)),
     "torch sinkhorn": (("sbase",), lambda: _set(triton_sinkhorn, "usable", lambda logits: False)),
     "no triton": (MOE_PRESETS, lambda: _set(triton_cvmm, "_enabled", False)),
+    "dense_rows by slot": (ROW_PRESETS, lambda: _set(triton_rows, "DENSE_ROWS_SLOTS", 1)),
+    "grouped weight grads": (MOE_PRESETS,
+                             lambda: _set(kernels, "expert_weight_grad", _grouped_weight_grad)),
     "dense products": (ROW_PRESETS, lambda: _set(dense_products, "_enabled", True)),
     "unfused biases": (("fff_sparse",),
                        lambda: _set(expert_mlp, "_biased_relu_experts", _unfused_biases)),

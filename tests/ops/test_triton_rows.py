@@ -404,6 +404,33 @@ def test_dense_rows_sums_each_tokens_pairs_in_place():
     assert kernels.dense_rows(idx[:0], w[:0], 6).shape == (0, 6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,m,num_rows", [(37, 5, 11), (33, 32, 62), (9, 45, 130),
+                                                (1, 1, 1)])
+def test_dense_rows_adds_in_slot_order_whatever_the_slots_a_load(tokens, m, num_rows, dtype,
+                                                                monkeypatch):
+    """The kernel's sums are the CPU ``scatter_add_``'s, bit for bit (float32 sums in slot
+    order, rounded once), with the pairs loaded a tile of slots at a time or one slot at a
+    time (DENSE_ROWS_SLOTS 1, as before): fewer slots than a tile, exactly a tile, more than
+    one tile with a partial last one; columns over several blocks; repeated rows within a
+    token (sub-keys shared by several selected product keys); a NaN weight that reaches only
+    its own entry."""
+    gen = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, num_rows, (tokens, m), generator=gen)
+    idx[0, -1] = idx[0, 0]                      # a row named twice by one token
+    w = torch.randn(tokens, m, generator=gen).to(dtype)
+    if m > 2:
+        w[-1, 1] = float("nan")
+    want = torch.zeros(tokens, num_rows).scatter_add_(1, idx, w.float()).to(dtype)
+    for slots in (triton_rows.DENSE_ROWS_SLOTS, 1):
+        monkeypatch.setattr(triton_rows, "DENSE_ROWS_SLOTS", slots)
+        got = kernels.dense_rows(idx.to(DEVICE), w.to(DEVICE), num_rows).cpu()
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    if m > 2:
+        assert got[-1].isnan().sum() == 1, "a NaN weight reaches only its own entry"
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_retrieval_dense_backward_matches_the_gathered_one(shared, monkeypatch):
     """Small sub-key tables take the dense backward (the Triton dense_rows, two GEMMs per

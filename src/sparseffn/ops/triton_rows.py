@@ -174,16 +174,32 @@ if triton is not None:
 
     @triton.jit
     def _dense_rows_kernel(idx_ptr, w_ptr, out_ptr, T, m, n, stride_idx, stride_w, stride_out,
-                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_M: tl.constexpr):
+        """Tokens [BLOCK_T] by columns [BLOCK_N] of out: each entry the sum of the weights of
+        the token's pairs that name its column, added in slot order (the same sum on every
+        run, and the CPU's ``scatter_add_``'s). The pairs are loaded BLOCK_M slots at a time
+        as one [BLOCK_T, BLOCK_M] tile of indices and one of weights, and each slot's column
+        taken out of the tiles in registers: all loads of a block are issued together, not
+        two dependent loads per slot."""
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        js = tl.arange(0, BLOCK_M)
         t_ok = ts < T
         ts64 = ts.to(tl.int64)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for j in range(0, m):   # in slot order: the same sum on every run
-            row = tl.load(idx_ptr + ts64 * stride_idx + j, mask=t_ok, other=-1)
-            w = tl.load(w_ptr + ts64 * stride_w + j, mask=t_ok, other=0.0).to(tl.float32)
-            acc += tl.where(row[:, None] == cols[None, :], w[:, None], 0.0)
+        for first in range(0, m, BLOCK_M):
+            slots = first + js
+            ok = t_ok[:, None] & (slots < m)[None, :]
+            rows = tl.load(idx_ptr + ts64[:, None] * stride_idx + slots[None, :], mask=ok,
+                           other=-1)                                            # [BT, BM]
+            ws = tl.load(w_ptr + ts64[:, None] * stride_w + slots[None, :], mask=ok,
+                         other=0.0).to(tl.float32)
+            for j in tl.static_range(BLOCK_M):   # slot first + j of every token
+                pick = js[None, :] == j
+                row = tl.max(tl.where(pick, rows, -1), 1)
+                w = tl.sum(tl.where(pick, ws, 0.0), 1)
+                acc += tl.where(row[:, None] == cols[None, :], w[:, None], 0.0)
         tl.store(out_ptr + ts64[:, None] * stride_out + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (cols < n)[None, :])
 
@@ -429,6 +445,14 @@ def gather_dot(x: Tensor, table: Tensor, idx: Tensor) -> Tensor:
     return out
 
 
+# dense_rows loads its pairs this many slots at a time (one tile of indices and one of weights
+# a block). It loaded them one slot at a time until the fifty-seventh session: two dependent
+# loads a slot, 32 slots at PKM's k (an H200 profile of bench lm's PKM step, before the
+# change: 1.05 of 10.18 ms in this kernel, 12 calls). 1 gives that kernel back, for A/B
+# timing (scripts/gpu_lm_layers.py); the sums are the same either way.
+DENSE_ROWS_SLOTS = 32
+
+
 @written_in_full()
 def dense_rows(idx: Tensor, weights: Tensor, num_rows: int) -> Tensor:
     """``sparseffn::dense_rows`` in Triton: [T, num_rows] in the weights' dtype."""
@@ -437,9 +461,11 @@ def dense_rows(idx: Tensor, weights: Tensor, num_rows: int) -> Tensor:
     out = weights.new_empty(tokens, num_rows)
     if tokens and num_rows:
         block_n = _block(num_rows, 64)
+        block_m = min(DENSE_ROWS_SLOTS, next_power_of_2(max(1, m)))
         grid = (cdiv(tokens, 32), cdiv(num_rows, block_n))
         _dense_rows_kernel[grid](idx, weights, out, tokens, m, num_rows, idx.stride(0),
-                                 weights.stride(0), out.stride(0), BLOCK_T=32, BLOCK_N=block_n)
+                                 weights.stride(0), out.stride(0), BLOCK_T=32, BLOCK_N=block_n,
+                                 BLOCK_M=block_m)
     return out
 
 
