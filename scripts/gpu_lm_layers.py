@@ -143,15 +143,18 @@ def _index_add_b1():
         yield
 
 
-def _grouped_weight_grad(a_src, b_src, counts, a_idx, b_idx, scale):
+def _grouped_weight_grad(a_src, b_src, counts, a_idx, b_idx, scale, rows=None,
+                         out_dtype=None):
     """``kernels.expert_weight_grad`` as ``torch._grouped_mm`` over gathered, scaled rows (the
     operator's PyTorch path, without the Triton kernel)."""
     dtype = torch.promote_types(a_src.dtype, b_src.dtype)
-    a = (a_src if a_idx is None else a_src.index_select(0, a_idx)).to(dtype)
+    a = a_src if rows is None else a_src[:, :rows]
+    a = (a if a_idx is None else a.index_select(0, a_idx)).to(dtype)
     b = (b_src if b_idx is None else b_src.index_select(0, b_idx)).to(dtype)
     if scale is not None:
         a = a * scale.to(dtype).unsqueeze(1)
-    return grouped_mm.grouped_weight_grad_rows(a, b, counts)
+    out = grouped_mm.grouped_weight_grad_rows(a.contiguous(), b, counts)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 SWITCHES = {

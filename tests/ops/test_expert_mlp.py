@@ -66,9 +66,9 @@ def test_the_weight_gradient_reads_bf16_gates_in_float32_with_their_own_values(
     scales = []
     original = kernels.expert_weight_grad
 
-    def recording(a_src, b_src, counts, a_idx, b_idx, scale):
+    def recording(a_src, b_src, counts, a_idx, b_idx, scale, *rows_and_dtype):
         scales.append(scale)
-        return original(a_src, b_src, counts, a_idx, b_idx, scale)
+        return original(a_src, b_src, counts, a_idx, b_idx, scale, *rows_and_dtype)
     monkeypatch.setattr(kernels, "expert_weight_grad", recording)
     indices, tensors = _problem()
     x, w1, w2, gates = (t.detach().to(dtype).requires_grad_() for t in tensors)

@@ -156,6 +156,31 @@ def test_weight_gradient_matches_the_loop(dtype, gathered, scaled, weight_grad_s
     assert bool((got[1] == 0).all()), "an expert without rows gets an exact zero gradient"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_gradient_writes_the_first_rows_in_the_dtype_asked(dtype, weight_grad_splits):
+    """``rows`` and ``out_dtype``: the gradient of a weight whose padded copy in a reduced
+    dtype ran the products, [E, rows, nb] in float32 straight from the float32 sums (split or
+    not): the first rows of the full gradient, bit for bit where the sums are rounded to
+    float32 in both; an empty batch gives zeros of that shape and dtype."""
+    src, _, counts, in_idx, scale, rows = _problem([6, 0, 17, 2], 19, 1, dropped=4, dtype=dtype)
+    b = torch.randn(rows, 45, device=DEVICE).to(dtype)
+    full = kernels.expert_weight_grad(src, b, counts, in_idx, None, scale, None, torch.float32)
+    got = kernels.expert_weight_grad(src, b, counts, in_idx, None, scale, 13, torch.float32)
+    assert got.shape == (4, 13, 45) and got.dtype == torch.float32 and got.is_contiguous()
+    assert torch.equal(got, full[:, :13])
+    a = src[in_idx].float() * scale.float()[:, None]
+    want = torch.stack([a[s:e].t() @ b[s:e].float() for s, e in
+                        zip((counts.cumsum(0) - counts).tolist(), counts.cumsum(0).tolist())])
+    close(got, want[:, :13], dtype)
+    assert bool((got[1] == 0).all())
+    empty = kernels.expert_weight_grad(src[:0], b[:0], torch.zeros_like(counts), None, None,
+                                       None, 13, torch.float32)
+    assert empty.shape == (4, 13, 45) and empty.dtype == torch.float32
+    assert bool((empty == 0).all())
+    with pytest.raises(ValueError, match="rows must lie in"):
+        kernels.expert_weight_grad(src, b, counts, in_idx, None, scale, 20, None)
+
+
 def test_weight_gradient_split_keeps_nan_in_its_expert_and_empty_experts_zero(
         weight_grad_splits):
     """Split or not, a NaN row reaches only its own expert's gradient, an expert with no

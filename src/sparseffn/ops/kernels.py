@@ -277,28 +277,49 @@ def _(src, weight, counts, in_idx, out_idx, scale, out_rows, group, relu, mask_w
 
 @operator("expert_weight_grad")
 def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Optional[Tensor],
-                       b_idx: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+                       b_idx: Optional[Tensor], scale: Optional[Tensor],
+                       rows: Optional[int] = None,
+                       out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``out[e] = A_eᵀ B_e`` over expert e's sorted rows r < Σ counts, with
     ``A_r = scale[r] · a_src[a_idx[r]]`` [ma] and ``B_r = b_src[b_idx[r]]`` [nb].
 
-    Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix."""
+    Returns [E, rows, nb] (``rows`` ≤ ma, default ma: the first rows of each expert's
+    gradient, those of a weight whose copy was padded with zero units) in ``out_dtype``
+    (default the promoted dtype of a_src and b_src): the gradient of the weight itself, not
+    of its padded copy in the autocast dtype, rounded once from the float32 sums. An expert
+    with no rows gets an exact zero matrix."""
+    ma = a_src.shape[1]
+    rows = ma if rows is None else rows
+    if not 0 <= rows <= ma:
+        raise ValueError(f"expert_weight_grad: rows must lie in [0, {ma}], got {rows}")
     if triton_cvmm.usable(counts.shape[0], a_src, b_src, scale):
-        return triton_cvmm.expert_weight_grad(a_src, b_src, counts, a_idx, b_idx, scale)
+        return triton_cvmm.expert_weight_grad(a_src, b_src, counts, a_idx, b_idx, scale, rows,
+                                              out_dtype)
     if native.cvmm_usable(a_src, b_src, scale=scale):   # summed in a fixed order
         a_idx, b_idx, scale = _dispatched(counts, a_idx, b_idx, scale)
-        return native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale)
+        out = native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale,
+                                 out_dtype=out_dtype)
+        return _first_rows(out, rows)
     dtype = torch.promote_types(a_src.dtype, b_src.dtype)
-    a = (a_src if a_idx is None else a_src.index_select(0, a_idx)).to(dtype)
+    a = a_src if rows == ma else a_src[:, :rows]
+    a = (a if a_idx is None else a.index_select(0, a_idx)).to(dtype)
     b = (b_src if b_idx is None else b_src.index_select(0, b_idx)).to(dtype)
     if scale is not None:
         a = a * scale.to(dtype).unsqueeze(1)
-    return grouped_weight_grad_rows(a, b, counts)
+    out = grouped_weight_grad_rows(a.contiguous(), b, counts)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _first_rows(out: Tensor, rows: int) -> Tensor:
+    """[E, rows, n] of [E, m, n], contiguous (a copy only when rows < m)."""
+    return out if rows == out.shape[1] else out[:, :rows].contiguous()
 
 
 @expert_weight_grad.register_fake
-def _(a_src, b_src, counts, a_idx, b_idx, scale):
-    dtype = torch.promote_types(a_src.dtype, b_src.dtype)
-    return a_src.new_empty(counts.shape[0], a_src.shape[1], b_src.shape[1], dtype=dtype)
+def _(a_src, b_src, counts, a_idx, b_idx, scale, rows=None, out_dtype=None):
+    dtype = out_dtype or torch.promote_types(a_src.dtype, b_src.dtype)
+    return a_src.new_empty(counts.shape[0], a_src.shape[1] if rows is None else rows,
+                           b_src.shape[1], dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------

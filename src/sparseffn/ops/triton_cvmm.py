@@ -389,7 +389,7 @@ if triton is not None:
                      key=["ma", "nb", "splits", "HAS_A_IDX", "HAS_B_IDX", "HAS_SCALE"])
     @triton.jit
     def _weight_grad_kernel(a_ptr, stride_a, a_idx_ptr, b_ptr, stride_b, b_idx_ptr, scale_ptr,
-                            counts_ptr, num_experts, ma, nb, splits,
+                            counts_ptr, num_experts, ma, nb, ma_out, splits,
                             out_ptr, stride_os, stride_oe, stride_om, arrivals_ptr, sum_ptr,
                             HAS_A_IDX: tl.constexpr, HAS_B_IDX: tl.constexpr,
                             HAS_SCALE: tl.constexpr, ADD_PARTS: tl.constexpr,
@@ -400,7 +400,9 @@ if triton is not None:
         of its rows: the rows ``[start, end)`` cut into ``splits`` ranges of whole
         ``BLOCK_K`` steps (a range past the end sums nothing), stored at
         ``out[split, expert]``; with ``ADD_PARTS``, the last of a tile's ``splits`` programs
-        to finish adds them into ``sum[expert]``."""
+        to finish adds them into ``sum[expert]``. Only the first ``ma_out`` of the ``ma``
+        output rows are stored (the rest, a padded weight's zero units, are read as a's
+        columns but have no place in the output)."""
         expert = tl.program_id(1)
         split = tl.program_id(2)
         tiles_n = tl.cdiv(nb, BLOCK_N)
@@ -439,7 +441,7 @@ if triton is not None:
             acc = tl.dot(a_t, b, acc, input_precision=PRECISION)
         offsets = (expert.to(tl.int64) * stride_oe + cols_a[:, None].to(tl.int64) * stride_om
                    + cols_b[None, :])
-        tile_ok = a_ok[:, None] & b_ok[None, :]
+        tile_ok = (cols_a < ma_out)[:, None] & b_ok[None, :]
         tl.store(out_ptr + split.to(tl.int64) * stride_os + offsets,
                  acc.to(out_ptr.dtype.element_ty), mask=tile_ok)
         if ADD_PARTS:
@@ -632,14 +634,18 @@ def weight_grad_splits(rows: int, num_experts: int, ma: int, nb: int,
 
 @written_in_full()
 def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Optional[Tensor],
-                       b_idx: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+                       b_idx: Optional[Tensor], scale: Optional[Tensor],
+                       rows: Optional[int] = None,
+                       out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``sparseffn::expert_weight_grad`` in Triton (same arguments and result)."""
     dtype = torch.promote_types(a_src.dtype, b_src.dtype)
     a_src, b_src = _rowwise(a_src.to(dtype)), _rowwise(b_src.to(dtype))
     num_experts = counts.shape[0]
     ma, nb = a_src.shape[1], b_src.shape[1]
-    if not (num_experts and ma and nb):
-        return a_src.new_empty(num_experts, ma, nb)
+    ma_out = ma if rows is None else rows
+    out_dtype = out_dtype or dtype
+    if not (num_experts and ma_out and nb):
+        return a_src.new_empty(num_experts, ma_out, nb, dtype=out_dtype)
     rows = (a_idx if a_idx is not None else b_idx if b_idx is not None else a_src).shape[0]
     splits = weight_grad_splits(rows, num_experts, ma, nb, a_src.device)
     # one split writes the gradient [E, ma, nb]; several write float32 partials [splits, E,
@@ -647,13 +653,13 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
     add_parts = splits > 1 and ADD_PARTS_IN_KERNEL
     total = arrivals = None
     if splits == 1:
-        out = a_src.new_empty(num_experts, ma, nb)
+        out = a_src.new_empty(num_experts, ma_out, nb, dtype=out_dtype)
         strides = (0, out.stride(0), out.stride(1))
     else:
-        out = a_src.new_empty(splits, num_experts, ma, nb, dtype=torch.float32)
+        out = a_src.new_empty(splits, num_experts, ma_out, nb, dtype=torch.float32)
         strides = out.stride()[:3]
     if add_parts:
-        total = a_src.new_empty(num_experts, ma, nb)
+        total = a_src.new_empty(num_experts, ma_out, nb, dtype=out_dtype)
         tiles = (cdiv(ma, _smallest(_WEIGHT_GRAD_CONFIGS, "BLOCK_M"))
                  * cdiv(nb, _smallest(_WEIGHT_GRAD_CONFIGS, "BLOCK_N")))
         arrivals = arrival_counts(num_experts * tiles, a_src.device)
@@ -661,9 +667,9 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
                          num_experts, splits)
     _weight_grad_kernel[grid](
         a_src, a_src.stride(0), a_idx, b_src, b_src.stride(0), b_idx, scale,
-        counts.contiguous(), num_experts, ma, nb, splits, out, *strides, arrivals, total,
+        counts.contiguous(), num_experts, ma, nb, ma_out, splits, out, *strides, arrivals, total,
         HAS_A_IDX=a_idx is not None, HAS_B_IDX=b_idx is not None, HAS_SCALE=scale is not None,
         ADD_PARTS=add_parts, PRECISION=_precision(dtype), BLOCK_E=_block_e(num_experts))
     if splits == 1:
         return out
-    return total if add_parts else sum_partials(out, dtype)
+    return total if add_parts else sum_partials(out, out_dtype)

@@ -226,10 +226,12 @@ def cvmm_rows(src: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
 
 def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
                 a_idx: torch.Tensor | None = None, b_idx: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> torch.Tensor:
+                scale: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out[e] = A_eᵀ @ B_e`` with ``A = scale · a_src[a_idx]`` [P, ma] and
     ``B = b_src[b_idx]`` [P, nb], rows expert-sorted (None: no gather / no scale).
-    Returns [E, ma, nb]; an expert with no rows gets an exact zero matrix.
+    Returns [E, ma, nb] in ``out_dtype`` (default the inputs'); an expert with no rows gets
+    an exact zero matrix.
 
     a_src and b_src are float32, or both bfloat16 (:func:`bf16_available`): then a scaled row
     is rounded to bf16 once, the sums accumulate in float32 and the result is rounded once."""
@@ -244,7 +246,7 @@ def weight_grad(a_src: torch.Tensor, b_src: torch.Tensor, counts: torch.Tensor,
               b_src.data_ptr(), b_src.stride(0), _ptr(b_idx), counts.data_ptr(), E, ma, nb,
               out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads(),
               _chunk(ma + nb))
-    return out.to(dtype)
+    return out.to(out_dtype or dtype)
 
 
 # ---------------------------------------------------------------------------------------------
