@@ -181,6 +181,43 @@ def test_weight_gradient_writes_the_first_rows_in_the_dtype_asked(dtype, weight_
         kernels.expert_weight_grad(src, b, counts, in_idx, None, scale, 20, None)
 
 
+def test_fused_experts_get_their_weight_gradients_unpadded_in_float32_under_autocast(
+        monkeypatch):
+    """Under autocast the fused ReLU experts cast and pad their own weight copies (G 13 runs
+    as 16 units) and the weight-gradient kernel writes the float32 weights' gradients
+    themselves, [E, 13, d] in float32: no gradient of the padded reduced-precision copy for
+    autograd to slice and cast back. The gradients are the float32 reference's within the
+    reduced dtype's rounding."""
+    low = DTYPES[-1]                       # bf16 on a GPU, fp16 in the interpreter
+    returned = []
+    original = kernels.expert_weight_grad
+
+    def spy(*args):
+        out = original(*args)
+        returned.append((tuple(out.shape), out.dtype))
+        return out
+    monkeypatch.setattr(kernels, "expert_weight_grad", spy)
+    torch.manual_seed(5)
+    T, k, E, G, d = 21, 2, 4, 13, 24
+    indices = torch.randint(0, E, (T, k), device=DEVICE)
+    leaves = [torch.randn(T, d, device=DEVICE), torch.randn(E, G, d, device=DEVICE) / d ** 0.5,
+              torch.randn(E, G, d, device=DEVICE) / G ** 0.5, torch.rand(T, k, device=DEVICE)]
+    leaves = [t.requires_grad_() for t in leaves]
+    refs = [t.detach().clone().requires_grad_() for t in leaves]
+    with torch.autocast(DEVICE, dtype=low):
+        y = expert_mlp(leaves[0], DispatchPlan.build(indices, E), *leaves[1:3], leaves[3])
+    assert y.dtype == low
+    grad = torch.randn(T, d, device=DEVICE)
+    y.float().backward(grad)
+    assert returned == [((E, G, d), torch.float32)] * 2
+    want = expert_mlp_reference(refs[0], indices, refs[3], refs[1].transpose(1, 2), refs[2],
+                                torch.relu)
+    want.backward(grad)
+    for got, ref in zip(leaves, refs):
+        assert got.grad.dtype == torch.float32
+        close(got.grad, ref.grad, low)
+
+
 def test_weight_gradient_split_keeps_nan_in_its_expert_and_empty_experts_zero(
         weight_grad_splits):
     """Split or not, a NaN row reaches only its own expert's gradient, an expert with no

@@ -109,21 +109,24 @@ def expert_mlp(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor, w2: torch.
     if biased and indices is None:
         raise ValueError("expert_mlp: biases need the expert indices the plan was built from")
     dtype = autocast_dtype(x)
-    if dtype is not None:   # both CVMMs in the autocast dtype
-        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
-        w_gate = None if w_gate is None else w_gate.to(dtype)
+    if dtype is not None:   # both CVMMs in the autocast dtype (the weights cast below)
+        x = x.to(dtype)
     fused = activation in _FUSED_ACTIVATIONS and hidden_dropout is None and w_gate is None \
-        and x.dim() == 2 and x.dtype == w1.dtype == w2.dtype
-    if fused and biased:
-        return _biased_relu_experts(x, plan, w1, w2, gates, b1, b2, indices)
+        and x.dim() == 2 and (dtype is not None or x.dtype == w1.dtype == w2.dtype)
+    # zero hidden units, so the GPU kernels move the hidden rows in vectors
     pad = hidden_padding(x, w1, w2)
-    if pad:   # zero hidden units, so the GPU kernels move the hidden rows in vectors
+    if fused and not biased:   # the weights as they are: it casts and pads its own copies
+        return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
+                                    plan.token_of_row, plan.counts, plan.k, pad, dtype)[0]
+    if dtype is not None:
+        w1, w2 = w1.to(dtype), w2.to(dtype)
+        w_gate = None if w_gate is None else w_gate.to(dtype)
+    if fused:
+        return _biased_relu_experts(x, plan, w1, w2, gates, b1, b2, indices)
+    if pad:
         w1, w2 = _pad_units(w1, pad), _pad_units(w2, pad)
         w_gate = None if w_gate is None else _pad_units(w_gate, pad)
         b1 = None if b1 is None else torch.nn.functional.pad(b1, (0, pad))
-    if fused:
-        return _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
-                                    plan.token_of_row, plan.counts, plan.k)[0]
     hidden = cvmm(x, plan, w1.transpose(1, 2), sorted_output=True)                  # [S, G]
     if b1 is not None:   # each sorted row's expert: the plan's order over the flat indices
         hidden = add_expert_bias(hidden, b1, indices.reshape(-1).index_select(0, plan.order),
@@ -186,7 +189,7 @@ def _biased_relu_experts(x: torch.Tensor, plan: DispatchPlan, w1: torch.Tensor,
     else:
         w2 = _pad_units(w2, added)
     y = _ReluExpertMLP.apply(x, w1, w2, gates.reshape(-1).to(x.dtype), plan.order,
-                             plan.token_of_row, plan.counts, plan.k)[0]
+                             plan.token_of_row, plan.counts, plan.k, 0, None)[0]
     if b2 is not None and not unit:   # Σ_j g_j b2[e_j]; a dropped pair's gate is 0
         y = y + gather_sum(indices.reshape(-1, plan.k), gates.reshape(-1, plan.k),
                            b2).to(y.dtype)
@@ -249,33 +252,47 @@ class _ReluExpertMLP(torch.autograd.Function):
     gate gradient folded into the ``sparseffn::cvmm_rows`` epilogues (no separate passes over
     the [S, expert_size] hidden units).
 
-    Saves the input, the weights, the gates and the hidden units h = relu(x W1ᵀ) [S, G] in
-    sorted order (the ReLU's derivative is read off h > 0). The forward returns ``(y, h)``,
-    h as an output without a gradient, so that ``torch.func`` transforms see what is saved.
-    """
+    Takes the weights [E, G, ·] as they are, with ``dtype`` (the autocast dtype, or None) and
+    ``pad`` (zero hidden units to add, :func:`hidden_padding`): the products run on copies cast
+    and padded here, and the weight gradients come back as the weights' own, [E, G, ·] in
+    their dtype, written so by the weight-gradient kernel from its float32 sums (not a
+    gradient of the padded copy that autograd would slice and cast back: two weight-sized
+    copies and launches less a step, and one rounding).
+
+    Saves the input, the weights' copies, the gates and the hidden units h = relu(x W1ᵀ)
+    [S, G] in sorted order (the ReLU's derivative is read off h > 0). The forward returns
+    ``(y, h, W1', W2')``, all but y outputs without a gradient, so that ``torch.func``
+    transforms and ``torch.compile`` see what is saved (a weight used as it is comes back as
+    a view of itself)."""
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, w1, w2, gates, order, tokens, counts, k):
+    def forward(x, w1, w2, gates, order, tokens, counts, k, pad, dtype):
+        w1c, w2c = _compute_copy(w1, pad, dtype), _compute_copy(w2, pad, dtype)
         gate_rows = gates.index_select(0, order)
-        hidden, _ = kernels.cvmm_rows(x, w1.transpose(1, 2), counts, tokens, None, None,
+        hidden, _ = kernels.cvmm_rows(x, w1c.transpose(1, 2), counts, tokens, None, None,
                                       order.shape[0], 1, True, None, None)
-        y, _ = kernels.cvmm_rows(hidden, w2, counts, None, order, gate_rows, x.shape[0], k,
+        y, _ = kernels.cvmm_rows(hidden, w2c, counts, None, order, gate_rows, x.shape[0], k,
                                  False, None, None)
-        return y, hidden
+        return y, hidden, w1c, w2c
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w1, w2, gates, order, tokens, counts, k = inputs
-        hidden = output[1]
-        ctx.mark_non_differentiable(hidden)
-        ctx.save_for_backward(x, w1, w2, gates, hidden, order, tokens, counts)
+        x, w1, w2, gates, order, tokens, counts, k, _, _ = inputs
+        _, hidden, w1c, w2c = output
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)   # no zero gradients built for h and the copies
+        ctx.save_for_backward(x, w1c, w2c, gates, hidden, order, tokens, counts)
         ctx.k = k
+        ctx.weights = (w1.shape[1], w1.dtype, w2.dtype)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_y, _grad_hidden):
+    def backward(ctx, grad_y, *_grad_saved):
+        if grad_y is None:   # (the output took no part in what is differentiated)
+            return (None,) * 10
         x, w1, w2, gates, hidden, order, tokens, counts = ctx.saved_tensors
+        width, w1_dtype, w2_dtype = ctx.weights
         need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
         grad_y = grad_y.contiguous()
         gate_rows = backward_gate_rows(gates, order)
@@ -286,13 +303,24 @@ class _ReluExpertMLP(torch.autograd.Function):
         if need_g:
             grad_g = _pairs_to_slots(order, dots)
         if need_w2:   # dW2_e = Σ_r g_r h_rᵀ dy_r
-            grad_w2 = kernels.expert_weight_grad(hidden, grad_y, counts, None, tokens, gate_rows)
+            grad_w2 = kernels.expert_weight_grad(hidden, grad_y, counts, None, tokens, gate_rows,
+                                                 width, w2_dtype)
         if need_x:    # dx_t = Σ_{r of t} dpre_r W1[e_r]
             grad_x, _ = kernels.cvmm_rows(grad_pre, w1, counts, None, order, None, x.shape[0],
                                           ctx.k, False, None, None)
         if need_w1:   # dW1_e = Σ_r dpre_rᵀ x_r
-            grad_w1 = kernels.expert_weight_grad(grad_pre, x, counts, None, tokens, None)
-        return grad_x, grad_w1, grad_w2, grad_g, None, None, None, None
+            grad_w1 = kernels.expert_weight_grad(grad_pre, x, counts, None, tokens, None, width,
+                                                 w1_dtype)
+        return grad_x, grad_w1, grad_w2, grad_g, None, None, None, None, None, None
+
+
+def _compute_copy(weight: torch.Tensor, pad: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """``weight`` [E, G, ·] in ``dtype`` (None: its own) with ``pad`` zero rows after each
+    expert's G: a new tensor, or a view of ``weight`` where nothing changes (an autograd
+    function with ``setup_context`` may save an input it returns only as a view)."""
+    if dtype is not None and weight.dtype != dtype:
+        return _pad_units(weight.to(dtype), pad)
+    return _pad_units(weight, pad) if pad else weight.view_as(weight)
 
 
 def few_pairs_tokens(k: int, w1: torch.Tensor, w2: torch.Tensor,
