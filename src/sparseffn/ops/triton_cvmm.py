@@ -646,10 +646,12 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
     out_dtype = out_dtype or dtype
     if not (num_experts and ma_out and nb):
         return a_src.new_empty(num_experts, ma_out, nb, dtype=out_dtype)
-    rows = (a_idx if a_idx is not None else b_idx if b_idx is not None else a_src).shape[0]
-    splits = weight_grad_splits(rows, num_experts, ma, nb, a_src.device)
-    # one split writes the gradient [E, ma, nb]; several write float32 partials [splits, E,
-    # ma, nb], added into ``total`` by the kernel (one arrival count per output tile) or after
+    sorted_rows = (a_idx if a_idx is not None else b_idx if b_idx is not None else a_src
+                   ).shape[0]
+    splits = weight_grad_splits(sorted_rows, num_experts, ma, nb, a_src.device)
+    # one split writes the gradient [E, ma_out, nb]; several write float32 partials [splits,
+    # E, ma_out, nb], added into ``total`` by the kernel (one arrival count per output tile)
+    # or after
     add_parts = splits > 1 and ADD_PARTS_IN_KERNEL
     total = arrivals = None
     if splits == 1:
