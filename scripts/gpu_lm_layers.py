@@ -87,8 +87,8 @@ from sparseffn.auxiliary import aux_loss
 from sparseffn.bench.lm_step import lm_ffn
 from sparseffn.bench.measure import (forward_backward_fn, graph_call_times, kernel_script_device,
                                      paired_ratio)
-from sparseffn.ops import (dense_products, grouped_mm, kernels, triton_cvmm, triton_plan,
-                           triton_rows, triton_sinkhorn)
+from sparseffn.ops import (dense_products, kernels, triton_cvmm, triton_plan, triton_rows,
+                           triton_sinkhorn)
 
 # the modules, not the functions of the same names that sparseffn.ops exports
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
@@ -143,20 +143,6 @@ def _index_add_b1():
         yield
 
 
-def _grouped_weight_grad(a_src, b_src, counts, a_idx, b_idx, scale, rows=None,
-                         out_dtype=None):
-    """``kernels.expert_weight_grad`` as ``torch._grouped_mm`` over gathered, scaled rows (the
-    operator's PyTorch path, without the Triton kernel)."""
-    dtype = torch.promote_types(a_src.dtype, b_src.dtype)
-    a = a_src if rows is None else a_src[:, :rows]
-    a = (a if a_idx is None else a.index_select(0, a_idx)).to(dtype)
-    b = (b_src if b_idx is None else b_src.index_select(0, b_idx)).to(dtype)
-    if scale is not None:
-        a = a * scale.to(dtype).unsqueeze(1)
-    out = grouped_mm.grouped_weight_grad_rows(a.contiguous(), b, counts)
-    return out if out_dtype is None else out.to(out_dtype)
-
-
 SWITCHES = {
     "unpadded": (MOE_PRESETS, lambda: _set(expert_mlp, "HIDDEN_MULTIPLE", 1)),
     "bf16 gates": (MOE_PRESETS, _bf16_gates),
@@ -169,7 +155,8 @@ SWITCHES = {
     "no triton": (MOE_PRESETS, lambda: _set(triton_cvmm, "_enabled", False)),
     "dense_rows by slot": (ROW_PRESETS, lambda: _set(triton_rows, "DENSE_ROWS_SLOTS", 1)),
     "grouped weight grads": (MOE_PRESETS,
-                             lambda: _set(kernels, "expert_weight_grad", _grouped_weight_grad)),
+                             lambda: _set(kernels, "expert_weight_grad",
+                                          kernels.expert_weight_grad_torch)),
     "dense products": (ROW_PRESETS, lambda: _set(dense_products, "_enabled", True)),
     "unfused biases": (("fff_sparse",),
                        lambda: _set(expert_mlp, "_biased_relu_experts", _unfused_biases)),

@@ -300,8 +300,17 @@ def expert_weight_grad(a_src: Tensor, b_src: Tensor, counts: Tensor, a_idx: Opti
         out = native.weight_grad(a_src, b_src, counts, a_idx=a_idx, b_idx=b_idx, scale=scale,
                                  out_dtype=out_dtype)
         return _first_rows(out, rows)
+    return expert_weight_grad_torch(a_src, b_src, counts, a_idx, b_idx, scale, rows, out_dtype)
+
+
+def expert_weight_grad_torch(a_src: Tensor, b_src: Tensor, counts: Tensor,
+                             a_idx: Optional[Tensor], b_idx: Optional[Tensor],
+                             scale: Optional[Tensor], rows: Optional[int] = None,
+                             out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """:func:`expert_weight_grad` in PyTorch ops: the rows gathered and scaled, then
+    ``torch._grouped_mm`` over each expert's rows where it runs (else a loop over experts)."""
     dtype = torch.promote_types(a_src.dtype, b_src.dtype)
-    a = a_src if rows == ma else a_src[:, :rows]
+    a = a_src if rows is None or rows == a_src.shape[1] else a_src[:, :rows]
     a = (a if a_idx is None else a.index_select(0, a_idx)).to(dtype)
     b = (b_src if b_idx is None else b_src.index_select(0, b_idx)).to(dtype)
     if scale is not None:
