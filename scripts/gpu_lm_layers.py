@@ -47,6 +47,10 @@ together. Here each layer is timed alone, in three versions where they apply:
   ``torch._grouped_mm`` (cuBLAS's grouped GEMM on Hopper) on rows gathered and gate-scaled
   beforehand, the rest of the layer on the Triton kernels: whether the weight gradients,
   23% of σ-MoE's compiled LM step on an H200, should take it where it runs;
+- ``usage by index_add`` (PKM, PEER): the usage statistics summed by an ``index_add_`` of
+  every pair into a [2, N] buffer (float atomics on CUDA), as before the fifty-eighth
+  session, not read from the row index the table gradients sort anyway (its offsets and one
+  ``scatter_rows`` with a column of ones, ``Routing.row_index``);
 - ``dense products`` (PKM, PEER): switched *on*, as it is off by default: the gathered-row
   products of their tables as dense bf16 GEMMs (``ops/dense_products.py``), which cost 2·N·d
   FLOPs a token against m·d elements read; at these tables (3,844 and 1,444 rows, 128 and 32
@@ -89,6 +93,7 @@ from sparseffn.bench.measure import (forward_backward_fn, graph_call_times, kern
                                      paired_ratio)
 from sparseffn.ops import (dense_products, kernels, triton_cvmm, triton_plan, triton_rows,
                            triton_sinkhorn)
+from sparseffn.routing import Routing
 
 # the modules, not the functions of the same names that sparseffn.ops exports
 cvmm = importlib.import_module("sparseffn.ops.cvmm")
@@ -157,6 +162,8 @@ SWITCHES = {
     "grouped weight grads": (MOE_PRESETS,
                              lambda: _set(kernels, "expert_weight_grad",
                                           kernels.expert_weight_grad_torch)),
+    "usage by index_add": (ROW_PRESETS,
+                           lambda: _set(Routing, "built_row_index", lambda self, rows: None)),
     "dense products": (ROW_PRESETS, lambda: _set(dense_products, "_enabled", True)),
     "unfused biases": (("fff_sparse",),
                        lambda: _set(expert_mlp, "_biased_relu_experts", _unfused_biases)),

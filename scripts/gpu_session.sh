@@ -161,7 +161,7 @@ for what in "${stages[@]}"; do
     lm-layers-fff) stage lm-layers-fff 90 $PY scripts/gpu_lm_layers.py --presets fff_sparse ;;
     # each switch of these layers, from CUDA graphs, beside the layer as it is (σ-MoE has 7
     # switches and PKM and PEER 3 each since the fifty-seventh session: 170 s, not 140)
-    lm-layers-first) stage lm-layers-first 170 $PY scripts/gpu_lm_layers.py \
+    lm-layers-first) stage lm-layers-first 185 $PY scripts/gpu_lm_layers.py \
                        --presets sigma_moe,pkm,peer ;;
     # the split weight gradient against unsplit at Fig. 2's d_model 512 and the LM's shapes
     cvmm-first) stage cvmm-first 70 $PY scripts/gpu_cvmm_calls.py --d-model 512 --lm-shapes \

@@ -15,6 +15,7 @@ from torch import nn
 from .ops.cvmm import DispatchPlan, sum_per_expert
 from .ops.portable import exporting_to_onnx, tracing_forms
 from .ops.precision import cast_for_two
+from .ops.rows import row_usage, shared_row_index
 from .ops.sizes import exporting
 
 
@@ -39,7 +40,9 @@ class Routing:
       usage statistics then take it, detached, instead of summing again.
 
     A store that sorts the pairs by expert asks :meth:`plan`, which sorts once per routing: the
-    usage statistics then read their counts from the same sort.
+    usage statistics then read their counts from the same sort. A store of table rows (PKM,
+    PEER) asks :meth:`row_index` for the pairs grouped by row, which its table gradients
+    need: the usage statistics then read that too.
     """
 
     indices: torch.Tensor
@@ -50,6 +53,8 @@ class Routing:
     dense: bool = False
     mass: torch.Tensor | None = None
     _plan: DispatchPlan | None = field(default=None, init=False, repr=False, compare=False)
+    _row_index: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     def plan(self, num_experts: int) -> DispatchPlan:
         """The :class:`~sparseffn.ops.DispatchPlan` of these indices and ``dispatched`` over
@@ -64,6 +69,24 @@ class Routing:
         """The plan :meth:`plan` built over ``num_experts`` experts, or None if none was."""
         plan = self._plan
         return plan if plan is not None and plan.num_experts == num_experts else None
+
+    def row_index(self, num_rows: int, *tables: torch.Tensor, sparse_grad: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pairs of ``indices`` grouped by row of a table of ``num_rows`` rows, for the
+        backward of the ``tables`` read with them (:func:`~sparseffn.ops.rows.shared_row_index`:
+        None where no Triton table gradient will use it), built on the first call that gets
+        one and kept."""
+        built = self.built_row_index(num_rows)
+        if built is None:
+            built = shared_row_index(self.indices, num_rows, *tables, sparse_grad=sparse_grad)
+            if built is not None:
+                self._row_index = (num_rows, built)
+        return built
+
+    def built_row_index(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The row index :meth:`row_index` built over ``num_rows`` rows, or None."""
+        kept = self._row_index
+        return kept[1] if kept is not None and kept[0] == num_rows else None
 
     @staticmethod
     def all_experts(weights: torch.Tensor, **kwargs) -> "Routing":
@@ -103,6 +126,20 @@ def expert_usage(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
     if mass is None:
         mass = sum_per_expert(flat, mass_each, num_experts)
     return counts.float(), mass
+
+
+def _usage_of(routing: Routing, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`expert_usage` of a routing, from what its store already computed: the plan's
+    counts and mass, or the table rows' index (every pair dispatched), else summed here."""
+    plan, mass = routing.built_plan(num_experts), routing.mass
+    if plan is not None:
+        return expert_usage(routing.indices, routing.weights, num_experts, routing.dispatched,
+                            plan.counts, plan.mass if mass is None else mass)
+    row_index = routing.built_row_index(num_experts)
+    if row_index is not None and routing.dispatched is None:
+        return row_usage(routing.indices, routing.weights, num_experts, row_index, mass)
+    return expert_usage(routing.indices, routing.weights, num_experts, routing.dispatched,
+                        None, mass)
 
 
 def _inside_func_transform() -> bool:
@@ -308,13 +345,7 @@ class SparseFFN(nn.Module):
         else:
             self.aux_losses = dict(routing.aux_losses)
         if self.counts_usage:
-            plan = routing.built_plan(num_experts)
-            counts, mass = None, routing.mass
-            if plan is not None:
-                counts, mass = plan.counts, plan.mass if mass is None else mass
-            counts, mass = expert_usage(routing.indices, routing.weights, num_experts,
-                                        routing.dispatched, counts, mass)
-            self._record_usage(counts, mass, routing.stats)
+            self._record_usage(*_usage_of(routing, num_experts), routing.stats)
         else:
             self.routing_stats = dict(routing.stats)
         if self._transient.observer is not None:

@@ -354,8 +354,9 @@ def test_product_key_topk_ranks_nan_and_inf_as_the_pytorch_path_and_sums_the_ori
 
 @pytest.mark.parametrize("layer", ["pkm", "peer"])
 def test_layers_train_the_same_through_the_kernels(layer, monkeypatch):
-    """A training forward+backward of PKM and PEER through the kernels gives the output and
-    every gradient of the PyTorch path, and every kernel runs."""
+    """A training forward+backward of PKM and PEER through the kernels gives the output, every
+    gradient and the usage statistics of the PyTorch path, every kernel runs, and the pairs are
+    grouped by row once (the table gradients and the usage statistics share it)."""
     calls, sorts = set(), []
     for fn in ("gather_dot", "gather_sum", "scatter_rows", "scatter_rows_dot", "product_key_topk",
                "dense_rows"):
@@ -376,18 +377,21 @@ def test_layers_train_the_same_through_the_kernels(layer, monkeypatch):
         xx = x.clone().requires_grad_()
         y = m(xx)
         (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
-        return [y, xx.grad] + [p.grad for _, p in sorted(m.named_parameters())]
+        return [y, xx.grad, m.usage_counts.clone(), m.usage_mass.clone()] + \
+            [p.grad for _, p in sorted(m.named_parameters())]
 
     want = _torch_path(step, copy.deepcopy(module))
     assert not calls
     got = step(module)
     # PKM's value gradients come from the fused kernel; PEER's v_i too, its u_i's from the
-    # two kernels (the gradient of a gather_dot)
-    fused = {"gather_sum", "scatter_rows_dot", "product_key_topk", "dense_rows"}
-    assert calls == (fused if layer == "pkm" else fused | {"gather_dot", "scatter_rows"})
-    # PKM's value table and PEER's two tables (u_i and v_i, read with the same pairs): the
-    # pairs are grouped by row once a step
+    # two kernels (the gradient of a gather_dot); the usage mass is a scatter_rows
+    fused = {"gather_sum", "scatter_rows_dot", "product_key_topk", "dense_rows", "scatter_rows"}
+    assert calls == (fused if layer == "pkm" else fused | {"gather_dot"})
+    # PKM's value table and PEER's two tables (u_i and v_i, read with the same pairs), and the
+    # usage statistics: the pairs are grouped by row once a step
     assert len(sorts) == 1
+    assert torch.equal(got[2], want[2]) and got[2].sum() == module.routing_stats["counts"].sum()
+    assert 0 < got[2].sum() == x.shape[0] * x.shape[1] * module.config.heads * module.config.k
     for g, w in zip(got, want):
         close(g, w, torch.float32)
 

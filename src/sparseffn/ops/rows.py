@@ -95,6 +95,25 @@ def shared_row_index(idx: torch.Tensor, num_rows: int, *tensors: torch.Tensor,
     return kernels.row_index(idx, num_rows)
 
 
+def row_usage(idx: torch.Tensor, weights: torch.Tensor, num_rows: int,
+              row_index: tuple[torch.Tensor, torch.Tensor],
+              mass: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per table row, the pairs of ``idx`` [T, m] that read it and their ``weights`` [T, m]
+    summed: float32 [num_rows] each, outside the autograd graph, from ``row_index``
+    (:func:`shared_row_index` of idx, the table gradient's grouping of the pairs). The counts
+    are its offsets' differences; the mass each row's weights added in the row index's order
+    by :func:`scatter_rows` with a column of ones, with no atomics (the same bits on every
+    run) and no second sort (``index_add_`` under deterministic algorithms sorts the pairs on
+    CUDA). ``mass``: the mass when already known, not summed again. Pairs outside
+    ``[0, num_rows)`` count in no row."""
+    order, offsets = row_index
+    counts = (offsets[1:] - offsets[:-1]).float()
+    if mass is None:
+        ones = weights.new_ones(idx.shape[0], 1, dtype=torch.float32)
+        mass = scatter_rows(idx, weights.detach().float(), ones, num_rows, order, offsets)[:, 0]
+    return counts, mass.detach().float()
+
+
 class _GatherDot(torch.autograd.Function):
     generate_vmap_rule = True
 

@@ -9,7 +9,7 @@ from torch import nn
 from ..activations import activation_fn
 from ..ops import native
 from ..ops.precision import autocast_dtype
-from ..ops.rows import gather_dot, gather_sum, shared_row_index
+from ..ops.rows import gather_dot, gather_sum
 from ..routing import Routing
 from .base import ExpertStore
 
@@ -70,7 +70,11 @@ class ValueRows(ExpertStore):
         dtype = _compute_dtype(x, self.sparse_grad)
         cast = dtype is not None and _cast_pays(routing.indices, self.num_experts)
         values = self.values.to(dtype) if cast else self.values
-        y = gather_sum(routing.indices, routing.weights, values, sparse_grad=self.sparse_grad)
+        # the pairs grouped by row for the table gradient, made here and kept on the routing:
+        # the layer's usage statistics read them too
+        row_index = routing.row_index(self.num_experts, values, sparse_grad=self.sparse_grad)
+        y = gather_sum(routing.indices, routing.weights, values, sparse_grad=self.sparse_grad,
+                       row_index=row_index)
         return y.to(x.dtype)
 
     def sparse_grad_parameters(self) -> list[nn.Parameter]:
@@ -121,9 +125,10 @@ class NeuronExperts(ExpertStore):
             inputs = x.to(dtype)
             if _cast_pays(routing.indices, self.num_experts):
                 w_in, w_out = w_in.to(dtype), w_out.to(dtype)
-        # both tables' gradients group the same pairs by row: sort them once, not twice
-        row_index = shared_row_index(routing.indices, self.num_experts, w_in, w_out, inputs,
-                                     sparse_grad=self.sparse_grad)
+        # both tables' gradients group the same pairs by row: sort them once, not twice (and
+        # the layer's usage statistics read the same grouping)
+        row_index = routing.row_index(self.num_experts, w_in, w_out, inputs,
+                                      sparse_grad=self.sparse_grad)
         hidden = self.activation(gather_dot(inputs, w_in, routing.indices,          # act(u_iᵀ x)
                                             sparse_grad=self.sparse_grad, row_index=row_index))
         hidden = self.hidden_dropout(hidden)
