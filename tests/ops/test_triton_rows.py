@@ -134,6 +134,26 @@ def test_shared_row_index_only_where_the_triton_table_gradient_uses_it():
     assert rows.shared_row_index(idx, table.shape[0], table.double(), x) is None
 
 
+@pytest.mark.parametrize("tokens", [37, 0])
+def test_row_usage_from_the_row_index_is_the_summed_usage(tokens):
+    """Each row's pair count (exact) and weight sum from the row index, as the layers' usage
+    statistics sum them pair by pair; rows no pair reads get zeros, a given mass is kept."""
+    from sparseffn.routing import expert_usage
+    idx, w, table, _ = _pairs(tokens=tokens)
+    table.requires_grad_()
+    num_rows = table.shape[0]
+    row_index = rows.shared_row_index(idx, num_rows, table)
+    counts, mass = rows.row_usage(idx, w.requires_grad_(), num_rows, row_index)
+    want_counts, want_mass = expert_usage(idx, w, num_rows)
+    assert counts.dtype == mass.dtype == torch.float32 and not mass.requires_grad
+    assert torch.equal(counts, want_counts) and counts.sum() == idx.numel()
+    close(mass, want_mass, torch.float32)
+    if tokens:
+        assert counts[0] == mass[0] == 0 and counts[3] >= idx.shape[1]
+    given = torch.arange(num_rows, dtype=torch.float32, device=DEVICE)
+    assert torch.equal(rows.row_usage(idx, w, num_rows, row_index, given)[1], given)
+
+
 def test_empty_batch_and_no_slots():
     idx, w, table, x = _pairs(tokens=0)
     assert kernels.gather_sum(idx, w, table).shape == (0, table.shape[1])
