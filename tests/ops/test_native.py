@@ -301,7 +301,8 @@ def test_a_cache_folder_that_cannot_be_made_builds_into_the_temp_folder(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------
-# bfloat16: MKL's bf16 GEMM accumulating in float32, every epilogue in float32, one rounding.
+# bfloat16: a bf16 GEMM accumulating in float32 (the AVX-512 BF16 kernel of bf16_gemm.h where
+# the build targets it, else MKL's), every epilogue in float32, one rounding.
 
 @pytest.fixture
 def _bf16():
@@ -405,6 +406,45 @@ def test_bf16_weight_grad_accumulates_in_float32(_bf16, a_gather, scaled):
                         for e in range(E)]).float()
     _rounded_once(got, want)
     assert torch.all(got[0] == 0)   # an expert without rows: exactly zero
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (2, 16), (3, 33), (17, 300), (257, 32), (513, 65)])
+@pytest.mark.parametrize("transposed_weight", [False, True])
+def test_bf16_products_at_the_gemm_blocks_edges(_bf16, m, n, transposed_weight):
+    """The bf16 GEMM's edges: K (m) odd (a last pair with one element), one K block and
+    several (256 elements a block), columns short of a 32-wide tile and over 256 (two column
+    blocks), experts of 8 rows (whole row tiles), fewer and more; both weight layouts; and
+    the weight gradient, whose first operand is read transposed (8 rows of it at once where
+    they are whole), over an odd number of rows."""
+    counts, P, expert_of_row, weight = _bf16_problem(4, [8, 3, 0, 21], m, n)
+    if transposed_weight:
+        weight = weight.transpose(1, 2).contiguous().transpose(1, 2)
+    src = torch.randn(P, m).bfloat16()
+    got = native.cvmm_rows(src, weight, counts)
+    want = _rows_reference(src.double(), weight.double(), expert_of_row, None, None, None, P)
+    _rounded_once(got, want.float())
+    b_src = torch.randn(P, n).bfloat16()
+    got = native.weight_grad(src, b_src, counts)
+    want = torch.stack([src[expert_of_row == e].double().T @ b_src[expert_of_row == e].double()
+                        for e in range(4)]).float()
+    _rounded_once(got, want)
+    assert torch.all(got[2] == 0)
+    # expert 1's 3 rows end in a pair with one row: the row after them (expert 3's first) is
+    # not read, so a NaN there reaches expert 3's gradient only
+    src[11, :] = float("nan")
+    got = native.weight_grad(src, b_src, counts)
+    assert not got[:3].isnan().any() and got[3].isnan().all()
+
+
+def test_bf16_products_take_the_kernels_own_gemm_on_amd_cpus_with_avx512_bf16(_bf16):
+    """MKL multiplies bf16 at its float32 speed on AMD CPUs: there (the build targets the CPU it
+    runs on) the kernels take their own AVX-512 BF16 GEMM; elsewhere MKL's."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to say which CPU this is")
+    info = cpuinfo.read_text()
+    own = "AuthenticAMD" in info and " avx512_bf16" in info and " avx512bw" in info
+    assert native.bf16_gemm() == ("avx512_bf16" if own else "mkl")
 
 
 def test_bf16_cvmm_takes_the_fused_path_and_mixed_dtypes_do_not(_bf16, monkeypatch):

@@ -181,8 +181,12 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
     if peers:
         from .peers import available_peers
         peer_builders = available_peers()
+    gemm = ""
+    if dev.type == "cpu" and autocast_dtype == torch.bfloat16:
+        from ..ops import native
+        gemm = f", the C kernels' bf16 GEMM: {native.bf16_gemm() or 'none'}"
     print(f"sparseffn bench layers: {tokens} tokens, {dtype}, {describe_device(dev)}, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}{gemm}")
     records = []
     with InterruptibleLoop(selected) as loop:
         for cfg in loop:

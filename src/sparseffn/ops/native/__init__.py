@@ -5,7 +5,9 @@ copies that the pure-PyTorch path materialises (k gathered inputs, k outputs bef
 never exist. It is plain C with OpenMP; the BLAS routines are the ``sgemm_`` that PyTorch
 itself links (MKL in the x86 wheels) and, for bfloat16, MKL's ``gemm_bf16bf16f32`` (float32
 accumulation; AMX or AVX-512 BF16 where the CPU has them), looked up at run time and passed in
-as function pointers, so nothing links against PyTorch and the build takes about a second.
+as function pointers, so nothing links against PyTorch and the build takes about a second. On
+AMD CPUs with AVX-512 BF16, where MKL multiplies bf16 at its float32 speed, the bf16 products
+take the kernels' own GEMM instead (``bf16_gemm.h``, :func:`bf16_gemm` says which runs).
 ``fff_cpu.c`` holds the level-by-level expansion of fast feed-forward trees and their greedy
 descent (ops/fff.py).
 ``rows_cpu.c`` holds the gathered-row products of single-row tables and the product-key top-k
@@ -26,10 +28,10 @@ import torch
 
 from ..written import written_in_full
 from .abi import call
-from .build import (_load, available, bf16_available, native_enabled, set_native_enabled,
-                    unavailable_reason)
+from .build import (_load, available, bf16_available, bf16_gemm, native_enabled,
+                    set_native_enabled, unavailable_reason)
 
-__all__ = ["available", "bf16_available", "cvmm_rows", "cvmm_usable", "fff_descend",
+__all__ = ["available", "bf16_available", "bf16_gemm", "cvmm_rows", "cvmm_usable", "fff_descend",
            "fff_expand", "fff_expand_backward",
            "gather_dot", "gather_sum", "mlp_pairs", "mlp_pairs_usable", "native_enabled",
            "product_key_topk", "rows_usable", "scatter_rows",

@@ -58,6 +58,8 @@ def declare(lib: ctypes.CDLL) -> None:
     """Set the argument and return types of every kernel of ``lib``."""
     lib.sf_init.argtypes = [P, P, P]
     lib.sf_init.restype = None
+    lib.sf_own_bf16_gemm.argtypes = []
+    lib.sf_own_bf16_gemm.restype = INT
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes

@@ -32,7 +32,7 @@ from .abi import declare
 _SOURCES = [Path(__file__).with_name(name) for name in ("cvmm_cpu.c", "fff_cpu.c", "rows_cpu.c",
                                                               "pairs_cpu.c")]
 # included by the sources: part of the build's hash, not compiled on their own
-_HEADERS = [Path(__file__).with_name("bf16.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "bf16_gemm.h")]
 # -ffp-contract=off: no multiply-add fused into an FMA behind the sources' back (GCC's -std=c99
 # implies it, Clang's default does not), so a kernel's sums round as its source reads, the same
 # bits with either compiler (the row kernels' sums are tested bit for bit against PyTorch's).
@@ -82,6 +82,15 @@ def bf16_available() -> bool:
     """True when the CVMM kernels also take bfloat16 (PyTorch's BLAS is MKL, which has a bf16
     GEMM accumulating in float32)."""
     return available() and _bf16
+
+
+def bf16_gemm() -> str | None:
+    """Which GEMM the CVMM kernels' bf16 products run on: ``"avx512_bf16"`` (the kernels' own,
+    ``bf16_gemm.h``: built for AVX-512 BF16 and run on an AMD CPU, where MKL's bf16 GEMM runs
+    at its float32 speed), ``"mkl"``, or None without bf16 kernels."""
+    if not bf16_available():
+        return None
+    return "avx512_bf16" if _load().sf_own_bf16_gemm() else "mkl"
 
 
 def unavailable_reason() -> str | None:

@@ -12,9 +12,10 @@
  * is the column-major C^T = op(B)^T op(A)^T, which is how `gemm_rm` calls the Fortran routine.
  *
  * Element types: `bf` = 0 reads and writes float32; `bf` = 1 reads bfloat16 rows and matrices
- * (uint16 storage), multiplies them with MKL's bf16 GEMM, which accumulates in float32 (AMX or
- * AVX-512 BF16 where the CPU has them), applies every epilogue in float32 and rounds once, to
- * nearest even, where it writes bf16. Scales and dots are float32 in both.
+ * (uint16 storage), multiplies them with a GEMM that accumulates in float32 (bf16_gemm.h's
+ * AVX-512 BF16 kernel where the compiler targets that instruction, else MKL's bf16 GEMM),
+ * applies every epilogue in float32 and rounds once, to nearest even, where it writes bf16.
+ * Scales and dots are float32 in both.
  *
  * Index arrays are int64 (torch.long). A NULL index means "row r reads/writes row r".
  * The matrix of expert e is passed as (base, stride between experts, leading dimension,
@@ -27,6 +28,7 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "bf16_gemm.h"
 
 typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int *n,
                          const int *k, const float *alpha, const float *a, const int *lda,
@@ -43,11 +45,23 @@ static sgemm_fn g_sgemm = 0;
 static gemm_bf16_fn g_gemm_bf16 = 0;
 static set_threads_fn g_blas_threads_local = 0;
 
+/* Whether the bf16 products take bf16_gemm.h's kernel rather than MKL's: built for AVX-512 BF16
+ * and running on an AMD CPU, where MKL multiplies bf16 at its float32 speed. On Intel CPUs MKL
+ * dispatches its own AVX-512 BF16 and AMX code, which this kernel does not beat. */
+static int g_own_bf16 = 0;
+
 void sf_init(void *sgemm, void *blas_threads_local, void *gemm_bf16) {
     g_sgemm = (sgemm_fn)sgemm;
     g_blas_threads_local = (set_threads_fn)blas_threads_local;
     g_gemm_bf16 = (gemm_bf16_fn)gemm_bf16;
+#ifdef SF_HAVE_BF16_GEMM
+    __builtin_cpu_init();
+    g_own_bf16 = __builtin_cpu_is("amd");
+#endif
 }
+
+/* 1 where the bf16 products take bf16_gemm.h's kernel, for the tests and benchmarks */
+int sf_own_bf16_gemm(void) { return g_own_bf16; }
 
 static inline size_t elem(int bf) { return bf ? sizeof(bf16) : sizeof(float); }
 
@@ -77,6 +91,13 @@ static void gemm_rm(int bf, int M, int N, int K, float alpha, operand A, operand
         }
         return;
     }
+#ifdef SF_HAVE_BF16_GEMM
+    if (bf && g_own_bf16) {
+        bf16_matrix a = { (const bf16 *)A.p, A.ld, A.trans };
+        bf16_matrix b = { (const bf16 *)B.p, B.ld, B.trans };
+        if (bf16_gemm(M, N, K, alpha, a, b, beta, C, ldc) == 0) return;
+    }
+#endif
     const char tb = B.trans ? 'T' : 'N', ta = A.trans ? 'T' : 'N';
     if (bf)
         g_gemm_bf16(&tb, &ta, &N, &M, &K, &alpha, (const bf16 *)B.p, &B.ld, (const bf16 *)A.p,
