@@ -10,8 +10,9 @@
  * bf16. The usual blocking: K in blocks of KP pairs of elements; B packed a block of NC
  * columns at a time as [pairs][NR] 32-bit lanes (element 2p of the lane's column in the low
  * half, 2p + 1 in the high half: VDPBF16PS's operand layout), A packed MR rows at a time as
- * [pairs][MR]; an MR x NR register tile of float32 sums (8 x 32: 16 zmm accumulators) adds a
- * pair of K per instruction. Rows, columns and an odd K past the edges are packed as zeros;
+ * [pairs][MR] (or, MR whole rows with K contiguous, read in place as pairs); an MR x NR
+ * register tile of float32 sums (8 x 32: 16 zmm accumulators) adds a pair of K per
+ * instruction. Rows, columns and an odd K past the edges are packed as zeros;
  * beta = 0 never reads C (which may hold anything). VDPBF16PS rounds to nearest even and
  * treats denormal inputs and results as zero. */
 #ifndef SPARSEFFN_BF16_GEMM_H
@@ -106,17 +107,21 @@ static void bg_pack_b(bf16_matrix B, int64_t j0, int cols, int64_t k0, int kp, i
 }
 
 /* C[rows, cols] (row stride ldc) = alpha · (a · b) + (first ? beta · C : C), the product of
- * kp pairs of K: a [kp][MR], b [kp][NR] */
-static void bg_tile(int kp, const uint32_t *a, const uint32_t *b, float *C, int64_t ldc,
-                    int rows, int cols, float alpha, float beta, int first) {
+ * kp pairs of K: row r's pair p of A is the 32 bits at a + p · pair_step + r · row_step
+ * (bytes: packed [kp][MR] lanes, or A's own rows), b [kp][NR] */
+static void bg_tile(int kp, const char *a, int64_t pair_step, int64_t row_step,
+                    const uint32_t *b, float *C, int64_t ldc, int rows, int cols, float alpha,
+                    float beta, int first) {
     __m512 acc[BG_MR][2];
     for (int r = 0; r < BG_MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int p = 0; p < kp; p++) {
         __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + (int64_t)p * BG_NR);
         __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + (int64_t)p * BG_NR + 16);
-        const uint32_t *ap = a + (int64_t)p * BG_MR;
+        const char *ap = a + p * pair_step;
         for (int r = 0; r < BG_MR; r++) {
-            __m512bh av = (__m512bh)_mm512_set1_epi32((int)ap[r]);
+            uint32_t pair;
+            memcpy(&pair, ap + r * row_step, sizeof pair);
+            __m512bh av = (__m512bh)_mm512_set1_epi32((int)pair);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
         }
@@ -156,10 +161,21 @@ static int bf16_gemm(int M, int N, int K, float alpha, bf16_matrix A, bf16_matri
             bg_pack_b(B, j0, cols, k0, kp, K, bg_buf_b);
             for (int64_t i0 = 0; i0 < M; i0 += BG_MR) {
                 int rows = M - i0 < BG_MR ? (int)(M - i0) : BG_MR;
-                bg_pack_a(A, i0, rows, k0, kp, K, bg_buf_a);
+                /* whole rows of A with K contiguous and no half pair: read in place */
+                int in_place = !A.trans && rows == BG_MR && k0 + 2 * (int64_t)kp <= K;
+                const char *a = (const char *)bg_buf_a;
+                int64_t pair_step = BG_MR * sizeof(uint32_t), row_step = sizeof(uint32_t);
+                if (in_place) {
+                    a = (const char *)(A.p + i0 * A.ld + k0);
+                    pair_step = 2 * sizeof(bf16);
+                    row_step = A.ld * (int64_t)sizeof(bf16);
+                } else {
+                    bg_pack_a(A, i0, rows, k0, kp, K, bg_buf_a);
+                }
                 for (int c0 = 0; c0 < cols; c0 += BG_NR) {
                     int width = cols - c0 < BG_NR ? cols - c0 : BG_NR;
-                    bg_tile(kp, bg_buf_a, bg_buf_b + (int64_t)(c0 / BG_NR) * kp * BG_NR,
+                    bg_tile(kp, a, pair_step, row_step,
+                            bg_buf_b + (int64_t)(c0 / BG_NR) * kp * BG_NR,
                             C + i0 * ldc + j0 + c0, ldc, rows, width, alpha, beta, first);
                 }
             }
