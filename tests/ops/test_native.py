@@ -1,6 +1,7 @@
 """The fused CPU kernels (ops/native) against plain gather / matmul / scatter references."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -443,8 +444,12 @@ def test_bf16_products_take_the_kernels_own_gemm_on_amd_cpus_with_avx512_bf16(_b
     if not cpuinfo.exists():
         pytest.skip("no /proc/cpuinfo to say which CPU this is")
     info = cpuinfo.read_text()
-    own = "AuthenticAMD" in info and " avx512_bf16" in info and " avx512bw" in info
-    assert native.bf16_gemm() == ("avx512_bf16" if own else "mkl")
+    amd = "AuthenticAMD" in info and " avx512_bf16" in info and " avx512bw" in info
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    macros = subprocess.run([compiler, "-march=native", "-dM", "-E", "-"], input="",
+                            capture_output=True, text=True).stdout
+    targeted = "__AVX512BF16__" in macros and "__AVX512BW__" in macros
+    assert native.bf16_gemm() == ("avx512_bf16" if amd and targeted else "mkl")
 
 
 def test_bf16_cvmm_takes_the_fused_path_and_mixed_dtypes_do_not(_bf16, monkeypatch):
