@@ -23,7 +23,7 @@ from ..auxiliary import aux_loss
 from ..config import SigmaMoEConfig
 from ..layers import DenseMLP, SigmaMoE
 from ..matching import active_equal_dense, param_equal_dense
-from ..ops import DispatchPlan
+from ..ops import DispatchPlan, native
 from .gemm_bound import ExpertGemms
 from .measure import (InterruptibleLoop, autocast_dtype_of, describe_device, dtype_name,
                       forward_backward_fn, forward_fn, interleaved_times, paired_ratio, peak_mib,
@@ -183,7 +183,6 @@ def run(tokens: int = 8192, repeats: int = 7, full: bool = False, peers: bool = 
         peer_builders = available_peers()
     gemm = ""
     if dev.type == "cpu" and autocast_dtype == torch.bfloat16:
-        from ..ops import native
         gemm = f", the C kernels' bf16 GEMM: {native.bf16_gemm() or 'none'}"
     print(f"sparseffn bench layers: {tokens} tokens, {dtype}, {describe_device(dev)}, "
           f"torch {torch.__version__}{gemm}")

@@ -74,6 +74,7 @@ static void bg_pack_a(bf16_matrix A, int64_t i0, int rows, int64_t k0, int kp, i
  * panel of NR columns, panels one after another (op(B) is K x N) */
 static void bg_pack_b(bf16_matrix B, int64_t j0, int cols, int64_t k0, int kp, int64_t K,
                       uint32_t *dst) {
+    bf16_matrix bt = { B.p, B.ld, !B.trans };   /* op(bt) = op(B)ᵀ, N x K: pairs along its rows */
     for (int c0 = 0; c0 < cols; c0 += BG_NR) {
         uint32_t *panel = dst + (int64_t)(c0 / BG_NR) * kp * BG_NR;
         int width = cols - c0 < BG_NR ? cols - c0 : BG_NR;
@@ -91,16 +92,7 @@ static void bg_pack_b(bf16_matrix B, int64_t j0, int cols, int64_t k0, int kp, i
                 continue;
             }
             int c = 0;
-            if (!B.trans) {
-                const bf16 *lo = B.p + k * B.ld + j0 + c0;
-                for (; c < width; c++)
-                    d[c] = bg_pair(lo[c], k + 1 < K ? lo[c + B.ld] : 0);
-            } else {
-                for (; c < width; c++) {
-                    const bf16 *col = B.p + (j0 + c0 + c) * B.ld + k;   /* K contiguous */
-                    d[c] = k + 1 < K ? bg_load_pair(col) : bg_pair(col[0], 0);
-                }
-            }
+            for (; c < width; c++) d[c] = bg_pair_at(bt, j0 + c0 + c, k, K);
             for (; c < BG_NR; c++) d[c] = 0;
         }
     }
