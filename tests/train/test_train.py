@@ -17,10 +17,10 @@ from sparseffn.train.trainer import Trainer
 from tests.onnx_release import NEEDS_2_8
 
 
-def lm_run(corpus, ffn="sigma_moe", steps=6, **train):
+def lm_run(corpus, ffn="sigma_moe", steps=6, layers=2, **train):
     return RunConfig(name=f"tiny-{ffn}" if isinstance(ffn, str) else "tiny",
                      data=DataSpec(corpus="file", path=corpus),
-                     model=ModelSpec(d_model=32, n_layers=2, n_heads=2, context=16, ffn=ffn, dropout=0.1),
+                     model=ModelSpec(d_model=32, n_layers=layers, n_heads=2, context=16, ffn=ffn, dropout=0.1),
                      train=TrainSpec(steps=steps, batch_size=4, lr=3e-3, eval_every=3, log_every=1,
                                      eval_windows=8, **train))
 
@@ -508,11 +508,12 @@ def test_export_safetensors_holds_the_weights_and_config(corpus, tmp_path, capsy
 def test_export_onnx_writes_the_trained_network(kind, corpus, tmp_path, capsys):
     """``export --onnx``: ONNX Runtime computes the trained network's logits for other batch
     sizes (and lengths); the command reports the check it ran. A failed export leaves the
-    earlier file as it was."""
+    earlier file as it was. One block (each export of a σ-MoE layer takes seconds; LMs of two
+    blocks are exported in tests/test_onnx.py)."""
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     from sparseffn.train.trainer import load_network
-    run = lm_run(corpus, "sigma_moe", steps=2) if kind == "lm" else classifier_run(
+    run = lm_run(corpus, "sigma_moe", steps=2, layers=1) if kind == "lm" else classifier_run(
         {"type": "fff", "depth": 2, "leaf_width": 8, "d_out": 3}, steps=2)
     out = tmp_path / "run"
     Trainer(run, out, progress=False).train()
@@ -541,13 +542,14 @@ def test_export_onnx_kv_cache_writes_the_decoding_program(corpus, tmp_path, caps
     """``export --onnx --kv-cache``: OnnxDecoder generates from the file what the trained LM
     generates; the command reports its check. A classifier has no cache to export, a model
     whose routing a cache would change is refused (an evaluation capacity), and
-    ``--kv-cache`` with ``--safetensors`` too."""
+    ``--kv-cache`` with ``--safetensors`` too. One block (tests/test_onnx_decoding.py decodes
+    two)."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     from sparseffn import OnnxDecoder
     from sparseffn.train.trainer import load_network
     out = tmp_path / "run"
-    Trainer(lm_run(corpus, "sigma_moe", steps=2), out, progress=False).train()
+    Trainer(lm_run(corpus, "sigma_moe", steps=2, layers=1), out, progress=False).train()
     assert main(["export", str(out / "checkpoint.pt"), "--onnx", "--kv-cache"]) == 0
     printed = capsys.readouterr().out
     assert "decoder.onnx" in printed and "token by token with the cache: largest" in printed
