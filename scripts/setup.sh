@@ -3,6 +3,10 @@
 # the CUDA wheels, then the package itself (editable) with the extras named in $EXTRAS
 # (comma-separated, e.g. EXTRAS=test or EXTRAS=test,peers). Safe to run again: each step is
 # skipped when already done.
+#
+# The dependencies are installed at the versions in scripts/constraints.txt (the ones the
+# suite last passed with on a fresh machine), so that a dependency's new release does not
+# change what `make test` runs; CONSTRAINTS= (empty) installs the newest releases instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,11 +14,14 @@ PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 EXTRAS=${EXTRAS:-test}
 VENV=.venv
+CONSTRAINTS=${CONSTRAINTS-scripts/constraints.txt}
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating $VENV with $($PYTHON --version)"
     "$PYTHON" -m venv "$VENV"
 fi
+constrained=()
+if [ -n "$CONSTRAINTS" ]; then constrained=(-c "$CONSTRAINTS"); fi
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
 
 if ! "$VENV/bin/python" - "$TORCH_VERSION" <<'PY' 2>/dev/null
@@ -23,13 +30,14 @@ sys.exit(torch.__version__.split("+")[0] != sys.argv[1])
 PY
 then
     echo "setup: installing torch==$TORCH_VERSION (CPU build)"
-    pip_install "torch==$TORCH_VERSION"
+    pip_install "${constrained[@]}" "torch==$TORCH_VERSION"
 fi
 
 stamp="$VENV/.sparseffn-installed-$(echo "$EXTRAS" | tr ',' '-')"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    echo "setup: installing sparseffn[$EXTRAS]"
-    pip_install -e ".[$EXTRAS]"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] ||
+        { [ -n "$CONSTRAINTS" ] && [ "$CONSTRAINTS" -nt "$stamp" ]; }; then
+    echo "setup: installing sparseffn[$EXTRAS]${CONSTRAINTS:+ (versions in $CONSTRAINTS)}"
+    pip_install "${constrained[@]}" -e ".[$EXTRAS]"
     if [[ ",$EXTRAS," == *",peers,"* ]]; then
         # DeepSpeed builds against the torch already installed; it needs no build isolation.
         pip_install --no-build-isolation deepspeed
