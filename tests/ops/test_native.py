@@ -437,6 +437,35 @@ def test_bf16_products_at_the_gemm_blocks_edges(_bf16, m, n, transposed_weight):
     assert not got[:3].isnan().any() and got[3].isnan().all()
 
 
+@pytest.mark.parametrize("transposed_weight", [False, True])
+def test_bf16_weights_packed_once_a_call_serve_every_chunk_and_no_later_call(_bf16,
+                                                                            transposed_weight):
+    """The own GEMM packs an expert's weight once a call and keeps it for the expert's next
+    chunks of rows: 513-wide rows make chunks of about 127 rows, so experts of 700 and 450
+    rows span several, over three K blocks (the last with half a pair) and two column blocks
+    (the second partial). A weight changed in place between two calls (same address, same
+    shape: a training step) is packed anew: a single expert and one thread, so each call's
+    first product is the weight that thread packed last."""
+    m, n = 513, 300
+    counts, P, expert_of_row, weight = _bf16_problem(3, [700, 0, 450], m, n)
+    if transposed_weight:
+        weight = weight.transpose(1, 2).contiguous().transpose(1, 2)
+    src = torch.randn(P, m).bfloat16()
+    want = _rows_reference(src.double(), weight.double(), expert_of_row, None, None, None, P)
+    _rounded_once(native.cvmm_rows(src, weight, counts), want.float())
+    one = weight[2:].clone() if not transposed_weight else \
+        weight[2:].transpose(1, 2).contiguous().transpose(1, 2)
+    rows, threads = src[:450], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(2):
+            got = native.cvmm_rows(rows, one, torch.tensor([450]))
+            _rounded_once(got, (rows.double() @ one[0].double()).float())
+            one.mul_(-0.5)            # exact in bf16: the next product is -0.5 times this one
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bf16_products_take_the_kernels_own_gemm_on_amd_cpus_with_avx512_bf16(_bf16):
     """MKL multiplies bf16 at its float32 speed on AMD CPUs: there (the build targets the CPU it
     runs on) the kernels take their own AVX-512 BF16 GEMM; elsewhere MKL's."""

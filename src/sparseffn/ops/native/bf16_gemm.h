@@ -138,19 +138,61 @@ static void bg_tile(int kp, const char *a, int64_t pair_step, int64_t row_step,
 /* Thread-private packing buffers, kept between calls (OpenMP threads live on) */
 static __thread uint32_t *bg_buf_a = 0, *bg_buf_b = 0;
 
-/* Returns 0, or -1 where the buffers could not be allocated (nothing written). */
+/* A whole packed op(B), kept by each thread for its next product with the same B in the same
+ * kernel call (`reuse`, a number no other call shares): the CVMM kernels multiply each
+ * expert's weight with its rows a chunk at a time, and packing it anew for every chunk took
+ * about an eighth of a product of 128 rows. The packed blocks lie k block by k block, each
+ * [kp][Npad] lanes (Npad: N rounded up to whole panels), column block j0's at lane kp · j0. */
+enum { BG_CACHE_MAX = 1 << 22 };   /* lanes (16 MB): a larger B is packed block by block */
+static __thread uint32_t *bg_cache = 0;
+static __thread int64_t bg_cache_lanes = 0;
+static __thread struct { uint64_t reuse; const bf16 *p; int64_t ld; int trans, K, N; } bg_key;
+
+/* The packed op(B) of this call (packed now unless this thread packed it last), or 0 where
+ * it is not to be kept (no `reuse`, too large, no memory) */
+static const uint32_t *bg_whole_b(bf16_matrix B, int N, int K, uint64_t reuse) {
+    int64_t npad = ((int64_t)N + BG_NR - 1) / BG_NR * BG_NR, lanes = (K + 1) / 2 * npad;
+    if (!reuse || lanes > BG_CACHE_MAX) return 0;
+    if (bg_cache && bg_key.reuse == reuse && bg_key.p == B.p && bg_key.ld == B.ld &&
+            bg_key.trans == B.trans && bg_key.K == K && bg_key.N == N)
+        return bg_cache;
+    if (lanes > bg_cache_lanes) {
+        free(bg_cache);
+        bg_cache = (uint32_t *)malloc(sizeof(uint32_t) * lanes);
+        bg_cache_lanes = bg_cache ? lanes : 0;
+        if (!bg_cache) return 0;
+    }
+    bg_key.reuse = 0;   /* (packing below; keyed once it is whole) */
+    for (int64_t k0 = 0; k0 < K; k0 += 2 * BG_KP) {
+        int64_t left = (K - k0 + 1) / 2;
+        int kp = left < BG_KP ? (int)left : BG_KP;
+        for (int64_t j0 = 0; j0 < N; j0 += BG_NC) {
+            int cols = N - j0 < BG_NC ? (int)(N - j0) : BG_NC;
+            bg_pack_b(B, j0, cols, k0, kp, K, bg_cache + k0 / 2 * npad + kp * j0);
+        }
+    }
+    bg_key.reuse = reuse; bg_key.p = B.p; bg_key.ld = B.ld; bg_key.trans = B.trans;
+    bg_key.K = K; bg_key.N = N;
+    return bg_cache;
+}
+
+/* Returns 0, or -1 where the buffers could not be allocated (nothing written). `reuse`: 0, or
+ * the kernel call's number, under which B is packed whole once per thread (bg_whole_b). */
 static int bf16_gemm(int M, int N, int K, float alpha, bf16_matrix A, bf16_matrix B, float beta,
-                     float *C, int64_t ldc) {
+                     float *C, int64_t ldc, uint64_t reuse) {
     if (!bg_buf_a) bg_buf_a = (uint32_t *)malloc(sizeof(uint32_t) * BG_KP * BG_MR);
     if (!bg_buf_b) bg_buf_b = (uint32_t *)malloc(sizeof(uint32_t) * BG_KP * BG_NC);
     if (!bg_buf_a || !bg_buf_b) return -1;
+    const uint32_t *whole = bg_whole_b(B, N, K, reuse);
+    int64_t npad = ((int64_t)N + BG_NR - 1) / BG_NR * BG_NR;
     for (int64_t k0 = 0; k0 < K; k0 += 2 * BG_KP) {
         int64_t left = (K - k0 + 1) / 2;
         int kp = left < BG_KP ? (int)left : BG_KP;
         int first = k0 == 0;
         for (int64_t j0 = 0; j0 < N; j0 += BG_NC) {
             int cols = N - j0 < BG_NC ? (int)(N - j0) : BG_NC;
-            bg_pack_b(B, j0, cols, k0, kp, K, bg_buf_b);
+            const uint32_t *packed = whole ? whole + k0 / 2 * npad + kp * j0 : bg_buf_b;
+            if (!whole) bg_pack_b(B, j0, cols, k0, kp, K, bg_buf_b);
             for (int64_t i0 = 0; i0 < M; i0 += BG_MR) {
                 int rows = M - i0 < BG_MR ? (int)(M - i0) : BG_MR;
                 /* whole rows of A with K contiguous and no half pair: read in place */
@@ -167,7 +209,7 @@ static int bf16_gemm(int M, int N, int K, float alpha, bf16_matrix A, bf16_matri
                 for (int c0 = 0; c0 < cols; c0 += BG_NR) {
                     int width = cols - c0 < BG_NR ? cols - c0 : BG_NR;
                     bg_tile(kp, a, pair_step, row_step,
-                            bg_buf_b + (int64_t)(c0 / BG_NR) * kp * BG_NR,
+                            packed + (int64_t)(c0 / BG_NR) * kp * BG_NR,
                             C + i0 * ldc + j0 + c0, ldc, rows, width, alpha, beta, first);
                 }
             }

@@ -80,9 +80,10 @@ static operand expert_matrix(const void *base, int64_t se, int ld, int trans, in
 }
 
 /* Row-major float32 C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C, with A and B of
- * element type bf. */
+ * element type bf. `reuse`: 0, or a number of this kernel call's own, under which bf16_gemm
+ * keeps B packed between products (B must not change during the call). */
 static void gemm_rm(int bf, int M, int N, int K, float alpha, operand A, operand B, float beta,
-                    float *C, int ldc) {
+                    float *C, int ldc, uint64_t reuse) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {   /* BLAS may skip beta scaling for K = 0; do it here */
         for (int i = 0; i < M; i++) {
@@ -96,9 +97,10 @@ static void gemm_rm(int bf, int M, int N, int K, float alpha, operand A, operand
     if (bf && g_own_bf16) {
         bf16_matrix a = { (const bf16 *)A.p, A.ld, A.trans };
         bf16_matrix b = { (const bf16 *)B.p, B.ld, B.trans };
-        if (bf16_gemm(M, N, K, alpha, a, b, beta, C, ldc) == 0) return;
+        if (bf16_gemm(M, N, K, alpha, a, b, beta, C, ldc, reuse) == 0) return;
     }
 #endif
+    (void)reuse;
     const char tb = B.trans ? 'T' : 'N', ta = A.trans ? 'T' : 'N';
     if (bf)
         g_gemm_bf16(&tb, &ta, &N, &M, &K, &alpha, (const bf16 *)B.p, &B.ld, (const bf16 *)A.p,
@@ -247,6 +249,9 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
     int rounded = bf && !out_idx, buffered = out_idx || rounded;
     int gathered = in_idx || order;
     int failed = 0;
+    /* the expert weights stay as they are during the call: each thread packs one once */
+    static uint64_t calls = 0;
+    uint64_t reuse = __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED);
     #pragma omp parallel num_threads(nthreads)
     {
         THREAD_SETUP();
@@ -271,7 +276,8 @@ int sf_cvmm(const void *src, int64_t src_ld, const int64_t *in_idx,
                 A.trans = 0;
                 float *C = buffered ? c_buf : (float *)out + it.start * n;
                 gemm_rm(bf, it.rows, n, m, 1.0f, A,
-                        expert_matrix(w, wse, w_ld, w_trans, it.expert, bf), 0.0f, C, n);
+                        expert_matrix(w, wse, w_ld, w_trans, it.expert, bf), 0.0f, C, n,
+                        reuse);
                 for (int r = 0; r < it.rows; r++) {
                     int64_t p = order ? order[it.start + r] : it.start + r;
                     float s = scale ? scale[p] : 1.0f;
@@ -398,7 +404,7 @@ int sf_weight_grad(const void *a_src, int64_t a_ld, const int64_t *a_idx, const 
                              B.p = bbuf; B.ld = nb; }
                 else { B.p = offset(b_src, start * b_ld, bf); B.ld = (int)b_ld; }
                 A.trans = 1; B.trans = 0;
-                gemm_rm(bf, ma, nb, rows, 1.0f, A, B, c ? 1.0f : 0.0f, acc, nb);
+                gemm_rm(bf, ma, nb, rows, 1.0f, A, B, c ? 1.0f : 0.0f, acc, nb, 0);
             }
         }
         free(abuf); free(bbuf);
