@@ -30,14 +30,14 @@ sys.exit(torch.__version__.split("+")[0] != sys.argv[1])
 PY
 then
     echo "setup: installing torch==$TORCH_VERSION (CPU build)"
-    pip_install "${constrained[@]}" "torch==$TORCH_VERSION"
+    pip_install ${constrained[@]+"${constrained[@]}"} "torch==$TORCH_VERSION"
 fi
 
 stamp="$VENV/.sparseffn-installed-$(echo "$EXTRAS" | tr ',' '-')"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] ||
         { [ -n "$CONSTRAINTS" ] && [ "$CONSTRAINTS" -nt "$stamp" ]; }; then
     echo "setup: installing sparseffn[$EXTRAS]${CONSTRAINTS:+ (versions in $CONSTRAINTS)}"
-    pip_install "${constrained[@]}" -e ".[$EXTRAS]"
+    pip_install ${constrained[@]+"${constrained[@]}"} -e ".[$EXTRAS]"
     if [[ ",$EXTRAS," == *",peers,"* ]]; then
         # DeepSpeed builds against the torch already installed; it needs no build isolation.
         pip_install --no-build-isolation deepspeed
