@@ -35,7 +35,8 @@ def gpt2(seed=0):
 def llama(seed=0, mlp_bias=False, layers=2):
     _quiet()
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32,
+                                      intermediate_size=64,
                                       num_attention_heads=2, num_key_value_heads=2,
                                       vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
                                       pad_token_id=0, mlp_bias=mlp_bias)

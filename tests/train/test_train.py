@@ -20,7 +20,8 @@ from tests.onnx_release import NEEDS_2_8
 def lm_run(corpus, ffn="sigma_moe", steps=6, layers=2, **train):
     return RunConfig(name=f"tiny-{ffn}" if isinstance(ffn, str) else "tiny",
                      data=DataSpec(corpus="file", path=corpus),
-                     model=ModelSpec(d_model=32, n_layers=layers, n_heads=2, context=16, ffn=ffn, dropout=0.1),
+                     model=ModelSpec(d_model=32, n_layers=layers, n_heads=2, context=16, ffn=ffn,
+                                     dropout=0.1),
                      train=TrainSpec(steps=steps, batch_size=4, lr=3e-3, eval_every=3, log_every=1,
                                      eval_windows=8, **train))
 
