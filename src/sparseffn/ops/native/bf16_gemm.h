@@ -148,31 +148,24 @@ static __thread uint32_t *bg_cache = 0;
 static __thread int64_t bg_cache_lanes = 0;
 static __thread struct { uint64_t reuse; const bf16 *p; int64_t ld; int trans, K, N; } bg_key;
 
-/* The packed op(B) of this call (packed now unless this thread packed it last), or 0 where
- * it is not to be kept (no `reuse`, too large, no memory) */
-static const uint32_t *bg_whole_b(bf16_matrix B, int N, int K, uint64_t reuse) {
+/* The buffer of this call's whole packed op(B), or 0 where it is not to be kept (no `reuse`,
+ * too large, no memory); *filled says whether this thread packed it already. Unfilled, it is
+ * unkeyed until bf16_gemm has packed every block into it as it goes. */
+static uint32_t *bg_whole_b(bf16_matrix B, int N, int K, uint64_t reuse, int *filled) {
     int64_t npad = ((int64_t)N + BG_NR - 1) / BG_NR * BG_NR, lanes = (K + 1) / 2 * npad;
+    *filled = 0;
     if (!reuse || lanes > BG_CACHE_MAX) return 0;
     if (bg_cache && bg_key.reuse == reuse && bg_key.p == B.p && bg_key.ld == B.ld &&
-            bg_key.trans == B.trans && bg_key.K == K && bg_key.N == N)
+            bg_key.trans == B.trans && bg_key.K == K && bg_key.N == N) {
+        *filled = 1;
         return bg_cache;
+    }
     if (lanes > bg_cache_lanes) {
         free(bg_cache);
         bg_cache = (uint32_t *)malloc(sizeof(uint32_t) * lanes);
         bg_cache_lanes = bg_cache ? lanes : 0;
-        if (!bg_cache) return 0;
     }
-    bg_key.reuse = 0;   /* (packing below; keyed once it is whole) */
-    for (int64_t k0 = 0; k0 < K; k0 += 2 * BG_KP) {
-        int64_t left = (K - k0 + 1) / 2;
-        int kp = left < BG_KP ? (int)left : BG_KP;
-        for (int64_t j0 = 0; j0 < N; j0 += BG_NC) {
-            int cols = N - j0 < BG_NC ? (int)(N - j0) : BG_NC;
-            bg_pack_b(B, j0, cols, k0, kp, K, bg_cache + k0 / 2 * npad + kp * j0);
-        }
-    }
-    bg_key.reuse = reuse; bg_key.p = B.p; bg_key.ld = B.ld; bg_key.trans = B.trans;
-    bg_key.K = K; bg_key.N = N;
+    bg_key.reuse = 0;
     return bg_cache;
 }
 
@@ -183,7 +176,8 @@ static int bf16_gemm(int M, int N, int K, float alpha, bf16_matrix A, bf16_matri
     if (!bg_buf_a) bg_buf_a = (uint32_t *)malloc(sizeof(uint32_t) * BG_KP * BG_MR);
     if (!bg_buf_b) bg_buf_b = (uint32_t *)malloc(sizeof(uint32_t) * BG_KP * BG_NC);
     if (!bg_buf_a || !bg_buf_b) return -1;
-    const uint32_t *whole = bg_whole_b(B, N, K, reuse);
+    int filled;
+    uint32_t *whole = bg_whole_b(B, N, K, reuse, &filled);
     int64_t npad = ((int64_t)N + BG_NR - 1) / BG_NR * BG_NR;
     for (int64_t k0 = 0; k0 < K; k0 += 2 * BG_KP) {
         int64_t left = (K - k0 + 1) / 2;
@@ -191,8 +185,8 @@ static int bf16_gemm(int M, int N, int K, float alpha, bf16_matrix A, bf16_matri
         int first = k0 == 0;
         for (int64_t j0 = 0; j0 < N; j0 += BG_NC) {
             int cols = N - j0 < BG_NC ? (int)(N - j0) : BG_NC;
-            const uint32_t *packed = whole ? whole + k0 / 2 * npad + kp * j0 : bg_buf_b;
-            if (!whole) bg_pack_b(B, j0, cols, k0, kp, K, bg_buf_b);
+            uint32_t *packed = whole ? whole + k0 / 2 * npad + kp * j0 : bg_buf_b;
+            if (!filled) bg_pack_b(B, j0, cols, k0, kp, K, packed);
             for (int64_t i0 = 0; i0 < M; i0 += BG_MR) {
                 int rows = M - i0 < BG_MR ? (int)(M - i0) : BG_MR;
                 /* whole rows of A with K contiguous and no half pair: read in place */
@@ -214,6 +208,10 @@ static int bf16_gemm(int M, int N, int K, float alpha, bf16_matrix A, bf16_matri
                 }
             }
         }
+    }
+    if (whole && !filled) {
+        bg_key.reuse = reuse; bg_key.p = B.p; bg_key.ld = B.ld; bg_key.trans = B.trans;
+        bg_key.K = K; bg_key.N = N;
     }
     return 0;
 }

@@ -15,8 +15,7 @@
  * (uint16 storage), multiplies them with a GEMM that accumulates in float32 (bf16_gemm.h's
  * AVX-512 BF16 kernel where the compiler targets that instruction and the CPU is AMD, else
  * MKL's bf16 GEMM), applies every epilogue in float32 and rounds once, to nearest even, where
- * it writes bf16.
- * Scales and dots are float32 in both.
+ * it writes bf16. Scales and dots are float32 in both.
  *
  * Index arrays are int64 (torch.long). A NULL index means "row r reads/writes row r".
  * The matrix of expert e is passed as (base, stride between experts, leading dimension,
