@@ -77,6 +77,9 @@ ROUTER_EXAMPLES = {
 VARIANTS = {
     "fff_sparse": FFFConfig(d_model=D, depth=2, leaf_width=4, train_mode="sparse", k=2,
                             bias=False),
+    # nodes of three neurons each; hard inference (greedy descent) in evaluation
+    "fff_wide_nodes_hard": FFFConfig(d_model=D, depth=2, leaf_width=4, eval_mode="hard",
+                                     router=TreeRouterConfig(node_width=3)),
     "pkm_identity_query": PKMConfig(d_model=D, num_subkeys=4, heads=1, k=3, key_dim=D,
                                     query="identity", query_norm="layernorm"),
     "peer_sparse_grad": PEERConfig(d_model=D, num_experts=16, heads=2, k=3, key_dim=6,

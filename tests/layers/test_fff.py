@@ -84,6 +84,32 @@ def test_hard_inference_equals_soft_output_with_the_path_weight_one(node_width):
     assert torch.equal(layer.routing_stats["counts"], torch.bincount(leaves, minlength=16).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, "autocast"],
+                         ids=["bf16", "fp16", "fp64", "bf16_autocast"])
+@pytest.mark.parametrize("node_width", [1, 3])
+def test_hard_inference_descends_the_node_logits_in_every_dtype(node_width, dtype):
+    """In a bf16, fp16 or float64 module and under bf16 autocast, hard inference descends the
+    node logits as :meth:`node_logits` computes them (in float32; float64 in a float64
+    module) and returns the module's dtype (bf16 under autocast). With nodes of several
+    neurons it raised outside float32 (float32 inputs against the module's weights), and
+    under autocast it computed them in bf16."""
+    torch.manual_seed(0)
+    layer = FastFeedForward(d_model=12, depth=4, leaf_width=5, router={"node_width": node_width},
+                            eval_mode="hard").eval()
+    layer = layer if dtype == "autocast" else layer.to(dtype)
+    x = torch.randn(2000, 12, dtype=torch.float32 if dtype == "autocast" else dtype)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == "autocast"):
+        y = layer(x)
+        z = layer.router.node_logits(x)
+        leaves = layer.router.hard_leaves(x)
+        want = layer.soft_output(x, F.one_hot(leaves, 16).to(y.dtype))
+    assert y.dtype == (torch.bfloat16 if dtype == "autocast" else dtype)
+    assert z.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.equal(leaves, fff.descend_logits(z))
+    torch.testing.assert_close(y, want, atol=1e-2 if y.element_size() == 2 else 1e-6,
+                               rtol=1e-2)
+
+
 def test_modes_follow_train_and_eval():
     layer = FastFeedForward(d_model=8, depth=2, leaf_width=3)
     assert layer.mode == "soft" and layer.eval().mode == "soft"

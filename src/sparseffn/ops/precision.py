@@ -21,6 +21,14 @@ def autocast_off(device_type: str):
     return _NO_CONTEXT
 
 
+def routing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype routing computes its logits, scores and losses in for an input of ``dtype``:
+    float32 for float32 and the half-precision dtypes (Switch Transformer's "selective
+    precision"), float64 for float64, whose gates would otherwise be rounded to float32 (a
+    float64 layer's gradients then disagree with finite differences by about 1e-7 / eps)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype of ``x``'s device while autocast is on there, else None."""
     device = x.device.type

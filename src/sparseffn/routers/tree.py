@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from ..losses import usage_entropy_loss
 from ..ops import fff
 from ..ops.fff import SOFT_FORMULATIONS, TREE_ACTIVATIONS
-from ..ops.precision import autocast_off
+from ..ops.precision import autocast_off, routing_dtype
 from ..ops.sizes import exported_for_any_size
 from ..registry import RouterConfig, implements
 from ..routing import Routing
@@ -203,28 +203,30 @@ class TreeRouter(Router):
             self.out_weight.uniform_(-out_bound, out_bound)
 
     def node_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """z [T, N] in float32 (the routing decision runs at full precision under autocast)."""
+        """z [T, N] in float32, float64 for a float64 ``x`` (the routing decision runs at full
+        precision under autocast and in a half-precision module)."""
         with autocast_off(x.device.type):
-            x = x.float()
+            x = x.to(routing_dtype(x.dtype))
             if self.config.node_width == 1:
                 return self._linear_logits(x)
-            hidden = F.relu(F.linear(x, self.weight.float(), self.hidden_bias.float()))
+            hidden = F.relu(F.linear(x, self.weight.to(x.dtype), self.hidden_bias.to(x.dtype)))
             z = (hidden.view(x.shape[0], self.num_nodes, self.config.node_width)
-                 * self.out_weight.float()).sum(-1)
-            return z if self.bias is None else z + self.bias.float()
+                 * self.out_weight.to(x.dtype)).sum(-1)
+            return z if self.bias is None else z + self.bias.to(x.dtype)
 
     def _linear_logits(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias, nodes = self.weight.float(), self.bias, self.num_nodes
+        weight, bias, nodes = self.weight.to(x.dtype), self.bias, self.num_nodes
         if (self.depth is not None and self.depth >= _PADDED_MIN_DEPTH
                 and x.device.type == "cpu" and not exported_for_any_size(x.shape[0])
                 and x.shape[0] >= _PADDED_MIN_TOKENS):   # (a guard, when exported, if first)
             weight = F.pad(weight, (0, 0, 0, 1))
-            bias = None if bias is None else F.pad(bias.float(), (0, 1))
+            bias = None if bias is None else F.pad(bias.to(x.dtype), (0, 1))
             return F.linear(x, weight, bias)[:, :nodes]
-        return F.linear(x, weight, None if bias is None else bias.float())
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
     def leaf_probs(self, x: torch.Tensor, formulation: str | None = None) -> torch.Tensor:
-        """R(i|x) [T, num_experts] (float32) in ``formulation`` (default: the config's)."""
+        """R(i|x) [T, num_experts] (float32; float64 for a float64 ``x``) in ``formulation``
+        (default: the config's)."""
         z = self.node_logits(x)
         if self.config.explicit:
             return fff.leaf_probs_matrix(z, self.config.activation, self.T, self.S)
@@ -233,24 +235,28 @@ class TreeRouter(Router):
     @torch.no_grad()
     def hard_leaves(self, x: torch.Tensor) -> torch.Tensor:
         """Greedy descent (Chaunin & Mikhailovskiy §1.2): int64 [T], one node per level per token,
-        going left
-        where the node's logit is positive."""
+        going left where the node's logit is positive. The logits are computed in float32
+        (float64 for a float64 ``x``) whatever the module's dtype or autocast, as
+        :meth:`node_logits` computes them."""
         if self.depth is None:
             raise ValueError("hard inference needs the tree (this router has explicit T and S)")
-        x = x.float()
+        dtype = routing_dtype(x.dtype)
+        x = x.to(dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
         if self.config.node_width == 1:
-            return fff.descend(x, self.weight.float(),
-                               None if self.bias is None else self.bias.float())
+            return fff.descend(x, self.weight.to(dtype), bias)
         h = self.config.node_width
-        weight = self.weight.view(self.num_nodes, h, self.d_model)
-        hidden_bias = self.hidden_bias.view(self.num_nodes, h)
+        weight = self.weight.to(dtype).view(self.num_nodes, h, self.d_model)
+        hidden_bias = self.hidden_bias.to(dtype).view(self.num_nodes, h)
+        out_weight = self.out_weight.to(dtype)
 
         def node_logit(level: int, node: torch.Tensor) -> torch.Tensor:
-            hidden = F.relu(torch.einsum("td,thd->th", x, weight.index_select(0, node))
-                            + hidden_bias.index_select(0, node))
-            z = (hidden * self.out_weight.index_select(0, node)).sum(-1)
-            return z if self.bias is None else z + self.bias.index_select(0, node)
-        return fff.descend_from_logits_fn(node_logit, self.depth, x.shape[0], x.device)
+            hidden = F.relu(torch.bmm(weight.index_select(0, node), x[:, :, None])[:, :, 0]
+                            + hidden_bias.index_select(0, node))           # [T, h]
+            z = (hidden * out_weight.index_select(0, node)).sum(-1)
+            return z if bias is None else z + bias.index_select(0, node)
+        with autocast_off(x.device.type):   # the einsum would run in the autocast dtype
+            return fff.descend_from_logits_fn(node_logit, self.depth, x.shape[0], x.device)
 
     def forward(self, x: torch.Tensor) -> Routing:
         """The top-k leaves by R, their probabilities as weights; ``aux_losses["entropy"]``
