@@ -7,6 +7,9 @@ all processes: ``batch.sum(local_sums)`` adds the processes' sums, differentiabl
 process computes the loss of the global batch (what expert parallelism uses:
 :func:`sparseffn.distributed.shard_experts`). Every process must then call it, even one with
 no tokens.
+
+The losses are computed in float32 whatever the input's dtype (float64 for float64 inputs:
+:func:`~sparseffn.ops.precision.routing_dtype`), as the routing they are computed from is.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .ops.assignment import count_keys
+from .ops.precision import routing_dtype
 
 
 class BatchSum:
@@ -24,10 +28,16 @@ class BatchSum:
         return values
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or in float64 when it is float64 (:func:`routing_dtype`)."""
+    return t.to(routing_dtype(t.dtype))
+
+
 def _global_mean(local_sums: torch.Tensor, tokens: int, batch: BatchSum) -> torch.Tensor:
     """Σ over every process's tokens / their number, for ``local_sums`` [n] over this
     process's ``tokens``; zeros when no process has a token."""
-    total = batch.sum(torch.cat([local_sums.float(), local_sums.new_full((1,), tokens).float()]))
+    local_sums = _full(local_sums)
+    total = batch.sum(torch.cat([local_sums, local_sums.new_full((1,), tokens)]))
     return total[:-1] / total[-1].clamp_min(1.0)
 
 
@@ -47,7 +57,7 @@ def batch_entropy_loss(logits: torch.Tensor, batch: BatchSum | None = None) -> t
     log space (log-softmax, logsumexp over tokens, exp), at half the time or less, on every
     forward of every σ-MoE layer (15 → 8 µs at 1 token, 234 → 91 µs at 4,096, 2 CPU cores).
     """
-    return usage_entropy_loss(torch.softmax(logits.float(), dim=-1), batch)     # Eq. 34
+    return usage_entropy_loss(torch.softmax(_full(logits), dim=-1), batch)      # Eq. 34
 
 
 def usage_entropy_loss(probs: torch.Tensor, batch: BatchSum | None = None) -> torch.Tensor:
@@ -56,22 +66,22 @@ def usage_entropy_loss(probs: torch.Tensor, batch: BatchSum | None = None) -> to
     one; e.g. a fast feed-forward tree's leaf distribution R). The negative entropy of the
     batch's usage: minimising it spreads the mass over the experts. ``p log p`` is 0 where p
     underflows, with a finite gradient; an empty batch gives 0; with ``batch``, p is the mean
-    over the global batch. Returns a float32 scalar."""
+    over the global batch. Returns a float32 scalar (float64 for float64 ``probs``)."""
     if batch is not None:
-        p = _global_mean(probs.float().sum(0), probs.shape[0], batch)
+        p = _global_mean(_full(probs).sum(0), probs.shape[0], batch)
     elif probs.shape[0] == 0:
-        return probs.new_zeros((), dtype=torch.float32)
+        return probs.new_zeros((), dtype=routing_dtype(probs.dtype))
     else:
-        p = probs.float().mean(0)
+        p = _full(probs).mean(0)
     return torch.dot(p, p.clamp_min(torch.finfo(p.dtype).tiny).log())
 
 
 def cv_squared(values: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
     """The squared coefficient of variation ``(std / mean)²`` (population variance) of each
     row, Shazeer et al.'s balance measure (Csordás et al. 2023 Eq. 28, which writes CV as μ/σ,
-    a typo for σ/μ). values: [..., n]; returns float32 [...] (a scalar for a vector), zero
-    for rows of fewer than two values."""
-    values = values.float()
+    a typo for σ/μ). values: [..., n]; returns float32 (float64 for float64 values) [...] (a
+    scalar for a vector), zero for rows of fewer than two values."""
+    values = _full(values)
     if values.dim() == 0 or values.shape[-1] < 2:
         return values.new_zeros(values.shape[:-1])
     return values.var(-1, unbiased=False) / (values.mean(-1).square() + eps)
@@ -88,12 +98,13 @@ def switch_balance_loss(probs: torch.Tensor, top1: torch.Tensor, batch: BatchSum
     """
     num_experts = probs.shape[-1]
     if batch is not None:
-        counts = count_keys(top1, num_experts).float()
-        mean = _global_mean(torch.cat([counts, probs.float().sum(0)]), probs.shape[0], batch)
+        probs = _full(probs)
+        counts = count_keys(top1, num_experts).to(probs.dtype)
+        mean = _global_mean(torch.cat([counts, probs.sum(0)]), probs.shape[0], batch)
         return num_experts * (mean[:num_experts] * mean[num_experts:]).sum()
     if probs.shape[0] == 0:
         return probs.new_zeros(())
-    mean_prob = probs.float().mean(0)                                            # Eq. 30
+    mean_prob = _full(probs).mean(0)                                             # Eq. 30
     # Eq. 31 with Eq. 29's fractions f_i = |{t : top1_t = i}| / T folded in:
     # Σ_i f_i p_i = (1/T) Σ_t p_{top1_t}, a gather instead of counting the tokens per expert.
     return num_experts * mean_prob[top1.reshape(-1)].mean()
@@ -103,8 +114,8 @@ def router_z_loss(logits: torch.Tensor, batch: BatchSum | None = None) -> torch.
     """ST-MoE's router z-loss ``mean_x (logsumexp_e logits[x, e])²``: keeps the logits small
     (the mean over the global batch with ``batch``)."""
     if batch is not None:
-        squares = torch.logsumexp(logits.float(), dim=-1).square().sum()
+        squares = torch.logsumexp(_full(logits), dim=-1).square().sum()
         return _global_mean(squares.reshape(1), logits.shape[0], batch)[0]
     if logits.shape[0] == 0:
         return logits.new_zeros(())
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+    return torch.logsumexp(_full(logits), dim=-1).square().mean()

@@ -14,20 +14,22 @@ from torch.autograd.function import once_differentiable
 
 from ..init import dense_init_std, equal_norm_rows_
 from ..ops import kernels
-from ..ops.precision import autocast_dtype, autocast_off
+from ..ops.precision import autocast_dtype, autocast_off, routing_dtype
 from ..registry import RouterConfig
 from ..routing import Routing
 
 
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """``x Wᵀ (+ b)`` in float32 whatever the input dtype or autocast: routing decisions and
-    their losses are computed at full precision (Switch Transformer's "selective precision").
+def full_precision_linear(x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x Wᵀ (+ b)`` in float32 whatever the input dtype or autocast (float64 for a float64
+    input, :func:`~sparseffn.ops.precision.routing_dtype`): routing decisions and their losses
+    are computed at full precision (Switch Transformer's "selective precision").
 
-    x: [T, d]; weight: [E, d]; returns [T, E] float32."""
+    x: [T, d]; weight: [E, d]; returns [T, E] float32 (float64)."""
+    dtype = routing_dtype(x.dtype)
     with autocast_off(x.device.type):
-        return nn.functional.linear(x.float(), weight.float(),
-                                    None if bias is None else bias.float())
+        return nn.functional.linear(x.to(dtype), weight.to(dtype),
+                                    None if bias is None else bias.to(dtype))
 
 
 ROUTER_PRECISIONS = ("float32", "autocast")
@@ -72,25 +74,27 @@ class _SelectedScores(torch.autograd.Function):
 
 def selection_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      precision: str = "float32") -> torch.Tensor:
-    """The selection logits ``x Wᵀ (+ b)`` [T, E] in float32, the product computed as
-    ``precision`` says (one of ``ROUTER_PRECISIONS``):
+    """The selection logits ``x Wᵀ (+ b)`` [T, E] in float32 (float64 for a float64 ``x``),
+    the product computed as ``precision`` says (one of ``ROUTER_PRECISIONS``):
 
-    - ``"float32"``: in float32 even under autocast (:func:`fp32_linear`; Switch Transformer's
-      "selective precision");
+    - ``"float32"``: in float32 even under autocast (:func:`full_precision_linear`; Switch
+      Transformer's "selective precision"), in float64 for a float64 ``x``;
     - ``"autocast"``: like any ``nn.Linear``: in bf16 under bf16 autocast (as the σ-MoE code of
       Csordás et al. 2023 does), else in the weight's dtype. On a GPU at large d_model this
       is several times cheaper (fp32 products do not use the tensor cores).
 
-    The scores, the top-k and the losses computed from the logits are float32 either way.
+    The scores, the top-k and the losses computed from the logits are float32 (float64)
+    either way.
 
     x: [T, d]; weight: [E, d]."""
     if precision == "float32":
-        return fp32_linear(x, weight, bias)
+        return full_precision_linear(x, weight, bias)
     if precision != "autocast":
         raise ValueError(f"router precision must be one of {ROUTER_PRECISIONS}, got {precision!r}")
     if not torch.is_autocast_enabled(x.device.type):
         x = x.to(weight.dtype)
-    return nn.functional.linear(x, weight, bias).float()
+    logits = nn.functional.linear(x, weight, bias)
+    return logits.to(routing_dtype(logits.dtype))
 
 
 @torch.no_grad()
@@ -239,7 +243,7 @@ class LinearRouter(Router):
         init_selection_(self.weight, self.init, self.init_depth)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``W x`` as float32 [T, E], computed in the config's ``precision``."""
+        """``W x`` as float32 (float64) [T, E], computed in the config's ``precision``."""
         return selection_linear(x, self.weight, precision=self.config.precision)
 
     def input_dtype(self, x: torch.Tensor) -> torch.dtype | None:

@@ -14,7 +14,7 @@ from torch import nn
 from ..registry import RouterConfig, implements, require_router_k
 from ..routing import Routing
 from ..validation import require_non_negative, require_positive_int
-from .base import Router, fp32_linear, init_selection_
+from .base import Router, full_precision_linear, init_selection_
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,8 @@ class _AffineGateRouter(Router):
             self.bias.zero_()
 
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``V [x, 1]`` in float32: [T, rows]."""
-        return fp32_linear(x, self.weight, self.bias)
+        """``V [x, 1]`` in float32 (float64 for a float64 ``x``): [T, rows]."""
+        return full_precision_linear(x, self.weight, self.bias)
 
 
 @implements(DenseGateRouterConfig)
@@ -176,7 +176,7 @@ class HierarchicalRouter(_AffineGateRouter):
         self.reset_parameters()
 
     def leaf_log_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """log of each leaf's path product: float32 [T, E]."""
+        """log of each leaf's path product: float32 (float64 for a float64 ``x``) [T, E]."""
         b = self.branching
         logits = self.gate_logits(x)
         node_log_gates = torch.log_softmax(

@@ -12,7 +12,7 @@ from ..losses import cv_squared
 from ..registry import RouterConfig, implements
 from ..routing import Routing
 from ..validation import require_bool, require_non_negative
-from .base import Router, fp32_linear, init_selection_
+from .base import Router, full_precision_linear, init_selection_
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,11 @@ class NoisyTopKRouter(Router):
 
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.config
-        clean = fp32_linear(x, self.weight)                                        # [T, E]
+        clean = full_precision_linear(x, self.weight)                              # [T, E]
         noisy_run = self.training and cfg.train_noise
         if noisy_run:
-            noise_std = nn.functional.softplus(fp32_linear(x, self.noise_weight)) + cfg.noise_epsilon
+            noise_std = (nn.functional.softplus(full_precision_linear(x, self.noise_weight))
+                         + cfg.noise_epsilon)
             logits = clean + torch.randn_like(clean) * noise_std                  # Eq. 27
         else:
             logits = clean
