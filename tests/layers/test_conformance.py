@@ -39,6 +39,7 @@ from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
 from sparseffn.routers import ProductKeyRouterConfig
 from sparseffn.routing import RoutedFFN
 from sparseffn.stores import MLPExperts, NeuronExperts, ValueRows
+from tests.conftest import native_or_torch
 from tests.device_spy import made_off_device, off_device
 
 D = 12
@@ -192,8 +193,15 @@ def _dense_grads(params):
 params_of = lambda layer: [p for p in layer.parameters()]   # noqa: E731
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernel_path(request):
+    """The operators' C kernels, then their PyTorch implementations (what runs without a C
+    compiler, in float64, and on a GPU without Triton)."""
+    yield from native_or_torch(request)
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_drop_in_shapes_and_empty_batches(name):
+def test_drop_in_shapes_and_empty_batches(name, kernel_path):
     layer = _build(EXAMPLES[name])
     d_out = getattr(EXAMPLES[name], "output_width", D)
     for mode in ("train", "eval"):
@@ -201,7 +209,11 @@ def test_drop_in_shapes_and_empty_batches(name):
         assert layer(torch.randn(2, 3, D)).shape == (2, 3, d_out)
         if mode == "eval" or getattr(EXAMPLES[name], "query_norm", None) != "batchnorm":
             assert layer(torch.randn(D)).shape == (d_out,)    # BatchNorm trains on >= 2 rows
-        assert layer(torch.randn(0, D)).shape == (0, d_out)
+        empty = torch.randn(0, D, requires_grad=True)
+        y = layer(empty)
+        assert y.shape == (0, d_out)
+        (y.sum() + sparseffn.aux_loss(layer)).backward()
+        assert empty.grad.shape == (0, D)
         assert layer(torch.randn(2, 0, D)).shape == (2, 0, d_out)
     with pytest.raises(ValueError, match="d_model"):
         layer(torch.randn(3, D + 1))

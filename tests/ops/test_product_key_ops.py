@@ -91,6 +91,13 @@ def test_product_key_topk_is_exactly_the_top_k_of_all_sums(rows_path, n_a, n_b, 
         assert torch.equal(values[r], full[r, expect])
 
 
+def test_product_key_topk_of_no_rows(rows_path):
+    """An empty batch: [0, k] values and indices on every path (the PyTorch path's reshape of
+    the candidates to ``[0, -1]`` raised)."""
+    values, idx = product_keys.product_key_topk(torch.randn(0, 7), torch.randn(0, 5), 4)
+    assert values.shape == idx.shape == (0, 4) and idx.dtype == torch.int64
+
+
 def _native_and_torch(fn, *args):
     """``fn(*args)`` through the C kernels, then through the PyTorch path."""
     got = fn(*args)

@@ -583,12 +583,11 @@ def sub_key_indices(indices: Tensor, n_a: int) -> tuple[Tensor, Tensor]:
 
 def _product_key_topk_indices(scores_a: Tensor, scores_b: Tensor, k: int) -> Tensor:
     """The indices of :func:`product_key_topk` for scores without NaN, in PyTorch."""
-    rows, n_a = scores_a.shape
-    n_b = scores_b.shape[1]
+    n_a, n_b = scores_a.shape[1], scores_b.shape[1]
     val_a, idx_a = topk_rows(scores_a, min(k, n_a))
     val_b, idx_b = topk_rows(scores_b, min(k, n_b))
-    sums = (val_a.unsqueeze(-1) + val_b.unsqueeze(-2)).reshape(rows, -1)
-    full = (idx_a.unsqueeze(-1) + n_a * idx_b.unsqueeze(-2)).reshape(rows, -1)
+    sums = (val_a.unsqueeze(-1) + val_b.unsqueeze(-2)).flatten(1)       # (-1 fails at 0 rows)
+    full = (idx_a.unsqueeze(-1) + n_a * idx_b.unsqueeze(-2)).flatten(1)
     order = full.argsort(dim=-1)                # candidates by index, so ties go to the lower
     _, pos = topk_rows(sums.gather(-1, order), k)
     return full.gather(-1, order).gather(-1, pos)
