@@ -11,6 +11,7 @@ from sparseffn import (DeepMixtureOfExperts, HierarchicalMixtureOfExperts, Mixtu
                        MoE, MoEConfig)
 from sparseffn.router_config import DenseGateRouterConfig, HierarchicalRouterConfig
 from sparseffn.routers import build_router
+from tests.layers.test_conformance import assert_gradients_equal_finite_differences
 
 
 def _clusters(n=600, classes=3, dim=2, seed=0):
@@ -166,3 +167,19 @@ def test_mixture_of_linear_experts_fits_a_piecewise_linear_regression():
     with torch.no_grad():
         mse = (model(x) - y).square().mean().item()
     assert mse < 0.1 * y.var().item()
+
+
+@pytest.mark.parametrize("build", [
+    lambda: MixtureOfExperts(4, 3, num_experts=5),
+    lambda: MixtureOfExperts(4, 2, num_experts=4, task="regression", expert_hidden=5),
+    lambda: HierarchicalMixtureOfExperts(4, 3, branching=2, depth=2),
+    lambda: DeepMixtureOfExperts(4, 3, hidden=(6, 5))],
+    ids=["classification", "regression_hidden", "hierarchical", "deep"])
+def test_gradients_equal_finite_differences_in_float64(build):
+    """As for every registered layer (tests/layers/test_conformance.py): the gradients of the
+    output and of the aux losses, for the input and every parameter, in float64."""
+    torch.manual_seed(0)
+    model = build().double().train()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    names = [key for key, _ in model.named_parameters()]
+    assert_gradients_equal_finite_differences(model, x, names)

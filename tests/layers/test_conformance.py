@@ -594,6 +594,13 @@ def test_gradients_equal_finite_differences_in_float64(name):
              if p.grad is not None and not p.grad.is_sparse
              and not (_straight_through(config) and not key.startswith("store."))]
     assert names
+    assert_gradients_equal_finite_differences(layer, x, names)
+
+
+def assert_gradients_equal_finite_differences(layer, x, names):
+    """``torch.autograd.gradcheck`` of the float64 ``layer``'s output on ``x`` and of each of
+    its unweighted aux losses, with respect to ``x`` (where it requires grad) and the
+    parameters ``names``, the others held fixed."""
     fixed = {key: p.detach() for key, p in layer.named_parameters()}
 
     def forward(x, *values):
