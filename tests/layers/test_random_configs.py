@@ -1,13 +1,14 @@
 """Randomly drawn layers at odd sizes against the loop references.
 
-The conformance suite checks one example per registration at ``d_model`` 12 and 7 tokens.
-Here each seed draws a routed layer of one kind in turn (σ-MoE, MoE with each registered
-router, FFF, PKM, PEER), its sizes and options (gated and biased experts, the activation,
-capacity factors, sparse FFF training, odd table and key sizes), a ``d_model`` from 1 to 130,
-a token count up to 600, an input laid out as a user's slice may be (a transpose, every other
-column, or an offset into a larger buffer), and training or evaluation mode. The output and
-every gradient must equal those of the store's loop reference fed the layer's own routing.
-The draws are seeded, so a failure names a seed that reproduces it."""
+The conformance suite checks one example per registration at ``d_model`` 12 and 7 tokens. Here
+each seed draws a routed layer of one kind in turn (σ-MoE, MoE with each registered router,
+FFF, PKM, PEER), its sizes and options (gated and biased experts, the activation, capacity
+factors, sparse FFF training, FFF's evaluation modes, tree nodes of several neurons, odd table
+and key sizes), a ``d_model`` from 1 to 130, a token count up to 600, an input laid out as a
+user's slice may be (a transpose, every other column, or an offset into a larger buffer), and
+training or evaluation mode. The output and every gradient must equal those of the store's loop
+reference fed the layer's own routing. The draws are seeded, so a failure names a seed that
+reproduces it."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def _routed_moe(rng: random.Random, d_model: int, router: str) -> MoEConfig:
         k = num_experts
     elif router == "tree":
         num_experts = 2 ** rng.randint(1, 4)
-        config, k = TreeRouterConfig(), rng.randint(1, num_experts)
+        k = rng.randint(1, num_experts)
+        config = TreeRouterConfig(node_width=rng.choice([1, 3]))
     elif router == "product_keys":
         heads = rng.randint(1, 3)
         num_experts = rng.randint(2, 6) ** 2
@@ -80,8 +82,13 @@ def random_config(rng: random.Random, kind: str) -> LayerConfig:
     if kind == "fff":
         depth = rng.randint(1, 5)
         sparse = {"train_mode": "sparse", "k": rng.randint(1, 2 ** depth)}
-        return FFFConfig(d_model=d_model, depth=depth, leaf_width=rng.choice([1, 4, 9]),
-                         **(sparse if rng.random() < 0.5 else {}))
+        leaf_width = rng.choice([1, 4, 9])
+        options = sparse if rng.random() < 0.5 else {}
+        # nodes of several neurons and each evaluation mode, drawn last: a seed keeps its sizes
+        return FFFConfig(d_model=d_model, depth=depth, leaf_width=leaf_width,
+                         eval_mode=rng.choice([None, "soft", "topk", "hard"]),
+                         router=TreeRouterConfig(node_width=rng.choice([1, 1, 2, 5])),
+                         **options)
     sub_keys = rng.randint(2, 12)
     fields = {"heads": rng.randint(1, 3), "k": rng.randint(1, min(8, sub_keys ** 2)),
               "key_dim": rng.choice([2, 4, 6, 16])}
