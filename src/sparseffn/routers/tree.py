@@ -244,7 +244,8 @@ class TreeRouter(Router):
         x = x.to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         if self.config.node_width == 1:
-            return fff.descend(x, self.weight.to(dtype), bias)
+            with autocast_off(x.device.type):
+                return fff.descend(x, self.weight.to(dtype), bias)
         h = self.config.node_width
         weight = self.weight.to(dtype).view(self.num_nodes, h, self.d_model)
         hidden_bias = self.hidden_bias.to(dtype).view(self.num_nodes, h)
@@ -255,7 +256,7 @@ class TreeRouter(Router):
                             + hidden_bias.index_select(0, node))           # [T, h]
             z = (hidden * out_weight.index_select(0, node)).sum(-1)
             return z if bias is None else z + bias.index_select(0, node)
-        with autocast_off(x.device.type):   # the einsum would run in the autocast dtype
+        with autocast_off(x.device.type):   # the bmm would run in the autocast dtype
             return fff.descend_from_logits_fn(node_logit, self.depth, x.shape[0], x.device)
 
     def forward(self, x: torch.Tensor) -> Routing:
