@@ -243,9 +243,8 @@ class TreeRouter(Router):
         dtype = routing_dtype(x.dtype)
         x = x.to(dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
-        if self.config.node_width == 1:
-            with autocast_off(x.device.type):
-                return fff.descend(x, self.weight.to(dtype), bias)
+        if self.config.node_width == 1:   # (an operator: it runs with autocast off)
+            return fff.descend(x, self.weight.to(dtype), bias)
         h = self.config.node_width
         weight = self.weight.to(dtype).view(self.num_nodes, h, self.d_model)
         hidden_bias = self.hidden_bias.to(dtype).view(self.num_nodes, h)
