@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import kernels, triton_plan
 from .debug import indices_outside
+from .grad_mode import differentiable_once
 from .ids import id_dtype
 from .precision import autocast_dtype
 from .sizes import exporting
@@ -328,7 +328,7 @@ class _CVMM(torch.autograd.Function):
         ctx.in_layout, ctx.out_layout, ctx.k = in_layout, out_layout, k
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad_out):
         x2, weight, gates, order, token_of_row, counts = ctx.saved_tensors
         need_x, need_w, need_g = ctx.needs_input_grad[:3]

@@ -18,13 +18,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..activations import activation_fn
 from . import kernels, native, triton_cvmm
 from .cvmm import (DispatchPlan, _pairs_to_slots, backward_gate_rows, check_expert_indices,
                    cvmm)
-from .grad_mode import grad_wanted
+from .grad_mode import differentiable_once, grad_wanted
 from .precision import autocast_dtype
 from .rows import gather_sum
 from .sizes import exported_for_any_size
@@ -234,7 +233,7 @@ class _ExpertBiasRows(torch.autograd.Function):
         ctx.bias_dtype = inputs[1].dtype
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad):
         counts, = ctx.saved_tensors
         grad_bias = None
@@ -287,7 +286,7 @@ class _ReluExpertMLP(torch.autograd.Function):
         ctx.weights = (w1.shape[1], w1.dtype, w2.dtype)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad_y, *_grad_saved):
         if grad_y is None:   # (the output took no part in what is differentiated)
             return (None,) * 10

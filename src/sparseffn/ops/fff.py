@@ -38,13 +38,12 @@ import warnings
 from typing import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from ..requirements import torch_release
 from ..runtime import assume_constant_result
 from . import kernels, native, triton_tree
-from .grad_mode import grad_wanted
+from .grad_mode import differentiable_once, grad_wanted
 from .kernels import descend_from_logits_fn
 from .precision import autocast_off
 from .sizes import exporting
@@ -389,7 +388,7 @@ class _LevelwiseTree(torch.autograd.Function):
         ctx.depth, ctx.activation = depth, activation
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad_probs):
         z, probs = ctx.saved_tensors
         depth, activation = ctx.depth, ctx.activation

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.autograd.function import once_differentiable
+
+from .grad_mode import differentiable_once
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -51,7 +52,7 @@ class _CastForTwo(torch.autograd.Function):
         ctx.input_dtype = inputs[0].dtype
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad_a: torch.Tensor | None, grad_b: torch.Tensor | None):
         if grad_a is None or grad_b is None:
             grad = grad_b if grad_a is None else grad_a

@@ -24,10 +24,9 @@ at least its own: beating it, unless a sum rounds to equal.)
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import kernels, triton_rows
-from .grad_mode import grad_wanted
+from .grad_mode import differentiable_once, grad_wanted
 from .precision import autocast_off
 from .rows import gather_dot
 from .sizes import exported_for_any_size
@@ -189,7 +188,7 @@ class _SelectedScores(torch.autograd.Function):
         ctx.save_for_backward(query, keys_a, keys_b, idx)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad):
         query, keys_a, keys_b, idx = ctx.saved_tensors
         tokens, heads, k = grad.shape

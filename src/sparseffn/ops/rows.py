@@ -24,11 +24,10 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import dense_products, kernels, triton_rows
 from .debug import indices_outside
-from .grad_mode import grad_wanted
+from .grad_mode import differentiable_once, grad_wanted
 from .kernels import scatter_rows
 
 
@@ -128,7 +127,7 @@ class _GatherDot(torch.autograd.Function):
         ctx.save_for_backward(x, table, idx, *(row_index or ()))
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad):
         x, table, idx, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
@@ -162,7 +161,7 @@ class _GatherSum(torch.autograd.Function):
         ctx.save_for_backward(idx, weights, table, *(row_index or ()))
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad):
         idx, weights, table, *row_index = ctx.saved_tensors
         grad = grad.contiguous()

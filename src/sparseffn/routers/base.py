@@ -10,10 +10,10 @@ import math
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..init import dense_init_std, equal_norm_rows_
 from ..ops import kernels
+from ..ops.grad_mode import differentiable_once
 from ..ops.precision import autocast_dtype, autocast_off, routing_dtype
 from ..registry import RouterConfig
 from ..routing import Routing
@@ -66,7 +66,7 @@ class _SelectedScores(torch.autograd.Function):
         ctx.num_experts = scores.shape[1]
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad):
         indices, = ctx.saved_tensors
         return kernels.dense_rows(indices, grad.contiguous(), ctx.num_experts), None
