@@ -597,10 +597,28 @@ def test_gradients_equal_finite_differences_in_float64(name):
     assert_gradients_equal_finite_differences(layer, x, names)
 
 
-def assert_gradients_equal_finite_differences(layer, x, names):
-    """``torch.autograd.gradcheck`` of the float64 ``layer``'s output on ``x`` and of each of
-    its unweighted aux losses, with respect to ``x`` (where it requires grad) and the
-    parameters ``names``, the others held fixed."""
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_second_derivatives_equal_finite_differences_in_float64(name):
+    """The same for second derivatives (``torch.autograd.gradgradcheck``: the gradients'
+    gradients against finite differences of the gradients), with respect to the same
+    tensors. The fused backward is differentiable once; while a graph is built the
+    operators' gradients are recomputed from their portable forms (``ops/grad_mode.py``).
+    Before, a second derivative raised on ``.backward()`` and left the layer out otherwise."""
+    config = EXAMPLES[name]
+    layer = with_nonzero_biases(_build(config).double().train())
+    x = torch.randn(5, D, dtype=torch.float64, requires_grad=not _straight_through(config))
+    layer(x).sum().backward()
+    names = [key for key, p in layer.named_parameters()
+             if p.grad is not None and not p.grad.is_sparse
+             and not (_straight_through(config) and not key.startswith("store."))]
+    assert_gradients_equal_finite_differences(layer, x, names,
+                                              check=torch.autograd.gradgradcheck)
+
+
+def assert_gradients_equal_finite_differences(layer, x, names, check=torch.autograd.gradcheck):
+    """``torch.autograd.gradcheck`` (or ``check``: ``gradgradcheck``) of the float64
+    ``layer``'s output on ``x`` and of each of its unweighted aux losses, with respect to
+    ``x`` (where it requires grad) and the parameters ``names``, the others held fixed."""
     fixed = {key: p.detach() for key, p in layer.named_parameters()}
 
     def forward(x, *values):
@@ -612,8 +630,7 @@ def assert_gradients_equal_finite_differences(layer, x, names):
               if key in names]
     # float64 differences are good to about 1e-9: these bounds fail a gradient 1.001 times
     # too large, which gradcheck's defaults (1e-5, 1e-3) let pass
-    assert torch.autograd.gradcheck(forward, (x, *values), atol=1e-8, rtol=1e-6,
-                                    fast_mode=True)
+    assert check(forward, (x, *values), atol=1e-8, rtol=1e-6, fast_mode=True)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

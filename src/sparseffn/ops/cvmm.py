@@ -20,14 +20,15 @@ anyway.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from . import kernels, triton_plan
+from . import kernels, portable, triton_plan
 from .debug import indices_outside
-from .grad_mode import differentiable_once
+from .grad_mode import differentiable_once, gradients_of
 from .ids import id_dtype
 from .precision import autocast_dtype
 from .sizes import exporting
@@ -296,6 +297,28 @@ def _pairs_to_slots(order: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return kernels.unsort_rows(values, order)
 
 
+def _cvmm_by(cvmm_rows, x2, weight, gates, order, token_of_row, counts, in_layout: str,
+             out_layout: str, num_tokens: int, k: int) -> torch.Tensor:
+    """:class:`_CVMM`'s forward, its products by ``cvmm_rows`` (the operator, or its
+    differentiable portable form)."""
+    gate_rows = gates.index_select(0, order) if gates is not None else None
+    in_idx = _index_of(in_layout, order, token_of_row)
+    out_idx, group = _scatter_of(out_layout, order, k)
+    out_rows = num_tokens if out_layout == _GATED else order.shape[0]
+    out, _ = cvmm_rows(x2, weight, counts, in_idx, out_idx, gate_rows, out_rows, group, False,
+                       None, None)
+    return out
+
+
+def _cvmm_with_graph(ctx, grad_out):
+    """:class:`_CVMM`'s gradients in differentiable ops, for second derivatives (see
+    :func:`~sparseffn.ops.grad_mode.differentiable_once`): its forward's portable form,
+    differentiated by autograd."""
+    inputs = (*ctx.saved_tensors, ctx.in_layout, ctx.out_layout, ctx.num_tokens, ctx.k)
+    return gradients_of(functools.partial(_cvmm_by, portable.cvmm_rows), inputs,
+                        ctx.needs_input_grad, (grad_out,))
+
+
 class _CVMM(torch.autograd.Function):
     """Autograd for :func:`cvmm` on flattened 2-D tensors, over the ``sparseffn::cvmm_rows``
     and ``sparseffn::expert_weight_grad`` operators.
@@ -313,22 +336,17 @@ class _CVMM(torch.autograd.Function):
     @staticmethod
     def forward(x2, weight, gates, order, token_of_row, counts, in_layout: str,
                 out_layout: str, num_tokens: int, k: int):
-        gate_rows = gates.index_select(0, order) if gates is not None else None
-        in_idx = _index_of(in_layout, order, token_of_row)
-        out_idx, group = _scatter_of(out_layout, order, k)
-        out_rows = num_tokens if out_layout == _GATED else order.shape[0]
-        out, _ = kernels.cvmm_rows(x2, weight, counts, in_idx, out_idx, gate_rows, out_rows,
-                                   group, False, None, None)
-        return out
+        return _cvmm_by(kernels.cvmm_rows, x2, weight, gates, order, token_of_row, counts,
+                        in_layout, out_layout, num_tokens, k)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x2, weight, gates, order, token_of_row, counts, in_layout, out_layout, _, k = inputs
+        x2, weight, gates, order, token_of_row, counts, in_layout, out_layout, tokens, k = inputs
         ctx.save_for_backward(x2, weight, gates, order, token_of_row, counts)
-        ctx.in_layout, ctx.out_layout, ctx.k = in_layout, out_layout, k
+        ctx.in_layout, ctx.out_layout, ctx.num_tokens, ctx.k = in_layout, out_layout, tokens, k
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=_cvmm_with_graph)
     def backward(ctx, grad_out):
         x2, weight, gates, order, token_of_row, counts = ctx.saved_tensors
         need_x, need_w, need_g = ctx.needs_input_grad[:3]

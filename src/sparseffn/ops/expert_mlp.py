@@ -15,15 +15,17 @@ activation, which compute the same thing.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
 from ..activations import activation_fn
-from . import kernels, native, triton_cvmm
+from . import kernels, native, portable, triton_cvmm
 from .cvmm import (DispatchPlan, _pairs_to_slots, backward_gate_rows, check_expert_indices,
                    cvmm)
-from .grad_mode import differentiable_once, grad_wanted
+from .grad_mode import differentiable_once, grad_wanted, gradients_of
+from .grouped_mm import zero_rows_after
 from .precision import autocast_dtype
 from .rows import gather_sum
 from .sizes import exported_for_any_size
@@ -211,6 +213,20 @@ def add_expert_bias(hidden: torch.Tensor, bias: torch.Tensor, expert_of_row: tor
     return _ExpertBiasRows.apply(hidden, bias, expert_of_row, counts)
 
 
+def _bias_rows_with_graph(ctx, grad):
+    """:class:`_ExpertBiasRows`' gradients in differentiable ops, for second derivatives (see
+    :func:`~sparseffn.ops.grad_mode.differentiable_once`): the identity for the hidden
+    units, each expert's rows summed by ``index_add`` for the bias (rows past ``Σ counts``
+    left out)."""
+    counts, expert_of_row = ctx.saved_tensors
+    grad_bias = None
+    if ctx.needs_input_grad[1]:
+        kept = zero_rows_after(grad, counts)
+        grad_bias = grad.new_zeros(counts.shape[0], grad.shape[1]).index_add(
+            0, expert_of_row.clamp(max=counts.shape[0] - 1), kept).to(ctx.bias_dtype)
+    return (grad if ctx.needs_input_grad[0] else None), grad_bias, None, None
+
+
 class _ExpertBiasRows(torch.autograd.Function):
     """:func:`add_expert_bias` with a gradient for the bias summed in a fixed order.
 
@@ -229,13 +245,13 @@ class _ExpertBiasRows(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[3])
+        ctx.save_for_backward(inputs[3], inputs[2])
         ctx.bias_dtype = inputs[1].dtype
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=_bias_rows_with_graph)
     def backward(ctx, grad):
-        counts, = ctx.saved_tensors
+        counts, _ = ctx.saved_tensors
         grad_bias = None
         if ctx.needs_input_grad[1]:   # [E, 8, G]: Σ_r 1ᵀ grad_r per expert, 8 times over
             # (8 columns of ones: torch._grouped_mm, the PyTorch path on CUDA, takes rows of
@@ -244,6 +260,28 @@ class _ExpertBiasRows(torch.autograd.Function):
             grad_bias = kernels.expert_weight_grad(ones, grad.contiguous(), counts, None, None,
                                                    None)[:, 0].to(ctx.bias_dtype)
         return (grad if ctx.needs_input_grad[0] else None), grad_bias, None, None
+
+
+def _relu_expert_mlp_by(cvmm_rows, x, w1, w2, gates, order, tokens, counts, k, pad, dtype):
+    """:class:`_ReluExpertMLP`'s forward, its products by ``cvmm_rows`` (the operator, or
+    its differentiable portable form): ``(y, h, W1', W2')``."""
+    w1c, w2c = _compute_copy(w1, pad, dtype), _compute_copy(w2, pad, dtype)
+    gate_rows = gates.index_select(0, order)
+    hidden, _ = cvmm_rows(x, w1c.transpose(1, 2), counts, tokens, None, None, order.shape[0], 1,
+                          True, None, None)
+    y, _ = cvmm_rows(hidden, w2c, counts, None, order, gate_rows, x.shape[0], k, False, None,
+                     None)
+    return y, hidden, w1c, w2c
+
+
+def _relu_expert_mlp_with_graph(ctx, grad_y, *_grad_saved):
+    """:class:`_ReluExpertMLP`'s gradients in differentiable ops, for second derivatives (see
+    :func:`~sparseffn.ops.grad_mode.differentiable_once`): its forward's portable form,
+    differentiated by autograd."""
+    x, _, _, gates, _, order, tokens, counts, w1, w2 = ctx.saved_tensors
+    inputs = (x, w1, w2, gates, order, tokens, counts, ctx.k, ctx.pad, ctx.compute_dtype)
+    return gradients_of(functools.partial(_relu_expert_mlp_by, portable.cvmm_rows), inputs,
+                        ctx.needs_input_grad, (grad_y, None, None, None))
 
 
 class _ReluExpertMLP(torch.autograd.Function):
@@ -267,30 +305,27 @@ class _ReluExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(x, w1, w2, gates, order, tokens, counts, k, pad, dtype):
-        w1c, w2c = _compute_copy(w1, pad, dtype), _compute_copy(w2, pad, dtype)
-        gate_rows = gates.index_select(0, order)
-        hidden, _ = kernels.cvmm_rows(x, w1c.transpose(1, 2), counts, tokens, None, None,
-                                      order.shape[0], 1, True, None, None)
-        y, _ = kernels.cvmm_rows(hidden, w2c, counts, None, order, gate_rows, x.shape[0], k,
-                                 False, None, None)
-        return y, hidden, w1c, w2c
+        return _relu_expert_mlp_by(kernels.cvmm_rows, x, w1, w2, gates, order, tokens, counts,
+                                   k, pad, dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w1, w2, gates, order, tokens, counts, k, _, _ = inputs
+        x, w1, w2, gates, order, tokens, counts, k, pad, dtype = inputs
         _, hidden, w1c, w2c = output
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)   # no zero gradients built for h and the copies
-        ctx.save_for_backward(x, w1c, w2c, gates, hidden, order, tokens, counts)
-        ctx.k = k
+        # (the weights themselves last, for the second derivatives' recomputation only: a
+        # copy made inside the forward carries no autograd history)
+        ctx.save_for_backward(x, w1c, w2c, gates, hidden, order, tokens, counts, w1, w2)
+        ctx.k, ctx.pad, ctx.compute_dtype = k, pad, dtype
         ctx.weights = (w1.shape[1], w1.dtype, w2.dtype)
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=_relu_expert_mlp_with_graph)
     def backward(ctx, grad_y, *_grad_saved):
         if grad_y is None:   # (the output took no part in what is differentiated)
             return (None,) * 10
-        x, w1, w2, gates, hidden, order, tokens, counts = ctx.saved_tensors
+        x, w1, w2, gates, hidden, order, tokens, counts, _, _ = ctx.saved_tensors
         width, w1_dtype, w2_dtype = ctx.weights
         need_x, need_w1, need_w2, need_g = ctx.needs_input_grad[:4]
         grad_y = grad_y.contiguous()

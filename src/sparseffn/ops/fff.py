@@ -43,7 +43,7 @@ from torch.nn import functional as F
 from ..requirements import torch_release
 from ..runtime import assume_constant_result
 from . import kernels, native, triton_tree
-from .grad_mode import differentiable_once, grad_wanted
+from .grad_mode import differentiable_once, grad_wanted, gradients_of
 from .kernels import descend_from_logits_fn
 from .precision import autocast_off
 from .sizes import exporting
@@ -370,6 +370,15 @@ def _activation_derivative(z: torch.Tensor, activation: str) -> torch.Tensor:
     raise AssertionError(activation)
 
 
+def _levelwise_with_graph(ctx, grad_probs):
+    """:class:`_LevelwiseTree`'s gradient in differentiable ops, for second derivatives (see
+    :func:`~sparseffn.ops.grad_mode.differentiable_once`): the expansion in PyTorch ops,
+    differentiated by autograd."""
+    z, _ = ctx.saved_tensors
+    return gradients_of(_levelwise_torch, (z, ctx.depth, ctx.activation), ctx.needs_input_grad,
+                        (grad_probs,))
+
+
 class _LevelwiseTree(torch.autograd.Function):
     """Leaf probabilities from node logits on the fused kernels of ``sparseffn::fff_expand``
     (the C kernels of ``fff_cpu.c`` on CPU, the Triton kernels on CUDA).
@@ -388,7 +397,7 @@ class _LevelwiseTree(torch.autograd.Function):
         ctx.depth, ctx.activation = depth, activation
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=_levelwise_with_graph)
     def backward(ctx, grad_probs):
         z, probs = ctx.saved_tensors
         depth, activation = ctx.depth, ctx.activation

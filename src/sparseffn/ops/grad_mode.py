@@ -1,7 +1,8 @@
 """Whether autograd will record an op: the test behind every inference-only path (the expert
 MLPs of a few tokens, the exported ``If`` between those and the plan, product-key scores
 without a backward, the tree's expansion without an autograd node, the rows' shared index);
-and :func:`differentiable_once`, the backward of every autograd Function here."""
+and :func:`differentiable_once`, the backward of every autograd Function here, with
+:func:`gradients_of` for its second derivatives."""
 
 from __future__ import annotations
 
@@ -18,68 +19,67 @@ def grad_wanted(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def differentiable_once(backward):
-    """Decorate an autograd Function's ``backward``: it runs without recording (as under
-    ``torch.autograd.function.once_differentiable``), and a gradient it returns while a graph
-    is built (``create_graph=True``) raises when differentiated again, with whatever
-    ``inputs`` that differentiation names.
+def differentiable_once(*, with_graph):
+    """Decorate an autograd Function's ``backward`` (``@differentiable_once(with_graph=
+    gradients)``, ``gradients`` a function or a lambda: ``torch.compile`` traces this
+    decorator's closure, and cannot take a ``functools.partial`` there): it runs the fused
+    kernels without recording (as under
+    ``torch.autograd.function.once_differentiable``), except while a graph is built
+    (``create_graph=True``: gradient penalties, Hessian-vector products), where
+    ``with_graph(ctx, *grads)`` computes the same gradients in differentiable PyTorch ops
+    (most by :func:`gradients_of` a portable form of the forward), so that second
+    derivatives through the Function are exact, however they are asked for.
 
-    ``once_differentiable`` alone hangs its error on fresh leaves only: ``.backward()``
-    reaches them and raises, but ``torch.autograd.grad(first, inputs=[x])`` prunes them and
-    returns a second derivative that silently leaves the Function out (a σ-MoE's input
-    Hessian-vector product came out at a sixth of the loop reference's norm), and it guards
-    nothing when the incoming gradient requires no grad (``grad(y.sum(), x,
-    create_graph=True)``). Here the error node takes the incoming gradients and the
-    Function's saved tensors that require grad (its input, its weights), so every path from
-    a second differentiation to them runs into it. Inside ``torch.func`` transforms, whose
-    ``grad`` builds its graph with ``create_graph=True`` for a first derivative, nothing is
-    added, and a backward under two differentiating transforms (``grad(grad(f))``, which
-    ``once_differentiable`` let through with the Function left out) raises at once."""
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        recording = torch.is_grad_enabled()
-        if recording and torch._C._are_functorch_transforms_active():
-            if _functorch_derivatives() > 1:   # torch.func.grad(grad(f)), jacrev(grad(f))
-                raise _second_derivative_error(type(ctx).__name__)
-            recording = False
-        with torch.no_grad():
-            outputs = backward(ctx, *grads)
-        if not recording:
-            return outputs
-        sources = [t for t in (*grads, *ctx.saved_tensors)
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not sources:
-            return outputs
-        single = not isinstance(outputs, tuple)
-        outputs = (outputs,) if single else outputs
-        guarded = _NoSecondDerivative.apply(type(ctx).__name__, len(outputs), *outputs, *sources)
-        guarded = tuple(guarded[:len(outputs)])
-        return guarded[0] if single else guarded
-    return wrapper
+    ``once_differentiable``, which the Functions used before, only hung an error on fresh
+    leaves: ``.backward()`` reached them and raised, but ``torch.autograd.grad(first,
+    inputs=[x])`` prunes them and returned a second derivative that silently left the
+    Function out (a σ-MoE's input Hessian-vector product at a sixth of the right norm), as
+    did an objective whose gradient requires no grad (``y.sum()``) and ``torch.func.grad`` of
+    ``torch.func.grad``.
+
+    Inside one ``torch.func`` differentiating transform, whose ``grad`` builds its graph with
+    ``create_graph=True`` for a first derivative, the fused backward runs as it is; under two
+    (``grad(grad(f))``, ``jacrev(grad(f))``) ``with_graph`` does."""
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            recording = torch.is_grad_enabled()
+            if recording and torch._C._are_functorch_transforms_active():
+                # one torch.func.grad records its first derivative's backward; two
+                # (grad(grad(f)), jacrev(grad(f))) differentiate it
+                recording = _functorch_derivatives() > 1
+            if recording and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                 for t in (*grads, *ctx.saved_tensors)):
+                return with_graph(ctx, *grads)
+            with torch.no_grad():
+                return backward(ctx, *grads)
+        return wrapper
+    return decorate
 
 
-class _NoSecondDerivative(torch.autograd.Function):
-    """Copies of the first ``n`` tensors (None passes), with the rest as further inputs; its
-    backward raises, naming the Function whose gradients it guards."""
-
-    @staticmethod
-    def forward(ctx, name, n, *tensors):
-        ctx.name = name
-        return tuple(None if t is None else t.detach().clone() for t in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise _second_derivative_error(ctx.name)
-
-
-def _second_derivative_error(backward_name: str) -> RuntimeError:
-    # "_CVMMBackward", or "_CVMMGeneratedBackward" under torch.func: "CVMM"
-    name = backward_name.removesuffix("Backward").removesuffix("Generated").lstrip("_")
-    return RuntimeError(
-        f"sparseffn: trying to differentiate twice through {name}, whose backward runs fused "
-        "kernels that are differentiable once: a second derivative through a sparse layer (a "
-        "gradient taken with create_graph=True, then differentiated; torch.func.grad of "
-        "torch.func.grad) is not supported")
+def gradients_of(forward, inputs: tuple, needs: tuple, grads: tuple) -> tuple:
+    """The gradients of ``forward(*inputs)`` (a tensor or a tuple of them) with respect to
+    each of ``inputs`` whose ``needs`` entry is true, given the output gradients ``grads``
+    (None: that output takes no part), by autograd with ``create_graph=True``: what a
+    Function's backward returns while a graph is built (``with_graph`` of
+    :func:`differentiable_once`), when ``inputs`` are its saved inputs (which carry their
+    autograd history) and ``forward`` computes its forward in differentiable ops. One entry
+    per input: None where not needed or not reached."""
+    with torch.enable_grad():
+        outputs = forward(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    pairs = [(out, grad) for out, grad in zip(outputs, grads)
+             if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
+    wanted = [i for i, (t, need) in enumerate(zip(inputs, needs))
+              if need and isinstance(t, torch.Tensor) and t.requires_grad]
+    result: list = [None] * len(inputs)
+    if pairs and wanted:
+        found = torch.autograd.grad([out for out, _ in pairs], [inputs[i] for i in wanted],
+                                    [grad for _, grad in pairs], create_graph=True,
+                                    allow_unused=True)
+        for i, grad in zip(wanted, found):
+            result[i] = grad
+    return tuple(result)
 
 
 def _functorch_derivatives() -> int:

@@ -36,6 +36,12 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
+def _summed(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    """``a + b`` where both are given, else the one that is (second derivatives of
+    :class:`_CastForTwo`, in differentiable ops)."""
+    return b if a is None else a if b is None else a + b
+
+
 class _CastForTwo(torch.autograd.Function):
     """``x`` cast to ``dtype`` once and handed to two readers; the backward sums their
     gradients and casts the sum back to ``x``'s dtype in one operator (on a GPU one kernel:
@@ -52,7 +58,8 @@ class _CastForTwo(torch.autograd.Function):
         ctx.input_dtype = inputs[0].dtype
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=lambda ctx, grad_a, grad_b: (
+        _summed(grad_a, grad_b).to(ctx.input_dtype), None))
     def backward(ctx, grad_a: torch.Tensor | None, grad_b: torch.Tensor | None):
         if grad_a is None or grad_b is None:
             grad = grad_b if grad_a is None else grad_a

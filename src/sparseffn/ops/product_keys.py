@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, triton_rows
-from .grad_mode import differentiable_once, grad_wanted
+from . import kernels, portable, triton_rows
+from .grad_mode import differentiable_once, grad_wanted, gradients_of
 from .precision import autocast_off
 from .rows import gather_dot
 from .sizes import exported_for_any_size
@@ -142,6 +142,20 @@ def retrieve(query: torch.Tensor, keys_a: torch.Tensor, keys_b: torch.Tensor,
         return _SelectedScores.apply(vals, query, keys_a, keys_b, idx), idx
     # The same scores again, as gathered dot products that autograd can follow; their values
     # are discarded (the GEMM's are kept, exactly the ones the selection compared).
+    again = _scores_of_selected(gather_dot, query, keys_a, keys_b, idx)
+    return vals + (again - again.detach()).to(vals.dtype), idx
+
+
+def _scores_of_selected(gather_dot, query: torch.Tensor, keys_a: torch.Tensor,
+                        keys_b: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The scores [T, H, k] of the selected keys ``idx`` [T, H, k] (shapes as
+    :func:`retrieve`'s) as gathered dot products ``<q_a, keys_a[h, i]> + <q_b, keys_b[h, j]>``
+    by ``gather_dot`` (:func:`~sparseffn.ops.rows.gather_dot`, or its portable form), which
+    autograd can follow."""
+    heads, n_a, d_a = keys_a.shape
+    n_b, d_b = keys_b.shape[1:]
+    tokens, k = idx.shape[0], idx.shape[2]
+    shared = query.dim() == 2
     head_a = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_a
     head_b = torch.arange(heads, device=idx.device).view(1, heads, 1) * n_b
     sub_a, sub_b = kernels.sub_key_indices(idx, n_a)
@@ -151,9 +165,21 @@ def retrieve(query: torch.Tensor, keys_a: torch.Tensor, keys_b: torch.Tensor,
     per_row = heads * k if shared else k
     query_a = query[..., :d_a].reshape(rows, d_a)
     query_b = query[..., d_a:].reshape(rows, d_b)
-    again = (gather_dot(query_a, flat_a, rows_a.view(rows, per_row))
-             + gather_dot(query_b, flat_b, rows_b.view(rows, per_row))).view(tokens, heads, k)
-    return vals + (again - again.detach()).to(vals.dtype), idx
+    return (gather_dot(query_a, flat_a, rows_a.view(rows, per_row))
+            + gather_dot(query_b, flat_b, rows_b.view(rows, per_row))).view(tokens, heads, k)
+
+
+def _selected_scores_with_graph(ctx, grad):
+    """:class:`_SelectedScores`' gradients in differentiable ops, for second derivatives (see
+    :func:`~sparseffn.ops.grad_mode.differentiable_once`): the selected scores as gathered
+    dot products in their portable form, differentiated by autograd."""
+    query, keys_a, keys_b, idx = ctx.saved_tensors
+
+    def scores(vals, query, keys_a, keys_b, idx):
+        return _scores_of_selected(portable.gather_dot, query, keys_a, keys_b, idx
+                                   ).to(grad.dtype)
+    return gradients_of(scores, (None, query, keys_a, keys_b, idx), ctx.needs_input_grad,
+                        (grad,))
 
 
 def _dense_backward(sub_keys: int, *tensors: torch.Tensor) -> bool:
@@ -188,7 +214,7 @@ class _SelectedScores(torch.autograd.Function):
         ctx.save_for_backward(query, keys_a, keys_b, idx)
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=lambda ctx, grad: _selected_scores_with_graph(ctx, grad))
     def backward(ctx, grad):
         query, keys_a, keys_b, idx = ctx.saved_tensors
         tokens, heads, k = grad.shape

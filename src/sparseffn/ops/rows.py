@@ -25,9 +25,9 @@ import warnings
 
 import torch
 
-from . import dense_products, kernels, triton_rows
+from . import dense_products, kernels, portable, triton_rows
 from .debug import indices_outside
-from .grad_mode import differentiable_once, grad_wanted
+from .grad_mode import differentiable_once, grad_wanted, gradients_of
 from .kernels import scatter_rows
 
 
@@ -113,6 +113,17 @@ def row_usage(idx: torch.Tensor, weights: torch.Tensor, num_rows: int,
     return counts, mass.detach().float()
 
 
+def _rows_with_graph(ctx, grad, name: str):
+    """:class:`_GatherDot`'s or :class:`_GatherSum`'s gradients in differentiable ops, for
+    second derivatives (see :func:`~sparseffn.ops.grad_mode.differentiable_once`): the
+    operator ``name``'s portable form (``index_select`` and a batched product),
+    differentiated by autograd. A table's gradient is dense here, ``sparse_grad`` or not."""
+    first, second, third, *_ = ctx.saved_tensors
+    form = getattr(portable, name)
+    return gradients_of(lambda a, b, c, *_: form(a, b, c), (first, second, third, None, None),
+                        ctx.needs_input_grad, (grad,))
+
+
 class _GatherDot(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -127,7 +138,7 @@ class _GatherDot(torch.autograd.Function):
         ctx.save_for_backward(x, table, idx, *(row_index or ()))
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=lambda ctx, grad: _rows_with_graph(ctx, grad, "gather_dot"))
     def backward(ctx, grad):
         x, table, idx, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
@@ -161,7 +172,7 @@ class _GatherSum(torch.autograd.Function):
         ctx.save_for_backward(idx, weights, table, *(row_index or ()))
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=lambda ctx, grad: _rows_with_graph(ctx, grad, "gather_sum"))
     def backward(ctx, grad):
         idx, weights, table, *row_index = ctx.saved_tensors
         grad = grad.contiguous()

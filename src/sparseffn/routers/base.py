@@ -66,7 +66,9 @@ class _SelectedScores(torch.autograd.Function):
         ctx.num_experts = scores.shape[1]
 
     @staticmethod
-    @differentiable_once
+    @differentiable_once(with_graph=lambda ctx, grad: (   # (second derivatives)
+        grad.new_zeros(grad.shape[0], ctx.num_experts).scatter_add(1, ctx.saved_tensors[0],
+                                                                   grad), None))
     def backward(ctx, grad):
         indices, = ctx.saved_tensors
         return kernels.dense_rows(indices, grad.contiguous(), ctx.num_experts), None
