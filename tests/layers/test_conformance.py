@@ -586,13 +586,7 @@ def test_gradients_equal_finite_differences_in_float64(name):
     of 10%. Left out: gradients that are sparse tensors (gradcheck takes dense ones), and
     with a straight-through hard gate the input and the router, whose gradient is by design
     not the forward's."""
-    config = EXAMPLES[name]
-    layer = with_nonzero_biases(_build(config).double().train())
-    x = torch.randn(5, D, dtype=torch.float64, requires_grad=not _straight_through(config))
-    layer(x).sum().backward()
-    names = [key for key, p in layer.named_parameters()
-             if p.grad is not None and not p.grad.is_sparse
-             and not (_straight_through(config) and not key.startswith("store."))]
+    layer, x, names = _float64_layer_input_and_checked_parameters(name)
     assert names
     assert_gradients_equal_finite_differences(layer, x, names)
 
@@ -604,6 +598,16 @@ def test_second_derivatives_equal_finite_differences_in_float64(name):
     tensors. The fused backward is differentiable once; while a graph is built the
     operators' gradients are recomputed from their portable forms (``ops/grad_mode.py``).
     Before, a second derivative raised on ``.backward()`` and left the layer out otherwise."""
+    layer, x, names = _float64_layer_input_and_checked_parameters(name)
+    assert_gradients_equal_finite_differences(layer, x, names,
+                                              check=torch.autograd.gradgradcheck)
+
+
+def _float64_layer_input_and_checked_parameters(name):
+    """The float64 training layer of example ``name`` (non-zero biases), an input [5, D]
+    (requiring grad unless the gate is straight-through), and the names of the parameters
+    whose gradients the finite-difference tests check (see
+    :func:`test_gradients_equal_finite_differences_in_float64`)."""
     config = EXAMPLES[name]
     layer = with_nonzero_biases(_build(config).double().train())
     x = torch.randn(5, D, dtype=torch.float64, requires_grad=not _straight_through(config))
@@ -611,8 +615,7 @@ def test_second_derivatives_equal_finite_differences_in_float64(name):
     names = [key for key, p in layer.named_parameters()
              if p.grad is not None and not p.grad.is_sparse
              and not (_straight_through(config) and not key.startswith("store."))]
-    assert_gradients_equal_finite_differences(layer, x, names,
-                                              check=torch.autograd.gradgradcheck)
+    return layer, x, names
 
 
 def assert_gradients_equal_finite_differences(layer, x, names, check=torch.autograd.gradcheck):
