@@ -6,7 +6,8 @@
 #
 # The dependencies are installed at the versions in scripts/constraints.txt (the ones the
 # suite last passed with on a fresh machine), so that a dependency's new release does not
-# change what `make test` runs; CONSTRAINTS= (empty) installs the newest releases instead.
+# change what `make test` runs; CONSTRAINTS= (empty) installs the newest releases instead,
+# in a .venv set up with the constraints too (torch stays at $TORCH_VERSION).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,14 +34,25 @@ then
     pip_install ${constrained[@]+"${constrained[@]}"} "torch==$TORCH_VERSION"
 fi
 
+# The stamp holds what the install followed: the constraints file and its hash, or "newest
+# releases"; another (CONSTRAINTS= after a constrained install, or the reverse) installs again.
 stamp="$VENV/.sparseffn-installed-$(echo "$EXTRAS" | tr ',' '-')"
+if [ -n "$CONSTRAINTS" ]; then
+    followed="constraints $CONSTRAINTS $(sha256sum < "$CONSTRAINTS" | cut -c1-16)"
+    newest=()
+else
+    followed="newest releases"
+    # every dependency to its newest release, torch held at the CPU build named here
+    newest=(--upgrade --upgrade-strategy eager "torch==$TORCH_VERSION")
+fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] ||
-        { [ -n "$CONSTRAINTS" ] && [ "$CONSTRAINTS" -nt "$stamp" ]; }; then
-    echo "setup: installing sparseffn[$EXTRAS]${CONSTRAINTS:+ (versions in $CONSTRAINTS)}"
-    pip_install ${constrained[@]+"${constrained[@]}"} -e ".[$EXTRAS]"
+        [ "$(cat "$stamp" 2>/dev/null)" != "$followed" ]; then
+    echo "setup: installing sparseffn[$EXTRAS] ($followed)"
+    pip_install ${constrained[@]+"${constrained[@]}"} ${newest[@]+"${newest[@]}"} \
+        -e ".[$EXTRAS]"
     if [[ ",$EXTRAS," == *",peers,"* ]]; then
         # DeepSpeed builds against the torch already installed; it needs no build isolation.
         pip_install --no-build-isolation deepspeed
     fi
-    touch "$stamp"
+    echo "$followed" > "$stamp"
 fi
