@@ -601,6 +601,29 @@ def test_second_derivatives_equal_finite_differences_in_float64(name):
     layer, x, names = _float64_layer_input_and_checked_parameters(name)
     assert_gradients_equal_finite_differences(layer, x, names,
                                               check=torch.autograd.gradgradcheck)
+    # gradgradcheck differentiates the gradients built with a graph, whatever their values:
+    # those must be the fused backward's, which gradcheck checks
+    plain, with_graph = (_gradients_of_a_projection(layer, x, names, graph)
+                         for graph in (False, True))
+    for got, want in zip(with_graph, plain):
+        torch.testing.assert_close(got, want)
+
+
+def _gradients_of_a_projection(layer, x, names, create_graph):
+    """The gradients, with respect to ``x`` (where it requires grad) and the parameters
+    ``names``, of a fixed random projection of the training forward's output and aux losses,
+    taken with or without ``create_graph``."""
+    values = {key: p.detach().clone().requires_grad_() for key, p in layer.named_parameters()
+              if key in names}
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    torch.manual_seed(1)
+    y = torch.func.functional_call(layer, {**dict(layer.named_parameters()), **values}, (x,))
+    outputs = (y, *sparseffn.aux_loss_terms(layer).values())
+    weights = torch.Generator().manual_seed(2)
+    objective = sum((out * torch.randn(out.shape, generator=weights, dtype=out.dtype)).sum()
+                    for out in outputs)
+    inputs = ([x] if x.requires_grad else []) + list(values.values())
+    return torch.autograd.grad(objective, inputs, create_graph=create_graph, allow_unused=True)
 
 
 def _float64_layer_input_and_checked_parameters(name):

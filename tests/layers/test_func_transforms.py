@@ -54,7 +54,8 @@ def test_a_second_derivative_is_the_same_however_it_is_asked_for(name):
     """The input Hessian-vector product of a training forward by ``torch.func.grad`` of
     ``torch.func.grad``, by ``torch.autograd.grad`` naming the input and by ``.backward()``,
     after objectives whose gradient does and does not require grad (``square().sum()``,
-    ``sum()``). PyTorch's ``once_differentiable`` raised for ``.backward()`` only and gave
+    ``sum()``), and the first derivative taken with a graph is the fused backward's.
+    PyTorch's ``once_differentiable`` raised for ``.backward()`` only and gave
     the others without the layer (PKM's nested ``torch.func.grad`` was zero). In float32 the
     fused kernels run; the float64 product, on the PyTorch implementations, is checked
     against finite differences in the conformance suite."""
@@ -78,6 +79,8 @@ def test_a_second_derivative_is_the_same_however_it_is_asked_for(name):
         assert want.abs().max() > 0 or reduce is not torch.square
         leaf = x.clone().requires_grad_()
         first, = torch.autograd.grad(objective(leaf), leaf, create_graph=True)
+        # the gradient built with a graph is the fused backward's
+        torch.testing.assert_close(first, torch.autograd.grad(objective(leaf), leaf)[0])
         torch.testing.assert_close(torch.autograd.grad(first.square().sum(), leaf)[0], want)
         first, = torch.autograd.grad(objective(leaf), leaf, create_graph=True)
         first.square().sum().backward()

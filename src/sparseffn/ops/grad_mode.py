@@ -64,8 +64,15 @@ def gradients_of(forward, inputs: tuple, needs: tuple, grads: tuple) -> tuple:
     Function's backward returns while a graph is built (``with_graph`` of
     :func:`differentiable_once`), when ``inputs`` are its saved inputs (which carry their
     autograd history) and ``forward`` computes its forward in differentiable ops. One entry
-    per input: None where not needed or not reached."""
+    per input: None where not needed or not reached.
+
+    Each input enters the recomputation as a view of itself, and the gradients are taken
+    with respect to the views: partial derivatives, as a backward returns. With respect to
+    the inputs themselves, an input computed from another (a MoE's gates from its input x)
+    would carry that path too, and the engine would then add it a second time."""
     with torch.enable_grad():
+        inputs = tuple(t.view_as(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                       for t in inputs)
         outputs = forward(*inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     pairs = [(out, grad) for out, grad in zip(outputs, grads)
