@@ -25,7 +25,6 @@ from . import kernels, native, portable, triton_cvmm
 from .cvmm import (DispatchPlan, _pairs_to_slots, backward_gate_rows, check_expert_indices,
                    cvmm)
 from .grad_mode import differentiable_once, grad_wanted, gradients_of
-from .grouped_mm import zero_rows_after
 from .precision import autocast_dtype
 from .rows import gather_sum
 from .sizes import exported_for_any_size
@@ -216,14 +215,16 @@ def add_expert_bias(hidden: torch.Tensor, bias: torch.Tensor, expert_of_row: tor
 def _bias_rows_with_graph(ctx, grad):
     """:class:`_ExpertBiasRows`' gradients in differentiable ops, for second derivatives (see
     :func:`~sparseffn.ops.grad_mode.differentiable_once`): the identity for the hidden
-    units, each expert's rows summed by ``index_add`` for the bias (rows past ``Σ counts``
-    left out)."""
-    counts, expert_of_row = ctx.saved_tensors
+    units, each expert's rows summed by ``index_add`` for the bias. The rows are sorted by
+    expert, so each row's expert follows from the counts; rows past ``Σ counts`` (expert E)
+    go to a row that is dropped."""
+    counts, = ctx.saved_tensors
     grad_bias = None
     if ctx.needs_input_grad[1]:
-        kept = zero_rows_after(grad, counts)
-        grad_bias = grad.new_zeros(counts.shape[0], grad.shape[1]).index_add(
-            0, expert_of_row.clamp(max=counts.shape[0] - 1), kept).to(ctx.bias_dtype)
+        experts = counts.shape[0]
+        grad_bias = grad.new_zeros(experts + 1, grad.shape[1]).index_add(
+            0, portable.expert_of_sorted_rows(counts, grad.shape[0]), grad
+        )[:experts].to(ctx.bias_dtype)
     return (grad if ctx.needs_input_grad[0] else None), grad_bias, None, None
 
 
@@ -245,13 +246,13 @@ class _ExpertBiasRows(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[3], inputs[2])
+        ctx.save_for_backward(inputs[3])
         ctx.bias_dtype = inputs[1].dtype
 
     @staticmethod
     @differentiable_once(with_graph=_bias_rows_with_graph)
     def backward(ctx, grad):
-        counts, _ = ctx.saved_tensors
+        counts, = ctx.saved_tensors
         grad_bias = None
         if ctx.needs_input_grad[1]:   # [E, 8, G]: Σ_r 1ᵀ grad_r per expert, 8 times over
             # (8 columns of ones: torch._grouped_mm, the PyTorch path on CUDA, takes rows of

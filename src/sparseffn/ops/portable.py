@@ -35,7 +35,7 @@ from ..activations import activation_fn
 from .sizes import exporting
 
 
-def _expert_of_sorted_rows(counts: Tensor, rows: int) -> Tensor:
+def expert_of_sorted_rows(counts: Tensor, rows: int) -> Tensor:
     """e(r) for the expert-sorted rows r < ``rows`` [rows]: the number of experts whose block
     ends at or before r; rows after the last block (dropped pairs) get E."""
     ends = counts.cumsum(0)                                                      # [E]
@@ -86,7 +86,7 @@ def _per_expert_products(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor
 def _products_per_expert(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     """One product per expert over the rows that ``nonzero`` finds in its block [P, n]; the
     rows after the last block stay zero. E products in the graph."""
-    expert = _expert_of_sorted_rows(counts, rows.shape[0])
+    expert = expert_of_sorted_rows(counts, rows.shape[0])
     places, blocks = [], []
     for e in range(weight.shape[0]):
         mine = (expert == e).nonzero().squeeze(1)
@@ -126,7 +126,7 @@ def _products_in_blocks(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
     # block j of expert e(j) reads rows starts[e] + (j - first_block[e])·B + lane; past the
     # expert's count, whatever row that reaches (at most the last): those products are never
     # read, and each product row depends on its own input row alone. No block, no index.
-    block_expert = _expert_of_sorted_rows(blocks, num_blocks)                  # [N]
+    block_expert = expert_of_sorted_rows(blocks, num_blocks)                  # [N]
     place = ((torch.arange(num_blocks, device=rows.device) - first_block[block_expert])
              .unsqueeze(1) * block + torch.arange(block, device=rows.device))  # [N, B]
     source = (starts[block_expert].unsqueeze(1) + place).clamp(max=num_rows - 1)
@@ -135,7 +135,7 @@ def _products_in_blocks(rows: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
         num_blocks * block, weight.shape[2])
     # row r of expert e is block row first_block[e]·B + (r - starts[e]); a dropped row
     # (e(r) = E) reads an appended zero row
-    expert = _expert_of_sorted_rows(counts, num_rows)                         # [P]
+    expert = expert_of_sorted_rows(counts, num_rows)                         # [P]
     mine = expert.clamp(max=experts - 1)
     slot = torch.where(expert < experts, first_block[mine] * block
                        + torch.arange(num_rows, device=rows.device) - starts[mine],

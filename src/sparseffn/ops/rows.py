@@ -113,13 +113,12 @@ def row_usage(idx: torch.Tensor, weights: torch.Tensor, num_rows: int,
     return counts, mass.detach().float()
 
 
-def _rows_with_graph(ctx, grad, name: str):
+def _rows_with_graph(ctx, grad, form):
     """:class:`_GatherDot`'s or :class:`_GatherSum`'s gradients in differentiable ops, for
-    second derivatives (see :func:`~sparseffn.ops.grad_mode.differentiable_once`): the
-    operator ``name``'s portable form (``index_select`` and a batched product),
-    differentiated by autograd. A table's gradient is dense here, ``sparse_grad`` or not."""
+    second derivatives (see :func:`~sparseffn.ops.grad_mode.differentiable_once`): autograd
+    over the operator's portable ``form`` (``index_select`` and a batched product). A
+    table's gradient is dense here, ``sparse_grad`` or not."""
     first, second, third, *_ = ctx.saved_tensors
-    form = getattr(portable, name)
     return gradients_of(lambda a, b, c, *_: form(a, b, c), (first, second, third, None, None),
                         ctx.needs_input_grad, (grad,))
 
@@ -138,7 +137,8 @@ class _GatherDot(torch.autograd.Function):
         ctx.save_for_backward(x, table, idx, *(row_index or ()))
 
     @staticmethod
-    @differentiable_once(with_graph=lambda ctx, grad: _rows_with_graph(ctx, grad, "gather_dot"))
+    @differentiable_once(with_graph=lambda ctx, grad: _rows_with_graph(ctx, grad,
+                                                                       portable.gather_dot))
     def backward(ctx, grad):
         x, table, idx, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
@@ -172,7 +172,8 @@ class _GatherSum(torch.autograd.Function):
         ctx.save_for_backward(idx, weights, table, *(row_index or ()))
 
     @staticmethod
-    @differentiable_once(with_graph=lambda ctx, grad: _rows_with_graph(ctx, grad, "gather_sum"))
+    @differentiable_once(with_graph=lambda ctx, grad: _rows_with_graph(ctx, grad,
+                                                                       portable.gather_sum))
     def backward(ctx, grad):
         idx, weights, table, *row_index = ctx.saved_tensors
         grad = grad.contiguous()
