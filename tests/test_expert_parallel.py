@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.utils.checkpoint
 
-from sparseffn import MoE, MoEConfig, SigmaMoE, SwitchRouterConfig, aux_loss
+from sparseffn import (ExpertChoiceRouterConfig, MoE, MoEConfig, SigmaMoE, SwitchRouterConfig,
+                       aux_loss)
 from sparseffn.distributed import (ExpertParallelMLP, ddp_ignore_expert_parameters,
                                    expert_parameters, gathered_state_dict,
                                    scale_expert_gradients, shard_experts, sync_gradients)
@@ -48,12 +49,22 @@ def _switch_dropless(seed=0):
                          router=SwitchRouterConfig(capacity_factor=None, z_loss_weight=0.1)))
 
 
-LAYERS = {"sigma": _sigma, "switch": _switch, "switch_dropless": _switch_dropless}
+def _expert_choice(seed=0):
+    """Expert choice (Zhou et al. 2022): each expert takes ceil(2 T / 8) of its rank's tokens,
+    so a token gets from 0 to 8 experts."""
+    torch.manual_seed(seed)
+    return MoE(MoEConfig(d_model=D, num_experts=8, expert_size=5, k=2,
+                         router=ExpertChoiceRouterConfig()))
+
+
+LAYERS = {"sigma": _sigma, "switch": _switch, "switch_dropless": _switch_dropless,
+          "expert_choice": _expert_choice}
 # run name: (layer, batch statistics, wrapper of the replicated part: none, DDP or FSDP2)
 RUNS = {"sigma": ("sigma", "local", False), "switch": ("switch", "local", False),
         "sigma_ddp": ("sigma", "local", "ddp"), "sigma_fsdp": ("sigma", "global", "fsdp2"),
         "sigma_global": ("sigma", "global", False),
-        "switch_global": ("switch_dropless", "global", False)}
+        "switch_global": ("switch_dropless", "global", False),
+        "expert_choice": ("expert_choice", "local", False)}
 
 
 def _batch(rank, world):

@@ -18,7 +18,8 @@ from .config import (DenseMLPConfig, FFFConfig, LayerConfig, LayerCost, MoEConfi
                      PKMConfig, ProductKeySpec, SigmaMoEConfig, TopKMLPConfig, config_from_dict)
 from .layers import (DeepMixtureOfExperts, DenseMLP, FastFeedForward, HierarchicalMixtureOfExperts,
                      MixtureOfExperts, MoE, PEER, ProductKeyMemory, SigmaMoE, TopKMLP)
-from .router_config import (DenseGateRouterConfig, GShardRouterConfig, HierarchicalRouterConfig,
+from .router_config import (DenseGateRouterConfig, ExpertChoiceRouterConfig, GShardRouterConfig,
+                            HierarchicalRouterConfig,
                             NoisyTopKRouterConfig, RouterConfig, SBaseRouterConfig,
                             SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
 from .matching import active_equal_dense, compare_with_dense, param_equal_dense
@@ -35,7 +36,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DeepMixtureOfExperts", "DenseGateRouterConfig", "DenseMLP", "DenseMLPConfig",
-    "DispatchPlan", "FFFConfig", "FastFeedForward", "GShardRouterConfig",
+    "DispatchPlan", "ExpertChoiceRouterConfig", "FFFConfig", "FastFeedForward",
+    "GShardRouterConfig",
     "HierarchicalMixtureOfExperts", "HierarchicalRouterConfig", "LayerConfig", "LayerCost",
     "MixtureOfExperts", "MoE", "MoEConfig", "NoisyTopKRouterConfig", "OnnxDecoder", "PEER",
     "PEERConfig",

@@ -21,6 +21,7 @@ expert), naming what is allowed.
 
 from .registry import RouterConfig, require_capacity_factor, router_config_from
 from .routers.classic import DenseGateRouterConfig, HierarchicalRouterConfig
+from .routers.expert_choice import EXPERT_CHOICE_EVAL_ROUTINGS, ExpertChoiceRouterConfig
 from .routers.gshard import GSHARD_SECOND_EXPERT, GShardRouterConfig
 from .routers.noisy import NoisyTopKRouterConfig
 from .routers.sbase import SBASE_ASSIGNMENTS, SBASE_ROUNDINGS, SBaseRouterConfig
@@ -28,7 +29,8 @@ from .routers.sigma import SIGMA_GATES, SigmaRouterConfig, SoftmaxRouterConfig
 from .routers.switch import SwitchRouterConfig
 from .routers.tree import TREE_FORMULATIONS, TREE_INITS, TreeRouterConfig, tree_depth
 
-__all__ = ["DenseGateRouterConfig", "GSHARD_SECOND_EXPERT", "GShardRouterConfig",
+__all__ = ["DenseGateRouterConfig", "EXPERT_CHOICE_EVAL_ROUTINGS", "ExpertChoiceRouterConfig",
+           "GSHARD_SECOND_EXPERT", "GShardRouterConfig",
            "HierarchicalRouterConfig", "NoisyTopKRouterConfig", "RouterConfig", "SBASE_ASSIGNMENTS",
            "SBASE_ROUNDINGS", "SBaseRouterConfig", "SIGMA_GATES", "SigmaRouterConfig",
            "SoftmaxRouterConfig", "SwitchRouterConfig", "TREE_FORMULATIONS", "TREE_INITS",

@@ -32,7 +32,8 @@ import sparseffn
 from sparseffn import (DenseMLPConfig, FFFConfig, MoEConfig, PEERConfig, PKMConfig,
                        SigmaMoEConfig, TopKMLPConfig, build_layer, config_from_dict)
 from sparseffn.config import LayerConfig
-from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
+from sparseffn.router_config import (DenseGateRouterConfig, ExpertChoiceRouterConfig,
+                                     GShardRouterConfig,
                                      HierarchicalRouterConfig, NoisyTopKRouterConfig,
                                      RouterConfig, SBaseRouterConfig, SigmaRouterConfig,
                                      SoftmaxRouterConfig, SwitchRouterConfig, TreeRouterConfig)
@@ -68,6 +69,8 @@ ROUTER_EXAMPLES = {
     "switch": _moe(SwitchRouterConfig(capacity_factor=1.0), k=1),     # drops some tokens
     "gshard": _moe(GShardRouterConfig(capacity_factor=1.0)),
     "sbase": _moe(SBaseRouterConfig()),
+    # each token gets between 0 and 5 experts, 2 on average
+    "expert_choice": _moe(ExpertChoiceRouterConfig()),
     "dense_softmax": _moe(DenseGateRouterConfig(), k=4, num_experts=4),
     "hierarchical": _moe(HierarchicalRouterConfig(), k=4, num_experts=4),
     "tree": _moe(TreeRouterConfig(), num_experts=4),

@@ -19,7 +19,8 @@ import torch
 
 from sparseffn import FFFConfig, MoEConfig, PEERConfig, PKMConfig, SigmaMoEConfig, build_layer
 from sparseffn.config import LayerConfig
-from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
+from sparseffn.router_config import (DenseGateRouterConfig, ExpertChoiceRouterConfig,
+                                     GShardRouterConfig,
                                      HierarchicalRouterConfig, NoisyTopKRouterConfig,
                                      SBaseRouterConfig, SigmaRouterConfig, SoftmaxRouterConfig,
                                      SwitchRouterConfig, TreeRouterConfig)
@@ -32,7 +33,7 @@ TOKENS = (1, 2, 5, 31, 64, 257, 600)
 
 
 ROUTERS = ("sigma", "softmax", "noisy_topk", "switch", "gshard", "sbase", "dense_softmax",
-           "hierarchical", "tree", "product_keys")
+           "hierarchical", "tree", "product_keys", "expert_choice")
 # each seed's kind of layer in turn, so that every router and layer type is drawn 3 times
 KINDS = ("sigma_moe", *(f"moe:{router}" for router in ROUTERS), "fff", "pkm", "peer")
 
@@ -59,6 +60,8 @@ def _routed_moe(rng: random.Random, d_model: int, router: str) -> MoEConfig:
         num_experts = rng.randint(2, 6) ** 2
         config = ProductKeyRouterConfig(heads=heads, key_dim=rng.choice([2, 4, 6]))
         k = heads * rng.randint(1, min(4, num_experts // heads))
+    elif router == "expert_choice":
+        config = ExpertChoiceRouterConfig(eval_routing=rng.choice(["expert_choice", "top_k"]))
     else:
         config = {"sigma": SigmaRouterConfig(), "softmax": SoftmaxRouterConfig(
             renormalize=rng.random() < 0.5), "noisy_topk": NoisyTopKRouterConfig(),

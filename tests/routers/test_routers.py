@@ -13,7 +13,8 @@ import sparseffn
 from tests.ops.reference import expert_mlp_reference
 from sparseffn import MoE, MoEConfig, config_from_dict
 from sparseffn.losses import cv_squared, router_z_loss, switch_balance_loss
-from sparseffn.router_config import (DenseGateRouterConfig, GShardRouterConfig,
+from sparseffn.router_config import (DenseGateRouterConfig, ExpertChoiceRouterConfig,
+                                     GShardRouterConfig,
                                      HierarchicalRouterConfig, NoisyTopKRouterConfig,
                                      SBaseRouterConfig, SigmaRouterConfig, SoftmaxRouterConfig,
                                      SwitchRouterConfig, TreeRouterConfig)
@@ -35,6 +36,8 @@ ROUTERS = {
     "sbase": (SBaseRouterConfig(), 2),
     "sbase_exact": (SBaseRouterConfig(assignment="exact"), 2),
     "sbase_capacity": (SBaseRouterConfig(rounding="capacity"), 2),
+    "expert_choice": (ExpertChoiceRouterConfig(), 2),
+    "expert_choice_top_k_eval": (ExpertChoiceRouterConfig(eval_routing="top_k"), 2),
     "dense_softmax": (DenseGateRouterConfig(), E),
     "hierarchical": (HierarchicalRouterConfig(branching=2), E),
     "tree": (TreeRouterConfig(), 2),
@@ -130,7 +133,11 @@ def test_weights_are_non_negative_and_sum_to_one_where_the_rule_says(name):
     for mode in (layer.train, layer.eval):
         mode()
         routing = layer.router(torch.randn(64, 12))
-        assert routing.indices.shape == routing.weights.shape == (64, ROUTERS[name][1])
+        # expert choice has a slot for every expert (all but its choices undispatched)
+        choosing = name == "expert_choice" or (name.startswith("expert_choice") and
+                                               layer.training)
+        slots = E if choosing else ROUTERS[name][1]
+        assert routing.indices.shape == routing.weights.shape == (64, slots)
         assert routing.weights.dtype == torch.float32
         assert torch.all(routing.weights >= 0)
         assert torch.all(routing.indices.sort(-1).values.diff(dim=-1) > 0), "distinct experts"

@@ -36,7 +36,7 @@ class MoEConfig(LayerConfig):
     Fields
     - ``router``: a router config, a dict with ``type`` (as in TOML) or a bare router name
       (``"sigma"``, ``"softmax"``, ``"noisy_topk"``, ``"switch"``, ``"gshard"``, ``"sbase"``,
-      ``"dense_softmax"``, ``"hierarchical"``) for its defaults.
+      ``"expert_choice"``, ``"dense_softmax"``, ``"hierarchical"``) for its defaults.
     - ``hidden_dropout``: dropout on the experts' hidden units (Switch's "expert dropout" of
       0.4 in Fedus et al.; Csordás et al. 2023 Table 4's "standard dropout").
     - ``init``: ``"sigma_moe"`` (experts like the dense MLP of width num_experts·expert_size
@@ -99,8 +99,8 @@ class MoEConfig(LayerConfig):
 class MoE(RoutedFFN):
     """``y = Σ_{e∈E_x} w_e(x) · W2^e act(W1^e x)`` (Csordás, Irie & Schmidhuber 2023,
     arXiv:2310.10837, Eq. 25), with ``E_x`` and the weights ``w_e`` from the router that
-    ``config.router`` names (σ-MoE, softmax top-k, noisy top-k, Switch, GShard, S-BASE, the
-    classic dense and hierarchical gates, the fast feed-forward tree): a router plus an
+    ``config.router`` names (σ-MoE, softmax top-k, noisy top-k, Switch, GShard, S-BASE, expert
+    choice, the classic dense and hierarchical gates, the fast feed-forward tree): a router plus an
     :class:`~sparseffn.stores.MLPExperts` store.
 
     Parameters: ``router.*`` (the selection network), ``store.w1`` [num_experts, expert_size,

@@ -8,6 +8,7 @@ Each module holds one routing rule: its config (a frozen dataclass registered un
 from ..registry import ROUTERS, RouterConfig, build_router
 from .base import Router
 from .classic import DenseGateRouter, DenseGateRouterConfig, HierarchicalRouter, HierarchicalRouterConfig
+from .expert_choice import ExpertChoiceRouter, ExpertChoiceRouterConfig
 from .gshard import GShardRouter, GShardRouterConfig, gshard_top2
 from .noisy import NoisyTopKRouter, NoisyTopKRouterConfig
 from .product_keys import ProductKeyRouter, ProductKeyRouterConfig, ProductKeyTopK
@@ -16,7 +17,8 @@ from .sigma import SigmaRouter, SigmaRouterConfig, SoftmaxRouter, SoftmaxRouterC
 from .switch import SwitchRouter, SwitchRouterConfig
 from .tree import TreeRouter, TreeRouterConfig
 
-__all__ = ["DenseGateRouter", "DenseGateRouterConfig", "GShardRouter", "GShardRouterConfig",
+__all__ = ["DenseGateRouter", "DenseGateRouterConfig", "ExpertChoiceRouter",
+           "ExpertChoiceRouterConfig", "GShardRouter", "GShardRouterConfig",
            "HierarchicalRouter", "HierarchicalRouterConfig", "NoisyTopKRouter",
            "NoisyTopKRouterConfig", "ProductKeyRouter", "ProductKeyRouterConfig", "ProductKeyTopK",
            "ROUTERS", "Router", "RouterConfig", "SBaseRouter",
