@@ -35,8 +35,8 @@ def test_bench_layers_writes_one_record_per_config_and_pass(tmp_path, capsys):
         assert r["moe_ms"] > 0 and r["ratio_param"] > 0
         if r["router"] == "sigma":
             assert r["ratio_sigma_same_k"] == 1.0
-        assert (r["dropped_fraction"] is not None) == r["router"].startswith("switch") or \
-            r["router"] == "gshard"
+        assert (r["dropped_fraction"] is not None) == (
+            r["router"].startswith("switch") or r["router"] in ("gshard", "expert_choice"))
     out = capsys.readouterr().out
     assert "/σ-MoE same k" in out and "noisy_topk" in out
     for r in layer_records:

@@ -16,8 +16,9 @@ from ..auxiliary import aux_loss
 from ..config import MoEConfig
 from ..layers import DenseMLP, MoE
 from ..matching import param_equal_dense
-from ..router_config import (GShardRouterConfig, NoisyTopKRouterConfig, SBaseRouterConfig,
-                             SigmaRouterConfig, SoftmaxRouterConfig, SwitchRouterConfig)
+from ..router_config import (ExpertChoiceRouterConfig, GShardRouterConfig,
+                             NoisyTopKRouterConfig, SBaseRouterConfig, SigmaRouterConfig,
+                             SoftmaxRouterConfig, SwitchRouterConfig)
 from .measure import dtype_name, forward_backward_fn, interleaved_times, paired_ratio
 
 # (row name, router config, k). The routing-overhead target compares each with σ-MoE at its k.
@@ -29,6 +30,7 @@ ROUTER_ROWS = [
     ("switch", SwitchRouterConfig(capacity_factor=1.25), 1),
     ("switch_dropless", SwitchRouterConfig(capacity_factor=None), 1),
     ("gshard", GShardRouterConfig(), 2),
+    ("expert_choice", ExpertChoiceRouterConfig(), 2),     # 2 experts a token on average
 ]
 
 
@@ -71,7 +73,8 @@ def bench_routers(tokens: int, repeats: int, d_model: int = 512, num_experts: in
         with torch.no_grad():
             layers[key](x)   # one more forward, for the routing statistics
         stats = layers[key].routing_stats
-        dropped = stats.get("dropped_fraction")
+        # the tokens that got no expert: dropped at capacity, or chosen by no expert
+        dropped = stats.get("dropped_fraction", stats.get("unrouted_fraction"))
         records.append({
             "config": "a", "pass": "forward_backward", "router": name, "device": str(device),
             "dtype": dtype_name(autocast_dtype),
@@ -97,5 +100,6 @@ def format_router_table(records: list[dict]) -> str:
         lines.append(f"{r['router']:<18}{r['k']:>3}{r['moe_ms']:>9.1f}{r['ratio_param']:>14.3f}"
                      f"{r['ratio_sigma_same_k']:>15.3f}{dropped:>9}")
     lines.append("forward+backward; /σ-MoE same k: the routing overhead over σ-MoE with the "
-                 "same k and experts (target <= 1.15)")
+                 "same k and experts (target <= 1.15); dropped: the fraction of tokens that "
+                 "got no expert (at capacity; in expert choice, chosen by none)")
     return "\n".join(lines)
