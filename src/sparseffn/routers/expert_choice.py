@@ -69,11 +69,18 @@ def expert_choice_capacity(tokens: int, k: int, num_experts: int) -> int:
 def choose_tokens(scores: torch.Tensor, capacity: int) -> torch.Tensor:
     """Which (token, expert) pairs the experts choose: each expert (a column of ``scores``
     [T, E]) its ``capacity`` tokens of largest score (``G, I = TopK(Sᵀ, k)`` of Zhou et al.
-    2022, whose ``k`` is this ``capacity``). Returns bool [T, E]."""
-    top = torch.topk(scores.detach(), capacity, dim=0, sorted=False).indices   # [C, E]
-    # (out of place: under torch.func.vmap the zeros are unbatched and top is batched)
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(
-        0, top, torch.ones_like(top, dtype=torch.bool))
+    2022, whose ``k`` is this ``capacity``). Returns bool [T, E].
+
+    Each token's rank in its expert's column, compared with the capacity, rather than a
+    ``topk`` of ``capacity``: an exported program serves every token count, and ``topk``'s
+    checks of a count computed from the input's size were guards that ``torch.export``
+    could not prove (``ceil(k T / E) <= T``). (Not a stable sort: ONNX has none for floats.)"""
+    tokens = scores.shape[0]
+    order = torch.sort(scores.detach(), dim=0, descending=True).indices          # [T, E]
+    positions = torch.arange(tokens, device=scores.device).unsqueeze(1).expand_as(order)
+    # (out of place: under torch.func.vmap the positions are unbatched and order is batched)
+    rank = torch.zeros_like(order).scatter(0, order, positions)
+    return rank < capacity
 
 
 @implements(ExpertChoiceRouterConfig)
