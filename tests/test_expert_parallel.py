@@ -57,14 +57,22 @@ def _expert_choice(seed=0):
                          router=ExpertChoiceRouterConfig()))
 
 
+def _shared(seed=0):
+    """Softmax top-2 with two shared experts (DeepSeekMoE), replicated on every rank."""
+    torch.manual_seed(seed)
+    return MoE(MoEConfig(d_model=D, num_experts=8, expert_size=5, k=2, router="softmax",
+                         shared_experts=2))
+
+
 LAYERS = {"sigma": _sigma, "switch": _switch, "switch_dropless": _switch_dropless,
-          "expert_choice": _expert_choice}
+          "expert_choice": _expert_choice, "shared": _shared}
 # run name: (layer, batch statistics, wrapper of the replicated part: none, DDP or FSDP2)
 RUNS = {"sigma": ("sigma", "local", False), "switch": ("switch", "local", False),
         "sigma_ddp": ("sigma", "local", "ddp"), "sigma_fsdp": ("sigma", "global", "fsdp2"),
         "sigma_global": ("sigma", "global", False),
         "switch_global": ("switch_dropless", "global", False),
-        "expert_choice": ("expert_choice", "local", False)}
+        "expert_choice": ("expert_choice", "local", False),
+        "shared_ddp": ("shared", "local", "ddp")}
 
 
 def _batch(rank, world):
@@ -101,6 +109,7 @@ def _rank_main(rank, world, init_file, out_dir, checkpoint_in):
             loss.backward()
             scale_expert_gradients(layer)
         elif ddp:   # DDP averages the rest; the experts stay out of it
+            # (the shared experts are replicated: DDP averages them with the router)
             assert ddp_ignore_expert_parameters(layer) == ["store.local.w1", "store.local.w2",
                                                            "store.exchange_counts"]
             model = DistributedDataParallel(layer, broadcast_buffers=False)

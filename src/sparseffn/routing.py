@@ -405,7 +405,10 @@ class RoutedFFN(SparseFFN):
     them.
 
     Subclasses build ``router`` and ``store`` and may override :meth:`route` (a fast
-    feed-forward tree routes differently in its soft and hard modes). ``_renamed_parameters``
+    feed-forward tree routes differently in its soft and hard modes). A submodule ``shared``,
+    where a subclass adds one, is experts that every token uses: its ``dense_output(x, None)``
+    [T, d_out] is added to the store's output (:class:`~sparseffn.layers.MoE`'s
+    ``shared_experts``). ``_renamed_parameters``
     maps state-dict keys of earlier releases to today's, so old checkpoints still load.
 
     forward(x: [..., d_model]) -> [..., store.d_out]
@@ -447,6 +450,9 @@ class RoutedFFN(SparseFFN):
         x_router, x_store = self._cast_once(x_flat)
         routing = self.route(x_router)
         y = self.store(x_store, routing)                                 # [T, d_out]
+        shared = self._modules.get("shared")
+        if shared is not None:          # experts every token uses (MoEConfig.shared_experts)
+            y = y + shared.dense_output(x_store, None)
         y = self._record_routing(routing, self.num_experts, y)
         if rows is not None:                    # the tokens left out get zeros
             y = y.new_zeros(tokens, y.shape[-1]).index_copy(0, rows, y)
@@ -511,9 +517,13 @@ class RoutedFFN(SparseFFN):
         return cast_for_two(x, dtype)
 
     def reset_parameters(self) -> None:
-        """Initialise the router and the store again, and zero the usage buffers."""
+        """Initialise the router, the store and any shared experts again, and zero the usage
+        buffers."""
         self.router.reset_parameters()
         self.store.reset_parameters()
+        shared = self._modules.get("shared")
+        if shared is not None:
+            shared.reset_parameters()
         self.reset_usage()
 
     def sparse_grad_parameters(self) -> list[nn.Parameter]:

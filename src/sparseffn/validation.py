@@ -32,6 +32,14 @@ def require_positive_int(config: object, name: str) -> None:
         )
 
 
+def require_non_negative_int(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{type(config).__name__}.{name} must be a non-negative integer, got {value!r}"
+        )
+
+
 def require_choice(config: object, name: str, allowed: tuple[str, ...]) -> None:
     value = getattr(config, name)
     if value not in allowed:

@@ -95,6 +95,9 @@ VARIANTS = {
     # SwiGLU experts (Mixtral's; what sparseffn.convert builds from a Llama MLP)
     "moe_gated": MoEConfig(d_model=D, num_experts=5, expert_size=6, k=2, activation="silu",
                            gated=True),
+    # DeepSeekMoE's shared experts beside the routed ones, gated
+    "moe_shared": MoEConfig(d_model=D, num_experts=5, expert_size=6, k=2, shared_experts=2,
+                            activation="silu", gated=True),
     "moe_gated_converted": MoEConfig(d_model=D, num_experts=5, expert_size=6, k=2,
                                      router=SigmaRouterConfig(gate="hard"), activation="silu",
                                      gated=True, bias=True),
@@ -178,7 +181,14 @@ def output_and_reference(layer, x):
     finally:
         del layer.route
     reference = STORE_REFERENCES[type(layer.store)]
-    return y, reference(layer.store, x.reshape(-1, layer.d_model), captured[0]).reshape(y.shape)
+    x_flat = x.reshape(-1, layer.d_model)
+    want = reference(layer.store, x_flat, captured[0])
+    shared = getattr(layer, "shared", None)
+    if shared is not None:    # every token through every shared expert, with weight one
+        every = torch.arange(shared.num_experts).expand(x_flat.shape[0], -1)
+        want = want + _mlp_experts_reference(
+            shared, x_flat, sparseffn.Routing(indices=every, weights=torch.ones(every.shape)))
+    return y, want.reshape(y.shape)
 
 
 # --- the checks ------------------------------------------------------------------------------

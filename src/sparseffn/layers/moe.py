@@ -12,8 +12,8 @@ from ..registry import (LayerConfig, LayerCost, build_router, config_argument, i
 from ..routers.sigma import SigmaRouterConfig
 from ..routing import RoutedFFN
 from ..stores import MLPExperts
-from ..validation import (require_bool, require_choice, require_k, require_positive_int,
-                          require_probability)
+from ..validation import (require_bool, require_choice, require_k, require_non_negative_int,
+                          require_positive_int, require_probability)
 
 
 MOE_INITS = ("sigma_moe", "standard", "switch")
@@ -49,6 +49,11 @@ class MoEConfig(LayerConfig):
     - ``gated``: gated (GLU) experts ``(act(x Wgᵀ) ⊙ x W1ᵀ) W2`` with a third matrix per
       expert (Shazeer 2020, arXiv:2002.05202; ``activation="silu"`` gives SwiGLU experts as
       in Mixtral, and what :mod:`sparseffn.convert` builds from Llama-family MLPs).
+    - ``shared_experts``: experts of ``expert_size`` hidden units that every token uses with
+      weight one, beside the ``k`` routed ones (DeepSeekMoE's "shared expert isolation", Dai
+      et al. 2024, arXiv:2401.06066, §3.2): together one dense MLP of ``shared_experts ·
+      expert_size`` hidden units, with the experts' activation, gating, hidden dropout and
+      init (scaled to its own width), without biases. 0 (the default): none.
     """
 
     type_name: ClassVar[str] = "moe"
@@ -64,9 +69,11 @@ class MoEConfig(LayerConfig):
     init_depth: int = 1
     bias: bool = False
     gated: bool = False
+    shared_experts: int = 0
 
     def __post_init__(self) -> None:
         _check_experts(self)
+        require_non_negative_int(self, "shared_experts")
         require_bool(self, "bias")
         require_bool(self, "gated")
         require_choice(self, "init", MOE_INITS)
@@ -84,14 +91,16 @@ class MoEConfig(LayerConfig):
         expert = (3 if self.gated else 2) * self.d_model * self.expert_size
         biases = (self.num_experts * self.expert_size + self.d_model) if self.bias else 0
         active_biases = (self.k * self.expert_size + self.d_model) if self.bias else 0
-        return LayerCost(total_params=selection + self.num_experts * expert + biases,
-                         active_params=selection + self.k * expert + active_biases,
-                         flops=2 * selection + 2 * self.k * expert,
-                         expert_flops=2 * self.k * expert)
+        shared = self.shared_experts * expert          # every token uses them
+        return LayerCost(total_params=selection + self.num_experts * expert + biases + shared,
+                         active_params=selection + self.k * expert + active_biases + shared,
+                         flops=2 * selection + 2 * self.k * expert + 2 * shared,
+                         expert_flops=2 * self.k * expert + 2 * shared)
 
     @property
     def d_ff(self) -> int:
-        """Hidden units over all experts: the d_ff of the MLP this layer approximates."""
+        """Hidden units over all routed experts: the d_ff of the MLP this layer approximates
+        (the shared experts' are not counted)."""
         return self.num_experts * self.expert_size
 
 
@@ -109,6 +118,13 @@ class MoE(RoutedFFN):
 
     Pairs the router drops (Switch / GShard capacity) are never computed: a dropped token's
     output is zero, so a residual connection around the layer carries it unchanged.
+
+    With ``config.shared_experts`` > 0 (DeepSeekMoE, Dai et al. 2024 §3.2), ``y`` also gets
+    ``Σ_s W2^s act(W1^s x)`` over the shared experts, which every token uses with weight one:
+    parameters ``shared.w1`` and ``shared.w2`` [shared_experts, expert_size, d_model] (and
+    ``shared.w_gate`` for gated experts), an :class:`~sparseffn.stores.MLPExperts` computed
+    densely. They take no part in the routing, its aux losses or its usage statistics, and
+    expert parallelism replicates them like any dense weight.
 
     After each forward: the router's unweighted ``aux_losses`` (weights in
     ``aux_loss_weights``, from the router config), ``routing_stats`` (per-expert ``counts``
@@ -132,3 +148,8 @@ class MoE(RoutedFFN):
         self.config = self.moe_config = config
         # Drawn again after the experts, as in earlier releases: a seed gives the same weights.
         self.router.reset_parameters()
+        if config.shared_experts:   # drawn last: a seed gives the routed part the same weights
+            self.shared = MLPExperts(config.shared_experts, config.d_model, config.expert_size,
+                                     activation=config.activation,
+                                     dropout=config.hidden_dropout, init=config.init,
+                                     init_depth=config.init_depth, gated=config.gated)

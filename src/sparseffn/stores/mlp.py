@@ -188,11 +188,13 @@ class MLPExperts(ExpertStore):
         bound = few_pairs_tokens(routing.indices.shape[1], self.w1, self.w2, self.w_gate)
         return torch.cond(x.shape[0] <= bound, pairs, planned, operands)
 
-    def dense_output(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def dense_output(self, x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """``Σ_e w_e f_e(x)`` over every expert: the hidden layers as one GEMM
         [T, E·expert_size], each expert's block scaled by its weight, then one GEMM back.
+        ``weights`` None: every expert with weight one, unscaled (the shared experts of
+        :class:`~sparseffn.layers.MoE`, a dense MLP of ``E·expert_size`` hidden units).
 
-        x: [T, d_model]; weights: [T, E]; returns [T, d_out]."""
+        x: [T, d_model]; weights: [T, E] or None; returns [T, d_out]."""
         tokens = x.shape[0]
         experts, width, d_model = self.w1.shape
         hidden = nn.functional.linear(x, self.w1.reshape(experts * width, d_model),
@@ -203,10 +205,14 @@ class MLPExperts(ExpertStore):
         else:
             hidden = act(nn.functional.linear(x, self.w_gate.reshape(experts * width, d_model))) * hidden
         hidden = self.hidden_dropout(hidden)
-        weights = weights.to(hidden.dtype)
-        hidden = (hidden.view(tokens, experts, width) * weights.unsqueeze(-1)).view(tokens, experts * width)
+        if weights is not None:
+            weights = weights.to(hidden.dtype)
+            hidden = (hidden.view(tokens, experts, width) * weights.unsqueeze(-1)).view(
+                tokens, experts * width)
         y = hidden @ self.w2.reshape(experts * width, -1).to(hidden.dtype)
-        return y if self.b2 is None else y + weights @ self.b2.to(y.dtype)
+        if self.b2 is None:
+            return y
+        return y + (self.b2.sum(0) if weights is None else weights @ self.b2).to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, d_model={self.d_model}, "
