@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from sparseffn import DenseMLP, FastFeedForward, SigmaMoE
+from sparseffn import DenseMLP, FastFeedForward, MoE, MoEConfig, SigmaMoE
 from sparseffn.analysis import (RoutingRecorder, active_channels, analyze_model, co_occurrence,
                                 collapse_warning, starved_fraction, summarize, token_expert_counts,
                                 tree_node_decisions, usage_curve, usage_entropy, usage_health,
@@ -135,6 +135,19 @@ def test_analyze_model_leaves_mode_and_usage_as_they_were():
     assert sum(map(sum, layer["token_experts"])) == 20
     assert sum(c for expert in layer["top_tokens"] for _, c, _ in expert) <= 20
     assert json.loads(json.dumps(layers)) == layers      # JSON as it is
+
+
+def test_expert_choice_is_analysed_by_the_experts_choices():
+    """Expert choice (a slot per expert, a dispatched mask): the co-occurrences are the chosen
+    pairs, and a token no expert chose counts for no expert."""
+    torch.manual_seed(3)
+    layer = MoE(MoEConfig(d_model=16, num_experts=4, expert_size=8, k=1,
+                          router="expert_choice"))
+    x, tokens = torch.randn(20, 16), torch.randint(0, 5, (20,))
+    summary = analyze_model(torch.nn.Sequential(layer), [x], tokens, vocab_size=5)["0"]
+    chosen = layer.train().router(x).dispatched
+    assert torch.equal(torch.tensor(summary["co_occurrence"]), chosen.long().T @ chosen.long())
+    assert sum(map(sum, summary["token_experts"])) == int(chosen.any(-1).sum()) < 20
 
 
 def test_usage_health_flags_a_collapsed_layer():

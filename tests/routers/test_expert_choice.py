@@ -23,9 +23,9 @@ def _layer(num_experts=6, k=2, seed=0, **router):
 
 
 def _loop_reference(layer, x):
-    """Zhou et al. 2022 as written: S = softmax(X W_g); each expert e takes the ceil(k n / e) tokens of
-    largest S[:, e] (sorted on the host, one expert at a time) and adds S[t, e] · f_e(x_t)
-    to each of them."""
+    """Zhou et al. 2022 as written: S = softmax(X W_g); each expert e takes the
+    ceil(k n / e) tokens of largest S[:, e] (sorted on the host, one expert at a time) and
+    adds S[t, e] · f_e(x_t) to each of them."""
     scores = torch.softmax(x @ layer.router.weight.t(), dim=-1)              # [n, E]
     tokens, experts = scores.shape
     capacity = math.ceil(layer.router.k * tokens / experts)

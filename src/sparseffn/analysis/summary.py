@@ -73,13 +73,17 @@ def _routed(record: LayerRecord, tokens: torch.Tensor | None, vocab_size: int | 
            "k": indices.shape[1], "usage_entropy": entropy, "starved_fraction": starved,
            "warning": collapse_warning(entropy, starved), "usage_curve": usage_curve(mass)}
     small = record.num_experts <= MAX_MATRIX_EXPERTS
-    dense_routing = indices.shape[1] == record.num_experts   # every expert for every token
-    if small and not dense_routing and indices.shape[1] > 1:
+    # a slot per expert: every expert for every token (a soft tree, a dense gate), or, with a
+    # dispatched mask, the experts' own choices (expert choice)
+    slot_per_expert = indices.shape[1] == record.num_experts
+    every_expert = slot_per_expert and dispatched is None
+    if small and not every_expert and indices.shape[1] > 1:
         out["co_occurrence"] = co_occurrence(indices, record.num_experts, dispatched).tolist()
     if small and tokens is not None and vocab_size and tokens.numel() == record.tokens:
-        if dense_routing:   # soft tree: the top-weight expert is each token's choice
+        if slot_per_expert:   # the top-weight expert is each token's choice (a token no
+            # expert chose has none)
             indices = record.weights.argmax(-1, keepdim=True)
-            dispatched = None
+            dispatched = None if dispatched is None else dispatched.any(-1, keepdim=True)
         counts = token_expert_counts(tokens, indices, vocab_size, record.num_experts, dispatched)
         out["token_experts"] = counts.tolist()
         out["top_tokens"] = _top_tokens(counts, token_label)
